@@ -1,0 +1,43 @@
+"""RL algorithms as pure, registered tensor functions (no collectives, no state)."""
+
+from .advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageEstimator, compute_advantages
+from .kl import (
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    KLControllerConfig,
+    apply_kl_penalty,
+    build_kl_controller,
+)
+from .losses import AGG_MODES, aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
+from .registry import Registry
+from .utils import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "KL_CONTROLLERS",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "AdvantageConfig",
+    "AdvantageEstimator",
+    "FixedKLController",
+    "KLController",
+    "KLControllerConfig",
+    "Registry",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "compute_advantages",
+    "entropy_bonus",
+    "explained_variance",
+    "kl_loss",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "value_loss",
+]

@@ -1,0 +1,153 @@
+"""Per-token KL estimators, KL controllers and the reward-penalty helper.
+
+Shape legend: B = batch (sequences), T = response tokens.
+  logprobs, ref_logprobs (B, T) float: log pi(a_t|s_t) of the sampled tokens
+  under the policy (the sampling distribution) and the reference model.
+  -> kl (B, T) float
+
+Estimators follow Schulman, "Approximating KL Divergence" (2020),
+http://joschu.net/blog/kl-approx.html, with r = ref / pi:
+  k1 = -log r (unbiased, high variance, can be negative)
+  k2 = 0.5 (log r)^2 (biased, low variance, >= 0)
+  k3 = r - 1 - log r (unbiased, low variance, >= 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from .registry import Registry
+from .utils import as_bool_mask
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "KLControllerConfig",
+    "KLController",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "KL_CONTROLLERS",
+    "build_kl_controller",
+    "apply_kl_penalty",
+]
+
+KLEstimator = Callable[[Tensor, Tensor], Tensor]
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+
+# exp() of a log-ratio above ~20 is a numerical accident, not signal; k3 is
+# additionally capped so one bad token cannot dominate a whole batch.
+LOG_RATIO_CLAMP = 20.0
+K3_MAX = 10.0
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1 = log pi - log ref: the naive unbiased estimator."""
+    return logprobs - ref_logprobs
+
+
+@KL_ESTIMATORS.register("abs")
+def kl_abs(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """|log pi - log ref|: a non-negative but biased variant of k1."""
+    return (logprobs - ref_logprobs).abs()
+
+
+@KL_ESTIMATORS.register("k2", "mse")
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2 = 0.5 (log pi - log ref)^2; its gradient is that of the true KL."""
+    return 0.5 * (logprobs - ref_logprobs).square()
+
+
+@KL_ESTIMATORS.register("k3", "low_var_kl")
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman 2020), clamped.
+
+    The log ratio is clamped to +-LOG_RATIO_CLAMP and the result to
+    [0, K3_MAX] so that exp() cannot overflow in low precision.
+    """
+    log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(log_r) - log_r - 1.0).clamp(0.0, K3_MAX)
+
+
+# --------------------------------------------------------------------------- controllers
+
+
+@dataclass(kw_only=True, frozen=True)
+class KLControllerConfig:
+    """Which controller to build and its parameters."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    coef: float = 1e-3
+    """Fixed coefficient, or the initial coefficient of the adaptive one."""
+    target_kl: float = 0.1
+    """Adaptive only: the KL per sequence the controller steers towards."""
+    horizon: float = 10_000
+    """Adaptive only: steps over which a full +-20% correction is applied."""
+
+
+class KLController(Protocol):
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None: ...
+
+
+class FixedKLController:
+    """Constant KL coefficient; ``update`` is a no-op."""
+
+    def __init__(self, coef: float) -> None:
+        if coef < 0:
+            raise ValueError(f"KL coef must be >= 0, got {coef}")
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        del current_kl, n_steps
+
+
+class AdaptiveKLController:
+    """Proportional controller of Ziegler et al. 2019 (arXiv:1909.08593, Sec. 2.2).
+
+    error = clip(current_kl / target_kl - 1, -0.2, 0.2)
+    value *= 1 + error * n_steps / horizon
+    ``current_kl`` is a host float: the caller reduces across ranks first.
+    """
+
+    def __init__(self, init_coef: float, target_kl: float, horizon: float) -> None:
+        if init_coef < 0:
+            raise ValueError(f"init_coef must be >= 0, got {init_coef}")
+        if target_kl <= 0:
+            raise ValueError(f"target_kl must be > 0, got {target_kl}")
+        if horizon <= 0:
+            raise ValueError(f"horizon must be > 0, got {horizon}")
+        self.value = float(init_coef)
+        self.target_kl = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+KL_CONTROLLERS: Registry[Callable[[KLControllerConfig], KLController]] = Registry("KL controller")
+KL_CONTROLLERS.register("fixed")(lambda c: FixedKLController(c.coef))
+KL_CONTROLLERS.register("adaptive")(lambda c: AdaptiveKLController(c.coef, c.target_kl, c.horizon))
+
+
+def build_kl_controller(config: KLControllerConfig) -> KLController:
+    """Factory: ``config.type`` selects the controller (ValueError if unknown)."""
+    return KL_CONTROLLERS.get(config.type)(config)
+
+
+def apply_kl_penalty(token_rewards: Tensor, kl: Tensor, coef: float | Tensor, mask: Tensor) -> Tensor:
+    """Reward-penalty mode: r_t - coef * kl_t on valid tokens (B, T) -> (B, T).
+
+    Masked positions keep their reward untouched, and a NaN/inf kl there is
+    ignored (padding log-probs are often -inf).
+    """
+    m = as_bool_mask(mask, token_rewards)
+    if kl.shape != token_rewards.shape:
+        raise ValueError(f"kl shape {tuple(kl.shape)} != token_rewards shape {tuple(token_rewards.shape)}")
+    return torch.where(m, token_rewards - coef * kl, token_rewards)

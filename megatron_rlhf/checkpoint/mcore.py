@@ -1,0 +1,81 @@
+"""One model's megatron checkpoint: megatron-core ``dist_checkpointing`` plus the HF config.
+
+Layout of a model checkpoint directory::
+
+    megatron_rlhf.json   format version, the HF config the model was built from, saved layout
+    weights/             dist_checkpointing (torch_dist) shards; reloadable into any TP/PP layout
+    tokenizer files      copied from the source HF checkpoint, if any
+
+dist_checkpointing reshards on load, so a checkpoint saved at TP2xPP2 loads at TP1 and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
+from megatron_rlhf.models.hf_checkpoint import SIDE_FILES
+from megatron_rlhf.parallel.layout import ParallelGroups
+
+FORMAT_VERSION = 1
+META_FILE = "megatron_rlhf.json"
+WEIGHTS_DIR = "weights"
+
+
+def is_mcore_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def read_architecture(ckpt_dir: str | Path) -> Architecture:
+    meta_path = Path(ckpt_dir) / META_FILE
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path}: format_version={meta.get('format_version')} is not supported "
+            f"(this build reads {FORMAT_VERSION})"
+        )
+    return architecture_from_hf_config(meta["hf_config"], source=f"{meta_path}:hf_config")
+
+
+def _sharded_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict:
+    # Pass the model's own data-parallel group: megatron otherwise reads its global parallel_state.
+    return model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
+
+
+def save_mcore_checkpoint(
+    model: torch.nn.Module,
+    arch: Architecture,
+    groups: ParallelGroups,
+    ckpt_dir: str | Path,
+    *,
+    side_files_from: str | Path | None = None,
+) -> None:
+    """Collective: every rank calls it with its shard."""
+    ckpt = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        (ckpt / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(model, groups), str(ckpt / WEIGHTS_DIR))
+    if dist.get_rank() == 0:
+        meta = {"format_version": FORMAT_VERSION, "hf_config": arch.hf_config, "saved_layout": str(groups.layout)}
+        (ckpt / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if side_files_from is not None:
+            for name in SIDE_FILES:
+                if (Path(side_files_from) / name).is_file():
+                    shutil.copy2(Path(side_files_from) / name, ckpt / name)
+    dist.barrier()
+
+
+def load_mcore_checkpoint(model: torch.nn.Module, groups: ParallelGroups, ckpt_dir: str | Path) -> None:
+    """Fill ``model`` (any layout) from a checkpoint written by ``save_mcore_checkpoint``."""
+    weights = Path(ckpt_dir) / WEIGHTS_DIR
+    if not weights.is_dir():
+        raise FileNotFoundError(f"{weights}: missing; {ckpt_dir} is not a megatron-rlhf model checkpoint")
+    state = dist_checkpointing.load(_sharded_state_dict(model, groups), str(weights))
+    model.load_state_dict(state, strict=True)

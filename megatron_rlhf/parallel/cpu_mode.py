@@ -1,0 +1,203 @@
+"""CPU (gloo) mode: run megatron-core without a GPU, for development and CI.
+
+megatron-core hard-codes CUDA (``torch.cuda.current_device()`` as an allocation device,
+CUDA streams/events, the CUDA RNG for its model-parallel RNG tracker). CPU mode rebinds the
+name ``torch`` *inside megatron modules only* to a proxy whose ``cuda`` namespace answers for
+the CPU, and whose tensor factories turn a CUDA device into ``cpu``. torch itself, and every
+module outside ``megatron.*``, is left untouched, so a run on a GPU never sees any of this.
+
+Two traps this module exists to avoid (see ../shared/notes/megatron-core-0.19.2.md):
+* ``torch.cuda.manual_seed`` must seed the CPU generator, otherwise every RNG-tracker state
+  is identical and tests still pass;
+* modules imported after enabling (e.g. the checkpoint writer) need the proxy too, hence the
+  import hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from typing import Any
+
+import torch
+
+_CPU = torch.device("cpu")
+_ENABLED = False
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map any CUDA device spelling (int ordinal, "cuda", "cuda:0", torch.device) to cpu."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return _CPU
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: every operation is a no-op on CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+    def __enter__(self) -> "_NullStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+    def query(self) -> bool:
+        return True
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _CudaOnCpu(types.ModuleType):
+    """The ``torch.cuda`` namespace as seen by megatron modules in CPU mode."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+        self.current_device = lambda: _CPU
+        self.device_count = lambda: 0
+        self.set_device = _noop
+        self.synchronize = _noop
+        self.empty_cache = _noop
+        self.current_stream = lambda *a, **k: _NullStream()
+        self.default_stream = lambda *a, **k: _NullStream()
+        self.Stream = _NullStream
+        self.Event = _NullStream
+        self.stream = lambda *a, **k: contextlib.nullcontext()
+        self.device = lambda *a, **k: contextlib.nullcontext()
+        self.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop)
+        self.is_current_stream_capturing = lambda: False
+        # The RNG calls must reach the CPU generator (see module docstring).
+        self.manual_seed = torch.manual_seed
+        self.manual_seed_all = torch.manual_seed
+        self.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        self.random = types.SimpleNamespace(
+            get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state
+        )
+        self.FloatTensor = torch.FloatTensor
+        self.HalfTensor = torch.HalfTensor
+        self.BFloat16Tensor = torch.BFloat16Tensor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn",
+    "randint", "randperm", "empty_strided", "linspace", "eye", "empty_like", "zeros_like",
+    "ones_like", "full_like", "rand_like", "randn_like",
+)  # fmt: skip
+
+
+def _cpu_factory(factory: Any) -> Any:
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # pinning needs a CUDA driver
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+def _cpu_device(*args: Any) -> torch.device:
+    if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+        return _CPU
+    return torch.device(*args)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """The ``torch`` module as seen by megatron modules in CPU mode."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        self.device = _cpu_device
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_TORCH_PROXY = _TorchOnCpu()
+
+
+def _patch_module(module: types.ModuleType) -> None:
+    if getattr(module, "torch", None) is torch:
+        module.torch = _TORCH_PROXY
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        _patch_module(module)
+        _patch_known_cuda_paths(module)
+
+
+class _MegatronFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of every ``megatron.*`` module imported after CPU mode is on."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if not fullname.startswith("megatron."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def _patch_known_cuda_paths(module: types.ModuleType) -> None:
+    """Narrow fixes for megatron code that calls CUDA through tensor methods or ``torch._C``."""
+    name = module.__name__
+    if name == "megatron.core.tensor_parallel.random":
+        module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def enable_cpu_mode() -> None:
+    """Turn CPU mode on for this process (idempotent). Never called when running on a GPU."""
+    global _ENABLED
+    if _ENABLED:
+        return
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and module is not None:
+            _patch_module(module)
+            _patch_known_cuda_paths(module)
+    sys.meta_path.insert(0, _MegatronFinder())
+    _ENABLED = True
+
+
+def cpu_mode_enabled() -> bool:
+    return _ENABLED

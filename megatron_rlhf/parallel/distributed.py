@@ -1,0 +1,85 @@
+"""Process start-up from torchrun's environment: backend, device, seeds.
+
+nccl on GPU, gloo in CPU mode. A plain ``python -m megatron_rlhf ...`` (no torchrun) runs as a
+world of one, so single-process tools (conversion, smoke runs) need no launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.parallel.cpu_mode import enable_cpu_mode
+
+DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+
+def resolve_device(requested: str) -> str:
+    """'auto' picks cuda when a GPU is visible, else cpu; 'cuda' without a GPU is an error."""
+    if requested not in DEVICES:
+        raise ValueError(f"device={requested!r} is not valid; expected one of {list(DEVICES)}")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was requested but no CUDA device is visible; use device=cpu")
+    return requested
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv:
+    """Initialise torch.distributed once per process (idempotent)."""
+    kind = resolve_device(device)
+    if kind == "cpu":
+        enable_cpu_mode()
+    if "RANK" not in os.environ:  # not under torchrun: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        torch_device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if kind == "cuda" else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=torch_device if kind == "cuda" else None,
+        )
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=torch_device)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every GPU) identically on all ranks."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)

@@ -1,0 +1,115 @@
+"""Per-model parallel layouts in one world, through megatron-core's explicit process groups.
+
+Every rank holds a shard of each of the four models (actor, critic, reference, reward), and each
+model has its own (tp, pp) layout; dp = world_size / (tp * pp). Groups are built with
+``HyperCommGrid`` (rank order tp -> cp -> dp -> pp, megatron's default) and handed to the model as
+a ``ProcessGroupCollection``, never through megatron's global ``parallel_state``. Layouts that are
+equal share one set of groups, and groups are created once per process: switching models or
+phases never creates new ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A model's parallel layout. ``dp`` is derived from the world size."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @classmethod
+    def for_world(cls, tp: int, pp: int, world_size: int) -> "Layout":
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp={tp} and pp={pp} must both be >= 1")
+        if world_size % (tp * pp):
+            raise ValueError(f"tp*pp={tp * pp} must divide the world size {world_size}")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups of one layout, and this rank's coordinates in it."""
+
+    layout: Layout
+    pg_collection: ProcessGroupCollection
+    grid: HyperCommGrid
+
+    @property
+    def tp_rank(self) -> int:
+        return self.pg_collection.tp.rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pg_collection.pp.rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.pg_collection.dp.rank()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+
+_GROUPS_BY_LAYOUT: dict[Layout, ParallelGroups] = {}
+
+
+def _embedding_groups(grid: HyperCommGrid) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Groups of the first and last pipeline stage (tied embeddings) and of the first stage."""
+    pp_rank_lists = grid.get_rank_enum("pp")
+    embd, _ = dist.new_subgroups_by_enumeration(
+        [sorted({ranks[0], ranks[-1]}) for ranks in pp_rank_lists]
+    )
+    pos_embd, _ = dist.new_subgroups_by_enumeration([[ranks[0]] for ranks in pp_rank_lists])
+    return embd, pos_embd
+
+
+def parallel_groups(layout: Layout) -> ParallelGroups:
+    """The groups for ``layout``, created collectively on first use and cached.
+
+    Must be called on every rank in the same order (group creation is collective).
+    """
+    if layout in _GROUPS_BY_LAYOUT:
+        return _GROUPS_BY_LAYOUT[layout]
+    if dist.get_world_size() != layout.tp * layout.pp * layout.dp:
+        raise ValueError(f"layout {layout} does not match the world size {dist.get_world_size()}")
+    grid = HyperCommGrid([layout.tp, 1, layout.dp, layout.pp], ["tp", "cp", "dp", "pp"])
+    groups = {
+        "tp": grid.create_pg("tp"),
+        "cp": grid.create_pg("cp"),
+        "dp": grid.create_pg("dp"),
+        "pp": grid.create_pg("pp"),
+        "mp": grid.create_pg(["tp", "pp"]),
+        "tp_cp": grid.create_pg(["tp", "cp"]),
+        "dp_cp": grid.create_pg(["cp", "dp"]),
+        "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"]),
+    }
+    groups["embd"], groups["pos_embd"] = _embedding_groups(grid)
+    # Dense models: experts see the dense groups (megatron reads these in DDP/optimizer code).
+    groups["expt_dp"] = groups["dp"]
+    groups["intra_dp_cp"] = groups["dp_cp"]
+    groups["tp_ep_pp"] = groups["mp"]
+    pg_collection = ProcessGroupCollection(**groups)
+    result = ParallelGroups(layout=layout, pg_collection=pg_collection, grid=grid)
+    _GROUPS_BY_LAYOUT[layout] = result
+    # The local attention/TP mappings allocate from megatron's global scratch buffer even when
+    # process groups are explicit.
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    return result

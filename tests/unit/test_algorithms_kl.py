@@ -1,0 +1,117 @@
+"""KL estimators, controllers and reward penalty vs hand / math-module references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_rlhf.algorithms import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLControllerConfig,
+    apply_kl_penalty,
+    build_kl_controller,
+)
+
+LOGP = [[-0.5, -2.0, -1.0, -0.1]]
+REF = [[-1.0, -1.5, -1.0, -3.0]]
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "name,formula",
+    [
+        ("k1", lambda lp, rf: lp - rf),
+        ("abs", lambda lp, rf: abs(lp - rf)),
+        ("k2", lambda lp, rf: 0.5 * (lp - rf) ** 2),
+        ("mse", lambda lp, rf: 0.5 * (lp - rf) ** 2),
+        ("k3", lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1.0),
+        ("low_var_kl", lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1.0),
+    ],
+)
+def test_estimators_match_formula(name, formula):
+    out = KL_ESTIMATORS.get(name)(t(LOGP), t(REF))
+    expected = [[formula(a, b) for a, b in zip(LOGP[0], REF[0])]]
+    torch.testing.assert_close(out, t(expected), rtol=1e-12, atol=1e-12)
+
+
+def test_aliases_and_hand_values():
+    assert KL_ESTIMATORS.get("k3") is KL_ESTIMATORS.get("low_var_kl")
+    assert KL_ESTIMATORS.get("k2") is KL_ESTIMATORS.get("mse")
+    # logp=0, ref=log 2: k1 = -log 2, k3 = 2 - log 2 - 1
+    lp, rf = t([[0.0]]), t([[math.log(2.0)]])
+    assert KL_ESTIMATORS.get("k1")(lp, rf).item() == pytest.approx(-math.log(2.0))
+    assert KL_ESTIMATORS.get("k3")(lp, rf).item() == pytest.approx(1.0 - math.log(2.0))
+
+
+def test_k3_is_nonnegative_and_clamped():
+    torch.manual_seed(0)
+    lp = torch.randn(16, 32, dtype=torch.float64) * 3
+    rf = torch.randn(16, 32, dtype=torch.float64) * 3
+    assert (KL_ESTIMATORS.get("k3")(lp, rf) >= 0).all()
+    extreme = KL_ESTIMATORS.get("k3")(t([[-100.0, 0.0]]), t([[0.0, -100.0]])).float()
+    assert torch.isfinite(extreme).all() and (extreme <= 10.0).all()
+    assert extreme.tolist() == [[10.0, 10.0]]  # both directions capped at K3_MAX
+    below_cap = KL_ESTIMATORS.get("k3")(t([[0.0]]), t([[-5.0]])).item()
+    assert below_cap == pytest.approx(math.exp(-5.0) + 5.0 - 1.0, rel=1e-12)
+
+
+def test_unknown_estimator_suggests_closest():
+    with pytest.raises(ValueError) as e:
+        KL_ESTIMATORS.get("low_var_kll")
+    msg = str(e.value)
+    assert "KL estimator" in msg and "'low_var_kll'" in msg and "Did you mean 'low_var_kl'?" in msg
+    assert "'k1'" in msg
+
+
+def test_fixed_controller_never_moves():
+    c = FixedKLController(0.05)
+    c.update(current_kl=100.0, n_steps=1000)
+    assert c.value == 0.05
+
+
+def test_adaptive_controller_hand_computed_with_clip():
+    c = AdaptiveKLController(init_coef=0.1, target_kl=6.0, horizon=10_000)
+    c.update(current_kl=9.0, n_steps=256)  # 9/6-1 = 0.5 -> clipped to 0.2
+    assert c.value == pytest.approx(0.1 * 1.00512, rel=1e-12)  # 1 + 0.2*256/1e4
+    assert c.value != pytest.approx(0.1 * (1 + 0.5 * 256 / 10_000))  # unclipped would differ
+    c.update(current_kl=5.4, n_steps=512)  # 0.9-1 = -0.1, inside the clip
+    assert c.value == pytest.approx(0.100512 * 0.99488, rel=1e-12)
+    c.update(current_kl=0.0, n_steps=100)  # -1 -> clipped to -0.2
+    assert c.value == pytest.approx(0.100512 * 0.99488 * 0.998, rel=1e-12)
+    c.update(current_kl=6.0, n_steps=999)  # on target: no change
+    assert c.value == pytest.approx(0.100512 * 0.99488 * 0.998, rel=1e-12)
+
+
+def test_adaptive_controller_validates():
+    with pytest.raises(ValueError, match="target_kl"):
+        AdaptiveKLController(0.1, 0.0, 100)
+    with pytest.raises(ValueError, match="horizon"):
+        AdaptiveKLController(0.1, 1.0, 0)
+
+
+def test_build_kl_controller():
+    fixed = build_kl_controller(KLControllerConfig(type="fixed", coef=0.02))
+    assert isinstance(fixed, FixedKLController) and fixed.value == 0.02
+    ad = build_kl_controller(KLControllerConfig(type="adaptive", coef=0.2, target_kl=1.0, horizon=100))
+    assert isinstance(ad, AdaptiveKLController)
+    ad.update(current_kl=1.1, n_steps=10)
+    assert ad.value == pytest.approx(0.2 * (1 + 0.1 * 10 / 100))
+    with pytest.raises(ValueError, match="KL controller.*Did you mean 'adaptive'"):
+        build_kl_controller(KLControllerConfig(type="adaptiv"))  # type: ignore[arg-type]
+
+
+def test_apply_kl_penalty_hand_computed_and_ignores_masked_nan():
+    rewards = t([[0.0, 0.0, 1.0, 0.0]])
+    kl = t([[0.1, -0.2, 0.3, float("nan")]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = apply_kl_penalty(rewards, kl, 0.5, mask)
+    torch.testing.assert_close(out, t([[-0.05, 0.1, 0.85, 0.0]]), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="shape"):
+        apply_kl_penalty(rewards, kl[:, :2], 0.5, mask)
