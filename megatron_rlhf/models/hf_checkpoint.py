@@ -24,8 +24,8 @@ from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.hf_weights import (
     ALL,
     exported_maps,
-    expected_hf_shapes,
     hf_from_shards,
+    hf_tensor_shapes,
     shard_from_hf,
     tensor_maps,
 )
@@ -92,13 +92,13 @@ def load_hf_weights(model: torch.nn.Module, arch: Architecture, groups: Parallel
     """Fill this rank's shard of ``model`` from the HF checkpoint in ``model_dir``."""
     source = SafetensorsCheckpoint(model_dir)
     layout = groups.layout
-    _check_no_unexpected_tensors(source, arch, layout.pp)
+    _check_no_unexpected_tensors(source, arch)
     params = dict(model.named_parameters())
     padded_vocab = model.vocab_size  # as built: the padding depends on the run, not the checkpoint
     loaded = set()
     for tmap in tensor_maps(arch, layout.pp, groups.pp_rank):
         param = params[tmap.mcore]
-        for name, shape in expected_hf_shapes(tmap, tuple(param.shape), arch, layout.tp).items():
+        for name, shape in zip(tmap.hf, tmap.hf_shapes):
             got = source.shape(name)
             if got != shape:
                 raise CheckpointError(
@@ -114,10 +114,10 @@ def load_hf_weights(model: torch.nn.Module, arch: Architecture, groups: Parallel
         raise RuntimeError(f"internal error: no HF tensor maps to parameters {sorted(unfilled)}")
 
 
-def _check_no_unexpected_tensors(source: SafetensorsCheckpoint, arch: Architecture, pp: int) -> None:
-    expected = {name for stage in range(pp) for tmap in tensor_maps(arch, pp, stage) for name in tmap.hf}
+def _check_no_unexpected_tensors(source: SafetensorsCheckpoint, arch: Architecture) -> None:
+    expected = hf_tensor_shapes(arch)
     unexpected = sorted(
-        name for name in source.names() - expected if not name.endswith(_IGNORED_HF_TENSORS)
+        name for name in source.names() - expected.keys() if not name.endswith(_IGNORED_HF_TENSORS)
     )
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")

@@ -39,9 +39,12 @@ class TensorSource(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
+    """One megatron parameter, the HF tensor(s) it is made of, and their full HF shapes."""
+
     mcore: str
     hf: tuple[str, ...]
     kind: str
+    hf_shapes: tuple[tuple[int, ...], ...]
 
 
 def layers_of_stage(arch: Architecture, pp: int, pp_rank: int) -> range:
@@ -51,50 +54,56 @@ def layers_of_stage(arch: Architecture, pp: int, pp_rank: int) -> range:
 
 
 def tensor_maps(arch: Architecture, pp: int, pp_rank: int) -> list[TensorMap]:
+    """The maps of every parameter on pipeline stage ``pp_rank``, in a fixed order."""
+    h, f, hn = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    q_out, kv_out = arch.num_attention_heads * hn, arch.num_query_groups * hn
     first, last = pp_rank == 0, pp_rank == pp - 1
     maps: list[TensorMap] = []
+
+    def add(mcore: str, hf: tuple[str, ...], kind: str, *shapes: tuple[int, ...]) -> None:
+        maps.append(TensorMap(mcore, hf, kind, shapes))
+
     if first:
-        maps.append(TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
+        add("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", (arch.vocab_size, h))
     for local, layer in enumerate(layers_of_stage(arch, pp, pp_rank)):
         hf, mc = f"model.layers.{layer}.", f"decoder.layers.{local}."
-        attn = hf + "self_attn."
-        maps += [
-            TensorMap(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"),
-            TensorMap(
-                mc + "self_attention.linear_qkv.weight",
-                (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                "qkv",
-            ),
-            TensorMap(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
-            TensorMap(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"),
-            TensorMap(
-                mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "gate_up"
-            ),
-            TensorMap(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row"),
-        ]
+        qkv = tuple(f"{hf}self_attn.{p}_proj" for p in "qkv")
+        add(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated", (h,))
+        add(
+            mc + "self_attention.linear_qkv.weight",
+            tuple(n + ".weight" for n in qkv),
+            "qkv",
+            (q_out, h), (kv_out, h), (kv_out, h),
+        )  # fmt: skip
         if arch.qkv_bias:
-            maps.append(
-                TensorMap(
-                    mc + "self_attention.linear_qkv.bias",
-                    (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                    "qkv",
-                )
-            )
+            add(mc + "self_attention.linear_qkv.bias", tuple(n + ".bias" for n in qkv), "qkv", (q_out,), (kv_out,), (kv_out,))
         if arch.qk_norm:
-            maps += [
-                TensorMap(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"),
-                TensorMap(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"),
-            ]
+            add(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "replicated", (hn,))
+            add(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "replicated", (hn,))
+        add(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "row", (h, q_out))
+        add(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated", (h,))
+        add(
+            mc + "mlp.linear_fc1.weight",
+            (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+            "gate_up",
+            (f, h), (f, h),
+        )  # fmt: skip
+        add(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row", (h, f))
     if last:
-        maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+        add("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", (h,))
         if arch.score_head:
-            maps.append(TensorMap("output_layer.weight", ("score.weight",), "replicated"))
+            add("output_layer.weight", ("score.weight",), "replicated", (arch.num_labels, h))
         elif not arch.tie_word_embeddings:
-            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+            add("output_layer.weight", ("lm_head.weight",), "vocab", (arch.vocab_size, h))
         elif not first:
             # Tied embeddings across stages: the last stage keeps its own copy of the embedding.
-            maps.append(TensorMap("output_layer.weight", ("model.embed_tokens.weight",), "vocab"))
+            add("output_layer.weight", ("model.embed_tokens.weight",), "vocab", (arch.vocab_size, h))
     return maps
+
+
+def hf_tensor_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the HF checkpoint with its shape, as implied by the architecture."""
+    return {name: shape for tmap in tensor_maps(arch, 1, 0) for name, shape in zip(tmap.hf, tmap.hf_shapes)}
 
 
 def exported_maps(arch: Architecture, pp: int, pp_rank: int) -> list[TensorMap]:
@@ -142,25 +151,6 @@ def shard_from_hf(
         rows = slice(*_span(arch.ffn_hidden_size, tp, tp_rank))
         return torch.cat([source.read(tmap.hf[0], rows, ALL), source.read(tmap.hf[1], rows, ALL)])
     raise ValueError(f"unknown tensor kind {kind!r}; expected one of {KINDS}")
-
-
-def expected_hf_shapes(
-    tmap: TensorMap, shard_shape: tuple[int, ...], arch: Architecture, tp: int
-) -> dict[str, tuple[int, ...]]:
-    """The full HF shape of each source tensor, given this rank's parameter shape."""
-    rest = tuple(shard_shape[1:])
-    if tmap.kind == "replicated":
-        return {tmap.hf[0]: tuple(shard_shape)}
-    if tmap.kind == "row":
-        return {tmap.hf[0]: (shard_shape[0], shard_shape[1] * tp)}
-    if tmap.kind == "vocab":
-        return {tmap.hf[0]: (arch.vocab_size,) + rest}
-    if tmap.kind == "qkv":
-        q_rows, kv_rows = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
-        return dict(zip(tmap.hf, ((q_rows,) + rest, (kv_rows,) + rest, (kv_rows,) + rest)))
-    if tmap.kind == "gate_up":
-        return {name: (arch.ffn_hidden_size,) + rest for name in tmap.hf}
-    raise ValueError(f"unknown tensor kind {tmap.kind!r}; expected one of {KINDS}")
 
 
 def hf_from_shards(tmap: TensorMap, shards: list[torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:

@@ -1,0 +1,90 @@
+"""Built-in models: HF-format checkpoints with seeded random weights, made on first use.
+
+``builtin:NAME`` lets every command run with no download (the default run, CI, benchmarks). The
+checkpoint is written once as ordinary HF safetensors + ``config.json`` under the cache directory
+and then goes through exactly the same import path as a user's checkpoint. Weights depend only on
+NAME, never on the parallel layout or the world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from megatron_rlhf.models.architecture import architecture_from_hf_config
+from megatron_rlhf.models.hf_weights import hf_tensor_shapes
+
+PREFIX = "builtin:"
+_LLAMA = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+_TINY = {
+    **_LLAMA,
+    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+}  # fmt: skip
+# Qwen2.5-1.5B dimensions with Llama layers: the benchmark shape.
+_LLAMA_1_5B = {
+    **_LLAMA,
+    "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {**_TINY, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
+    "tiny-llama-rm": {**_TINY, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
+    "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
+}
+INIT_STD = 0.02
+
+
+def is_builtin(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEGATRON_RLHF_CACHE", Path.home() / ".cache" / "megatron_rlhf"))
+
+
+def _write_checkpoint(name: str, target: Path) -> None:
+    config = BUILTIN_CONFIGS[name]
+    arch = architecture_from_hf_config(config, source=PREFIX + name)
+    dtype = getattr(torch, config["dtype"])
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    tensors = {}
+    for tensor_name, shape in hf_tensor_shapes(arch).items():
+        if len(shape) == 1 and tensor_name.endswith("norm.weight"):
+            tensors[tensor_name] = torch.ones(shape, dtype=dtype)
+        else:
+            tensors[tensor_name] = (torch.randn(shape, generator=generator) * INIT_STD).to(dtype)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, target)  # atomic: a half-written checkpoint is never visible
+
+
+def builtin_checkpoint(path: str) -> Path:
+    """The HF directory for ``builtin:NAME``, written by rank 0 on first use (collective)."""
+    name = path[len(PREFIX):]
+    if name not in BUILTIN_CONFIGS:
+        raise ValueError(f"unknown built-in model '{path}'; available: {[PREFIX + n for n in BUILTIN_CONFIGS]}")
+    target = cache_dir() / "builtin" / f"{name}-v1"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not target.is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _write_checkpoint(name, target)
+        except OSError:
+            if not target.is_dir():  # another job may have won the race
+                raise
+    if dist.is_initialized():
+        dist.barrier()
+    return target
