@@ -11,13 +11,15 @@ dist_checkpointing reshards on load, so a checkpoint saved at TP2xPP2 loads at T
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 from megatron_rlhf.models.hf_checkpoint import SIDE_FILES
@@ -43,9 +45,23 @@ def read_architecture(ckpt_dir: str | Path) -> Architecture:
     return architecture_from_hf_config(meta["hf_config"], source=f"{meta_path}:hf_config")
 
 
+@contextlib.contextmanager
+def _global_dp_rank_of(groups: ParallelGroups) -> Iterator[None]:
+    """megatron-core 0.19.2 reads the *global* data-parallel rank when it ties a last-stage output
+    layer to the first-stage embedding (``tie_embeddings_and_output_weights_state_dict``), even
+    with explicit process groups. Answer with this model's rank while its state dict is made."""
+    original = parallel_state.get_data_parallel_rank
+    parallel_state.get_data_parallel_rank = lambda *args, **kwargs: groups.pg_collection.dp_cp.rank()
+    try:
+        yield
+    finally:
+        parallel_state.get_data_parallel_rank = original
+
+
 def _sharded_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict:
     # Pass the model's own data-parallel group: megatron otherwise reads its global parallel_state.
-    return model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
+    with _global_dp_rank_of(groups):
+        return model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
 
 
 def save_mcore_checkpoint(

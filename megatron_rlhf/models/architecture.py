@@ -60,6 +60,11 @@ class Architecture:
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def checkpoint_dtype(self) -> str | None:
+        """The dtype the HF checkpoint declares (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+        return self.hf_config.get("dtype") or self.hf_config.get("torch_dtype")
+
+    @property
     def hf_class_name(self) -> str:
         suffix = "ForSequenceClassification" if self.score_head else "ForCausalLM"
         return _FAMILY_CLASS_PREFIX[self.family] + suffix

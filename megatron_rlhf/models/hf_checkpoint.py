@@ -128,7 +128,7 @@ def _check_no_unexpected_tensors(source: SafetensorsCheckpoint, arch: Architectu
 
 
 def _hf_dtype(arch: Architecture, fallback: torch.dtype) -> torch.dtype:
-    name = arch.hf_config.get("dtype") or arch.hf_config.get("torch_dtype")
+    name = arch.checkpoint_dtype
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else fallback
 
 

@@ -178,12 +178,36 @@ class _MegatronFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+# megatron functions that move tensors with ``Tensor.cuda()``: the proxy cannot reach a tensor
+# method, so during these calls (and only these) ``Tensor.cuda`` returns the tensor unchanged.
+_CALLS_TENSOR_CUDA = {
+    "megatron.core.models.common.language_module.language_module": ("LanguageModule.setup_embeddings_and_output_layer",),
+}
+
+
+def _tensor_cuda_is_identity(func: Any) -> Any:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapper
+
+
 def _patch_known_cuda_paths(module: types.ModuleType) -> None:
     """Narrow fixes for megatron code that calls CUDA through tensor methods or ``torch._C``."""
     name = module.__name__
     if name == "megatron.core.tensor_parallel.random":
         module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
         module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    for qualified in _CALLS_TENSOR_CUDA.get(name, ()):
+        owner_name, attr = qualified.split(".")
+        owner = getattr(module, owner_name)
+        setattr(owner, attr, _tensor_cuda_is_identity(getattr(owner, attr)))
 
 
 def enable_cpu_mode() -> None:

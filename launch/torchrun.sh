@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Single-node launcher: one torchrun over the local GPUs (or one gloo process on CPU).
+#   launch/torchrun.sh [--nproc N] [--dry-run] SUBCOMMAND [ARGS...]
+# Everything from SUBCOMMAND on is handed to `python -m megatron_rlhf` untouched.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+usage() {
+  cat <<USAGE
+Usage: launch/torchrun.sh [--nproc N] [--dry-run] SUBCOMMAND [ARGS...]
+
+Runs: \$PYTHON -m torch.distributed.run --standalone --nproc-per-node=N -m megatron_rlhf SUBCOMMAND ARGS...
+
+Options:
+  --nproc N   processes on this node (default: visible GPUs, or 1 without GPUs: CPU/gloo)
+  --dry-run   print the command instead of running it
+  -h, --help  show this help
+
+Environment: PYTHON (default .venv/bin/python if the repo has a .venv, else python),
+OMP_NUM_THREADS (default 1), NCCL_NVLS_ENABLE (default 0),
+TORCH_SYMM_MEM_DISABLE_MULTICAST (default 1).
+Example: launch/torchrun.sh --nproc 2 smoke --config smoke
+USAGE
+}
+
+die() { echo "launch/torchrun.sh: $*" >&2; echo "Try 'launch/torchrun.sh --help'." >&2; exit 2; }
+
+# Number of visible GPUs: CUDA_VISIBLE_DEVICES wins when set (empty or -1 means none).
+count_gpus() {
+  if [[ -n "${CUDA_VISIBLE_DEVICES+x}" ]]; then
+    local cvd="${CUDA_VISIBLE_DEVICES// /}"
+    if [[ -z "$cvd" || "$cvd" == -1* ]]; then echo 0; return; fi
+    local -a ids
+    IFS=',' read -r -a ids <<< "$cvd"
+    echo "${#ids[@]}"
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    # Count only "GPU n:" lines (MIG instances are listed indented below them).
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+  else
+    echo 0
+  fi
+}
+
+NPROC=""
+DRY_RUN=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --nproc) [[ $# -ge 2 ]] || die "--nproc needs a value"; NPROC="$2"; shift 2 ;;
+    --nproc=*) NPROC="${1#*=}"; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --) shift; break ;;
+    -*) die "unknown option '$1' (launcher options go before the sub-command)" ;;
+    *) break ;;
+  esac
+done
+[[ $# -gt 0 ]] || die "missing SUBCOMMAND (smoke, convert, config, ...)"
+
+if [[ -z "$NPROC" ]]; then
+  NPROC="$(count_gpus)"
+  [[ "$NPROC" -gt 0 ]] || NPROC=1  # no GPU: one CPU (gloo) process
+fi
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
+
+if [[ -z "${PYTHON+x}" ]]; then
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python; fi
+fi
+
+# One thread per rank unless asked otherwise (torchrun only warns about this).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# NVLink multicast (NVLS / symmetric-memory multicast) off by default.
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
+# Import the package from this checkout even when it is not pip-installed.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" -m megatron_rlhf "$@")
+if [[ "$DRY_RUN" == 1 ]]; then
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+exec "${cmd[@]}"

@@ -1,0 +1,51 @@
+"""Rank-aware logging, phase timers and memory figures.
+
+Only global rank 0 prints (other ranks would repeat it); errors are printed by every rank that
+hits them. Memory figures come from the CUDA allocator on GPU and from the process RSS in CPU mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Iterator
+
+import psutil
+import torch
+import torch.distributed as dist
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def log(message: str) -> None:
+    if is_rank0():
+        print(message, file=sys.stdout, flush=True)
+
+
+def memory_summary(device: torch.device) -> str:
+    gib = 1024**3
+    if device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(device) / gib
+        peak = torch.cuda.max_memory_allocated(device) / gib
+        return f"gpu allocated {allocated:.2f} GiB, peak {peak:.2f} GiB"
+    return f"cpu rss {psutil.Process().memory_info().rss / gib:.2f} GiB"
+
+
+@contextlib.contextmanager
+def timed(phase: str, device: torch.device, times: dict[str, float] | None = None) -> Iterator[None]:
+    """Time a phase across all ranks (barrier at both ends) and log it with memory use."""
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+    elapsed = time.perf_counter() - start
+    if times is not None:
+        times[phase] = elapsed
+    log(f"[{phase}] {elapsed:.2f}s, {memory_summary(device)}")

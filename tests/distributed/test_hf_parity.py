@@ -1,0 +1,24 @@
+"""HF parity at TP1, TP2, PP2 and TP2xPP2 for every family, on 4 gloo ranks (torchrun)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FAMILIES, run_torchrun
+
+WORKER = Path(__file__).with_name("hf_parity_worker.py")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_parity_and_round_trip_all_layouts(family: str, tmp_path: Path) -> None:
+    proc = run_torchrun(WORKER, 4, str(tmp_path), family)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for head in ("lm", "cls"):
+        for layout in ("tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"):
+            assert results[f"{family}-{head}/{layout}/max_abs_diff"] < 1e-4
+            assert results[f"{family}-{head}/{layout}/round_trip_bit_identical"] == 1.0

@@ -1,0 +1,253 @@
+"""SDPAttention vs a naive float64 attention written here (explicit GQA head repeat, explicit
+end-aligned causal / sliding-window masks built with Python loops)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rlhf.models.attention import SDPAttention, _allowed_positions
+
+HEADS, GROUPS, HN = 4, 2, 16
+
+
+def make_config(window_size=None, attention_dropout=0.0) -> TransformerConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=64,
+            num_attention_heads=HEADS,
+            num_query_groups=GROUPS,
+            kv_channels=HN,
+            window_size=window_size,
+            attention_dropout=attention_dropout,
+        )
+
+
+def make_attention(window_size=None, mask_type=AttnMaskType.causal, **kwargs) -> SDPAttention:
+    module = SDPAttention(make_config(window_size), 1, mask_type, "self", pg_collection=None, **kwargs)
+    return module.eval()
+
+
+def inputs(sq, sk, batch=2, heads=HEADS, groups=GROUPS, hn=HN, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, batch, heads, hn, generator=g, dtype=torch.float64)
+    k = torch.randn(sk, batch, groups, hn, generator=g, dtype=torch.float64)
+    v = torch.randn(sk, batch, groups, hn, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def allowed_by_hand(sq, sk, causal=True, window=None):
+    """allowed[i][j]: query i (absolute position sk - sq + i) may attend key j.
+    ``window`` = w keys: j in (pos - w, pos]."""
+    allowed = torch.ones(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        pos = sk - sq + i
+        for j in range(sk):
+            ok = True
+            if causal and j > pos:
+                ok = False
+            if window is not None and j <= pos - window:
+                ok = False
+            allowed[i, j] = ok
+    return allowed
+
+
+def naive_attention(q, k, v, allowed, scale=None):
+    """q (sq, b, np, hn), k/v (sk, b, ng, hn), allowed (b or 1, sq, sk) bool -> (sq, b, np*hn)."""
+    sq, b, np_, hn = q.shape
+    ng = k.shape[2]
+    scale = 1.0 / math.sqrt(hn) if scale is None else scale
+    rep = np_ // ng
+    k_full = k.repeat_interleave(rep, dim=2)  # head h uses group h // rep
+    v_full = v.repeat_interleave(rep, dim=2)
+    out = torch.empty(sq, b, np_, hn, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(np_):
+            assert torch.equal(k_full[:, bi, h], k[:, bi, h // rep])
+            scores = q[:, bi, h] @ k_full[:, bi, h].T * scale  # (sq, sk)
+            a = allowed[bi if allowed.shape[0] > 1 else 0]
+            scores = scores.masked_fill(~a, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[:, bi, h] = probs @ v_full[:, bi, h]
+    return out.reshape(sq, b, np_ * hn)
+
+
+def run(module, q, k, v, mask=None, **kwargs):
+    with torch.no_grad():
+        return module(q, k, v, mask, **kwargs)
+
+
+def test_allowed_by_hand_sanity():
+    # decode step with a 3-key window over 7 keys: keys 4, 5, 6
+    assert allowed_by_hand(1, 7, window=3).tolist() == [[False] * 4 + [True] * 3]
+    assert allowed_by_hand(2, 2).tolist() == [[True, False], [True, True]]
+
+
+# ------------------------------------------------------------------ causal
+
+
+@pytest.mark.parametrize("s", [1, 5, 8])
+def test_causal_sq_equals_sk(s):
+    q, k, v = inputs(s, s)
+    out = run(make_attention(), q, k, v)
+    assert out.shape == (s, 2, HEADS * HN) and out.dtype == torch.float64
+    ref = naive_attention(q, k, v, allowed_by_hand(s, s)[None])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("sq", [1, 3, 6])
+def test_causal_kv_cache_decode(sq):
+    sk = 7
+    q, k, v = inputs(sq, sk, seed=sq)
+    out = run(make_attention(), q, k, v)
+    assert out.shape == (sq, 2, HEADS * HN)
+    ref = naive_attention(q, k, v, allowed_by_hand(sq, sk)[None])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_decode_matches_full_prefill_rows():
+    # Decoding the last 3 positions with a KV cache equals the last 3 rows of the full pass.
+    q, k, v = inputs(7, 7, seed=3)
+    module = make_attention()
+    full = run(module, q, k, v)
+    tail = run(module, q[-3:], k, v)
+    torch.testing.assert_close(tail, full[-3:], rtol=1e-10, atol=1e-10)
+
+
+def test_mask_type_passed_at_forward_overrides():
+    q, k, v = inputs(5, 5, seed=4)
+    module = make_attention(mask_type=AttnMaskType.no_mask)
+    full = run(module, q, k, v)
+    torch.testing.assert_close(full, naive_attention(q, k, v, torch.ones(1, 5, 5, dtype=torch.bool)), rtol=1e-10, atol=1e-10)
+    causal = run(module, q, k, v, attn_mask_type=AttnMaskType.causal)
+    torch.testing.assert_close(causal, naive_attention(q, k, v, allowed_by_hand(5, 5)[None]), rtol=1e-10, atol=1e-10)
+
+
+def test_softmax_scale_default_and_explicit():
+    q, k, v = inputs(4, 4, seed=5)
+    assert make_attention().softmax_scale == pytest.approx(1.0 / math.sqrt(HN))
+    module = make_attention(softmax_scale=0.37)
+    ref = naive_attention(q, k, v, allowed_by_hand(4, 4)[None], scale=0.37)
+    torch.testing.assert_close(run(module, q, k, v), ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 1), (6, 3)])
+def test_gqa_ratios(heads, groups):
+    q, k, v = inputs(5, 5, heads=heads, groups=groups, seed=heads + groups)
+    out = run(make_attention(), q, k, v)
+    ref = naive_attention(q, k, v, allowed_by_hand(5, 5)[None])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------ sliding window
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 5])
+@pytest.mark.parametrize("sq,sk", [(8, 8), (1, 7), (3, 7), (6, 6)])
+def test_sliding_window(w, sq, sk):
+    q, k, v = inputs(sq, sk, seed=10 * w + sq)
+    out = run(make_attention(window_size=(w - 1, 0)), q, k, v)
+    ref = naive_attention(q, k, v, allowed_by_hand(sq, sk, window=w)[None])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_sliding_window_wider_than_sequence_is_plain_causal():
+    q, k, v = inputs(4, 4, seed=21)
+    out = run(make_attention(window_size=(10, 0)), q, k, v)
+    torch.testing.assert_close(out, naive_attention(q, k, v, allowed_by_hand(4, 4)[None]), rtol=1e-10, atol=1e-10)
+
+
+def test_sliding_window_actually_restricts():
+    q, k, v = inputs(8, 8, seed=22)
+    windowed = run(make_attention(window_size=(1, 0)), q, k, v)
+    plain = run(make_attention(), q, k, v)
+    assert torch.equal(windowed[:2], plain[:2]) or torch.allclose(windowed[:2], plain[:2])
+    assert not torch.allclose(windowed[2:], plain[2:])
+
+
+@pytest.mark.parametrize("sq,sk,window", [(3, 7, None), (7, 7, None), (1, 7, 2), (4, 9, 3), (5, 5, 0)])
+def test_allowed_positions_helper(sq, sk, window):
+    # window here is the left window (w - 1)
+    got = _allowed_positions(sq, sk, window, torch.device("cpu"))
+    want = allowed_by_hand(sq, sk, window=None if window is None else window + 1)
+    assert torch.equal(got, want)
+
+
+# -------------------------------------------------------------- explicit mask
+
+
+def padding_causal_mask(sq, sk, pad_left):
+    """megatron convention, True = masked out: causal (end-aligned) plus left padding per batch row."""
+    masked = torch.zeros(len(pad_left), 1, sq, sk, dtype=torch.bool)
+    for b, pad in enumerate(pad_left):
+        for i in range(sq):
+            pos = sk - sq + i
+            for j in range(sk):
+                masked[b, 0, i, j] = j > pos or (j < pad and pos >= pad)
+    return masked
+
+
+@pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.padding])
+@pytest.mark.parametrize("sq,sk", [(6, 6), (2, 6)])
+def test_explicit_boolean_mask(mask_type, sq, sk):
+    q, k, v = inputs(sq, sk, batch=3, seed=30 + sq)
+    masked = padding_causal_mask(sq, sk, pad_left=[0, 2, 3])
+    out = run(make_attention(mask_type=mask_type), q, k, v, masked)
+    ref = naive_attention(q, k, v, ~masked[:, 0])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_explicit_mask_random_pattern():
+    sq = sk = 5
+    q, k, v = inputs(sq, sk, batch=2, seed=40)
+    g = torch.Generator().manual_seed(41)
+    masked = torch.rand(2, 1, sq, sk, generator=g) < 0.4
+    for b in range(2):
+        for i in range(sq):
+            masked[b, 0, i, i] = False  # keep every row attending somewhere
+    out = run(make_attention(mask_type=AttnMaskType.padding), q, k, v, masked)
+    ref = naive_attention(q, k, v, ~masked[:, 0])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------ misc behaviour
+
+
+def test_eval_ignores_dropout_and_float32_close():
+    module = SDPAttention(make_config(attention_dropout=0.5), 1, AttnMaskType.causal, "self").eval()
+    q, k, v = inputs(6, 6, seed=50)
+    ref = naive_attention(q, k, v, allowed_by_hand(6, 6)[None])
+    out32 = run(module, q.float(), k.float(), v.float())
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_output_is_head_major_within_hidden():
+    # output[..., h*hn:(h+1)*hn] is head h: with v = one-hot group ids, values identify the group.
+    sq = sk = 3
+    q, k, _ = inputs(sq, sk, batch=1, seed=60)
+    v = torch.zeros(sk, 1, GROUPS, HN, dtype=torch.float64)
+    for g in range(GROUPS):
+        v[:, :, g, :] = g + 1.0
+    out = run(make_attention(), q, k, v).reshape(sq, 1, HEADS, HN)
+    for h in range(HEADS):
+        torch.testing.assert_close(out[:, :, h], torch.full((sq, 1, HN), h // (HEADS // GROUPS) + 1.0, dtype=torch.float64))
+
+
+def test_refuses_packed_sequences_and_bias():
+    q, k, v = inputs(2, 2)
+    module = make_attention()
+    with pytest.raises(NotImplementedError):
+        module(q, k, v, None, packed_seq_params=object())
+    with pytest.raises(NotImplementedError):
+        module(q, k, v, None, attention_bias=torch.zeros(1))
