@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_rlhf.config.loader import ConfigError, load_config, presets, to_yaml
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             convert(args.direction, args.source, args.output, tp=args.tp, pp=args.pp, device=args.device)
             return 0
     except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"megatron-rlhf: error: {err}", file=sys.stderr)
+        # Every rank finds the same configuration error: only the first says so. Other errors may
+        # be rank-specific (a file missing on one node) and are reported by each rank that hits them.
+        if not isinstance(err, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"megatron-rlhf: error: {err}", file=sys.stderr)
         return 2
     raise AssertionError(f"unhandled command {args.command}")

@@ -65,9 +65,10 @@ def _merge(base: Any, update: Any, origin: str) -> Any:
     except ConfigKeyError as err:
         raise _unknown_key_error(err.full_key or str(err.key), origin) from None
     except ValidationError as err:
-        raise ConfigError(f"{origin}: {err.full_key}={err.value!r} is not valid: {err.msg.splitlines()[0]}") from None
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"{origin}: {err}") from None
+        reason = (err.msg or str(err)).splitlines()[0]
+        raise ConfigError(f"{origin}: {err.full_key}={err.value!r} is not valid: {reason}") from None
+    except (OmegaConfBaseException, TypeError) as err:  # TypeError: e.g. a YAML list at the top level
+        raise ConfigError(f"{origin}: {str(err).splitlines()[0]}") from None
 
 
 def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

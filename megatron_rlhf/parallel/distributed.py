@@ -55,10 +55,9 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv
     kind = resolve_device(device)
     if kind == "cpu":
         enable_cpu_mode()
-    if "RANK" not in os.environ:  # not under torchrun: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    under_torchrun = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
@@ -68,6 +67,9 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if kind == "cuda" else "gloo",
+            # Not under torchrun: a world of one on a private port. The environment is left alone
+            # so that child processes (e.g. a torchrun this process starts) are not misled.
+            init_method="env://" if under_torchrun else f"tcp://127.0.0.1:{_free_port()}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),

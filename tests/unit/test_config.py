@@ -101,11 +101,6 @@ def test_wrong_type_names_key_and_value(override, key, value):
     assert key in msg and value in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="loader.py:68 calls err.msg.splitlines() but omegaconf's ValidationError for a scalar merged "
-    "onto a nested dataclass has msg=None -> AttributeError instead of ConfigError",
-)
 def test_scalar_for_a_section_is_a_config_error():
     with pytest.raises(ConfigError, match="actor"):
         load_config("smoke", ["actor=5"])
@@ -152,12 +147,6 @@ def test_invalid_yaml_names_file(tmp_path):
     assert str(path) in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="loader.py:_merge only catches omegaconf exceptions; a YAML file whose top level is a list "
-    "makes OmegaConf.merge raise a bare TypeError ('Cannot merge incompatible container types') "
-    "that does not name the file",
-)
 def test_yaml_top_level_list_is_a_config_error(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")

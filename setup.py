@@ -1,0 +1,28 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rlhf",
+    version="0.1.0",
+    description="Megatron-native RLHF (PPO/GRPO): one torchrun SPMD program, megatron-core models",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
+    package_data={"megatron_rlhf": ["config/presets/*.yaml"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.19.2",
+        "omegaconf>=2.3",
+        "sentencepiece",
+        "tensorboard",
+        "safetensors",
+        "numpy",
+        "pyarrow",
+        "tqdm",
+        "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
+    ],
+    extras_require={"test": ["pytest", "transformers>=4.56"]},
+    entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
+)

@@ -1,0 +1,31 @@
+"""Test tiers: unit (default), ``distributed`` (torchrun + gloo) and ``gpu`` (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Built-in models are written under the cache dir: keep tests out of the user's home.
+os.environ.setdefault("MEGATRON_RLHF_CACHE", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "mrlhf"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def world_of_one():
+    """torch.distributed with one gloo rank in this process (CPU mode), for single-rank tests."""
+    from megatron_rlhf.parallel.distributed import init_distributed
+
+    return init_distributed("cpu")
