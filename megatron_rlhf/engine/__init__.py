@@ -1,0 +1,1 @@
+"""Training/inference engine pieces shared by the trainer and the rollout engine."""

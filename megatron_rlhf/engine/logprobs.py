@@ -1,0 +1,185 @@
+"""Exact per-token log-probs and entropy from vocab-parallel (tensor-parallel sharded) logits.
+
+Shape legend: B = batch (sequences), S = sequence positions, Vp = padded vocabulary (a multiple of
+megatron's padding step, >= the real vocab_size), tp = tensor-parallel size, Vl = Vp / tp.
+  logits_shard (B, S, Vl) any float dtype: this TP rank's contiguous slice of the vocabulary,
+      global columns [tp_rank * Vl, (tp_rank + 1) * Vl) (megatron's VocabUtility partition)
+  targets (B, S) int64: global token ids in [0, vocab_size)
+  -> logprobs (B, S) float32 (float64 for float64 logits): log softmax(logits / T)[target]
+  -> entropy (B, S) same dtype, or None: H = -sum_v p_v log p_v of softmax(logits / T)
+
+Why it is done this way:
+* The temperature divides the logits *before* the softmax, exactly as the sampler does
+  (``softmax(logits / T)``). The PPO/GRPO ratio pi_new / pi_old and the KL to the reference compare
+  trainer log-probs with sampler log-probs; computing them at T=1 while sampling at T != 1 would
+  make the ratio wrong on the very first step.
+* Vocabulary padding (global index >= vocab_size) is masked to -inf: those rows of the LM head are
+  never trained and may hold any value, and must never receive probability (nor gradient).
+* Everything runs in float32 (float64 stays float64) whatever the input dtype: bf16 logits are
+  upcast, since log-probs feed exp(logp - logp_old) where bf16 rounding alone moves the ratio by
+  ~1e-2. The softmax is stabilised with the global max over TP (all_reduce MAX); the sum of
+  exponentials, the target logit (picked on the rank that owns it, 0 elsewhere) and the entropy's
+  sum p * z travel together in one all_reduce SUM. Nothing is gathered over the vocabulary.
+* The backward pass is explicit (a ``torch.autograd.Function``): a plain ``dist.all_reduce`` is not
+  autograd-aware. With z = masked logits / T, p = softmax(z) and t the target,
+      d logp_t / d logits_j = (1[j == t] - p_j) / T
+      d H / d logits_j      = -p_j (z_j - sum_k p_k z_k) / T
+  Both need only per-token statistics (max, log-sum-exp, sum p z) that every rank already holds
+  after the forward, so the backward needs no collective: each rank gets the exact gradient of its
+  own shard. To keep memory low, the backward recomputes p from the saved input logits instead of
+  saving a float32 (B, S, Vl) tensor.
+* No host synchronisation (no ``.item()``, no data-dependent Python branching). Targets outside
+  [0, vocab_size) are not checked (that would need a sync): a padding target yields -inf, a
+  negative one an arbitrary finite value; callers mask such positions out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+__all__ = ["token_logprobs_and_entropy"]
+
+
+def _tp_size_rank(tp_group: ProcessGroup | None) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def _scaled_masked_logits(
+    logits_shard: Tensor, compute_dtype: torch.dtype, temperature: float, vocab_start: int, vocab_size: int
+) -> Tensor:
+    """z = logits / T in ``compute_dtype`` (a new tensor), with padding columns set to -inf."""
+    z = logits_shard.to(compute_dtype) / temperature
+    local_vocab = z.shape[-1]
+    n_real = min(max(vocab_size - vocab_start, 0), local_vocab)  # real columns on this rank
+    if n_real < local_vocab:
+        z[..., n_real:] = float("-inf")
+    return z
+
+
+class _VocabParallelLogprobsEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        logits_shard: Tensor,
+        targets: Tensor,
+        tp_group: ProcessGroup | None,
+        vocab_size: int,
+        temperature: float,
+        compute_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        tp_size, tp_rank = _tp_size_rank(tp_group)
+        distributed = tp_size > 1
+        local_vocab = logits_shard.shape[-1]
+        vocab_start = tp_rank * local_vocab
+        compute_dtype = torch.promote_types(logits_shard.dtype, torch.float32)
+
+        z = _scaled_masked_logits(logits_shard, compute_dtype, temperature, vocab_start, vocab_size)
+        z_max = z.amax(dim=-1)  # (B, S); -inf on a rank whose shard is all padding
+        if distributed:
+            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
+        z.sub_(z_max.unsqueeze(-1))  # z - max: <= 0, padding -inf
+
+        # The target's shifted logit, on the rank that owns it (0 on the others).
+        local_target = targets - vocab_start
+        owned = (local_target >= 0) & (local_target < local_vocab)
+        picked = z.gather(-1, local_target.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(owned, picked, torch.zeros_like(picked))
+
+        exp_z = z.exp()  # padding -> 0
+        parts = [exp_z.sum(dim=-1), picked]
+        if compute_entropy:
+            z.masked_fill_(exp_z == 0, 0.0)  # -inf (padding) * 0 would be nan; exp underflow adds 0 anyway
+            parts.append((exp_z * z).sum(dim=-1))  # sum_v e^(z_v - max) (z_v - max)
+        del exp_z
+        stats = torch.stack(parts)
+        if distributed:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+        log_sum_exp = stats[0].log()  # logsumexp(z) - max
+        logprobs = stats[1] - log_sum_exp
+        entropy = None
+        mean_z = None
+        if compute_entropy:
+            mean_z = stats[2] / stats[0]  # sum_v p_v (z_v - max)
+            entropy = log_sum_exp - mean_z
+
+        ctx.save_for_backward(logits_shard, targets, z_max, log_sum_exp, mean_z)
+        ctx.temperature = temperature
+        ctx.vocab_start = vocab_start
+        ctx.vocab_size = vocab_size
+        ctx.compute_dtype = compute_dtype
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        logits_shard, targets, z_max, log_sum_exp, mean_z = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        local_vocab = logits_shard.shape[-1]
+        z = _scaled_masked_logits(logits_shard, ctx.compute_dtype, ctx.temperature, ctx.vocab_start, ctx.vocab_size)
+        z.sub_(z_max.unsqueeze(-1))
+        probs = (z - log_sum_exp.unsqueeze(-1)).exp()  # padding -> 0
+
+        # grad_z = -p * (g_logp + g_H (z - sum p z)) + g_logp * onehot(target)
+        coeff = torch.zeros_like(log_sum_exp)
+        if grad_logprobs is not None:
+            coeff = coeff + grad_logprobs.to(ctx.compute_dtype)
+        if grad_entropy is not None:
+            z.masked_fill_(probs == 0, 0.0)  # padding: -inf -> 0 (its p is 0)
+            z.sub_(mean_z.unsqueeze(-1)).mul_(grad_entropy.to(ctx.compute_dtype).unsqueeze(-1))
+            z.add_(coeff.unsqueeze(-1))
+        else:
+            z = coeff.unsqueeze(-1).expand_as(probs)
+        grad_z = probs.mul_(z).neg_()
+        if grad_logprobs is not None:
+            local_target = targets - ctx.vocab_start
+            owned = (local_target >= 0) & (local_target < local_vocab)
+            onehot = torch.where(owned, grad_logprobs.to(ctx.compute_dtype), torch.zeros_like(coeff))
+            grad_z.scatter_add_(-1, local_target.clamp(0, local_vocab - 1).unsqueeze(-1), onehot.unsqueeze(-1))
+        grad_logits = grad_z.div_(ctx.temperature).to(logits_shard.dtype)
+        return grad_logits, None, None, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits_shard: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: ProcessGroup | None,
+    vocab_size: int,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """log softmax(logits / T)[targets] and the entropy of softmax(logits / T), per token.
+
+    ``logits_shard`` (B, S, Vp/tp) is this rank's vocabulary shard (the whole padded vocabulary when
+    ``tp_group`` is None or of size 1, in which case no collective is issued); ``targets`` (B, S)
+    holds global token ids. Columns with a global index >= ``vocab_size`` are padding and get no
+    probability. Returns (logprobs (B, S), entropy (B, S) or None if not ``compute_entropy``), in
+    float32 (float64 for float64 logits), differentiable w.r.t. ``logits_shard`` on every TP rank.
+    Collective: every rank of ``tp_group`` must call it with the same targets and arguments.
+    """
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (logits are divided by it)")
+    if not logits_shard.is_floating_point() or logits_shard.dim() < 1:
+        raise ValueError(f"logits_shard must be a floating-point tensor (..., V); got {logits_shard.dtype}")
+    if targets.shape != logits_shard.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal logits_shard shape without the vocab dim "
+            f"{tuple(logits_shard.shape[:-1])}"
+        )
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be integer token ids (int64); got {targets.dtype}")
+    tp_size, _ = _tp_size_rank(tp_group)
+    padded_vocab = logits_shard.shape[-1] * tp_size
+    if not 0 < vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded_vocab}] (shard width x tp size)")
+    return _VocabParallelLogprobsEntropy.apply(
+        logits_shard, targets.long(), tp_group, int(vocab_size), float(temperature), bool(compute_entropy)
+    )
