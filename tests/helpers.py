@@ -79,7 +79,13 @@ def load_all_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def subprocess_env() -> dict[str, str]:
+    """This environment with the repo first on PYTHONPATH (carried packages stay reachable)."""
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+
+
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PAD_ID, REPO, hf_classes, make_tiny_hf_model, run_torchrun
+from tests.helpers import PAD_ID, REPO, hf_classes, make_tiny_hf_model, run_torchrun, subprocess_env
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "megatron_rlhf", *args], env=env, capture_output=True, text=True, timeout=600, cwd=cwd
+        [sys.executable, "-m", "megatron_rlhf", *args], env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=cwd
     )
 
 
