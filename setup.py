@@ -21,6 +21,7 @@ setup(
         "numpy",
         "pyarrow",
         "tqdm",
+        "tokenizers",  # HF tokenizer.json files
         "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
     ],
     extras_require={"test": ["pytest", "transformers>=4.56"]},

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 import types
 from typing import Any
@@ -178,22 +179,42 @@ class _MegatronFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-# megatron functions that move tensors with ``Tensor.cuda()``: the proxy cannot reach a tensor
-# method, so during these calls (and only these) ``Tensor.cuda`` returns the tensor unchanged.
-_CALLS_TENSOR_CUDA = {
+# megatron functions that check or move tensors through tensor methods (``t.type() ==
+# 'torch.cuda.FloatTensor'``, ``t.cuda()``), which the proxy cannot reach. During these calls, and
+# only these, CPU tensors answer ``type()`` with the CUDA name and ``cuda()`` returns the tensor.
+_USES_CUDA_TENSOR_METHODS = {
     "megatron.core.models.common.language_module.language_module": ("LanguageModule.setup_embeddings_and_output_layer",),
+    "megatron.core.optimizer.clip_grads": ("clip_grad_by_total_norm_fp32",),
+    "megatron.core.optimizer.optimizer": ("Float16OptimizerWithFloat16Params.__init__",),
+    "megatron.core.optimizer.distrib_optimizer": (
+        "DistributedOptimizer.__init__",
+        "DistributedOptimizer._build_model_and_main_param_groups",
+        "DistributedOptimizer.get_parameter_state_dp_zero",
+    ),
+    "megatron.core.tensor_parallel.data": ("broadcast_data",),
 }
 
 
-def _tensor_cuda_is_identity(func: Any) -> Any:
+def _cuda_style_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if args or kwargs:
+        return _ORIGINAL_TENSOR_TYPE(self, *args, **kwargs)
+    return _ORIGINAL_TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+
+
+_ORIGINAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensors_look_like_cuda(func: Any) -> Any:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        original = torch.Tensor.cuda
+        original_cuda = torch.Tensor.cuda
         torch.Tensor.cuda = lambda self, *a, **k: self
+        torch.Tensor.type = _cuda_style_type
         try:
             return func(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = original
+            torch.Tensor.cuda = original_cuda
+            torch.Tensor.type = _ORIGINAL_TENSOR_TYPE
 
     return wrapper
 
@@ -204,10 +225,15 @@ def _patch_known_cuda_paths(module: types.ModuleType) -> None:
     if name == "megatron.core.tensor_parallel.random":
         module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
         module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    for qualified in _CALLS_TENSOR_CUDA.get(name, ()):
-        owner_name, attr = qualified.split(".")
-        owner = getattr(module, owner_name)
-        setattr(owner, attr, _tensor_cuda_is_identity(getattr(owner, attr)))
+    for qualified in _USES_CUDA_TENSOR_METHODS.get(name, ()):
+        *owner_path, attr = qualified.split(".")
+        owner = getattr(module, owner_path[0]) if owner_path else module
+        # Modules importing a function by name later get the wrapped one (they import after this).
+        raw = inspect.getattr_static(owner, attr)
+        if isinstance(raw, (staticmethod, classmethod)):
+            setattr(owner, attr, type(raw)(_tensors_look_like_cuda(raw.__func__)))
+        else:
+            setattr(owner, attr, _tensors_look_like_cuda(raw))
 
 
 def enable_cpu_mode() -> None:

@@ -68,6 +68,15 @@ class ParallelGroups:
 
 
 _GROUPS_BY_LAYOUT: dict[Layout, ParallelGroups] = {}
+_SINGLETON: list[dist.ProcessGroup] = []
+
+
+def _singleton_group() -> dist.ProcessGroup:
+    """This rank alone (created once, collectively, on first use)."""
+    if not _SINGLETON:
+        group, _ = dist.new_subgroups_by_enumeration([[rank] for rank in range(dist.get_world_size())])
+        _SINGLETON.append(group)
+    return _SINGLETON[0]
 
 
 def _embedding_groups(grid: HyperCommGrid) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -101,10 +110,16 @@ def parallel_groups(layout: Layout) -> ParallelGroups:
         "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"]),
     }
     groups["embd"], groups["pos_embd"] = _embedding_groups(grid)
-    # Dense models: experts see the dense groups (megatron reads these in DDP/optimizer code).
+    # Dense models have no experts: expert parallelism is 1, and the expert groups megatron's DDP and
+    # optimizer code asks for are the dense ones. One distributed-optimizer instance spans dp_cp.
+    groups["ep"] = _singleton_group()
+    groups["expt_tp"] = groups["tp"]
     groups["expt_dp"] = groups["dp"]
-    groups["intra_dp_cp"] = groups["dp_cp"]
     groups["tp_ep_pp"] = groups["mp"]
+    groups["intra_dp_cp"] = groups["dp_cp"]
+    # The distributed optimizer's gradient-norm group spans every rank of the (single) optimizer
+    # instance: all of tp x cp x dp x pp.
+    groups["intra_dist_opt"] = grid.create_pg(["tp", "cp", "dp", "pp"])
     pg_collection = ProcessGroupCollection(**groups)
     result = ParallelGroups(layout=layout, pg_collection=pg_collection, grid=grid)
     _GROUPS_BY_LAYOUT[layout] = result

@@ -1,0 +1,79 @@
+"""Examples -> right-padded batch tensors.
+
+Shape legend: B = examples, S = longest sequence (rounded up to ``pad_to_multiple_of``).
+
+  SFT          input_ids (B, S) long, loss_mask (B, S) bool, attention_mask (B, S) bool,
+               lengths (B,) long.
+  preference   the same keys over 2B rows: rows 0..B-1 are the chosen sides, rows B..2B-1 the
+               rejected ones; pair_index (2B,) long gives each row's pair (i for rows i and B+i),
+               is_chosen (2B,) bool. One forward pass scores both sides.
+  prompt       input_ids, attention_mask, lengths (no loss_mask).
+
+``loss_mask[b, t]`` marks token t as a target, i.e. the label of position t-1: next-token losses
+use ``logits[:, :-1]`` against ``input_ids[:, 1:]`` under ``loss_mask[:, 1:]``. Padding is
+``pad_id`` in input_ids and False in both masks. ``pad_to_multiple_of`` keeps S divisible by,
+e.g., the tensor-parallel size under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .datasets import PreferenceExample, PromptExample, SFTExample
+
+__all__ = ["pack_batch"]
+
+
+def _pad(seqs: Sequence[Tensor], width: int, value: int | bool, dtype: torch.dtype) -> Tensor:
+    out = torch.full((len(seqs), width), value, dtype=dtype)
+    for row, seq in enumerate(seqs):
+        out[row, : seq.numel()] = seq
+    return out
+
+
+def _pack(ids: Sequence[Tensor], masks: Sequence[Tensor] | None, pad_id: int, multiple: int) -> dict[str, Tensor]:
+    lengths = torch.tensor([t.numel() for t in ids], dtype=torch.long)
+    width = -(-int(lengths.max()) // multiple) * multiple
+    batch = {
+        "input_ids": _pad(ids, width, pad_id, torch.long),
+        "attention_mask": torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1),
+        "lengths": lengths,
+    }
+    if masks is not None:
+        batch["loss_mask"] = _pad(masks, width, False, torch.bool)
+    return batch
+
+
+def pack_batch(
+    examples: Sequence[SFTExample] | Sequence[PreferenceExample] | Sequence[PromptExample],
+    pad_id: int,
+    *,
+    pad_to_multiple_of: int = 1,
+) -> dict[str, Tensor]:
+    """Right-pad one kind of example into batch tensors (keys and shapes in the module docstring)."""
+    if not examples:
+        raise ValueError("pack_batch needs at least one example")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+        raise ValueError(f"pad_id must be a non-negative int, got {pad_id!r}")
+    if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of!r}")
+    kind = type(examples[0])
+    if kind not in (SFTExample, PreferenceExample, PromptExample):
+        raise TypeError(f"pack_batch takes SFTExample, PreferenceExample or PromptExample, got {kind.__name__}")
+    odd = next((i for i, ex in enumerate(examples) if type(ex) is not kind), None)
+    if odd is not None:
+        raise TypeError(f"pack_batch got mixed examples: [0] is {kind.__name__}, "
+                        f"[{odd}] is {type(examples[odd]).__name__}")
+    if kind is SFTExample:
+        return _pack([e.input_ids for e in examples], [e.loss_mask for e in examples], pad_id, pad_to_multiple_of)
+    if kind is PromptExample:
+        return _pack([e.prompt_ids for e in examples], None, pad_id, pad_to_multiple_of)
+    sides = [e.chosen for e in examples] + [e.rejected for e in examples]
+    batch = _pack([s.input_ids for s in sides], [s.loss_mask for s in sides], pad_id, pad_to_multiple_of)
+    n = len(examples)
+    batch["pair_index"] = torch.arange(n).repeat(2)
+    batch["is_chosen"] = torch.arange(2 * n) < n
+    return batch

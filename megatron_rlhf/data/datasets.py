@@ -1,0 +1,478 @@
+"""SFT, preference and prompt datasets: rows -> token ids, validated, with a report of every skip.
+
+Shape legend: L = tokens of one sequence (prompt + response, + EOS), P = prompt tokens.
+
+A row gives each field as text (``prompt``) tokenized here, or, when the text column is absent,
+as pre-tokenized ids (``prompt_ids``: a list of ints). Text wins when both are there.
+
+  SFT         input_ids = [BOS] + prompt + response [+ EOS]; loss_mask 0 on BOS and the prompt,
+              1 on the response and EOS (the tokens the model is trained to produce).
+  preference  chosen and rejected each as above, sharing the prompt.
+  prompt      [BOS] + prompt, for RL rollouts; ``extra_keys`` columns are kept verbatim (e.g. the
+              reference answer a rule-based reward checks against).
+
+EOS is appended unless the response already ends with it (chat-templated text often does).
+
+Problems never pass silently. A column missing from a row is always an error (a wrong key or a
+wrong file, not a bad row). A bad value (None, empty, wrong type, token id out of range) and an
+over-long sequence (more than ``max_length`` tokens) either raise ``DataError`` naming file, row
+and column (``on_invalid`` / ``on_overlong`` = "error", the default) or are skipped and counted in
+the returned ``DataReport`` ("skip"). The loaders log nothing; callers print ``report.summary()``.
+
+Examples are kept in flat int32 storage (about 5 bytes per token, against ~36 for Python int
+lists), so that million-row SFT sets fit in host memory; ``dataset[i]`` returns tensor views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .records import DataError, Record, data_files, read_records
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "DataReport",
+    "OnProblem",
+    "PreferenceDataset",
+    "PreferenceExample",
+    "PromptDataset",
+    "PromptExample",
+    "SFTDataset",
+    "SFTExample",
+    "SkippedRow",
+    "load_preference_dataset",
+    "load_prompt_dataset",
+    "load_sft_dataset",
+]
+
+OnProblem = Literal["error", "skip"]
+_POLICIES = ("error", "skip")
+
+# Skip reasons, the keys of DataReport.skipped.
+OVERLONG = "overlong"
+EMPTY = "empty"
+WRONG_TYPE = "wrong_type"
+BAD_TOKEN = "token_out_of_range"
+MAX_SAMPLES = 5  # skipped rows remembered per reason
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def _as_1d(name: str, value: Any, dtype: torch.dtype | None = None) -> Tensor:
+    t = torch.as_tensor(value, dtype=dtype)
+    if t.dim() != 1 or t.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence, got shape {tuple(t.shape)}")
+    return t
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SFTExample:
+    """One training sequence. input_ids (L,) int; loss_mask (L,) bool, True on trained tokens."""
+
+    input_ids: Tensor
+    loss_mask: Tensor
+
+    def __post_init__(self) -> None:
+        ids = _as_1d("input_ids", self.input_ids)
+        mask = _as_1d("loss_mask", self.loss_mask).bool()
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integers, got {ids.dtype}")
+        if mask.shape != ids.shape:
+            raise ValueError(f"loss_mask shape {tuple(mask.shape)} != input_ids shape {tuple(ids.shape)}")
+        object.__setattr__(self, "input_ids", ids)
+        object.__setattr__(self, "loss_mask", mask)
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreferenceExample:
+    """A prompt with two responses; each side is an SFTExample (prompt + response [+ EOS])."""
+
+    chosen: SFTExample
+    rejected: SFTExample
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptExample:
+    """An RL prompt. prompt_ids (P,) int; extras: the requested extra columns, verbatim."""
+
+    prompt_ids: Tensor
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", _as_1d("prompt_ids", self.prompt_ids))
+
+    def __len__(self) -> int:
+        return self.prompt_ids.numel()
+
+
+# --------------------------------------------------------------------------- storage
+
+
+class _TokenStore:
+    """Append-only flat storage of variable-length sequences (ids int32, optional bool mask)."""
+
+    def __init__(self, with_mask: bool) -> None:
+        self._ids = array("i")
+        self._mask = array("b") if with_mask else None
+        self._offsets = array("q", [0])
+
+    def append(self, ids: list[int], mask: list[int] | None = None) -> None:
+        self._ids.extend(ids)
+        if self._mask is not None:
+            self._mask.extend(mask)
+        self._offsets.append(len(self._ids))
+
+    def freeze(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        ids = torch.from_numpy(np.frombuffer(self._ids, dtype=np.int32))
+        mask = None if self._mask is None else torch.from_numpy(np.frombuffer(self._mask, dtype=np.bool_))
+        return ids, mask, torch.from_numpy(np.frombuffer(self._offsets, dtype=np.int64))
+
+
+class _Sequences:
+    """Read side of a _TokenStore: sequence i is ids[offsets[i]:offsets[i+1]]."""
+
+    def __init__(self, store: _TokenStore) -> None:
+        self.ids, self.mask, self.offsets = store.freeze()
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def span(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def lengths(self) -> Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+
+def _index(i: int, n: int) -> int:
+    if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+        raise TypeError(f"dataset index must be an int, got {type(i).__name__}")
+    j = int(i) + n if i < 0 else int(i)
+    if not 0 <= j < n:
+        raise IndexError(f"dataset index {i} out of range for {n} examples")
+    return j
+
+
+class SFTDataset(Sequence[SFTExample]):
+    """Read-only SFT examples; ``lengths`` (N,) gives every sequence's L without building it."""
+
+    def __init__(self, store: _TokenStore) -> None:
+        self._seq = _Sequences(store)
+
+    def __len__(self) -> int:
+        return len(self._seq)
+
+    def __getitem__(self, i: int | slice) -> SFTExample | list[SFTExample]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        s = self._seq.span(_index(i, len(self)))
+        return SFTExample(self._seq.ids[s], self._seq.mask[s])
+
+    @property
+    def lengths(self) -> Tensor:
+        return self._seq.lengths()
+
+
+class PreferenceDataset(Sequence[PreferenceExample]):
+    """Read-only preference pairs; ``lengths`` (N, 2) gives (chosen L, rejected L)."""
+
+    def __init__(self, chosen: _TokenStore, rejected: _TokenStore) -> None:
+        self._chosen, self._rejected = _Sequences(chosen), _Sequences(rejected)
+
+    def __len__(self) -> int:
+        return len(self._chosen)
+
+    def __getitem__(self, i: int | slice) -> PreferenceExample | list[PreferenceExample]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        j = _index(i, len(self))
+        c, r = self._chosen.span(j), self._rejected.span(j)
+        return PreferenceExample(
+            chosen=SFTExample(self._chosen.ids[c], self._chosen.mask[c]),
+            rejected=SFTExample(self._rejected.ids[r], self._rejected.mask[r]),
+        )
+
+    @property
+    def lengths(self) -> Tensor:
+        return torch.stack([self._chosen.lengths(), self._rejected.lengths()], dim=1)
+
+
+class PromptDataset(Sequence[PromptExample]):
+    """Read-only RL prompts; ``lengths`` (N,) gives every prompt's P."""
+
+    def __init__(self, store: _TokenStore, extras: list[dict[str, Any]]) -> None:
+        self._seq, self._extras = _Sequences(store), extras
+
+    def __len__(self) -> int:
+        return len(self._seq)
+
+    def __getitem__(self, i: int | slice) -> PromptExample | list[PromptExample]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        j = _index(i, len(self))
+        return PromptExample(self._seq.ids[self._seq.span(j)], dict(self._extras[j]) if self._extras else {})
+
+    @property
+    def lengths(self) -> Tensor:
+        return self._seq.lengths()
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedRow:
+    """Where a skipped row is, and why (``detail`` is the same text an error would carry)."""
+
+    file: str
+    row: int
+    column: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: row {self.row}: column '{self.column}' {self.detail}"
+
+
+@dataclasses.dataclass
+class DataReport:
+    """What a loader read and kept; ``skipped`` counts rows per reason, ``samples`` the first few."""
+
+    files: int = 0
+    rows: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    samples: dict[str, list[SkippedRow]] = dataclasses.field(default_factory=dict)
+
+    def _skip(self, reason: str, where: SkippedRow) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        kept = self.samples.setdefault(reason, [])
+        if len(kept) < MAX_SAMPLES:
+            kept.append(where)
+
+    def summary(self) -> str:
+        """One line for the log, e.g. 'read 10 rows from 2 files: kept 8, skipped 2 (overlong 2: ...)'."""
+        text = f"read {self.rows} rows from {self.files} file(s): kept {self.kept}"
+        if self.skipped:
+            parts = [f"{reason} {n} (first: {self.samples[reason][0]})" for reason, n in sorted(self.skipped.items())]
+            text += f", skipped {sum(self.skipped.values())}: " + "; ".join(parts)
+        return text
+
+
+# --------------------------------------------------------------------------- row parsing
+
+
+class _RowProblem(Exception):
+    """A bad value in one row; turned into a DataError or a counted skip by the loader."""
+
+    def __init__(self, reason: str, column: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.column, self.detail = reason, column, detail
+
+
+def _columns(rec: Record) -> str:
+    return str(sorted(rec.data))
+
+
+def _field_ids(rec: Record, key: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of column ``key`` (text) or, when it is absent, ``key``_ids (pre-tokenized)."""
+    if key in rec.data:
+        value = rec.data[key]
+        if value is None:
+            raise _RowProblem(EMPTY, key, "is null")
+        if not isinstance(value, str):
+            raise _RowProblem(WRONG_TYPE, key, f"must be a string, got {type(value).__name__}")
+        if not value.strip():
+            raise _RowProblem(EMPTY, key, f"is empty ({value!r})")
+        ids = tokenizer.encode(value)
+        if not ids:
+            raise _RowProblem(EMPTY, key, "tokenizes to no tokens")
+        return ids
+    id_key = f"{key}_ids"
+    if id_key not in rec.data:
+        raise DataError(f"{rec.file}: row {rec.row}: no column '{key}' (nor pre-tokenized '{id_key}'); "
+                        f"columns present: {_columns(rec)}")
+    value = rec.data[id_key]
+    if value is None:
+        raise _RowProblem(EMPTY, id_key, "is null")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise _RowProblem(WRONG_TYPE, id_key, f"must be a list of ints, got {_describe(value)}")
+    if not value:
+        raise _RowProblem(EMPTY, id_key, "is an empty list")
+    bad = next((v for v in value if not 0 <= v < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise _RowProblem(BAD_TOKEN, id_key, f"holds token id {bad}, outside [0, {tokenizer.vocab_size})")
+    return list(value)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        odd = next((v for v in value if not isinstance(v, int) or isinstance(v, bool)), None)
+        return f"a list holding {type(odd).__name__} {odd!r}"
+    return type(value).__name__
+
+
+def _response(ids: list[int], eos: int | None) -> list[int]:
+    return ids if eos is None or ids[-1] == eos else ids + [eos]
+
+
+def _check_length(ids_len: int, max_length: int, column: str, parts: str) -> None:
+    if ids_len > max_length:
+        raise _RowProblem(OVERLONG, column, f"gives {ids_len} tokens ({parts}) > max_length={max_length}")
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+class _Loader:
+    """The shared loop: read rows, turn problems into errors or counted skips, count the rest."""
+
+    def __init__(self, paths: str | Path | Sequence[str | Path], tokenizer: Tokenizer, max_length: int,
+                 on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool) -> None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        for name, value in (("on_overlong", on_overlong), ("on_invalid", on_invalid)):
+            if value not in _POLICIES:
+                raise ValueError(f"{name} must be one of {_POLICIES}, got {value!r}")
+        if append_eos and tokenizer.eos_id is None:
+            raise ValueError(f"{tokenizer!r} has no eos_id; pass append_eos=False to train without EOS")
+        if add_bos and tokenizer.bos_id is None:
+            raise ValueError(f"{tokenizer!r} has no bos_id; pass add_bos=False")
+        self.files: list[Path] = data_files(paths)
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.on_overlong, self.on_invalid = on_overlong, on_invalid
+        self.eos = tokenizer.eos_id if append_eos else None
+        self.bos = [tokenizer.bos_id] if add_bos else []
+        self.report = DataReport(files=len(self.files))
+
+    def rows(self) -> Iterator[Record]:
+        """Every row of every file, counted."""
+        for rec in read_records(self.files):
+            self.report.rows += 1
+            yield rec
+
+    def problem(self, rec: Record, p: _RowProblem) -> None:
+        """Raise ``p`` as a DataError or count it as a skip, per the loader's policy."""
+        where = SkippedRow(str(rec.file), rec.row, p.column, p.detail)
+        if (self.on_overlong if p.reason == OVERLONG else self.on_invalid) == "error":
+            option = "on_overlong" if p.reason == OVERLONG else "on_invalid"
+            raise DataError(f"{where} (pass {option}='skip' to skip and count such rows)")
+        self.report._skip(p.reason, where)
+
+    def finish(self) -> DataReport:
+        if self.report.kept == 0:
+            raise DataError(f"no usable examples in {[str(f) for f in self.files]}: {self.report.summary()}")
+        return self.report
+
+    def field(self, rec: Record, key: str) -> list[int]:
+        return _field_ids(rec, key, self.tokenizer)
+
+
+def load_sft_dataset(
+    paths: str | Path | Sequence[str | Path],
+    tokenizer: Tokenizer,
+    *,
+    max_length: int,
+    on_overlong: OnProblem = "error",
+    on_invalid: OnProblem = "error",
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    append_eos: bool = True,
+    add_bos: bool = False,
+) -> tuple[SFTDataset, DataReport]:
+    """SFT sequences from ``.jsonl``/``.parquet`` files or directories (see the module docstring)."""
+    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, append_eos, add_bos)
+    store = _TokenStore(with_mask=True)
+    for rec in ld.rows():
+        try:
+            prompt = ld.bos + ld.field(rec, prompt_key)
+            response = _response(ld.field(rec, response_key), ld.eos)
+            _check_length(len(prompt) + len(response), max_length, response_key,
+                          f"prompt {len(prompt)} + response {len(response)}")
+        except _RowProblem as p:
+            ld.problem(rec, p)
+            continue
+        store.append(prompt + response, [0] * len(prompt) + [1] * len(response))
+        ld.report.kept += 1
+    report = ld.finish()
+    return SFTDataset(store), report
+
+
+def load_preference_dataset(
+    paths: str | Path | Sequence[str | Path],
+    tokenizer: Tokenizer,
+    *,
+    max_length: int,
+    on_overlong: OnProblem = "error",
+    on_invalid: OnProblem = "error",
+    prompt_key: str = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    append_eos: bool = True,
+    add_bos: bool = False,
+) -> tuple[PreferenceDataset, DataReport]:
+    """Preference pairs for reward models / DPO; a row is over-long if either side is."""
+    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, append_eos, add_bos)
+    chosen_store, rejected_store = _TokenStore(with_mask=True), _TokenStore(with_mask=True)
+    for rec in ld.rows():
+        try:
+            prompt = ld.bos + ld.field(rec, prompt_key)
+            chosen = _response(ld.field(rec, chosen_key), ld.eos)
+            rejected = _response(ld.field(rec, rejected_key), ld.eos)
+            for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
+                _check_length(len(prompt) + len(resp), max_length, key,
+                              f"prompt {len(prompt)} + {key} {len(resp)}")
+        except _RowProblem as p:
+            ld.problem(rec, p)
+            continue
+        prompt_mask = [0] * len(prompt)
+        chosen_store.append(prompt + chosen, prompt_mask + [1] * len(chosen))
+        rejected_store.append(prompt + rejected, prompt_mask + [1] * len(rejected))
+        ld.report.kept += 1
+    report = ld.finish()
+    return PreferenceDataset(chosen_store, rejected_store), report
+
+
+def load_prompt_dataset(
+    paths: str | Path | Sequence[str | Path],
+    tokenizer: Tokenizer,
+    *,
+    max_length: int,
+    on_overlong: OnProblem = "error",
+    on_invalid: OnProblem = "error",
+    prompt_key: str = "prompt",
+    extra_keys: Sequence[str] = (),
+    add_bos: bool = False,
+) -> tuple[PromptDataset, DataReport]:
+    """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row."""
+    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, False, add_bos)
+    store = _TokenStore(with_mask=False)
+    extras: list[dict[str, Any]] = []
+    for rec in ld.rows():
+        missing = [k for k in extra_keys if k not in rec.data]
+        if missing:
+            raise DataError(f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
+                            f"columns present: {_columns(rec)}")
+        try:
+            prompt = ld.bos + ld.field(rec, prompt_key)
+            _check_length(len(prompt), max_length, prompt_key, f"prompt {len(prompt)}")
+        except _RowProblem as p:
+            ld.problem(rec, p)
+            continue
+        store.append(prompt)
+        if extra_keys:
+            extras.append({k: rec.data[k] for k in extra_keys})
+        ld.report.kept += 1
+    report = ld.finish()
+    return PromptDataset(store, extras), report

@@ -1,0 +1,252 @@
+"""Text <-> token ids for the trainers: an HF ``tokenizer.json``, a SentencePiece model, or bytes.
+
+``encode`` returns plain token ids and never adds BOS/EOS itself: the datasets decide what to
+append, so the same ids come out whichever backend is used. ``bos_id``/``eos_id`` are given for
+callers that want them.
+
+Special-token ids are read, first found wins, from ``tokenizer_config.json``,
+``special_tokens_map.json`` (token strings, looked up in the vocabulary), ``generation_config.json``
+and ``config.json`` (``*_token_id``); a SentencePiece model's own ids come last. ``stop_ids`` is
+every EOS id those files name (``generation_config.json`` often lists several, e.g. Llama 3's
+``<|end_of_text|>`` and ``<|eot_id|>``): what a rollout engine stops on.
+
+``pad_id`` is always an int: the model's pad token, else EOS, else 0. Padded positions are masked
+out (``attention_mask``/``loss_mask``), so any valid id will do there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "SentencePieceTokenizer",
+    "TOKENIZER_FILES",
+    "Tokenizer",
+    "load_tokenizer",
+]
+
+# Looked for in this order by load_tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+_TOKEN_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")  # token strings
+_ID_CONFIGS = ("generation_config.json", "config.json")  # token ids
+_ROLES = ("bos", "eos", "pad")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data pipeline and the rollout engine need from a tokenizer."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int
+    stop_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+# --------------------------------------------------------------------------- special tokens
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read tokenizer metadata: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_string(value: Any) -> str | None:
+    """A token as written by HF: a string, an AddedToken dict ``{"content": ...}``, or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _special_ids(
+    model_dir: Path, token_to_id: Callable[[str], int | None], vocab_size: int
+) -> tuple[dict[str, int | None], tuple[int, ...]]:
+    """Resolve bos/eos/pad from the model's JSON files; returns (role -> id, all eos ids)."""
+    found: dict[str, int | None] = dict.fromkeys(_ROLES)
+    stop: list[int] = []
+
+    def check(path: Path, field: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+            raise ValueError(f"{path}: {field}={value!r} is not a token id of this tokenizer "
+                             f"(vocab_size={vocab_size})")
+        return value
+
+    for name in _TOKEN_CONFIGS:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        data = _read_json(path)
+        for role in _ROLES:
+            token = _token_string(data.get(f"{role}_token"))
+            if token is None:
+                continue
+            tid = token_to_id(token)
+            if tid is None:
+                raise ValueError(f"{path}: {role}_token={token!r} is not in the tokenizer's vocabulary")
+            if found[role] is None:
+                found[role] = tid
+            if role == "eos":
+                stop.append(tid)
+    for name in _ID_CONFIGS:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        data = _read_json(path)
+        for role in _ROLES:
+            field = f"{role}_token_id"
+            value = data.get(field)
+            if value is None:
+                continue
+            ids = [check(path, field, v) for v in (value if isinstance(value, list) else [value])]
+            if ids and found[role] is None:
+                found[role] = ids[0]
+            if role == "eos":
+                stop.extend(ids)
+    return found, tuple(dict.fromkeys(stop))  # de-duplicated, first-seen order
+
+
+def _pad_of(pad: int | None, eos: int | None) -> int:
+    return pad if pad is not None else eos if eos is not None else 0
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer (``tokenizer.json``) through the ``tokenizers`` library."""
+
+    def __init__(self, model_dir: Path) -> None:
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError as exc:  # pragma: no cover - transformers depends on it
+            raise ImportError(f"{model_dir / 'tokenizer.json'} needs the 'tokenizers' package: "
+                              "pip install tokenizers") from exc
+        path = model_dir / "tokenizer.json"
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise ValueError(f"{path}: cannot load tokenizer: {exc}") from exc
+        self.path = path
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        ids, stop = _special_ids(model_dir, self._tok.token_to_id, self.vocab_size)
+        self.bos_id: int | None = ids["bos"]
+        self.eos_id: int | None = ids["eos"]
+        self.pad_id: int = _pad_of(ids["pad"], ids["eos"])
+        self.stop_ids: tuple[int, ...] = stop
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece ``tokenizer.model`` (Llama 1/2, Mistral v0.1 style checkpoints)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import sentencepiece as spm
+
+        path = model_dir / "tokenizer.model"
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"{path}: cannot load SentencePiece model: {exc}") from exc
+        self.path = path
+        self.vocab_size: int = self._sp.get_piece_size()
+        ids, stop = _special_ids(model_dir, self._piece_id, self.vocab_size)
+        # SentencePiece reports a disabled special piece as -1.
+        own = {"bos": self._sp.bos_id(), "eos": self._sp.eos_id(), "pad": self._sp.pad_id()}
+        for role in _ROLES:
+            if ids[role] is None and own[role] >= 0:
+                ids[role] = own[role]
+        self.bos_id: int | None = ids["bos"]
+        self.eos_id: int | None = ids["eos"]
+        self.pad_id: int = _pad_of(ids["pad"], ids["eos"])
+        self.stop_ids: tuple[int, ...] = stop or ((self.eos_id,) if self.eos_id is not None else ())
+
+    def _piece_id(self, piece: str) -> int | None:
+        # piece_to_id answers unk for unknown pieces: check the round trip.
+        tid = self._sp.piece_to_id(piece)
+        return tid if self._sp.id_to_piece(tid) == piece else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode(list(ids))
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, for built-in random models that ship no tokenizer files.
+
+    Ids: pad=0, bos=1, eos=2, byte b -> b + 3. Ids 259..vocab_size-1 exist in the model (a random
+    model may sample them) but stand for no byte: they decode to U+FFFD so they stay visible.
+    """
+
+    PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
+
+    def __init__(self, vocab_size: int) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + self.OFFSET:
+            raise ValueError(f"ByteTokenizer needs vocab_size >= {256 + self.OFFSET} "
+                             f"(3 special ids + 256 bytes), got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.bos_id: int | None = self.BOS
+        self.eos_id: int | None = self.EOS
+        self.pad_id = self.PAD
+        self.stop_ids: tuple[int, ...] = (self.EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} out of range for ByteTokenizer(vocab_size={self.vocab_size})")
+            if i >= 256 + self.OFFSET:
+                out += "\ufffd".encode("utf-8")
+            elif i >= self.OFFSET:
+                out.append(i - self.OFFSET)
+            # pad / bos / eos are structure, not text
+        return out.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer stored with a model: ``tokenizer.json`` first, else ``tokenizer.model``.
+
+    A directory with neither raises FileNotFoundError; a model that ships none (the built-in
+    random models) should use ``ByteTokenizer(vocab_size)`` instead.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"tokenizer directory '{model_dir}' does not exist or is not a directory")
+    if (model_dir / "tokenizer.json").is_file():
+        return HFTokenizer(model_dir)
+    if (model_dir / "tokenizer.model").is_file():
+        return SentencePieceTokenizer(model_dir)
+    raise FileNotFoundError(f"no tokenizer in '{model_dir}': looked for {', '.join(TOKENIZER_FILES)}")

@@ -1,0 +1,116 @@
+"""Training state for one model: megatron DDP, the (distributed) optimizer and the LR schedule.
+
+* DDP accumulates gradients in fp32 buffers and reduces them over the model's own data-parallel
+  group; ``finalize_model_grads`` is wired in explicitly (without it megatron never reduces DP
+  gradients, silently).
+* With ``calculate_per_token_loss`` the schedule divides gradients by the global loss denominator
+  (summed over micro-batches and DP ranks), so updates do not depend on the layout.
+* bf16 parameters get fp32 main parameters inside the optimizer (megatron's mixed precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_rlhf.models.roles import RoleModel
+
+LR_DECAY_STYLES = ("constant", "cosine", "linear")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    """Adam with warmup and decay; the same fields for actor, critic and the SFT/RM trainers."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    """Floor of the decay (cosine/linear)."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    """constant, cosine or linear (after warmup)."""
+    decay_steps: int = 1000
+    distributed_optimizer: bool = True
+    """Shard optimizer states over data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"decay_style={self.decay_style!r} must be one of {list(LR_DECAY_STYLES)}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.decay_steps < 1:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and decay_steps={self.decay_steps} >= 1")
+
+
+@dataclasses.dataclass
+class TrainState:
+    role: RoleModel
+    ddp_model: DistributedDataParallel
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    step: int = 0
+
+
+def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
+    model = role.model
+    pg = role.groups.pg_collection
+    params_dtype = model.config.params_dtype
+    # Read by DDP at construction (it decides how DP gradients are scaled): set it first.
+    model.config.calculate_per_token_loss = True
+    ddp_model = DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+        ),
+        module=model,
+        pg_collection=pg,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+        ),
+        [ddp_model],
+        use_gloo_process_groups=False,
+        pg_collection=pg,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.warmup_steps else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
+        lr_decay_style=cfg.decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    config = model.config
+    config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg)
+    config.no_sync_func = ddp_model.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return TrainState(role=role, ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler)

@@ -1,0 +1,90 @@
+"""One optimizer step of a model on a batch, and forward-only passes, through the pipeline schedule."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, micro_batches, run_schedule
+from megatron_rlhf.models.roles import RoleModel
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def train_step(
+    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1
+) -> dict[str, float]:
+    """Forward+backward over the batch's micro-batches, then one optimizer and LR-schedule step.
+
+    Returns metrics identical on every rank: the loss (numerator / denominator summed over all
+    micro-batches and DP ranks), the gradient norm, the learning rate, and each metric of
+    ``loss_fn`` averaged over micro-batches and DP ranks.
+    """
+    role, model = state.role, state.ddp_model
+    device = _device(model)
+    pieces = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device, group_size=group_size)
+    model.train()
+    model.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    per_micro_batch = run_schedule(model, role.groups, pieces, _loss_step(loss_fn), forward_only=False)
+    update_ok, grad_norm, _ = state.optimizer.step()
+    state.scheduler.step(increment=1)
+    state.step += 1
+    metrics = _reduce_metrics(per_micro_batch, role, device)
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["lr"] = state.optimizer.param_groups[0]["lr"]
+    metrics["update_skipped"] = 0.0 if update_ok else 1.0
+    return metrics
+
+
+def _loss_step(loss_fn: LossFn):
+    def step(piece: Batch, output: torch.Tensor):
+        numerator, denominator, metrics = loss_fn(piece, output)
+        reported = {name: value.detach().float() for name, value in metrics.items()}
+        reported["_numerator"] = numerator.detach().float()
+        reported["_denominator"] = denominator.detach().float()
+        return numerator, denominator.to(torch.int), reported
+
+    return step
+
+
+def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]], role: RoleModel, device: torch.device) -> dict[str, float]:
+    """Sum over micro-batches on the last stage, over DP, then share along the pipeline."""
+    pg = role.groups.pg_collection
+    names = sorted(per_micro_batch[0]) if per_micro_batch else []
+    # Stages other than the last have no metrics; the last stage's names are agreed on first.
+    name_list = [names]
+    dist.broadcast_object_list(name_list, src=dist.get_global_rank(pg.pp, role.groups.layout.pp - 1), group=pg.pp)
+    names = name_list[0]
+    totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)
+    for metrics in per_micro_batch:
+        totals[:-1] += torch.stack([metrics[n].to(device, torch.float64) for n in names])
+        totals[-1] += 1
+    dist.all_reduce(totals, group=pg.dp)
+    dist.all_reduce(totals, group=pg.pp)  # only the last stage contributes
+    values = dict(zip(names, totals[:-1].tolist()))
+    count = max(totals[-1].item(), 1.0)
+    result = {"loss": values.pop("_numerator") / max(values.pop("_denominator"), 1.0)}
+    result.update({name: value / count for name, value in values.items()})
+    return result
+
+
+@torch.no_grad()
+def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int) -> torch.Tensor | None:
+    """Apply ``output_fn(micro_batch, model_output)`` to every micro-batch; results are padded back
+    to the batch's width and concatenated (B, S, ...) on the last pipeline stage, None elsewhere."""
+    model = role.model
+    device = _device(model)
+    width = batch["input_ids"].shape[1]
+    pieces = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device)
+    was_training = model.training
+    model.eval()
+    outputs = run_schedule(model, role.groups, pieces, output_fn, forward_only=True)
+    model.train(was_training)
+    if not role.groups.is_last_stage:
+        return None
+    padded = [torch.nn.functional.pad(o, (0, 0) * (o.dim() - 2) + (0, width - o.shape[1])) for o in outputs]
+    return torch.cat(padded)

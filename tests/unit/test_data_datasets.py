@@ -1,0 +1,262 @@
+"""SFT / preference / prompt loaders: ids and loss masks by hand, every error, skip counting."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_rlhf.data import (
+    ByteTokenizer,
+    DataError,
+    PreferenceExample,
+    SFTExample,
+    load_preference_dataset,
+    load_prompt_dataset,
+    load_sft_dataset,
+)
+
+TOK = ByteTokenizer(300)  # byte b -> b + 3, bos 1, eos 2
+
+
+def ids(text: str) -> list[int]:
+    return [b + 3 for b in text.encode("utf-8")]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def err(*parts: str) -> str:
+    """A regex matching the given literal parts in order."""
+    return ".*".join(re.escape(p) for p in parts)
+
+
+# --------------------------------------------------------------------------- SFT
+
+
+def test_sft_ids_and_loss_mask_by_hand(tmp_path):
+    f = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Hi", "response": "yo"}, {"prompt": "é", "response": "!"}])
+    ds, report = load_sft_dataset(f, TOK, max_length=16)
+    assert len(ds) == 2 and (report.files, report.rows, report.kept, report.skipped) == (1, 2, 2, {})
+    ex = ds[0]
+    assert isinstance(ex, SFTExample)
+    assert ex.input_ids.tolist() == [ord("H") + 3, ord("i") + 3, ord("y") + 3, ord("o") + 3, 2]
+    assert ex.loss_mask.tolist() == [False, False, True, True, True]
+    assert ds[1].input_ids.tolist() == ids("é") + ids("!") + [2]  # é is two bytes
+    assert ds[1].loss_mask.tolist() == [False, False, True, True]
+    assert ds[-1].input_ids.tolist() == ds[1].input_ids.tolist()
+    assert ds.lengths.tolist() == [5, 4]
+    assert [len(e) for e in ds] == [5, 4]
+    with pytest.raises(IndexError, match="index 2 out of range for 2 examples"):
+        ds[2]
+
+
+def test_sft_bos_and_no_eos_and_existing_eos(tmp_path):
+    f = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "response": "b"}])
+    ds, _ = load_sft_dataset(f, TOK, max_length=8, add_bos=True, append_eos=False)
+    assert ds[0].input_ids.tolist() == [1] + ids("a") + ids("b")
+    assert ds[0].loss_mask.tolist() == [False, False, True]
+    # A pre-tokenized response that already ends in EOS does not get a second one.
+    g = write_jsonl(tmp_path / "tok.jsonl", [{"prompt_ids": [10, 11], "response_ids": [12, 2]}])
+    ds, _ = load_sft_dataset(g, TOK, max_length=8)
+    assert ds[0].input_ids.tolist() == [10, 11, 12, 2]
+    assert ds[0].loss_mask.tolist() == [False, False, True, True]
+
+
+def test_sft_pretokenized_parquet_and_custom_keys(tmp_path):
+    rows = [{"q_ids": [5, 6, 7], "a_ids": [8]}, {"q_ids": [9], "a_ids": [10, 11]}]
+    f = write_parquet(tmp_path / "tok.parquet", rows)
+    ds, report = load_sft_dataset(f, TOK, max_length=8, prompt_key="q", response_key="a")
+    assert [e.input_ids.tolist() for e in ds] == [[5, 6, 7, 8, 2], [9, 10, 11, 2]]
+    assert [e.loss_mask.int().tolist() for e in ds] == [[0, 0, 0, 1, 1], [0, 1, 1, 1]]
+    # Text wins over ids when both are present.
+    g = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "x", "prompt_ids": [99], "response": "y"}])
+    assert load_sft_dataset(g, TOK, max_length=8)[0][0].input_ids.tolist() == ids("x") + ids("y") + [2]
+
+
+def test_sft_with_real_tokenizer_matches_library(tmp_path):
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from megatron_rlhf.data import load_tokenizer
+
+    raw = RawTokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(["what is two plus two", "it is four"],
+                            trainer=trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[EOS]", "pad_token": "[PAD]"}))
+    tok = load_tokenizer(tmp_path)
+    f = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "what is two plus two", "response": "it is four"}])
+    ds, _ = load_sft_dataset(f, tok, max_length=32)
+    p, r = raw.encode("what is two plus two").ids, raw.encode("it is four").ids
+    assert ds[0].input_ids.tolist() == p + r + [2]
+    assert ds[0].loss_mask.int().tolist() == [0] * len(p) + [1] * (len(r) + 1)
+
+
+def test_missing_column_names_file_column_and_columns(tmp_path):
+    f = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "answer": "b"}])
+    with pytest.raises(DataError, match=err(str(f), "row 0", "no column 'response'", "'response_ids'",
+                                            "columns present: ['answer', 'prompt']")):
+        load_sft_dataset(f, TOK, max_length=8)
+    g = write_parquet(tmp_path / "p.parquet", [{"question": "a", "response": "b"}])
+    with pytest.raises(DataError, match=err(str(g), "row 0", "no column 'prompt'", "['question', 'response']")):
+        load_sft_dataset(g, TOK, max_length=8, on_invalid="skip")  # a missing column is never skipped
+
+
+@pytest.mark.parametrize(
+    "row,column,detail,reason",
+    [
+        ({"prompt": "a", "response": None}, "response", "is null", "empty"),
+        ({"prompt": "", "response": "b"}, "prompt", "is empty", "empty"),
+        ({"prompt": "a", "response": "  \n"}, "response", "is empty", "empty"),
+        ({"prompt": 7, "response": "b"}, "prompt", "must be a string, got int", "wrong_type"),
+        ({"prompt": ["a"], "response": "b"}, "prompt", "must be a string, got list", "wrong_type"),
+        ({"prompt_ids": [], "response": "b"}, "prompt_ids", "is an empty list", "empty"),
+        ({"prompt_ids": None, "response": "b"}, "prompt_ids", "is null", "empty"),
+        ({"prompt_ids": [1, "2"], "response": "b"}, "prompt_ids",
+         "must be a list of ints, got a list holding str '2'", "wrong_type"),
+        ({"prompt_ids": [1, True], "response": "b"}, "prompt_ids", "must be a list of ints", "wrong_type"),
+        ({"prompt_ids": "1 2", "response": "b"}, "prompt_ids", "must be a list of ints, got str", "wrong_type"),
+        ({"prompt_ids": [1, 300], "response": "b"}, "prompt_ids",
+         "holds token id 300, outside [0, 300)", "token_out_of_range"),
+        ({"prompt_ids": [-1], "response": "b"}, "prompt_ids", "holds token id -1", "token_out_of_range"),
+    ],
+)
+def test_bad_values_error_or_skip(tmp_path, row, column, detail, reason):
+    good = {"prompt": "p", "response": "r"}
+    f = write_jsonl(tmp_path / "sft.jsonl", [good, good, row, good])
+    with pytest.raises(DataError, match=err(str(f), "row 2", f"column '{column}'", detail, "on_invalid='skip'")):
+        load_sft_dataset(f, TOK, max_length=8)
+    ds, report = load_sft_dataset(f, TOK, max_length=8, on_invalid="skip")
+    assert len(ds) == report.kept == 3 and report.rows == 4
+    assert report.skipped == {reason: 1}
+    (sample,) = report.samples[reason]
+    assert (sample.file, sample.row, sample.column) == (str(f), 2, column)
+    assert detail in sample.detail
+
+
+def test_overlong_error_and_skip_counts(tmp_path):
+    rows = [{"prompt": "ab", "response": "c" * n} for n in range(1, 9)]  # lengths 2 + n + 1 eos
+    f = write_jsonl(tmp_path / "a.jsonl", rows[:4])
+    g = write_parquet(tmp_path / "b.parquet", rows[4:])
+    with pytest.raises(DataError, match=err(str(f), "row 3", "column 'response'", "gives 7 tokens",
+                                            "prompt 2 + response 5", "max_length=6", "on_overlong='skip'")):
+        load_sft_dataset([f, g], TOK, max_length=6)
+    ds, report = load_sft_dataset([f, g], TOK, max_length=6, on_overlong="skip")
+    assert ds.lengths.tolist() == [4, 5, 6]
+    assert (report.files, report.rows, report.kept, report.skipped) == (2, 8, 3, {"overlong": 5})
+    assert [(Path(s.file).name, s.row) for s in report.samples["overlong"]] == [
+        ("a.jsonl", 3), ("b.parquet", 0), ("b.parquet", 1), ("b.parquet", 2), ("b.parquet", 3)]
+    summary = report.summary()
+    assert "read 8 rows from 2 file(s): kept 3, skipped 5: overlong 5" in summary and "a.jsonl: row 3" in summary
+    # Overlong and bad values are governed separately.
+    h = write_jsonl(tmp_path / "c.jsonl", [rows[0], {"prompt": "ab", "response": None}, rows[7]])
+    _, report = load_sft_dataset(h, TOK, max_length=6, on_overlong="skip", on_invalid="skip")
+    assert report.skipped == {"empty": 1, "overlong": 1}
+    with pytest.raises(DataError, match="is null"):
+        load_sft_dataset(h, TOK, max_length=6, on_overlong="skip")
+
+
+def test_samples_are_capped_but_counts_are_not(tmp_path):
+    rows = [{"prompt": "p", "response": "long"}] * 20 + [{"prompt": "p", "response": "r"}]
+    f = write_jsonl(tmp_path / "a.jsonl", rows)
+    _, report = load_sft_dataset(f, TOK, max_length=4, on_overlong="skip")
+    assert report.skipped == {"overlong": 20} and len(report.samples["overlong"]) == 5
+
+
+def test_nothing_left_is_an_error(tmp_path):
+    f = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "long"}])
+    with pytest.raises(DataError, match=err("no usable examples", str(f), "kept 0, skipped 1: overlong 1")):
+        load_sft_dataset(f, TOK, max_length=3, on_overlong="skip")
+    e = tmp_path / "empty.jsonl"
+    e.write_text("")
+    with pytest.raises(DataError, match=err("no usable examples", "read 0 rows")):
+        load_sft_dataset(e, TOK, max_length=3)
+
+
+def test_loader_argument_checks(tmp_path):
+    f = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}])
+    with pytest.raises(ValueError, match="max_length must be a positive int, got 0"):
+        load_sft_dataset(f, TOK, max_length=0)
+    with pytest.raises(ValueError, match="on_overlong must be one of \\('error', 'skip'\\), got 'truncate'"):
+        load_sft_dataset(f, TOK, max_length=8, on_overlong="truncate")
+
+    class NoSpecials(ByteTokenizer):
+        def __init__(self) -> None:
+            super().__init__(300)
+            self.eos_id = self.bos_id = None
+
+    with pytest.raises(ValueError, match="has no eos_id; pass append_eos=False"):
+        load_sft_dataset(f, NoSpecials(), max_length=8)
+    with pytest.raises(ValueError, match="has no bos_id"):
+        load_sft_dataset(f, NoSpecials(), max_length=8, append_eos=False, add_bos=True)
+    assert len(load_sft_dataset(f, NoSpecials(), max_length=8, append_eos=False)[0]) == 1
+
+
+# --------------------------------------------------------------------------- preference / prompt
+
+
+def test_preference_by_hand(tmp_path):
+    rows = [{"prompt": "Q", "chosen": "yes", "rejected": "n"},
+            {"prompt_ids": [10], "chosen_ids": [11], "rejected_ids": [12, 13]}]
+    f = write_jsonl(tmp_path / "pref.jsonl", rows)
+    ds, report = load_preference_dataset(f, TOK, max_length=8)
+    assert report.kept == 2
+    ex = ds[0]
+    assert isinstance(ex, PreferenceExample)
+    assert ex.chosen.input_ids.tolist() == ids("Q") + ids("yes") + [2]
+    assert ex.chosen.loss_mask.int().tolist() == [0, 1, 1, 1, 1]
+    assert ex.rejected.input_ids.tolist() == ids("Q") + ids("n") + [2]
+    assert ex.rejected.loss_mask.int().tolist() == [0, 1, 1]
+    assert ds[1].rejected.input_ids.tolist() == [10, 12, 13, 2]
+    assert ds.lengths.tolist() == [[5, 3], [3, 4]]
+
+
+def test_preference_errors_and_overlong_side(tmp_path):
+    f = write_jsonl(tmp_path / "pref.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"},
+                                              {"prompt": "Q", "chosen": "a", "rejected": "bbbbbbbb"},
+                                              {"prompt": "Q", "chosen": "a", "rejected": ""}])
+    with pytest.raises(DataError, match=err(str(f), "row 1", "column 'rejected'", "prompt 1 + rejected 9")):
+        load_preference_dataset(f, TOK, max_length=6)
+    ds, report = load_preference_dataset(f, TOK, max_length=6, on_overlong="skip", on_invalid="skip")
+    assert len(ds) == 1 and report.skipped == {"overlong": 1, "empty": 1}
+    assert report.samples["empty"][0].column == "rejected"
+    g = write_parquet(tmp_path / "p.parquet", [{"prompt": "Q", "good": "a", "bad": "b"}])
+    with pytest.raises(DataError, match=err(str(g), "no column 'chosen'", "['bad', 'good', 'prompt']")):
+        load_preference_dataset(g, TOK, max_length=6)
+    ds, _ = load_preference_dataset(g, TOK, max_length=6, chosen_key="good", rejected_key="bad")
+    assert ds[0].chosen.input_ids.tolist() == ids("Q") + ids("a") + [2]
+
+
+def test_prompt_dataset_with_extras(tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "2", "id": 7}, {"prompt": "toolong", "answer": "x", "id": 8}]
+    f = write_jsonl(tmp_path / "rl.jsonl", rows)
+    ds, report = load_prompt_dataset(f, TOK, max_length=5, on_overlong="skip", extra_keys=["answer"], add_bos=True)
+    assert len(ds) == 1 and report.skipped == {"overlong": 1}
+    assert ds[0].prompt_ids.tolist() == [1] + ids("1+1=")
+    assert ds[0].extras == {"answer": "2"}
+    with pytest.raises(DataError, match=err(str(f), "row 0", "no column 'solution'", "extra_keys")):
+        load_prompt_dataset(f, TOK, max_length=5, extra_keys=["solution"])
+
+
+def test_example_validation():
+    with pytest.raises(ValueError, match=r"loss_mask shape \(2,\) != input_ids shape \(3,\)"):
+        SFTExample([1, 2, 3], [0, 1])
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        SFTExample([], [])
+    with pytest.raises(ValueError, match="must be integers"):
+        SFTExample([1.0], [1])
+    assert SFTExample(torch.tensor([4, 5]), [0, 1]).loss_mask.dtype == torch.bool

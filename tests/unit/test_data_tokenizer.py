@@ -1,0 +1,195 @@
+"""Tokenizers: HF tokenizer.json and SentencePiece models trained here vs their own libraries; bytes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.data import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "héllo wörld ünïcode 日本語 🙂",
+         "  spaces\tand\nnewlines "]
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|eot|>"]
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer.json trained on a few sentences (ids 0..4 are SPECIALS)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    d = tmp_path_factory.mktemp("hf")
+    tok = RawTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 5, trainer=trainer)
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory) -> Path:
+    """A SentencePiece BPE model with byte fallback, trained on generated text."""
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("sp")
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join([f"the quick brown fox number {i} jumps" for i in range(100)] + TEXTS * 5),
+                      encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(d / "tokenizer"), vocab_size=320,
+                                   model_type="bpe", byte_fallback=True, hard_vocab_limit=False,
+                                   pad_id=3, unk_id=0, bos_id=1, eos_id=2, minloglevel=2, num_threads=1)
+    corpus.unlink()
+    (d / "tokenizer.vocab").unlink()
+    return d
+
+
+def copy_dir(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+# --------------------------------------------------------------------------- HF tokenizer.json
+
+
+def test_hf_round_trip_matches_library(hf_dir):
+    from tokenizers import Tokenizer as RawTokenizer
+
+    raw = RawTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok = load_tokenizer(hf_dir)
+    assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)
+    assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == raw.encode(text, add_special_tokens=False).ids
+        assert tok.decode(ids) == raw.decode(ids, skip_special_tokens=False) == text
+
+
+def test_hf_special_ids_agree_with_transformers(hf_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    d = copy_dir(hf_dir, tmp_path / "m")
+    write_json(d / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                                             "eos_token": {"__type": "AddedToken", "content": "</s>"},
+                                             "pad_token": "<pad>"})
+    tok = load_tokenizer(d)
+    ref = AutoTokenizer.from_pretrained(str(d))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id) == (1, 2, 0)
+    assert tok.encode(TEXTS[2]) == ref.encode(TEXTS[2], add_special_tokens=False)  # no BOS added
+
+
+def test_hf_special_ids_precedence_and_stop_ids(hf_dir, tmp_path):
+    d = copy_dir(hf_dir, tmp_path / "m")
+    write_json(d / "tokenizer_config.json", {"eos_token": "<|eot|>", "pad_token": None})
+    write_json(d / "special_tokens_map.json", {"eos_token": "</s>", "bos_token": "<s>"})
+    write_json(d / "generation_config.json", {"eos_token_id": [2, 4], "pad_token_id": 3})
+    write_json(d / "config.json", {"eos_token_id": 2, "bos_token_id": 0})
+    tok = load_tokenizer(d)
+    assert tok.eos_id == 4  # tokenizer_config.json wins
+    assert tok.bos_id == 1  # from special_tokens_map.json, ahead of config.json
+    assert tok.pad_id == 3  # null in tokenizer_config.json: the next file decides
+    assert tok.stop_ids == (4, 2)  # every EOS named, de-duplicated
+
+
+def test_hf_pad_falls_back_to_eos_then_zero(hf_dir, tmp_path):
+    d = copy_dir(hf_dir, tmp_path / "m")
+    tok = load_tokenizer(d)
+    assert (tok.eos_id, tok.bos_id, tok.pad_id, tok.stop_ids) == (None, None, 0, ())
+    write_json(d / "config.json", {"eos_token_id": 2})
+    tok = load_tokenizer(d)
+    assert (tok.eos_id, tok.pad_id) == (2, 2)
+
+
+def test_hf_special_token_errors_name_file_and_field(hf_dir, tmp_path):
+    d = copy_dir(hf_dir, tmp_path / "m")
+    write_json(d / "tokenizer_config.json", {"eos_token": "<|nope|>"})
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token='<\|nope\|>' is not in the"):
+        load_tokenizer(d)
+    (d / "tokenizer_config.json").unlink()
+    write_json(d / "generation_config.json", {"eos_token_id": 100000})
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id=100000 .*vocab_size=320"):
+        load_tokenizer(d)
+
+
+def test_hf_corrupt_file(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json: cannot load tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_tokenizer_json_preferred_over_sentencepiece(hf_dir, sp_dir, tmp_path):
+    d = copy_dir(hf_dir, tmp_path / "m")
+    (d / "tokenizer.model").write_bytes((sp_dir / "tokenizer.model").read_bytes())
+    assert isinstance(load_tokenizer(d), HFTokenizer)
+
+
+# --------------------------------------------------------------------------- SentencePiece
+
+
+def test_sentencepiece_round_trip_matches_library(sp_dir):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_dir / "tokenizer.model"))
+    tok = load_tokenizer(sp_dir)
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (sp.get_piece_size(), 1, 2, 3)
+    assert tok.stop_ids == (2,)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == sp.encode(text, out_type=int)
+        assert tok.decode(ids) == sp.decode(ids)
+    assert tok.decode(tok.encode("héllo 日本語 fox")) == "héllo 日本語 fox"  # byte fallback
+
+
+def test_sentencepiece_config_overrides_model_ids(sp_dir, tmp_path):
+    d = copy_dir(sp_dir, tmp_path / "m")
+    write_json(d / "tokenizer_config.json", {"eos_token": "<unk>"})
+    assert load_tokenizer(d).eos_id == 0
+    write_json(d / "tokenizer_config.json", {"eos_token": "<|not a piece|>"})
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token='<\|not a piece\|>'"):
+        load_tokenizer(d)
+
+
+# --------------------------------------------------------------------------- missing / bytes
+
+
+def test_no_tokenizer_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    expected = f"no tokenizer in '{tmp_path}': looked for tokenizer.json, tokenizer.model"
+    with pytest.raises(FileNotFoundError, match=re.escape(expected)):
+        load_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "absent")
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer(512)
+    assert isinstance(tok, Tokenizer)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size, tok.stop_ids) == (0, 1, 2, 512, (2,))
+    assert tok.encode("Ab") == [ord("A") + 3, ord("b") + 3]
+    for text in TEXTS + ["", "\x00\xff"]:
+        ids = tok.encode(text)
+        assert ids == [b + 3 for b in text.encode("utf-8")]
+        assert all(3 <= i < 259 for i in ids)
+        assert tok.decode(ids) == text
+    assert tok.decode([1] + tok.encode("日本") + [2, 0, 0]) == "日本"  # specials carry no text
+    assert tok.decode([300, ord("x") + 3]) == "\ufffdx"  # ids past the bytes stay visible
+
+
+def test_byte_tokenizer_errors():
+    assert ByteTokenizer(259).vocab_size == 259
+    with pytest.raises(ValueError, match="vocab_size >= 259.*got 258"):
+        ByteTokenizer(258)
+    with pytest.raises(ValueError, match="token id 512 out of range"):
+        ByteTokenizer(512).decode([512])
