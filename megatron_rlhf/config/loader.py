@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from megatron_rlhf.config.schema import RunConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -40,9 +41,9 @@ def _resolve_preset(name_or_path: str) -> Path:
     return preset
 
 
-def _fields_at(dotted_key: str) -> list[str]:
+def _fields_at(dotted_key: str, schema: type) -> list[str]:
     """Valid field names of the dataclass that ``dotted_key``'s last component belongs to."""
-    cls: Any = RunConfig
+    cls: Any = schema
     for part in dotted_key.split(".")[:-1]:
         hints = typing.get_type_hints(cls)
         if part not in hints or not dataclasses.is_dataclass(hints[part]):
@@ -51,19 +52,19 @@ def _fields_at(dotted_key: str) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _unknown_key_error(full_key: str, origin: str) -> ConfigError:
+def _unknown_key_error(full_key: str, origin: str, schema: type) -> ConfigError:
     parent, _, leaf = full_key.rpartition(".")
-    valid = _fields_at(full_key)
+    valid = _fields_at(full_key, schema)
     close = difflib.get_close_matches(leaf, valid, n=1)
     hint = f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?" if close else ""
     return ConfigError(f"{origin}: unknown key '{full_key}'{hint} (valid keys here: {valid})")
 
 
-def _merge(base: Any, update: Any, origin: str) -> Any:
+def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as err:
-        raise _unknown_key_error(err.full_key or str(err.key), origin) from None
+        raise _unknown_key_error(err.full_key or str(err.key), origin, schema) from None
     except ValidationError as err:
         reason = (err.msg or str(err)).splitlines()[0]
         raise ConfigError(f"{origin}: {err.full_key}={err.value!r} is not valid: {reason}") from None
@@ -71,22 +72,27 @@ def _merge(base: Any, update: Any, origin: str) -> Any:
         raise ConfigError(f"{origin}: {str(err).splitlines()[0]}") from None
 
 
-def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Schema defaults <- preset or YAML file <- dotlist overrides, in that order."""
-    merged = OmegaConf.structured(RunConfig)
+def load_config(
+    preset: str | None = None, overrides: list[str] | tuple[str, ...] = (), schema: type[T] = RunConfig
+) -> T:
+    """Schema defaults <- preset or YAML file <- dotlist overrides, in that order.
+
+    ``schema`` is the dataclass of the command (the RLHF run by default; SFT and RM have their own).
+    """
+    merged = OmegaConf.structured(schema)
     if preset is not None:
         path = _resolve_preset(preset)
         try:
             file_cfg = OmegaConf.load(path)
         except Exception as err:  # yaml errors come in several types
             raise ConfigError(f"{path}: not valid YAML ({err})") from None
-        merged = _merge(merged, file_cfg, str(path))
+        merged = _merge(merged, file_cfg, str(path), schema)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override '{item}'")
+        merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override '{item}'", schema)
     return OmegaConf.to_object(merged)
 
 
-def to_yaml(cfg: RunConfig) -> str:
+def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,17 +1,22 @@
 """Loss and output functions that turn a model's output on one micro-batch into numbers.
 
 Shapes: a micro-batch holds ``input_ids (b, s)``; an LM outputs vocab-parallel logits
-``(b, s, Vp/tp)``, a score head ``(b, s, 1)``. Token-level quantities are aligned with the token
-they score: position t of ``logprobs (b, s-1)`` is log p(input_ids[t+1] | input_ids[:t+1]), and the
-matching masks are the input masks shifted by one (``mask[:, 1:]``).
+``(b, s, Vp/tp)``, a score head ``(b, s, 1)``.
+
+Token-level tensors in a batch (``old_logprobs``, ``ref_logprobs``, ``advantages``, ``returns``,
+``old_values``, ``response_mask``, ``loss_mask``) are aligned with ``input_ids``: column t is about
+token t (column 0, the first token, is never scored). Inside a loss they are used as ``x[:, 1:]``,
+next to ``(b, s-1)`` log-probs of tokens 1..s-1 and the values predicted just before each token.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.algorithms import aggregate_loss
+from megatron_rlhf.algorithms import aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
 from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
 from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn
 from megatron_rlhf.models.roles import RoleModel
@@ -20,7 +25,7 @@ from megatron_rlhf.models.roles import RoleModel
 def next_token_logprobs(
     role: RoleModel, piece: Batch, logits: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, s-1) log-probs of each next token, and optionally the entropy there."""
+    """(b, s-1) log-probs of tokens 1..s-1, and optionally the policy entropy at each of them."""
     return token_logprobs_and_entropy(
         logits[:, :-1],
         piece["input_ids"][:, 1:],
@@ -31,14 +36,88 @@ def next_token_logprobs(
     )
 
 
+def _token_aligned(x: torch.Tensor) -> torch.Tensor:
+    """(b, s-1) about tokens 1..s-1 -> (b, s) aligned with input_ids (column 0 is zero)."""
+    return F.pad(x, (1, 0))
+
+
 def logprobs_output(role: RoleModel, *, temperature: float = 1.0) -> OutputFn:
-    """Forward-only: (b, s-1) next-token log-probs (reference policy, old policy)."""
-    return lambda piece, logits: next_token_logprobs(role, piece, logits, temperature=temperature)[0]
+    """Forward-only: (b, s) token-aligned log-probs (old policy, reference policy)."""
+    return lambda piece, logits: _token_aligned(next_token_logprobs(role, piece, logits, temperature=temperature)[0])
 
 
 def values_output() -> OutputFn:
-    """Forward-only: (b, s) per-token scores of a score head."""
+    """Forward-only: (b, s) raw per-position scores of a score head (a reward model reads the last)."""
     return lambda piece, values: values[..., 0].float()
+
+
+def token_values_output() -> OutputFn:
+    """Forward-only: (b, s) critic values aligned with the token they precede (column t is the
+    value of the state just before token t, i.e. the score at position t-1)."""
+    return lambda piece, values: _token_aligned(values[:, :-1, 0].float())
+
+
+@dataclasses.dataclass(kw_only=True)
+class PPOLossConfig:
+    """Actor and critic loss settings (see ``megatron_rlhf.algorithms.losses``)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """Asymmetric ratio clip [1 - clip_low, 1 + clip_high] (clip-higher, DAPO)."""
+    dual_clip_c: float | None = None
+    """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); None disables it."""
+    value_clip: float | None = 0.2
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    """KL to the reference policy as a loss term (GRPO style); 0 when KL is a reward penalty."""
+    kl_estimator: str = "low_var_kl"
+    agg_mode: str = "token-mean"
+    temperature: float = 1.0
+    """The sampling temperature: log-probs are recomputed at it, as the sampler produced them."""
+
+
+def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig) -> LossFn:
+    """Clipped policy loss - entropy bonus + KL loss; all three share one aggregation and mask,
+    hence one denominator."""
+
+    def loss(piece: Batch, logits: torch.Tensor):
+        logprobs, entropy = next_token_logprobs(
+            role, piece, logits, temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0
+        )
+        mask = piece["response_mask"][:, 1:].float()
+        numerator, denominator, metrics = ppo_policy_loss(
+            logprobs, piece["old_logprobs"][:, 1:], piece["advantages"][:, 1:], mask,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.agg_mode,
+        )  # fmt: skip
+        metrics = {f"actor/{name}": value for name, value in metrics.items()}
+        if cfg.entropy_coef > 0:
+            entropy_numerator, _ = entropy_bonus(entropy, mask, agg_mode=cfg.agg_mode)
+            numerator = numerator - cfg.entropy_coef * entropy_numerator
+            metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
+        if cfg.kl_loss_coef > 0:
+            kl_numerator, _ = kl_loss(
+                logprobs, piece["ref_logprobs"][:, 1:], mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode
+            )
+            numerator = numerator + cfg.kl_loss_coef * kl_numerator
+            metrics["actor/kl_loss"] = kl_numerator / denominator.clamp(min=1)
+        return numerator, denominator, metrics
+
+    return loss
+
+
+def critic_loss(cfg: PPOLossConfig) -> LossFn:
+    """Clipped value loss on response tokens; values are read just before each token."""
+
+    def loss(piece: Batch, values: torch.Tensor):
+        predicted = values[:, :-1, 0].float()
+        mask = piece["response_mask"][:, 1:].float()
+        numerator, denominator, metrics = value_loss(
+            predicted, piece["old_values"][:, 1:], piece["returns"][:, 1:], mask,
+            clip_range=cfg.value_clip, agg_mode=cfg.agg_mode,
+        )  # fmt: skip
+        return numerator, denominator, {f"critic/{name}": value for name, value in metrics.items()}
+
+    return loss
 
 
 def sft_loss(role: RoleModel) -> LossFn:

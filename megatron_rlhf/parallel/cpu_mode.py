@@ -228,12 +228,18 @@ def _patch_known_cuda_paths(module: types.ModuleType) -> None:
     for qualified in _USES_CUDA_TENSOR_METHODS.get(name, ()):
         *owner_path, attr = qualified.split(".")
         owner = getattr(module, owner_path[0]) if owner_path else module
-        # Modules importing a function by name later get the wrapped one (they import after this).
         raw = inspect.getattr_static(owner, attr)
         if isinstance(raw, (staticmethod, classmethod)):
             setattr(owner, attr, type(raw)(_tensors_look_like_cuda(raw.__func__)))
-        else:
-            setattr(owner, attr, _tensors_look_like_cuda(raw))
+            continue
+        wrapped = _tensors_look_like_cuda(raw)
+        setattr(owner, attr, wrapped)
+        if not owner_path:
+            # A module-level function may already have been imported by name elsewhere (modules
+            # imported later pick up the wrapped one by themselves).
+            for other in list(sys.modules.values()):
+                if getattr(other, "__name__", "").startswith("megatron.") and getattr(other, attr, None) is raw:
+                    setattr(other, attr, wrapped)
 
 
 def enable_cpu_mode() -> None:
