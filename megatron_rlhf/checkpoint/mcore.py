@@ -46,7 +46,7 @@ def read_architecture(ckpt_dir: str | Path) -> Architecture:
 
 
 @contextlib.contextmanager
-def _global_dp_rank_of(groups: ParallelGroups) -> Iterator[None]:
+def global_dp_rank_of(groups: ParallelGroups) -> Iterator[None]:
     """megatron-core 0.19.2 reads the *global* data-parallel rank when it ties a last-stage output
     layer to the first-stage embedding (``tie_embeddings_and_output_weights_state_dict``), even
     with explicit process groups. Answer with this model's rank while its state dict is made."""
@@ -60,7 +60,7 @@ def _global_dp_rank_of(groups: ParallelGroups) -> Iterator[None]:
 
 def _sharded_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict:
     # Pass the model's own data-parallel group: megatron otherwise reads its global parallel_state.
-    with _global_dp_rank_of(groups):
+    with global_dp_rank_of(groups):
         return model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
 
 

@@ -1,0 +1,130 @@
+"""Resumable training state of one model: weights, optimizer, LR schedule, step, RNG.
+
+Weights and optimizer states go through megatron's dist_checkpointing with the distributed
+optimizer's ``fully_reshardable`` format, so a checkpoint reloads into another TP/PP/DP layout.
+The step counter, LR-scheduler state and per-rank RNG states are stored beside it.
+
+Two megatron-core 0.19.2 traps on the torch-Adam path (no apex/TE), both handled here:
+* Building the loading state dict of an optimizer that has not stepped yet fails (it reads a
+  ``step`` from every parameter's state): ``_allocate_adam_state`` creates zero state first.
+* Loading the ``fully_reshardable`` format copies every tensor of a parameter's Adam state from the
+  checkpoint, ``step`` included, which that format does not store (KeyError 'step'):
+  ``_tolerate_missing_step`` keeps the step that ``load_state_dict`` has just set.
+* Loading leaves every parameter pointing at ONE shared ``step`` tensor; Adam then increments it
+  once per parameter per step and its bias correction goes wrong, silently.
+  ``_unshare_adam_steps`` gives each parameter its own copy.
+The resume test compares a resumed run with an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron_rlhf.checkpoint.mcore import global_dp_rank_of
+from megatron_rlhf.engine.optim import TrainState
+
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+STATE_FILE = "train_state.json"
+
+
+def _sharded(state: TrainState, is_loading: bool) -> dict:
+    groups = state.role.groups
+    metadata = {"dp_cp_group": groups.pg_collection.dp_cp, **OPTIMIZER_FORMAT}
+    with global_dp_rank_of(groups):
+        model_sd = state.role.model.sharded_state_dict(metadata=metadata)
+        optimizer_sd = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return {"model": model_sd, "optimizer": optimizer_sd}
+
+
+def save_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
+    """Collective. Writes ``ckpt_dir/{dist,rng}`` and ``train_state.json`` (written last)."""
+    ckpt = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        (ckpt / "dist").mkdir(parents=True, exist_ok=True)
+        (ckpt / "rng").mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(state, is_loading=False), str(ckpt / "dist"))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, ckpt / "rng" / f"rank{dist.get_rank():05d}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        meta = {"step": state.step, "scheduler": state.scheduler.state_dict(), "layout": str(state.role.groups.layout)}
+        (ckpt / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    dist.barrier()
+
+
+def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
+    """Collective. Fills ``state`` (any layout) from ``save_train_state``'s output."""
+    ckpt = Path(ckpt_dir)
+    meta_path = ckpt / STATE_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path}: missing; {ckpt} is not a complete training checkpoint")
+    meta = json.loads(meta_path.read_text())
+    _allocate_adam_state(state.optimizer)
+    loaded = dist_checkpointing.load(_sharded(state, is_loading=True), str(ckpt / "dist"))
+    state.role.model.load_state_dict(loaded["model"], strict=True)
+    with _tolerate_missing_step():
+        state.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(state.optimizer)
+    state.scheduler.load_state_dict(meta["scheduler"])
+    state.step = meta["step"]
+    rng_file = ckpt / "rng" / f"rank{dist.get_rank():05d}.pt"
+    if rng_file.is_file():  # same world size: restore this rank's generators exactly
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+
+@contextlib.contextmanager
+def _tolerate_missing_step() -> Iterator[None]:
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self: DistributedOptimizer, model_param: torch.nn.Parameter, tensors: dict) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state[main_param].get("step")
+        if torch.is_tensor(step) and "step" not in tensors:
+            tensors = {**tensors, "step": step}
+        original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def _torch_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
+    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _allocate_adam_state(optimizer: object) -> None:
+    """Zero Adam state (moments and step) for parameters that have none yet; loading overwrites it."""
+    for torch_optimizer in _torch_optimizers(optimizer):
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                state = torch_optimizer.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _unshare_adam_steps(optimizer: object) -> None:
+    """Give every parameter its own copy of the Adam ``step`` tensor."""
+    for torch_optimizer in _torch_optimizers(optimizer):
+        for param_state in torch_optimizer.state.values():
+            if "step" in param_state:
+                old = param_state["step"]
+                param_state["step"] = old.clone() if torch.is_tensor(old) else old
