@@ -28,6 +28,9 @@ Why it is done this way:
   after the forward, so the backward needs no collective: each rank gets the exact gradient of its
   own shard. To keep memory low, the backward recomputes p from the saved input logits instead of
   saving a float32 (B, S, Vl) tensor.
+* Speed: each pass over the vocabulary (max; the three sums; the gradient) is one fused kernel on
+  GPU (``torch.compile``), reading the bf16 logits once: the PPO loss then costs no more than
+  megatron's own cross-entropy (scripts/bench_update.py measures both).
 * No host synchronisation (no ``.item()``, no data-dependent Python branching). Targets outside
   [0, vocab_size) are not checked (that would need a sync): a padding target yields -inf, a
   negative one an arbitrary finite value; callers mask such positions out.
@@ -51,16 +54,66 @@ def _tp_size_rank(tp_group: ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def _scaled_masked_logits(
-    logits_shard: Tensor, compute_dtype: torch.dtype, temperature: float, vocab_start: int, vocab_size: int
+# The three passes over the vocabulary below are written as plain elementwise + reduction code so
+# that on GPU ``torch.compile`` fuses each into one kernel that reads the (bf16) logits once and
+# never materialises a float32 (B, S, Vl) tensor; on CPU (tests, CI) they run eagerly.
+
+
+def _scaled(logits_shard: Tensor, dtype: torch.dtype, inv_temperature: float, n_real: int) -> Tensor:
+    """z = logits / T in ``dtype``, -inf on padding columns (local index >= n_real)."""
+    z = logits_shard.to(dtype) * inv_temperature
+    column = torch.arange(z.shape[-1], device=z.device)
+    return torch.where(column < n_real, z, float("-inf"))
+
+
+def _shard_max(logits_shard: Tensor, dtype: torch.dtype, inv_temperature: float, n_real: int) -> Tensor:
+    return _scaled(logits_shard, dtype, inv_temperature, n_real).amax(dim=-1)
+
+
+def _shard_stats(
+    logits_shard: Tensor, local_target: Tensor, z_max: Tensor, dtype: torch.dtype, inv_temperature: float, n_real: int
 ) -> Tensor:
-    """z = logits / T in ``compute_dtype`` (a new tensor), with padding columns set to -inf."""
-    z = logits_shard.to(compute_dtype) / temperature
-    local_vocab = z.shape[-1]
-    n_real = min(max(vocab_size - vocab_start, 0), local_vocab)  # real columns on this rank
-    if n_real < local_vocab:
-        z[..., n_real:] = float("-inf")
-    return z
+    """(3, B, S): sum_v e^(z_v - max), the target's z - max (0 if not on this shard), sum_v e^(z_v - max) (z_v - max)."""
+    z = _scaled(logits_shard, dtype, inv_temperature, n_real) - z_max.unsqueeze(-1)
+    exp_z = z.exp()  # padding -> 0
+    column = torch.arange(z.shape[-1], device=z.device)
+    picked = torch.where(column == local_target.unsqueeze(-1), z, 0.0).sum(dim=-1)
+    weighted = torch.where(exp_z > 0, exp_z * z, 0.0).sum(dim=-1)  # -inf * 0 would be nan
+    return torch.stack([exp_z.sum(dim=-1), picked, weighted])
+
+
+def _shard_grad(
+    logits_shard: Tensor,
+    local_target: Tensor,
+    z_max: Tensor,
+    log_sum_exp: Tensor,
+    mean_z: Tensor,
+    grad_logprobs: Tensor,
+    grad_entropy: Tensor,
+    dtype: torch.dtype,
+    inv_temperature: float,
+    n_real: int,
+) -> Tensor:
+    """d(sum g_logp * logp + g_H * H) / d logits for this shard, in the logits' dtype."""
+    z = _scaled(logits_shard, dtype, inv_temperature, n_real) - z_max.unsqueeze(-1)
+    probs = (z - log_sum_exp.unsqueeze(-1)).exp()  # padding -> 0
+    centred = torch.where(probs > 0, z, 0.0) - mean_z.unsqueeze(-1)
+    grad_z = -probs * (grad_logprobs.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * centred)
+    column = torch.arange(z.shape[-1], device=z.device)
+    grad_z = grad_z + torch.where(column == local_target.unsqueeze(-1), grad_logprobs.unsqueeze(-1), 0.0)
+    return (grad_z * inv_temperature).to(logits_shard.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _kernel(name: str, fn, on_gpu: bool):
+    """``fn`` itself on CPU; on GPU, one compiled (fused) kernel per function, dynamic in shape."""
+    if not on_gpu:
+        return fn
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
 
 
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
@@ -75,75 +128,44 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         compute_entropy: bool,
     ) -> tuple[Tensor, Tensor | None]:
         tp_size, tp_rank = _tp_size_rank(tp_group)
-        distributed = tp_size > 1
         local_vocab = logits_shard.shape[-1]
         vocab_start = tp_rank * local_vocab
-        compute_dtype = torch.promote_types(logits_shard.dtype, torch.float32)
-
-        z = _scaled_masked_logits(logits_shard, compute_dtype, temperature, vocab_start, vocab_size)
-        z_max = z.amax(dim=-1)  # (B, S); -inf on a rank whose shard is all padding
-        if distributed:
-            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
-        z.sub_(z_max.unsqueeze(-1))  # z - max: <= 0, padding -inf
-
-        # The target's shifted logit, on the rank that owns it (0 on the others).
+        n_real = min(max(vocab_size - vocab_start, 0), local_vocab)  # real columns on this rank
+        dtype = torch.promote_types(logits_shard.dtype, torch.float32)
+        on_gpu = logits_shard.is_cuda
+        # Target columns owned by another rank map to -1, which matches no local column.
         local_target = targets - vocab_start
-        owned = (local_target >= 0) & (local_target < local_vocab)
-        picked = z.gather(-1, local_target.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-        picked = torch.where(owned, picked, torch.zeros_like(picked))
+        local_target = torch.where((local_target >= 0) & (local_target < local_vocab), local_target, -1)
 
-        exp_z = z.exp()  # padding -> 0
-        parts = [exp_z.sum(dim=-1), picked]
-        if compute_entropy:
-            z.masked_fill_(exp_z == 0, 0.0)  # -inf (padding) * 0 would be nan; exp underflow adds 0 anyway
-            parts.append((exp_z * z).sum(dim=-1))  # sum_v e^(z_v - max) (z_v - max)
-        del exp_z
-        stats = torch.stack(parts)
-        if distributed:
+        z_max = _kernel("max", _shard_max, on_gpu)(logits_shard, dtype, 1.0 / temperature, n_real)
+        if tp_size > 1:  # -inf on a rank whose shard is all padding
+            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
+        stats = _kernel("stats", _shard_stats, on_gpu)(logits_shard, local_target, z_max, dtype, 1.0 / temperature, n_real)
+        if tp_size > 1:  # the three per-token sums travel together
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
         log_sum_exp = stats[0].log()  # logsumexp(z) - max
         logprobs = stats[1] - log_sum_exp
-        entropy = None
-        mean_z = None
-        if compute_entropy:
-            mean_z = stats[2] / stats[0]  # sum_v p_v (z_v - max)
-            entropy = log_sum_exp - mean_z
+        mean_z = stats[2] / stats[0]  # sum_v p_v (z_v - max)
+        entropy = log_sum_exp - mean_z if compute_entropy else None
 
-        ctx.save_for_backward(logits_shard, targets, z_max, log_sum_exp, mean_z)
-        ctx.temperature = temperature
-        ctx.vocab_start = vocab_start
-        ctx.vocab_size = vocab_size
-        ctx.compute_dtype = compute_dtype
+        ctx.save_for_backward(logits_shard, local_target, z_max, log_sum_exp, mean_z)
+        ctx.settings = (dtype, 1.0 / temperature, n_real, on_gpu)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
-        logits_shard, targets, z_max, log_sum_exp, mean_z = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
-        local_vocab = logits_shard.shape[-1]
-        z = _scaled_masked_logits(logits_shard, ctx.compute_dtype, ctx.temperature, ctx.vocab_start, ctx.vocab_size)
-        z.sub_(z_max.unsqueeze(-1))
-        probs = (z - log_sum_exp.unsqueeze(-1)).exp()  # padding -> 0
-
-        # grad_z = -p * (g_logp + g_H (z - sum p z)) + g_logp * onehot(target)
-        coeff = torch.zeros_like(log_sum_exp)
-        if grad_logprobs is not None:
-            coeff = coeff + grad_logprobs.to(ctx.compute_dtype)
-        if grad_entropy is not None:
-            z.masked_fill_(probs == 0, 0.0)  # padding: -inf -> 0 (its p is 0)
-            z.sub_(mean_z.unsqueeze(-1)).mul_(grad_entropy.to(ctx.compute_dtype).unsqueeze(-1))
-            z.add_(coeff.unsqueeze(-1))
-        else:
-            z = coeff.unsqueeze(-1).expand_as(probs)
-        grad_z = probs.mul_(z).neg_()
-        if grad_logprobs is not None:
-            local_target = targets - ctx.vocab_start
-            owned = (local_target >= 0) & (local_target < local_vocab)
-            onehot = torch.where(owned, grad_logprobs.to(ctx.compute_dtype), torch.zeros_like(coeff))
-            grad_z.scatter_add_(-1, local_target.clamp(0, local_vocab - 1).unsqueeze(-1), onehot.unsqueeze(-1))
-        grad_logits = grad_z.div_(ctx.temperature).to(logits_shard.dtype)
+        logits_shard, local_target, z_max, log_sum_exp, mean_z = ctx.saved_tensors
+        dtype, inv_temperature, n_real, on_gpu = ctx.settings
+        zeros = torch.zeros_like(log_sum_exp)
+        grad_logprobs = zeros if grad_logprobs is None else grad_logprobs.to(dtype)
+        grad_entropy = zeros if grad_entropy is None else grad_entropy.to(dtype)
+        grad_logits = _kernel("grad", _shard_grad, on_gpu)(
+            logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy,
+            dtype, inv_temperature, n_real,
+        )  # fmt: skip
         return grad_logits, None, None, None, None, None
 
 

@@ -3,6 +3,9 @@
     reference run (1 rank):  engine_worker.py OUT reference
     comparison (4 ranks):    engine_worker.py OUT compare REFERENCE_OUT
 
+MEGATRON_RLHF_TEST_DEVICE=cuda runs it on GPUs (fp32 throughout, so the same tolerances apply);
+with 2 ranks the comparison layouts are TP1xDP2, TP2 and PP2.
+
 The reference run also checks that the update does not depend on the micro-batch split. The
 comparison run repeats everything at TP1xDP4, TP2xDP2, PP2xDP2 and TP2xPP2 and compares with the
 reference: log-probs/entropy to 1e-5 absolute, new weights to 1e-5 relative per tensor
@@ -15,6 +18,7 @@ Any mismatch raises; figures go to OUT/results.json.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -59,10 +63,11 @@ def main() -> None:
     from megatron_rlhf.models.sources import architecture_of
     from megatron_rlhf.parallel.distributed import init_distributed, seed_everything
 
-    env = init_distributed("cpu")
+    env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))
     out, mode = Path(sys.argv[1]), sys.argv[2]
     reference = Path(sys.argv[3]) if mode == "compare" else None
-    layouts = [(1, 1)] if mode == "reference" else [(1, 1), (2, 1), (1, 2), (2, 2)]
+    layouts = {1: [(1, 1)], 2: [(1, 1), (2, 1), (1, 2)], 4: [(1, 1), (2, 1), (1, 2), (2, 2)]}[env.world_size]
+    split_check_layout = layouts[-1]
     full = make_batch()
     results: dict[str, float] = {}
     loss_cfg = PPOLossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, entropy_coef=0.01)
@@ -94,11 +99,11 @@ def main() -> None:
         batch = local_rows(role, full)
         if role_name == "actor":
             probe = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=budget)
-            batch["old_logprobs"] = _shared(role, probe, batch["input_ids"].shape) + batch["noise"] * batch["response_mask"]
+            batch["old_logprobs"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]
             loss_fn = ppo_actor_loss(role, loss_cfg)
         else:
             probe = forward_pass(role, batch, token_values_output(), max_tokens_per_micro_batch=budget)
-            batch["old_values"] = _shared(role, probe, batch["input_ids"].shape) + batch["noise"] * batch["response_mask"]
+            batch["old_values"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]
             loss_fn = critic_loss(loss_cfg)
         state = make_train_state(role, optim_cfg)
         metrics = train_step(state, batch, loss_fn, max_tokens_per_micro_batch=budget)
@@ -117,11 +122,11 @@ def main() -> None:
         ):
             value = gather_dp(actor, forward_pass(actor, batch, fn, max_tokens_per_micro_batch=SMALL_BUDGET))
             if value is not None and env.rank == _last_stage_rank0(actor):
-                torch.save(value, out / f"{name}-{label}.pt")
+                torch.save(value.cpu(), out / f"{name}-{label}.pt")
         dist.barrier()
         update(f"actor-{name}", "actor", "builtin:tiny-llama", tp, pp, SMALL_BUDGET)
         update(f"critic-{name}", "critic", "builtin:tiny-llama-rm", tp, pp, SMALL_BUDGET)
-        if mode == "reference" or (tp, pp) == (2, 2):
+        if (tp, pp) == split_check_layout:
             update(f"actor-{name}-one-micro-batch", "actor", "builtin:tiny-llama", tp, pp, LARGE_BUDGET)
 
     initial_dir = builtin_checkpoint("builtin:tiny-llama")  # collective: every rank calls it
@@ -138,12 +143,13 @@ def _last_stage_rank0(role) -> int:
     return pp_ranks[-1]
 
 
-def _shared(role, local: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+def _shared(role, local: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Broadcast a last-stage result to every stage of the pipeline (the loss needs it everywhere)."""
     pg = role.groups.pg_collection.pp
-    value = local if local is not None else torch.empty(shape)
+    device = next(role.model.parameters()).device
+    value = local if local is not None else torch.empty(batch["input_ids"].shape, device=device)
     dist.broadcast(value, src=dist.get_global_rank(pg, role.groups.layout.pp - 1), group=pg)
-    return value
+    return value.cpu()
 
 
 def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -179,9 +185,10 @@ def _check(out: Path, reference: Path | None, layouts, results: dict[str, float]
             results[f"{name}/{role}_update_max_rel_diff"] = rel
             results[f"{name}/{role}_update_max_abs_elementwise"] = _max_elementwise(new, ref)
             assert rel < WEIGHT_RTOL, f"{name} {role} update differs from TP1 by {rel:.3e}"
-    rel = _max_rel(load_all_tensors(out / "actor-tp2pp2-one-micro-batch"), load_all_tensors(out / "actor-tp2pp2"))
-    results["tp2pp2/split_independence_rel"] = rel
-    assert rel < WEIGHT_RTOL, f"TP2xPP2 update depends on the micro-batch split: {rel:.3e}"
+    name = "tp{}pp{}".format(*layouts[-1])
+    rel = _max_rel(load_all_tensors(out / f"actor-{name}-one-micro-batch"), load_all_tensors(out / f"actor-{name}"))
+    results[f"{name}/split_independence_rel"] = rel
+    assert rel < WEIGHT_RTOL, f"{name} update depends on the micro-batch split: {rel:.3e}"
 
 
 if __name__ == "__main__":
