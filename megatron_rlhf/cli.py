@@ -2,6 +2,8 @@
 
     megatron-rlhf smoke [--config PRESET|FILE.yaml] [key=value ...]
     megatron-rlhf config [--config PRESET|FILE.yaml] [key=value ...]
+    megatron-rlhf sft [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
+    megatron-rlhf rm [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
     megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR --tp N --pp M
     megatron-rlhf convert mcore-to-hf CKPT_DIR OUT_DIR [--tp N --pp M]
 """
@@ -17,13 +19,21 @@ from megatron_rlhf.config.loader import ConfigError, load_config, presets, to_ya
 DEFAULT_PRESET = "smoke"
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
+TRAINER_PRESET_PREFIXES = ("sft-", "rm-")
+
+
+def _add_config_args(
+    parser: argparse.ArgumentParser, default: str = DEFAULT_PRESET, example: str = "actor.tp=2 seed=7"
+) -> None:
+    """``--config`` and overrides; the help lists the presets of this command only."""
+    prefix = next((p for p in TRAINER_PRESET_PREFIXES if default.startswith(p)), None)
+    names = [n for n in presets() if (n.startswith(prefix) if prefix else not n.startswith(TRAINER_PRESET_PREFIXES))]
     parser.add_argument(
         "--config",
-        default=DEFAULT_PRESET,
-        help=f"a preset name ({', '.join(presets())}) or a YAML file (default: {DEFAULT_PRESET})",
+        default=default,
+        help=f"a preset name ({', '.join(names)}) or a YAML file (default: {default})",
     )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotlist overrides, e.g. actor.tp=2 seed=7")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"dotlist overrides, e.g. {example}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
         "uses built-in tiny random models: no download, GPU if present, else CPU mode.",
     )
     _add_config_args(smoke)
+
+    sft = commands.add_parser(
+        "sft",
+        help="supervised fine-tuning of a causal LM on prompt/response rows",
+        description="Train a *ForCausalLM on prompt -> response rows (.jsonl/.parquet; columns prompt and "
+        "response by default) with next-token NLL on the response. Writes metrics.jsonl, TensorBoard events "
+        "(tb/) and, with save_hf=true, an HF checkpoint (hf/) under output_dir. Example: megatron-rlhf sft "
+        "data.train=[train.jsonl] data.validation=[val.jsonl] model.path=/models/Qwen2.5-0.5B",
+    )
+    _add_config_args(sft, default="sft-tiny", example="data.train=[train.jsonl] model.tp=2 max_steps=100")
+    sft.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML and exit")
+    rm = commands.add_parser(
+        "rm",
+        help="reward-model training on preference pairs (Bradley-Terry)",
+        description="Train a *ForSequenceClassification (score head) on prompt/chosen/rejected rows with the "
+        "Bradley-Terry loss; validation reports preference accuracy. Writes metrics.jsonl, TensorBoard "
+        "events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under output_dir. Example: megatron-rlhf "
+        "rm data.train=[prefs.jsonl] data.validation=[prefs-val.jsonl]",
+    )
+    _add_config_args(rm, default="rm-tiny", example="data.train=[prefs.jsonl] optim.lr=1e-5")
+    rm.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML and exit")
 
     show = commands.add_parser("config", help="print the resolved configuration (preset + overrides) as YAML")
     _add_config_args(show)
@@ -81,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_smoke(cfg, init_distributed(cfg.device))
             return 0
+        if args.command in ("sft", "rm"):
+            return _run_trainer(args.command, args.config, args.overrides, args.print_config)
         if args.command == "convert":
             from megatron_rlhf.checkpoint.convert import convert
 
@@ -93,3 +126,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megatron-rlhf: error: {err}", file=sys.stderr)
         return 2
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _run_trainer(command: str, preset: str, overrides: list[str], print_config: bool) -> int:
+    if command == "sft":
+        from megatron_rlhf.trainer.sft import SFTConfig as schema, run_sft as run
+    else:
+        from megatron_rlhf.trainer.rm import RMConfig as schema, run_rm as run
+    cfg = load_config(preset, overrides, schema=schema)
+    if print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from megatron_rlhf.parallel.distributed import init_distributed
+
+    run(cfg, init_distributed(cfg.device))
+    return 0

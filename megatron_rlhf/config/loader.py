@@ -91,7 +91,10 @@ def load_config(
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override '{item}'", schema)
-    return OmegaConf.to_object(merged)
+    try:
+        return OmegaConf.to_object(merged)
+    except ValueError as err:  # a component's own check in __post_init__ (e.g. optim.lr <= 0)
+        raise ConfigError(f"invalid configuration: {err}") from None
 
 
 def to_yaml(cfg: Any) -> str:

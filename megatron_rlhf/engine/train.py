@@ -30,12 +30,13 @@ def train_step(
     model.zero_grad_buffer()
     state.optimizer.zero_grad()
     per_micro_batch = run_schedule(model, role.groups, pieces, _loss_step(loss_fn), forward_only=False)
+    lr = state.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it next)
     update_ok, grad_norm, _ = state.optimizer.step()
     state.scheduler.step(increment=1)
     state.step += 1
     metrics = _reduce_metrics(per_micro_batch, role, device)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    metrics["lr"] = state.optimizer.param_groups[0]["lr"]
+    metrics["lr"] = lr
     metrics["update_skipped"] = 0.0 if update_ok else 1.0
     return metrics
 

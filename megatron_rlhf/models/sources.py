@@ -31,9 +31,14 @@ def architecture_of(path: str) -> Architecture:
     return load_architecture(path)
 
 
+def local_dir(path: str) -> Path:
+    """The local directory of a model's files (collective for ``builtin:`` models: made on first use)."""
+    return builtin_checkpoint(path) if is_builtin(path) else Path(path)
+
+
 def load_weights(model: torch.nn.Module, arch: Architecture, groups: ParallelGroups, path: str) -> Path:
     """Fill ``model`` from ``path``; returns the local directory the weights came from (collective)."""
-    local = builtin_checkpoint(path) if is_builtin(path) else Path(path)
+    local = local_dir(path)
     if is_mcore_checkpoint(local):
         load_mcore_checkpoint(model, groups, local)
     else:

@@ -1,0 +1,164 @@
+"""``megatron-rlhf rm``: reward-model training on preference pairs (Bradley-Terry).
+
+The model is a ``*ForSequenceClassification`` (score head); the reward of a sequence is the score
+at its last real token (the EOS the data loader appends). The loss is -log sigmoid(r_chosen -
+r_rejected), mean over the pairs of the global batch. Validation reports preference accuracy
+(r_chosen > r_rejected; ties count as wrong), the mean loss and the mean margin over the whole
+validation set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rlhf.config.schema import ModelConfig
+from megatron_rlhf.data import PreferenceDataset, load_preference_dataset, pack_batch
+from megatron_rlhf.engine.objectives import bradley_terry_loss, values_output
+from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+from megatron_rlhf.engine.schedule import Batch
+from megatron_rlhf.engine.train import forward_pass
+from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.models.roles import RoleModel, build_role
+from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
+from megatron_rlhf.smoke import resolve_dtype
+from megatron_rlhf.models.sources import local_dir
+from megatron_rlhf.trainer.common import (
+    DataConfigBase,
+    MetricsSink,
+    TrainerConfig,
+    TrainTask,
+    check_config,
+    dp_shard,
+    finish,
+    reduce_over_model,
+    resolve_tokenizer,
+    train_loop,
+    with_token_ids,
+    write_run_files,
+)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PreferenceDataConfig(DataConfigBase):
+    """Preference rows: a prompt, a chosen and a rejected response."""
+
+    chosen_key: str = "chosen"
+    """Column of the preferred response (or pre-tokenized ``<key>_ids``)."""
+    rejected_key: str = "rejected"
+    """Column of the dispreferred response (or pre-tokenized ``<key>_ids``)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RMConfig(TrainerConfig):
+    """``megatron-rlhf rm``: the fields of ``TrainerConfig`` plus the preference data.
+
+    ``global_batch_size`` counts pairs (each pair is two sequences)."""
+
+    output_dir: str = "runs/rm"
+    """Where config.yaml, metrics.jsonl, result.json, tb/ (TensorBoard) and hf/ (the model) go."""
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama-rm"))
+    """A *ForSequenceClassification model (score head; HF dir, megatron-rlhf checkpoint or
+    builtin:NAME) and its TP/PP layout."""
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))
+    """Adam, warmup and LR decay."""
+    data: PreferenceDataConfig = dataclasses.field(default_factory=PreferenceDataConfig)
+    """Training / validation files and columns."""
+
+
+def _load(paths: list[str], tokenizer, data: PreferenceDataConfig, what: str) -> PreferenceDataset:
+    dataset, report = load_preference_dataset(
+        paths, tokenizer, max_length=data.max_length, on_overlong=data.on_overlong, on_invalid=data.on_invalid,
+        prompt_key=data.prompt_key, chosen_key=data.chosen_key, rejected_key=data.rejected_key,
+        add_bos=data.add_bos,
+    )  # fmt: skip
+    log(f"{what} data: {report.summary()}")
+    return dataset
+
+
+def adjacent_pairs(batch: Batch) -> Batch:
+    """``pack_batch``'s preference layout (all chosen rows, then all rejected rows) -> rows ordered
+    chosen, rejected, chosen, rejected, ... as ``bradley_terry_loss`` and ``group_size=2`` expect."""
+    n = batch["input_ids"].shape[0] // 2
+    order = torch.stack([torch.arange(n), torch.arange(n) + n], dim=1).reshape(-1)
+    paired = {key: value[order] for key, value in batch.items()}
+    if not (bool(paired["is_chosen"][0::2].all()) and not bool(paired["is_chosen"][1::2].any())
+            and torch.equal(paired["pair_index"][0::2], paired["pair_index"][1::2])):  # fmt: skip
+        raise AssertionError("internal error: pack_batch's preference layout is not chosen rows then rejected rows")
+    return paired
+
+
+def preference_accuracy(role: RoleModel, dataset: PreferenceDataset, pad_id: int, *, chunk: int, max_tokens: int,
+                        device: torch.device) -> dict[str, float]:  # fmt: skip
+    """Accuracy, Bradley-Terry loss and margin over the whole set (forward only, sharded over DP)."""
+    indices, real = dp_shard(len(dataset), role.groups.dp_rank, role.groups.layout.dp)
+    correct = loss = margin = count = 0.0
+    for start in range(0, len(indices), chunk):
+        part, keep = indices[start : start + chunk], real[start : start + chunk]
+        batch = pack_batch([dataset[i] for i in part], pad_id)  # rows: chosen..., rejected...
+        scores = forward_pass(role, batch, values_output(), max_tokens_per_micro_batch=max_tokens)
+        if scores is None:  # not the last pipeline stage
+            continue
+        last = batch["attention_mask"].sum(dim=1).to(scores.device) - 1
+        rewards = scores[torch.arange(scores.shape[0], device=scores.device), last].double()
+        n = len(part)
+        diff = rewards[:n] - rewards[n:]
+        weight = torch.tensor(keep, dtype=torch.float64, device=diff.device)
+        correct += ((diff > 0).double() * weight).sum().item()
+        loss += (-F.logsigmoid(diff) * weight).sum().item()
+        margin += (diff * weight).sum().item()
+        count += weight.sum().item()
+    correct, loss, margin, count = reduce_over_model(role, [correct, loss, margin, count], device)
+    count = max(count, 1.0)
+    return {"accuracy": correct / count, "loss": loss / count, "margin": margin / count, "pairs": int(count)}
+
+
+def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
+    arch = check_config(cfg, env.world_size, score_head=True)
+    seed_everything(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env)
+    out_dir = Path(cfg.output_dir)
+    write_run_files(cfg, out_dir)
+    log(f"rm: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"model {cfg.model.path}")  # fmt: skip
+    source = local_dir(cfg.model.path)
+    tokenizer = resolve_tokenizer(source, arch, cfg.model.path)
+    train = _load(cfg.data.train, tokenizer, cfg.data, "train")
+    validation = _load(cfg.data.validation, tokenizer, cfg.data, "validation") if cfg.data.validation else None
+
+    with timed("build+load model", env.device):
+        role = build_role("reward", cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
+        state = make_train_state(role, cfg.optim)
+    log(f"model {arch.hf_class_name} {arch.num_layers} layers, {role.groups.layout}, "
+        f"{sum(p.numel() for p in role.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {role.source}")
+    lengths = train.lengths  # (N, 2)
+    per_rank = cfg.global_batch_size // role.groups.layout.dp
+
+    def evaluate() -> dict[str, float]:
+        return preference_accuracy(role, validation, tokenizer.pad_id, chunk=per_rank,
+                                   max_tokens=cfg.max_tokens_per_micro_batch, device=env.device)  # fmt: skip
+
+    task = TrainTask(
+        name="rm",
+        num_examples=len(train),
+        tokens_of=lambda idx: int(lengths[list(idx)].sum()),
+        make_batch=lambda idx: adjacent_pairs(pack_batch([train[i] for i in idx], tokenizer.pad_id)),
+        loss_fn=bradley_terry_loss(),
+        group_size=2,
+        evaluate=evaluate if validation is not None else None,
+        headline=("accuracy", "margin"),
+    )
+    sink = MetricsSink(out_dir)
+    try:
+        summary = train_loop(cfg, state, task, sink, env.device)
+    finally:
+        sink.close()
+    finish(cfg, role, with_token_ids(arch, tokenizer), out_dir, summary)
+    accuracy = summary.get("validation", {}).get("accuracy")
+    log(f"rm done: first loss {summary['first_loss']:.4f}, last loss {summary['last_loss']:.4f}"
+        + (f", validation accuracy {accuracy:.4f}" if accuracy is not None else "") + f"; {out_dir}")
+    return summary

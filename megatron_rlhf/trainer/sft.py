@@ -1,0 +1,142 @@
+"""``megatron-rlhf sft``: supervised fine-tuning of a causal LM on prompt -> response rows.
+
+The loss is the next-token NLL of the response tokens (and EOS), token-mean over the global batch
+(``sft_loss``); the prompt is context only. Validation, when given, reports the same token-mean
+NLL (and its perplexity) over the whole validation set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rlhf.config.schema import ModelConfig
+from megatron_rlhf.data import SFTDataset, load_sft_dataset, pack_batch
+from megatron_rlhf.engine.objectives import next_token_logprobs, sft_loss
+from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+from megatron_rlhf.engine.train import forward_pass
+from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.models.roles import RoleModel, build_role
+from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
+from megatron_rlhf.smoke import resolve_dtype
+from megatron_rlhf.models.sources import local_dir
+from megatron_rlhf.trainer.common import (
+    DataConfigBase,
+    MetricsSink,
+    TrainerConfig,
+    TrainTask,
+    check_config,
+    dp_shard,
+    finish,
+    reduce_over_model,
+    resolve_tokenizer,
+    train_loop,
+    with_token_ids,
+    write_run_files,
+)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SFTDataConfig(DataConfigBase):
+    """SFT rows: a prompt and the response the model learns to produce."""
+
+    response_key: str = "response"
+    """Column of the response text (or pre-tokenized ``<key>_ids``)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SFTConfig(TrainerConfig):
+    """``megatron-rlhf sft``: the fields of ``TrainerConfig`` plus the SFT data."""
+
+    output_dir: str = "runs/sft"
+    """Where config.yaml, metrics.jsonl, result.json, tb/ (TensorBoard) and hf/ (the model) go."""
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama"))
+    """A *ForCausalLM model (HF dir, megatron-rlhf checkpoint or builtin:NAME) and its TP/PP layout."""
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Adam, warmup and LR decay."""
+    data: SFTDataConfig = dataclasses.field(default_factory=SFTDataConfig)
+    """Training / validation files and columns."""
+
+
+def _load(paths: list[str], tokenizer, data: SFTDataConfig, what: str) -> SFTDataset:
+    dataset, report = load_sft_dataset(
+        paths, tokenizer, max_length=data.max_length, on_overlong=data.on_overlong, on_invalid=data.on_invalid,
+        prompt_key=data.prompt_key, response_key=data.response_key, add_bos=data.add_bos,
+    )  # fmt: skip
+    log(f"{what} data: {report.summary()}")
+    return dataset
+
+
+def _token_logprobs(role: RoleModel):
+    """(b, s) log-prob of each token given the ones before it (column 0: 0)."""
+    return lambda piece, logits: F.pad(next_token_logprobs(role, piece, logits)[0], (1, 0))
+
+
+def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: int, max_tokens: int,
+                   device: torch.device) -> dict[str, float]:  # fmt: skip
+    """Token-mean NLL of the response tokens over the whole set (forward only, sharded over DP)."""
+    indices, real = dp_shard(len(dataset), role.groups.dp_rank, role.groups.layout.dp)
+    nll_sum, tokens = 0.0, 0.0
+    for start in range(0, len(indices), chunk):
+        part, keep = indices[start : start + chunk], real[start : start + chunk]
+        batch = pack_batch([dataset[i] for i in part], pad_id)
+        logprobs = forward_pass(role, batch, _token_logprobs(role), max_tokens_per_micro_batch=max_tokens)
+        if logprobs is None:
+            continue
+        mask = batch["loss_mask"].to(logprobs.device).float() * torch.tensor(keep, device=logprobs.device)[:, None]
+        width = logprobs.shape[1]
+        nll_sum += -(logprobs * mask[:, :width]).sum().item()
+        tokens += mask.sum().item()
+    nll_sum, tokens = reduce_over_model(role, [nll_sum, tokens], device)
+    nll = nll_sum / max(tokens, 1.0)
+    return {"nll": nll, "perplexity": math.exp(min(nll, 50.0)), "tokens": int(tokens), "examples": len(dataset)}
+
+
+def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
+    arch = check_config(cfg, env.world_size, score_head=False)
+    seed_everything(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env)
+    out_dir = Path(cfg.output_dir)
+    write_run_files(cfg, out_dir)
+    log(f"sft: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"model {cfg.model.path}")  # fmt: skip
+    source = local_dir(cfg.model.path)
+    tokenizer = resolve_tokenizer(source, arch, cfg.model.path)
+    train = _load(cfg.data.train, tokenizer, cfg.data, "train")
+    validation = _load(cfg.data.validation, tokenizer, cfg.data, "validation") if cfg.data.validation else None
+
+    with timed("build+load model", env.device):
+        role = build_role("actor", cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
+        state = make_train_state(role, cfg.optim)
+    log(f"model {arch.hf_class_name} {arch.num_layers} layers, {role.groups.layout}, "
+        f"{sum(p.numel() for p in role.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {role.source}")
+    lengths = train.lengths
+    per_rank = cfg.global_batch_size // role.groups.layout.dp
+
+    def evaluate() -> dict[str, float]:
+        return validation_nll(role, validation, tokenizer.pad_id, chunk=per_rank,
+                              max_tokens=cfg.max_tokens_per_micro_batch, device=env.device)  # fmt: skip
+
+    task = TrainTask(
+        name="sft",
+        num_examples=len(train),
+        tokens_of=lambda idx: int(lengths[list(idx)].sum()),
+        make_batch=lambda idx: pack_batch([train[i] for i in idx], tokenizer.pad_id),
+        loss_fn=sft_loss(role),
+        group_size=1,
+        evaluate=evaluate if validation is not None else None,
+    )
+    sink = MetricsSink(out_dir)
+    try:
+        summary = train_loop(cfg, state, task, sink, env.device)
+    finally:
+        sink.close()
+    finish(cfg, role, with_token_ids(arch, tokenizer), out_dir, summary)
+    log(f"sft done: first loss {summary['first_loss']:.4f}, last loss {summary['last_loss']:.4f}; {out_dir}")
+    return summary
