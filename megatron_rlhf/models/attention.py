@@ -1,4 +1,6 @@
-"""Core attention through ``torch.nn.functional.scaled_dot_product_attention`` (TE-free spec).
+"""Attention for the TE-free spec: SDPA core attention, and self-attention with a KV-cache path.
+
+Core attention goes through ``torch.nn.functional.scaled_dot_product_attention``.
 
 A drop-in for megatron's ``DotProductAttention`` (same constructor and forward signature) that
 lets torch pick its fused kernels (flash / memory-efficient on GPU, math on CPU) and handles GQA
@@ -14,7 +16,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -87,3 +91,42 @@ class SDPAttention(MegatronModule):
             enable_gqa=num_heads != k.shape[1],
         )
         return out.permute(2, 0, 1, 3).reshape(sq, batch, num_heads * head_dim)
+
+
+class CachedSelfAttention(SelfAttention):
+    """megatron's SelfAttention, plus a KV-cache path used by the generation engine.
+
+    Parameters and checkpoint names are those of ``SelfAttention``: training and generation share
+    one module (no weight copy when their layouts match). When the engine attaches a ``DecodeStep``
+    (``kv_step``), the forward writes this step's keys/values into the engine's cache at each row's
+    own positions (slots of a continuous batch are at different lengths) and attends over the
+    cached prefix; otherwise it is megatron's forward unchanged.
+    """
+
+    kv_step: object | None = None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args, **kwargs):
+        step = self.kv_step
+        if step is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        query, key, value = self.get_query_key_value_tensors(hidden_states, None)  # (sq, b, heads, hn)
+        query = apply_rotary_pos_emb(query, step.rotary_freqs, config=self.config, cp_group=self.pg_collection.cp)
+        key = apply_rotary_pos_emb(key, step.rotary_freqs, config=self.config, cp_group=self.pg_collection.cp)
+        cache_k, cache_v = step.cache.layer(self.layer_number)  # (slots, max_len, groups, hn)
+        rows, cols = step.slots[:, None], step.positions  # (b, 1), (b, sq)
+        cache_k[rows, cols] = key.transpose(0, 1).to(cache_k.dtype)
+        cache_v[rows, cols] = value.transpose(0, 1).to(cache_v.dtype)
+        keys = cache_k[step.slots, : step.kv_len].transpose(1, 2)  # (b, groups, kv_len, hn)
+        values = cache_v[step.slots, : step.kv_len].transpose(1, 2)
+        key_pos = torch.arange(step.kv_len, device=query.device)
+        allowed = key_pos[None, None, :] <= step.positions[:, :, None]  # (b, sq, kv_len): causal per row
+        if self.core_attention.window is not None:
+            allowed &= step.positions[:, :, None] - key_pos[None, None, :] <= self.core_attention.window
+        q = query.permute(1, 2, 0, 3)  # (b, heads, sq, hn)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=allowed[:, None], scale=self.core_attention.softmax_scale,
+            enable_gqa=q.shape[1] != keys.shape[1],
+        )  # fmt: skip
+        sq, batch = hidden_states.shape[0], hidden_states.shape[1]
+        out = out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+        return self.linear_proj(out)

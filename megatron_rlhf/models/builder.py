@@ -18,7 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.attention import SDPAttention
+from megatron_rlhf.models.attention import CachedSelfAttention, SDPAttention
 from megatron_rlhf.models.value_head import ValueHead
 from megatron_rlhf.parallel.layout import ParallelGroups
 
@@ -39,6 +39,7 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIP
 
 def layer_spec(arch: Architecture) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.module = CachedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 

@@ -1,0 +1,1 @@
+"""Rollout (generation) engine: token sampling, and later the KV-cached generation loop."""

@@ -1,0 +1,202 @@
+"""The native generation engine: megatron-core model + preallocated KV cache, continuous batching.
+
+Flow of ``generate``: prompts (x n samples) wait in a queue; free cache slots take waiting prompts
+(one batched, right-padded prefill), then every running sequence advances one token per decode
+step; a finished sequence frees its slot for the next waiting prompt at once. TP-aware: each rank
+computes its attention heads and vocabulary shard; the sampled tokens are broadcast from TP rank 0
+so that all ranks continue with identical sequences. Pipeline parallelism is collapsed (pp=1).
+
+Shapes: prefill input (b, W) right-padded; decode input (b, 1); logits (b, V) over the real vocab.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from megatron_rlhf.models.attention import CachedSelfAttention
+from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
+from megatron_rlhf.rollout.sampling import SamplingParams, sample
+
+LONG_PROMPT_POLICIES = ("error", "truncate")
+
+
+@dataclasses.dataclass(kw_only=True)
+class NativeEngineConfig:
+    max_batch_size: int = 64
+    """KV-cache slots: sequences decoded together."""
+    max_seq_len: int = 2048
+    """Prompt + response tokens per sequence (the cache length)."""
+    on_long_prompt: str = "error"
+    """A prompt with no room for one new token: error, or truncate (drop its oldest tokens, counted)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids of the tokenizer; generation stops on them unless ignore_eos."""
+
+    def __post_init__(self) -> None:
+        if self.on_long_prompt not in LONG_PROMPT_POLICIES:
+            raise ValueError(f"on_long_prompt={self.on_long_prompt!r} must be one of {list(LONG_PROMPT_POLICIES)}")
+        if self.max_batch_size < 1 or self.max_seq_len < 2:
+            raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {self.max_batch_size}, {self.max_seq_len}")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class _Sequence:
+    completion: Completion
+    slot: int = -1
+
+    @property
+    def length(self) -> int:
+        return len(self.completion.prompt_ids) + len(self.completion.token_ids)
+
+
+class NativeEngine:
+    def __init__(self, role: RoleModel, cfg: NativeEngineConfig) -> None:
+        if role.groups.layout.pp != 1:
+            raise ValueError(f"the generation layout must have pp=1 (got {role.groups.layout}): PP is collapsed for decoding")
+        if role.arch.score_head:
+            raise ValueError(f"cannot generate with a {role.arch.hf_class_name}: it has no LM head")
+        self.role, self.cfg = role, cfg
+        self.model = role.model
+        self.device = next(self.model.parameters()).device
+        self.attention = [m for m in self.model.modules() if isinstance(m, CachedSelfAttention)]
+        tp_group = role.groups.pg_collection.tp
+        self.tp_group = tp_group
+        self.tp_src = dist.get_global_rank(tp_group, 0)
+
+    # ------------------------------------------------------------------ public
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        waiting = collections.deque(
+            _Sequence(self._completion(i, j, list(prompt), params)) for i, prompt in enumerate(prompts) for j in range(params.n)
+        )  # fmt: skip
+        if not waiting:
+            return []
+        arch = self.role.arch
+        tp = self.role.groups.layout.tp
+        cache = KVCache(
+            num_layers=len(self.attention), slots=min(self.cfg.max_batch_size, len(waiting)), max_len=self.cfg.max_seq_len,
+            groups=arch.num_query_groups // tp, head_dim=arch.head_dim, dtype=self.model.config.params_dtype, device=self.device,
+        )  # fmt: skip
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
+        free = list(range(cache.keys.shape[1]))
+        running: list[_Sequence] = []
+        finished: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                while waiting or running:
+                    if waiting and free:
+                        admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+                        for seq in admitted:
+                            seq.slot = free.pop(0)
+                        self._prefill(admitted, cache, params, generator)
+                        running += admitted
+                    else:
+                        self._decode(running, cache, params, generator)
+                    still_running = []
+                    for seq in running:
+                        if self._is_done(seq, params, stop_ids):
+                            finished.append(seq.completion)
+                            free.append(seq.slot)
+                        else:
+                            still_running.append(seq)
+                    running = still_running
+                    free.sort()
+        finally:
+            self.model.train(was_training)
+        return sorted(finished, key=lambda c: (c.prompt_index, c.sample_index))
+
+    # ------------------------------------------------------------------ steps
+
+    def _completion(self, prompt_index: int, sample_index: int, prompt: list[int], params: SamplingParams) -> Completion:
+        if not prompt:
+            raise ValueError(f"prompt {prompt_index} is empty")
+        room = self.cfg.max_seq_len - 1  # at least one new token must fit
+        dropped = max(len(prompt) - room, 0)
+        if dropped and self.cfg.on_long_prompt == "error":
+            raise PromptTooLongError(
+                f"prompt {prompt_index} has {len(prompt)} tokens; max_seq_len={self.cfg.max_seq_len} leaves room "
+                f"for at most {room} (set on_long_prompt=truncate to drop the oldest tokens instead)"
+            )
+        return Completion(prompt_index, sample_index, prompt[dropped:], [], [], prompt_tokens_dropped=dropped)
+
+    def _is_done(self, seq: _Sequence, params: SamplingParams, stop_ids: set[int]) -> bool:
+        completion = seq.completion
+        if completion.token_ids and completion.token_ids[-1] in stop_ids:
+            completion.finish_reason = "stop"
+            return True
+        if len(completion.token_ids) >= params.max_new_tokens or seq.length >= self.cfg.max_seq_len:
+            completion.finish_reason = "length"
+            return True
+        return False
+
+    def _prefill(self, seqs: list[_Sequence], cache: KVCache, params: SamplingParams, generator: torch.Generator) -> None:
+        lengths = [len(s.completion.prompt_ids) for s in seqs]
+        width = max(lengths)
+        input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            input_ids[row, : lengths[row]] = torch.tensor(seq.completion.prompt_ids)
+        positions = torch.arange(width).expand(len(seqs), width)
+        last = torch.tensor(lengths) - 1
+        logits = self._logits(input_ids, positions, seqs, cache, last)
+        self._append_samples(seqs, logits, params, generator)
+
+    def _decode(self, seqs: list[_Sequence], cache: KVCache, params: SamplingParams, generator: torch.Generator) -> None:
+        input_ids = torch.tensor([[s.completion.token_ids[-1]] for s in seqs])
+        positions = torch.tensor([[s.length - 1] for s in seqs])
+        logits = self._logits(input_ids, positions, seqs, cache, torch.zeros(len(seqs), dtype=torch.long))
+        self._append_samples(seqs, logits, params, generator)
+
+    def _append_samples(
+        self, seqs: list[_Sequence], logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> None:
+        tokens, logprobs = sample(logits, params, generator)
+        if self.tp_group.size() > 1:  # every TP rank continues with rank 0's tokens
+            dist.broadcast(tokens, src=self.tp_src, group=self.tp_group)
+            dist.broadcast(logprobs, src=self.tp_src, group=self.tp_group)
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.completion.token_ids.append(token)
+            seq.completion.logprobs.append(logprob)
+
+    def _logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[_Sequence], cache: KVCache, last: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the model over (b, sq) tokens at the given positions; (b, V) float32 logits of the
+        token at index ``last[row]`` of each row."""
+        model, device = self.model, self.device
+        input_ids, positions, last = input_ids.to(device), positions.to(device), last.to(device)
+        inv_freq = model.rotary_pos_emb.inv_freq.to(device)
+        angles = positions.t().float()[..., None] * inv_freq  # (sq, b, rotary_dim / 2)
+        step = DecodeStep(
+            cache=cache,
+            slots=torch.tensor([s.slot for s in seqs], device=device),
+            positions=positions,
+            rotary_freqs=torch.cat([angles, angles], dim=-1)[:, :, None, :],
+            kv_len=int(positions.max()) + 1,
+        )
+        for module in self.attention:
+            module.kv_step = step
+        try:
+            hidden = model.embedding(input_ids=input_ids, position_ids=positions)  # (sq, b, h)
+            hidden = model.decoder(hidden_states=hidden, attention_mask=None)
+        finally:
+            for module in self.attention:
+                module.kv_step = None
+        final = hidden[last, torch.arange(hidden.shape[1], device=device)]  # (b, h)
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        logits, _ = model.output_layer(final[None], weight=weight)  # (1, b, Vp / tp)
+        logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
+        return logits[0, :, : self.role.arch.vocab_size].float()
