@@ -4,6 +4,7 @@
     megatron-rlhf config [--config PRESET|FILE.yaml] [key=value ...]
     megatron-rlhf sft [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
     megatron-rlhf rm [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
+    megatron-rlhf generate --model DIR --input prompts.jsonl --output out.jsonl [--tp N] [sampling flags]
     megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR --tp N --pp M
     megatron-rlhf convert mcore-to-hf CKPT_DIR OUT_DIR [--tp N --pp M]
 """
@@ -73,6 +74,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(rm, default="rm-tiny", example="data.train=[prefs.jsonl] optim.lr=1e-5")
     rm.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML and exit")
 
+    generate = commands.add_parser(
+        "generate",
+        help="sample completions for a file of prompts with the native engine",
+        description="Read prompts (.jsonl/.parquet rows with 'prompt' text or 'prompt_ids'), generate with the "
+        "native engine (KV cache, continuous batching) and write JSONL rows with token_ids, text, per-token "
+        "logprobs and finish_reason. Under torchrun the world is split into groups of --tp ranks.",
+    )
+    generate.add_argument("--model", required=True, help="HF model dir, megatron-rlhf checkpoint, or builtin:NAME")
+    generate.add_argument("--input", required=True, help="prompts file (.jsonl or .parquet)")
+    generate.add_argument("--output", required=True, help="output .jsonl")
+    generate.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the generation layout")
+    generate.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    generate.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
+    generate.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    generate.add_argument("--max-new-tokens", type=int, default=256)
+    generate.add_argument("--num-samples", type=int, default=1, help="samples per prompt (n)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="extra stop tokens")
+    generate.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    generate.add_argument("--max-batch-size", type=int, default=64, help="KV-cache slots (sequences decoded together)")
+    generate.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response tokens per sequence")
+    generate.add_argument(
+        "--on-long-prompt", default="error", choices=["error", "truncate"],
+        help="a prompt with no room for a new token: error, or drop its oldest tokens (counted)",
+    )  # fmt: skip
+
     show = commands.add_parser("config", help="print the resolved configuration (preset + overrides) as YAML")
     _add_config_args(show)
 
@@ -114,6 +143,23 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command in ("sft", "rm"):
             return _run_trainer(args.command, args.config, args.overrides, args.print_config)
+        if args.command == "generate":
+            from megatron_rlhf.rollout.generate_cmd import run_generate
+            from megatron_rlhf.rollout.native import NativeEngineConfig
+            from megatron_rlhf.rollout.sampling import SamplingParams
+
+            run_generate(
+                model=args.model, input_path=args.input, output_path=args.output, tp=args.tp, device=args.device,
+                dtype=args.dtype,
+                params=SamplingParams(
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                    n=args.num_samples, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos,
+                ),
+                engine_cfg=NativeEngineConfig(
+                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, on_long_prompt=args.on_long_prompt
+                ),
+            )  # fmt: skip
+            return 0
         if args.command == "convert":
             from megatron_rlhf.checkpoint.convert import convert
 

@@ -21,6 +21,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from megatron_rlhf.config.loader import ConfigError
+from megatron_rlhf.metrics.log import log
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.builtin import is_builtin
+
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
@@ -250,3 +255,21 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if (model_dir / "tokenizer.model").is_file():
         return SentencePieceTokenizer(model_dir)
     raise FileNotFoundError(f"no tokenizer in '{model_dir}': looked for {', '.join(TOKENIZER_FILES)}")
+
+
+def resolve_tokenizer(source: Path, arch: Architecture, model_path: str) -> Tokenizer:
+    """The tokenizer of a model directory; built-in models ship none and get bytes as tokens."""
+    if any((source / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = load_tokenizer(source)
+        log(f"tokenizer: {tokenizer!r} from {source}")
+        if tokenizer.vocab_size > arch.vocab_size:
+            raise ConfigError(
+                f"the tokenizer in {source} has {tokenizer.vocab_size} tokens but the model's "
+                f"vocab_size is {arch.vocab_size}: token ids would fall outside the embedding"
+            )
+        return tokenizer
+    if is_builtin(model_path):
+        log(f"tokenizer: {model_path} ships no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+            f"using ByteTokenizer(vocab_size={arch.vocab_size}) (UTF-8 bytes as tokens; pad 0, bos 1, eos 2)")
+        return ByteTokenizer(arch.vocab_size)
+    raise ConfigError(f"model path {model_path!r}: no tokenizer in {source} (looked for {', '.join(TOKENIZER_FILES)})")

@@ -25,15 +25,13 @@ import torch.distributed as dist
 from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.config.validate import layout_errors
-from megatron_rlhf.data import ByteTokenizer, Tokenizer, epoch_batches, load_tokenizer, num_steps
-from megatron_rlhf.data.tokenizer import TOKENIZER_FILES
+from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
 from megatron_rlhf.engine.optim import OptimConfig, TrainState
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import train_step
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import DTYPES
-from megatron_rlhf.models.builtin import is_builtin
 from megatron_rlhf.models.hf_checkpoint import SIDE_FILES, save_hf_checkpoint
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.models.sources import architecture_of
@@ -150,25 +148,6 @@ def check_config(cfg: TrainerConfig, world_size: int, *, score_head: bool) -> Ar
 
 
 # --------------------------------------------------------------------------- tokenizer
-
-
-def resolve_tokenizer(source: Path, arch: Architecture, model_path: str) -> Tokenizer:
-    """The model directory's tokenizer; built-in models ship none and get bytes as tokens."""
-    if any((source / name).is_file() for name in TOKENIZER_FILES):
-        tokenizer = load_tokenizer(source)
-        log(f"tokenizer: {tokenizer!r} from {source}")
-        if tokenizer.vocab_size > arch.vocab_size:
-            raise ConfigError(
-                f"the tokenizer in {source} has {tokenizer.vocab_size} tokens but the model's "
-                f"vocab_size is {arch.vocab_size}: token ids would fall outside the embedding"
-            )
-        return tokenizer
-    if is_builtin(model_path):
-        log(f"tokenizer: {model_path} ships no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
-            f"using ByteTokenizer(vocab_size={arch.vocab_size}) (UTF-8 bytes as tokens; pad 0, bos 1, eos 2)")
-        return ByteTokenizer(arch.vocab_size)
-    raise ConfigError(f"model.path={model_path!r}: no tokenizer in {source} "
-                      f"(looked for {', '.join(TOKENIZER_FILES)})")
 
 
 def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:

@@ -26,6 +26,7 @@ from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.roles import RoleModel, build_role
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.smoke import resolve_dtype
+from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.models.sources import local_dir
 from megatron_rlhf.trainer.common import (
     DataConfigBase,
@@ -36,7 +37,6 @@ from megatron_rlhf.trainer.common import (
     dp_shard,
     finish,
     reduce_over_model,
-    resolve_tokenizer,
     train_loop,
     with_token_ids,
     write_run_files,

@@ -96,3 +96,31 @@ def test_convert_refuses_tp_not_dividing_heads(tmp_path: Path) -> None:
     assert "--tp=3 must divide num_attention_heads=4" in proc.stderr
     assert "--tp=3 must divide num_key_value_heads=2" in proc.stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.distributed
+def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello world"}\n{"prompt_ids": [5, 6, 7, 8]}\n{"prompt": "abc"}\n')
+    common = ["--model", "builtin:tiny-llama", "--input", str(prompts), "--max-new-tokens", "6",
+              "--temperature", "0", "--ignore-eos", "--max-batch-size", "2"]  # fmt: skip
+    single = _cli("generate", *common, "--output", str(tmp_path / "tp1.jsonl"))
+    assert single.returncode == 0, single.stderr[-4000:]
+    multi = run_torchrun(REPO / "megatron_rlhf" / "__main__.py", 2, "generate", *common, "--tp", "2",
+                         "--output", str(tmp_path / "tp2.jsonl"))  # fmt: skip
+    assert multi.returncode == 0, multi.stderr[-4000:]
+    rows1 = [json.loads(line) for line in (tmp_path / "tp1.jsonl").read_text().splitlines()]
+    rows2 = [json.loads(line) for line in (tmp_path / "tp2.jsonl").read_text().splitlines()]
+    assert [r["prompt_index"] for r in rows1] == [0, 1, 2]
+    assert [r["token_ids"] for r in rows1] == [r["token_ids"] for r in rows2]
+    assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows1)
+    for a, b in zip(rows1, rows2):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-5
+
+
+def test_generate_command_names_a_missing_column(tmp_path: Path) -> None:
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"question": "hi"}\n')
+    proc = _cli("generate", "--model", "builtin:tiny-llama", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"))
+    assert proc.returncode == 2
+    assert str(prompts) in proc.stderr and "prompt" in proc.stderr

@@ -1,0 +1,79 @@
+"""``megatron-rlhf generate``: prompts (JSONL/Parquet) in, completions (JSONL) out.
+
+Input rows hold ``prompt`` (text, tokenized with the model's tokenizer) or ``prompt_ids``. Under
+torchrun the world is split into generation groups of ``--tp`` ranks; each data-parallel group
+takes every dp-th prompt, and rank 0 writes all completions in prompt order. Output rows:
+``prompt_index``, ``sample_index``, ``token_ids``, ``text`` (decoded), ``logprobs``,
+``finish_reason`` and ``prompt_tokens_dropped``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config.loader import ConfigError
+from megatron_rlhf.config.schema import ModelConfig
+from megatron_rlhf.config.validate import layout_errors
+from megatron_rlhf.data import load_prompt_dataset
+from megatron_rlhf.data.tokenizer import resolve_tokenizer
+from megatron_rlhf.metrics.log import log
+from megatron_rlhf.models.builder import DTYPES
+from megatron_rlhf.models.roles import build_role
+from megatron_rlhf.models.sources import architecture_of, local_dir
+from megatron_rlhf.parallel.distributed import init_distributed
+from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+from megatron_rlhf.rollout.sampling import SamplingParams
+
+UNBOUNDED_PROMPT = 1 << 30  # the engine, not the loader, applies the prompt-length policy
+
+
+def run_generate(
+    *, model: str, input_path: str, output_path: str, tp: int, device: str, dtype: str,
+    params: SamplingParams, engine_cfg: NativeEngineConfig,
+) -> None:  # fmt: skip
+    arch = architecture_of(model)
+    env = init_distributed(device)
+    errors = layout_errors("generate", tp, 1, arch, env.world_size)
+    if arch.score_head:
+        errors.append(f"--model {model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
+    if errors:
+        raise ConfigError("; ".join(e.replace("generate.", "--") for e in errors))
+    torch_dtype = (torch.float32 if env.is_cpu else torch.bfloat16) if dtype == "auto" else DTYPES[dtype]
+    role = build_role("actor", ModelConfig(path=model, tp=tp), arch, world_size=env.world_size, dtype=torch_dtype,
+                      device=env.device)  # fmt: skip
+    tokenizer = resolve_tokenizer(local_dir(model), arch, model)
+    dataset, report = load_prompt_dataset(input_path, tokenizer, max_length=UNBOUNDED_PROMPT)
+    log(report.summary())
+    if not engine_cfg.eos_token_ids and tokenizer.eos_id is not None:
+        engine_cfg = NativeEngineConfig(**{**engine_cfg.__dict__, "eos_token_ids": (tokenizer.eos_id,)})
+    engine = NativeEngine(role, engine_cfg)
+    dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
+    mine = list(range(dp_rank, len(dataset), dp))
+    start = time.perf_counter()
+    completions = engine.generate([dataset[i].prompt_ids.tolist() for i in mine], params)
+    for completion in completions:
+        completion.prompt_index = mine[completion.prompt_index]
+    elapsed = time.perf_counter() - start
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, completions if role.groups.tp_rank == 0 else [])
+    if env.rank == 0:
+        rows = sorted((c for part in gathered for c in part), key=lambda c: (c.prompt_index, c.sample_index))
+        new_tokens = sum(len(c.token_ids) for c in rows)
+        Path(output_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(output_path, "w", encoding="utf-8") as out:
+            for c in rows:
+                out.write(json.dumps({
+                    "prompt_index": c.prompt_index, "sample_index": c.sample_index, "token_ids": c.token_ids,
+                    "text": tokenizer.decode(c.token_ids), "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                    "prompt_tokens_dropped": c.prompt_tokens_dropped,
+                }) + "\n")  # fmt: skip
+        dropped = sum(1 for c in rows if c.prompt_tokens_dropped)
+        log(f"generated {len(rows)} completions for {len(dataset)} prompts ({new_tokens} tokens, "
+            f"{new_tokens / max(elapsed, 1e-9):,.0f} tokens/s) -> {output_path}"
+            + (f"; {dropped} prompts were truncated to fit max_seq_len" if dropped else ""))  # fmt: skip
+    dist.barrier()
