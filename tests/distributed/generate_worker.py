@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def main() -> None:
     from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
 
-    env = init_distributed("cpu")
+    env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))
     out, tp = Path(sys.argv[1]), int(sys.argv[2])
     results: dict[str, float] = {}
     g = torch.Generator().manual_seed(3)
@@ -45,7 +46,7 @@ def main() -> None:
         if env.rank == 0:
             make_tiny_hf_model(family, False, hf_dir)
         dist.barrier()
-        hf = make_tiny_hf_model(family, False, out / f"{family}-rank{env.rank}")
+        hf = make_tiny_hf_model(family, False, out / f"{family}-rank{env.rank}").to(env.device)
         role = build_role("actor", ModelConfig(path=str(hf_dir), tp=tp), load_architecture(hf_dir),
                           world_size=env.world_size, dtype=torch.float32, device=env.device)  # fmt: skip
         engine = NativeEngine(role, NativeEngineConfig(max_batch_size=2, max_seq_len=64))
@@ -53,7 +54,7 @@ def main() -> None:
         greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
         mismatches = 0
         for prompt, completion in zip(prompts, greedy):
-            reference = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+            reference = hf.generate(torch.tensor([prompt], device=env.device), max_new_tokens=NEW_TOKENS, do_sample=False,
                                     eos_token_id=None, pad_token_id=PAD_ID)[0, len(prompt):].tolist()  # fmt: skip
             mismatches += reference != completion.token_ids
         results[f"{family}/greedy_mismatches"] = mismatches
@@ -78,7 +79,7 @@ def main() -> None:
             diff = 0.0
             for row, c in enumerate(samples):
                 start = len(c.prompt_ids)
-                engine_lp = torch.tensor(c.logprobs)
+                engine_lp = torch.tensor(c.logprobs, device=recomputed.device)
                 diff = max(diff, (recomputed[row, start : start + len(c.token_ids)] - engine_lp).abs().max().item())
             results[f"{family}/logprob_max_abs_diff_t{temperature}"] = diff
             assert diff < 1e-5, f"{family} T={temperature}: engine vs trainer log-probs differ by {diff:.3e}"

@@ -1,0 +1,104 @@
+"""Train <-> generate memory switching for one model's training state.
+
+Before generation (``to_generation``): the DDP gradient buffers are freed (they hold nothing between
+steps: the next step zeroes them anyway), and the optimizer's fp32 main parameters and Adam moments
+move to pinned CPU memory. After generation (``to_training``) they come back, bit for bit. Model
+weights stay where they are: generation reads them directly (or reshards them, hybrid/reshard.py).
+Nothing here creates process groups. On CPU (CPU mode) there is no device memory to free and both
+calls only report.
+
+Main parameters that alias the model's own parameters (fp32 training) are left in place: moving
+them would break the aliasing the optimizer relies on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from megatron_rlhf.engine.optim import TrainState
+
+
+@dataclasses.dataclass
+class SwitchReport:
+    phase: str
+    seconds: float
+    bytes_moved: int
+    gpu_allocated_GiB: float
+    gpu_peak_GiB: float
+
+
+class TrainingMemory:
+    def __init__(self, state: TrainState) -> None:
+        self.state = state
+        self._host: dict[tuple[int, str | None], torch.Tensor] = {}  # pinned buffers, reused across switches
+        self._offloaded: list[tuple[object, str | None, torch.Tensor, torch.device]] = []
+
+    def _movable(self) -> list[tuple[object, str | None, torch.Tensor]]:
+        """(owner, state key or None for a parameter, tensor) for every optimizer tensor on a GPU."""
+        model_storages = {p.untyped_storage().data_ptr() for p in self.state.role.model.parameters()}
+        found = []
+        for inner in getattr(self.state.optimizer, "chained_optimizers", [self.state.optimizer]):
+            torch_optimizer = inner.optimizer
+            for group in torch_optimizer.param_groups:
+                for param in group["params"]:
+                    if param.is_cuda and param.untyped_storage().data_ptr() not in model_storages:
+                        found.append((param, None, param.data))
+            for param_state in torch_optimizer.state.values():
+                for key, value in param_state.items():
+                    if torch.is_tensor(value) and value.is_cuda:
+                        found.append((param_state, key, value))
+        return found
+
+    def to_generation(self) -> SwitchReport:
+        start = time.perf_counter()
+        moved = 0
+        on_gpu = any(p.is_cuda for p in self.state.role.model.parameters())
+        if on_gpu:
+            torch.cuda.synchronize()
+            self.state.ddp_model.offload_grad_buffers(synchronize=False, empty_cache=False)
+            for owner, key, tensor in self._movable():
+                host = self._host.get((id(owner), key))
+                if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+                    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                self._offloaded.append((owner, key, host, tensor.device))
+                moved += tensor.numel() * tensor.element_size()
+            torch.cuda.synchronize()
+            for owner, key, host, _ in self._offloaded:
+                self._set(owner, key, host)
+            torch.cuda.empty_cache()
+        return self._report("train->generate", start, moved)
+
+    def to_training(self) -> SwitchReport:
+        start = time.perf_counter()
+        moved = 0
+        if self._offloaded:
+            for owner, key, host, device in self._offloaded:
+                self._set(owner, key, host.to(device, non_blocking=True))
+                moved += host.numel() * host.element_size()
+            self.state.ddp_model.restore_grad_buffers(synchronize=True)
+            # Keep the pinned buffers for the next switch (allocating pinned memory is slow).
+            self._host = {(id(owner), key): host for owner, key, host, _ in self._offloaded}
+            self._offloaded = []
+        return self._report("generate->train", start, moved)
+
+    @staticmethod
+    def _set(owner: object, key: str | None, tensor: torch.Tensor) -> None:
+        if key is None:
+            owner.data = tensor
+        else:
+            owner[key] = tensor
+
+    def _report(self, phase: str, start: float, moved: int) -> SwitchReport:
+        on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in self.state.role.model.parameters())
+        gib = 1024**3
+        return SwitchReport(
+            phase=phase,
+            seconds=time.perf_counter() - start,
+            bytes_moved=moved,
+            gpu_allocated_GiB=torch.cuda.memory_allocated() / gib if on_gpu else 0.0,
+            gpu_peak_GiB=torch.cuda.max_memory_allocated() / gib if on_gpu else 0.0,
+        )

@@ -1,0 +1,135 @@
+"""The actor's generation copy: its training weights resharded into the generation layout.
+
+The actor trains in its own layout (say TP2, or PP2) and generates in another: TP = the generation
+tp, PP = 1 (the native engine collapses pipelines), DP = the rest of the world. A
+``WeightResharder`` builds the generation-layout model once, and ``refresh()`` copies the current
+training weights into it in place with megatron-core's
+``megatron.core.resharding.refit.swap_model_weights`` (collective over the whole world).
+
+* Zero copy: when the generation tp equals the training tp and the training pp is 1, the training
+  model already is in the generation layout. No destination is built and ``refresh()`` returns the
+  source ``RoleModel`` itself (same module, same groups): generation reads the live training weights.
+* Copy service: megatron's "nccl" service (``NCCLCopyService``), which is plain
+  ``torch.distributed.batch_isend_irecv`` on the default group (same-rank pieces are local copies):
+  NCCL point-to-point on GPU, and it runs unchanged on gloo in CPU mode. The "gloo" service stages
+  every piece through pinned host memory (~1.8x the destination's bytes; pinning needs a CUDA
+  driver) and creates a new process group, so it is slower on GPU and unusable on CPU-only hosts.
+* The destination has the source's dtype (a dtype mismatch aborts megatron's copy) and the
+  source's padded vocabulary (a mismatch raises): its vocab pad multiple is chosen so that
+  ``padded_vocab_size(vocab, generation_tp, multiple)`` equals the training model's.
+* Plan cache: megatron caches the copy plan by rank and layout sizes, not by model identity, so a
+  second model pair with the same layouts would silently reuse the first pair's plan (wrong
+  tensors). ``refresh()`` clears the cache whenever the pair differs from the last one copied
+  through this module. Anything else in the process that calls ``swap_model_weights`` directly
+  must call ``refit.clear_plan_cache()`` itself.
+* Memory: the destination is a second copy of the actor's weights (in the generation layout), and
+  megatron 0.19.2 does no bucketing: all the temporaries of one refresh exist at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.resharding import refit
+from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
+from megatron.core.resharding.utils import invalidate_refit_tensor_cache
+
+from megatron_rlhf.config.validate import layout_errors
+from megatron_rlhf.models.builder import build_model, padded_vocab_size
+from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.parallel.layout import Layout, parallel_groups
+
+# The model pair whose plan megatron's plan cache holds now (see the module docstring).
+_LAST_PAIR: list[object | None] = [None]
+
+
+def generation_layout(train: Layout, generation_tp: int, world_size: int) -> Layout:
+    """The generation layout of a model trained in ``train``: TP=generation_tp, PP=1, DP=the rest."""
+    if generation_tp < 1:
+        raise ValueError(f"generation tp={generation_tp} must be >= 1")
+    if train.tp * train.pp * train.dp != world_size:
+        raise ValueError(f"the training layout {train} has {train.tp * train.pp * train.dp} ranks, "
+                         f"not the world size {world_size}")  # fmt: skip
+    if world_size % generation_tp:
+        raise ValueError(f"generation tp={generation_tp} must divide the world size {world_size}")
+    return Layout(tp=generation_tp, pp=1, dp=world_size // generation_tp)
+
+
+def generation_vocab_pad_multiple(vocab_size: int, source_padded_vocab: int, generation_tp: int) -> int:
+    """The ``vocab_pad_multiple`` that gives the generation model the training model's padded vocab.
+
+    megatron's refit needs equal padded vocab sizes on both sides; with multiple = padded // tp the
+    padding step is the training model's padded size itself, which rounds ``vocab_size`` up to it.
+    """
+    if not 0 < vocab_size <= source_padded_vocab:
+        raise ValueError(f"the training model's padded vocabulary {source_padded_vocab} does not hold "
+                         f"the vocabulary of {vocab_size} tokens")  # fmt: skip
+    if source_padded_vocab % generation_tp:
+        raise ValueError(
+            f"generation tp={generation_tp} must divide the training model's padded vocabulary "
+            f"{source_padded_vocab} (vocab {vocab_size}): megatron's weight copy needs the same padded "
+            f"vocabulary in both layouts"
+        )
+    multiple = source_padded_vocab // generation_tp
+    padded = padded_vocab_size(vocab_size, generation_tp, multiple)
+    if padded != source_padded_vocab:  # cannot happen for 0 < vocab_size <= source_padded_vocab
+        raise ValueError(f"cannot pad vocab {vocab_size} at tp={generation_tp} to {source_padded_vocab} (got {padded})")
+    return multiple
+
+
+class WeightResharder:
+    """Builds (once) the generation-layout copy of ``source`` and refreshes its weights in place.
+
+    Collective: construct it, and call ``refresh()``, on every rank in the same order.
+    """
+
+    def __init__(self, source: RoleModel, generation_tp: int) -> None:
+        world_size = dist.get_world_size()
+        train = source.groups.layout
+        self.source = source
+        self.layout = generation_layout(train, generation_tp, world_size)
+        self.zero_copy = generation_tp == train.tp and train.pp == 1
+        self._pair = object()  # identifies this (source, destination) pair for the plan cache
+        if self.zero_copy:
+            self.target = source
+            return
+        errors = layout_errors("generation", generation_tp, 1, source.arch, world_size)
+        if errors:
+            raise ValueError("cannot generate in this layout: " + "; ".join(errors))
+        dtypes = {p.dtype for p in source.model.parameters()}
+        devices = {p.device for p in source.model.parameters()}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"the training model's parameters must share one dtype and one device "
+                             f"(got {sorted(map(str, dtypes))} on {sorted(map(str, devices))})")  # fmt: skip
+        multiple = generation_vocab_pad_multiple(source.arch.vocab_size, source.padded_vocab_size, generation_tp)
+        groups = parallel_groups(self.layout)
+        model = build_model(source.arch, groups, dtype=dtypes.pop(), device=devices.pop(), vocab_pad_multiple=multiple)
+        model.requires_grad_(False)  # inference only; the copy writes into .data in place
+        model.eval()
+        self.target = RoleModel(role=source.role, arch=source.arch, groups=groups, model=model, source=source.source)
+        self._service = NCCLCopyService()
+
+    def refresh(self) -> RoleModel:
+        """Copy the current training weights into the generation copy (in place) and return it.
+
+        Call it after the optimizer step has finished writing the parameters (with the
+        distributed optimizer and overlapped param gather, force the param sync first).
+        In the zero-copy case this returns the source ``RoleModel`` and moves nothing.
+        """
+        if self.zero_copy:
+            return self.source
+        if _LAST_PAIR[0] is not self._pair:
+            refit.clear_plan_cache()
+            _LAST_PAIR[0] = self._pair
+        # megatron caches the {name: tensor} dict of each model; re-read the training model's in
+        # case its parameters were replaced since the last copy (cheap next to the copy itself).
+        invalidate_refit_tensor_cache(self.source.model)
+        refit.swap_model_weights(self.source.model, self.target.model, self._service)
+        return self.target
+
+    def destination_bytes(self) -> int:
+        """This rank's bytes of the generation copy (0 in the zero-copy case)."""
+        if self.zero_copy:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.target.model.parameters())
+

@@ -1,0 +1,137 @@
+"""Benchmark: native-engine generation vs HF transformers ``generate`` on the same weights.
+
+    torchrun --nproc-per-node 1 scripts/bench_rollout.py --model builtin:llama-1.5b --out result.json
+
+Fixed output length (EOS ignored), greedy, random prompts. For each batch size: prefill tokens/s
+(max_new_tokens=1 run), decode tokens/s of both engines, and the HBM roofline of a decode step:
+(weight bytes + KV bytes read per step) / measured copy bandwidth, averaged over the decode. Also
+the train<->generate switch of a training state (hybrid/memory.py) against its floor (bytes moved
+/ measured pinned host<->device bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy, counted as bytes read (the decode roofline reads, it barely writes)."""
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * reps / (time.perf_counter() - start)  # read + write traffic
+
+
+def host_bandwidth(device: torch.device) -> float:
+    host = torch.empty(1024**3, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        dev.copy_(host, non_blocking=True)
+        host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    return 6 * host.numel() / (time.perf_counter() - start)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:llama-1.5b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlhf.config.schema import ModelConfig
+    from megatron_rlhf.engine.objectives import sft_loss
+    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+    from megatron_rlhf.engine.train import train_step
+    from megatron_rlhf.hybrid.memory import TrainingMemory
+    from megatron_rlhf.metrics.log import log
+    from megatron_rlhf.models.roles import build_role
+    from megatron_rlhf.models.sources import architecture_of, local_dir
+    from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    env = init_distributed("cuda")
+    arch = architecture_of(args.model)
+    role = build_role("actor", ModelConfig(path=args.model), arch, world_size=1, dtype=torch.bfloat16, device=env.device)
+    bandwidth = copy_bandwidth(env.device) / 2  # read bandwidth
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in role.model.named_parameters() if "word_embeddings" not in n)
+    kv_bytes_per_token = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * 2
+    result: dict[str, object] = {"model": args.model, "device": torch.cuda.get_device_name(), "read_bandwidth_TBps": bandwidth / 1e12,
+                                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
+    hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(local_dir(args.model), dtype=torch.bfloat16).to(env.device).eval()
+    g = torch.Generator().manual_seed(0)
+    for batch in args.batch_sizes:
+        prompts = torch.randint(0, arch.vocab_size, (batch, args.prompt_len), generator=g)
+        engine = NativeEngine(role, NativeEngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens))
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+        engine.generate(prompts[:4].tolist(), SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))  # warm-up
+        prefill_s = timed(lambda: engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)))
+        total_s = timed(lambda: engine.generate(prompts.tolist(), greedy))
+        decode_tokens = batch * (args.new_tokens - 1)
+        ours = decode_tokens / (total_s - prefill_s)
+        mean_context = args.prompt_len + args.new_tokens / 2
+        step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
+        roofline = batch / (step_bytes / bandwidth)
+        figures = {"prefill_tokens_per_s": batch * args.prompt_len / prefill_s, "decode_tokens_per_s": ours,
+                   "roofline_tokens_per_s": roofline, "fraction_of_roofline": ours / roofline}  # fmt: skip
+        if hf is not None:
+            with torch.no_grad():
+                ids = prompts.to(env.device)
+                hf.generate(ids[:4], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+                hf_s = timed(lambda: hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                                 do_sample=False, eos_token_id=None, pad_token_id=0))  # fmt: skip
+            figures["hf_generate_tokens_per_s"] = batch * args.new_tokens / hf_s
+            figures["speedup_vs_hf"] = ours / figures["hf_generate_tokens_per_s"]
+        result[f"batch{batch}"] = figures
+        del engine
+        torch.cuda.empty_cache()
+    del hf
+    state = make_train_state(role, OptimConfig(lr=1e-6))
+    ids = torch.randint(0, arch.vocab_size, (8, 512), generator=g)
+    train_step(state, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)},
+               sft_loss(role), max_tokens_per_micro_batch=4096)  # fmt: skip
+    memory = TrainingMemory(state)
+    host_bw = host_bandwidth(env.device)
+    for _ in range(2):  # the second round reuses the pinned buffers: the steady state
+        release, restore = memory.to_generation(), memory.to_training()
+    result["switch"] = {
+        "bytes_moved_GB": release.bytes_moved / 1e9, "host_bandwidth_GBps": host_bw / 1e9,
+        "train_to_generate_s": release.seconds, "generate_to_train_s": restore.seconds,
+        "floor_s": release.bytes_moved / host_bw,
+        "gpu_allocated_during_generation_GiB": release.gpu_allocated_GiB,
+    }  # fmt: skip
+    result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
+    log(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""torchrun worker (gloo, 2 ranks, fp32): the actor's generation copy made by resharding.
+
+    reshard_worker.py OUT
+
+For each training layout (TP2, PP2, and TP1xDP2 -> generation TP2) and each model (llama: untied
+embeddings, rope scaling; qwen2: tied embeddings, QKV bias):
+* the generation copy's logits equal the training model's to 1e-5;
+* greedy generation from the copy equals greedy generation from a TP1 model built directly from
+  the same checkpoint, token for token.
+Then, after an in-place perturbation of the training weights, ``refresh()`` brings the copy to the
+new weights (logits to 1e-5) writing into the same storage; the refreshes are interleaved with
+another model pair of the same layouts (megatron's plan cache is keyed by layout, not by model).
+Zero copy (generation tp == training tp, pp 1) returns the very same objects.
+Raises on any mismatch; rank 0 writes the measured figures to OUT/results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import PAD_ID, make_tiny_hf_model  # noqa: E402
+
+PROMPT_LENGTHS = (3, 9, 5, 1, 7)
+NEW_TOKENS = 8
+MICRO_BATCH = 2
+TOLERANCE = 1e-5
+# (case, family, training tp, training pp, generation tp)
+CASES = (
+    ("tp2", "llama", 2, 1, 1),
+    ("pp2", "llama", 1, 2, 1),
+    ("tp2_tied", "qwen2", 2, 1, 1),
+    ("pp2_tied", "qwen2", 1, 2, 1),
+    ("tp1_to_tp2", "llama", 1, 1, 2),
+)
+
+
+def main() -> None:
+    from megatron_rlhf.config.schema import ModelConfig
+    from megatron_rlhf.hybrid.reshard import WeightResharder
+    from megatron_rlhf.models.architecture import load_architecture
+    from megatron_rlhf.models.forward import forward_outputs
+    from megatron_rlhf.models.roles import build_role
+    from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.parallel.layout import Layout
+    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    env = init_distributed("cpu")
+    out = Path(sys.argv[1])
+    results: dict[str, float | int | bool] = {}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, PAD_ID, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    input_ids = torch.randint(0, PAD_ID, (4, 12), generator=g)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    engine_cfg = NativeEngineConfig(max_batch_size=2, max_seq_len=32)
+
+    def build(family: str, tp: int, pp: int):
+        path = out / family
+        return build_role("actor", ModelConfig(path=str(path), tp=tp, pp=pp), load_architecture(path),
+                          world_size=env.world_size, dtype=torch.float32, device=env.device)  # fmt: skip
+
+    def world_max(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def last_stage_logits(role):
+        """The model's logits, from its last pipeline stage, on every rank."""
+        logits = forward_outputs(role, input_ids, MICRO_BATCH)
+        gathered: list = [None] * env.world_size
+        dist.all_gather_object(gathered, logits)
+        return next(x for x in gathered if x is not None)
+
+    def logits_diff(source, copy) -> float:
+        return world_max((last_stage_logits(source) - last_stage_logits(copy)).abs().max().item())
+
+    def greedy_tokens(role) -> list[list[int]]:
+        return [c.token_ids for c in NativeEngine(role, engine_cfg).generate(prompts, greedy)]
+
+    for family in ("llama", "qwen2"):
+        if env.rank == 0:
+            make_tiny_hf_model(family, False, out / family)
+    dist.barrier()
+    reference_tokens = {family: greedy_tokens(build(family, 1, 1)) for family in ("llama", "qwen2")}
+
+    # 1, 2: TP2 / PP2 (and TP1 -> TP2) training layouts -> generation copies.
+    resharders = {}
+    for case, family, tp, pp, gen_tp in CASES:
+        source = build(family, tp, pp)
+        resharder = WeightResharder(source, gen_tp)
+        copy = resharder.refresh()
+        expected = Layout(tp=gen_tp, pp=1, dp=env.world_size // gen_tp)
+        if resharder.zero_copy or copy.model is source.model or copy.groups.layout != expected:
+            raise AssertionError(f"{case}: expected a separate copy in {expected}, got {copy.groups.layout}")
+        if copy.padded_vocab_size != source.padded_vocab_size:
+            raise AssertionError(f"{case}: padded vocab {copy.padded_vocab_size} != {source.padded_vocab_size}")
+        diff = logits_diff(source, copy)
+        tokens = greedy_tokens(copy)
+        mismatches = int(world_max(sum(a != b for a, b in zip(tokens, reference_tokens[family]))))
+        results[f"{case}/logits_max_abs_diff"] = diff
+        results[f"{case}/greedy_mismatches"] = mismatches
+        if diff > TOLERANCE:
+            raise AssertionError(f"{case}: generation copy logits differ from the training model's by {diff:.3e}")
+        if mismatches:
+            raise AssertionError(f"{case}: {mismatches} prompts' greedy tokens differ from the TP1 model's")
+        resharders[case] = resharder
+
+    # 3: perturb the training weights, refresh, compare; the llama TP2 refresh directly follows the
+    # qwen2 TP2 pair (same layout sizes: the plan cache must not hand it qwen2's plan).
+    for case in ("tp2", "pp2"):
+        resharder = resharders[case]
+        source, copy = resharder.source, resharder.target
+        pointers = [p.data_ptr() for p in copy.model.parameters()]
+        noise = torch.Generator().manual_seed(17)  # the same on every rank: replicated params stay equal
+        with torch.no_grad():
+            for p in source.model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
+        stale = logits_diff(source, copy)
+        refreshed = resharder.refresh()
+        diff = logits_diff(source, refreshed)
+        moved = int(world_max(sum(a != p.data_ptr() for a, p in zip(pointers, refreshed.model.parameters()))))
+        results[f"{case}/stale_logits_max_abs_diff"] = stale
+        results[f"{case}/refreshed_logits_max_abs_diff"] = diff
+        results[f"{case}/refresh_moved_tensors"] = moved
+        results[f"{case}/refresh_same_role_object"] = refreshed is copy
+        if stale < 1e-3:
+            raise AssertionError(f"{case}: the perturbation did not change the logits ({stale:.3e})")
+        if diff > TOLERANCE:
+            raise AssertionError(f"{case}: refreshed copy differs from the perturbed source by {diff:.3e}")
+        if moved or refreshed is not copy:
+            raise AssertionError(f"{case}: refresh reallocated {moved} tensors (or returned a new RoleModel)")
+    # The other pairs still copy correctly after the cache switched away from them and back.
+    results["tp2_tied/refreshed_again_logits_max_abs_diff"] = diff = logits_diff(
+        resharders["tp2_tied"].source, resharders["tp2_tied"].refresh()
+    )
+    if diff > TOLERANCE:
+        raise AssertionError(f"tp2_tied: copy after other pairs differs by {diff:.3e}")
+
+    # 4: zero copy.
+    for tp in (1, 2):
+        source = build("llama", tp, 1)
+        resharder = WeightResharder(source, tp)
+        copy = resharder.refresh()
+        same = resharder.zero_copy and copy is source and copy.model is source.model and resharder.destination_bytes() == 0
+        results[f"zero_copy_tp{tp}/same_object"] = same
+        if not same:
+            raise AssertionError(f"zero copy at TP{tp}: refresh() did not return the source RoleModel itself")
+
+    if env.rank == 0:
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
