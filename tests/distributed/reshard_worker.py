@@ -7,9 +7,10 @@ embeddings, rope scaling; qwen2: tied embeddings, QKV bias):
 * the generation copy's logits equal the training model's to 1e-5;
 * greedy generation from the copy equals greedy generation from a TP1 model built directly from
   the same checkpoint, token for token.
-Then, after an in-place perturbation of the training weights, ``refresh()`` brings the copy to the
-new weights (logits to 1e-5) writing into the same storage; the refreshes are interleaved with
-another model pair of the same layouts (megatron's plan cache is keyed by layout, not by model).
+Then, after an in-place perturbation of the training weights, and again after a real optimizer step
+(megatron DDP + distributed optimizer), ``refresh()`` brings the copy to the new weights (logits to
+1e-5) writing into the same storage; the refreshes are interleaved with other model pairs of the
+same layouts (megatron's plan cache is keyed by layout, not by model).
 Zero copy (generation tp == training tp, pp 1) returns the very same objects.
 Raises on any mismatch; rank 0 writes the measured figures to OUT/results.json.
 """
@@ -42,6 +43,9 @@ CASES = (
 
 def main() -> None:
     from megatron_rlhf.config.schema import ModelConfig
+    from megatron_rlhf.engine.objectives import sft_loss
+    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.reshard import WeightResharder
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.forward import forward_outputs
@@ -94,7 +98,12 @@ def main() -> None:
     for case, family, tp, pp, gen_tp in CASES:
         source = build(family, tp, pp)
         resharder = WeightResharder(source, gen_tp)
+        allocated = [p.data_ptr() for p in resharder.target.model.parameters()]
         copy = resharder.refresh()
+        moved = int(world_max(sum(a != p.data_ptr() for a, p in zip(allocated, copy.model.parameters()))))
+        results[f"{case}/refresh_moved_tensors"] = moved
+        if moved:
+            raise AssertionError(f"{case}: the first refresh reallocated {moved} destination tensors")
         expected = Layout(tp=gen_tp, pp=1, dp=env.world_size // gen_tp)
         if resharder.zero_copy or copy.model is source.model or copy.groups.layout != expected:
             raise AssertionError(f"{case}: expected a separate copy in {expected}, got {copy.groups.layout}")
@@ -111,36 +120,55 @@ def main() -> None:
             raise AssertionError(f"{case}: {mismatches} prompts' greedy tokens differ from the TP1 model's")
         resharders[case] = resharder
 
-    # 3: perturb the training weights, refresh, compare; the llama TP2 refresh directly follows the
-    # qwen2 TP2 pair (same layout sizes: the plan cache must not hand it qwen2's plan).
-    for case in ("tp2", "pp2"):
-        resharder = resharders[case]
-        source, copy = resharder.source, resharder.target
-        pointers = [p.data_ptr() for p in copy.model.parameters()]
-        noise = torch.Generator().manual_seed(17)  # the same on every rank: replicated params stay equal
-        with torch.no_grad():
-            for p in source.model.parameters():
-                p.add_(0.01 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
-        stale = logits_diff(source, copy)
-        refreshed = resharder.refresh()
-        diff = logits_diff(source, refreshed)
-        moved = int(world_max(sum(a != p.data_ptr() for a, p in zip(pointers, refreshed.model.parameters()))))
-        results[f"{case}/stale_logits_max_abs_diff"] = stale
-        results[f"{case}/refreshed_logits_max_abs_diff"] = diff
-        results[f"{case}/refresh_moved_tensors"] = moved
-        results[f"{case}/refresh_same_role_object"] = refreshed is copy
-        if stale < 1e-3:
-            raise AssertionError(f"{case}: the perturbation did not change the logits ({stale:.3e})")
-        if diff > TOLERANCE:
-            raise AssertionError(f"{case}: refreshed copy differs from the perturbed source by {diff:.3e}")
-        if moved or refreshed is not copy:
-            raise AssertionError(f"{case}: refresh reallocated {moved} tensors (or returned a new RoleModel)")
-    # The other pairs still copy correctly after the cache switched away from them and back.
+    # A pair still copies correctly after the cache switched away from it and back.
     results["tp2_tied/refreshed_again_logits_max_abs_diff"] = diff = logits_diff(
         resharders["tp2_tied"].source, resharders["tp2_tied"].refresh()
     )
     if diff > TOLERANCE:
         raise AssertionError(f"tp2_tied: copy after other pairs differs by {diff:.3e}")
+
+    def check_refresh(case: str, update: str, change) -> None:
+        """Change the training weights with ``change()``, refresh, compare (logits, storage, object)."""
+        resharder = resharders[case]
+        source, copy = resharder.source, resharder.target
+        pointers = [p.data_ptr() for p in copy.model.parameters()]
+        change(source)
+        stale = logits_diff(source, copy)
+        refreshed = resharder.refresh()
+        diff = logits_diff(source, refreshed)
+        moved = int(world_max(sum(a != p.data_ptr() for a, p in zip(pointers, refreshed.model.parameters()))))
+        key = f"{case}/{update}"
+        results[f"{key}/stale_logits_max_abs_diff"] = stale
+        results[f"{key}/refreshed_logits_max_abs_diff"] = diff
+        results[f"{key}/refresh_moved_tensors"] = moved
+        results[f"{key}/refresh_same_role_object"] = refreshed is copy
+        if stale < 1e-3:
+            raise AssertionError(f"{key}: the update did not change the logits ({stale:.3e})")
+        if diff > TOLERANCE:
+            raise AssertionError(f"{key}: refreshed copy differs from the updated source by {diff:.3e}")
+        if moved or refreshed is not copy:
+            raise AssertionError(f"{key}: refresh reallocated {moved} tensors (or returned a new RoleModel)")
+
+    def perturb(source) -> None:
+        noise = torch.Generator().manual_seed(17)  # the same on every rank: replicated params stay equal
+        with torch.no_grad():
+            for p in source.model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
+
+    def optimizer_step(source) -> None:
+        """One real SFT step: megatron DDP (params moved into its buffers) + distributed optimizer."""
+        state = make_train_state(source, OptimConfig(lr=1e-2))
+        ids = torch.randint(0, PAD_ID, (4, 16), generator=torch.Generator().manual_seed(23))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+        train_step(state, batch, sft_loss(source), max_tokens_per_micro_batch=32)
+
+    # 3: change the training weights, refresh, compare. The llama TP2 refresh directly follows the
+    # qwen2 TP2 one (same layout sizes: megatron's plan cache must not hand it qwen2's plan), and
+    # the llama PP2 one has a stale qwen2 PP2 plan under its key unless the cache is cleared.
+    for case in ("tp2", "pp2"):
+        check_refresh(case, "perturbed", perturb)
+    for case in ("tp2", "pp2"):
+        check_refresh(case, "optimizer_step", optimizer_step)
 
     # 4: zero copy.
     for tp in (1, 2):
