@@ -1,0 +1,81 @@
+"""The hybrid engine: the actor's train -> generate -> train switch, in one object made once.
+
+``generate`` runs, in order: release the training memory (grad buffers freed, optimizer state to
+pinned CPU), bring the generation weights up to date (zero copy when the layouts match, else a
+resharding copy into the generation layout), generate with the native engine on this rank's
+share of the prompts (data parallel over the generation layout), free the KV cache, restore the
+training memory, and share all completions with every rank. Each phase is timed and reports GPU
+memory. No process group is created after construction.
+
+The generation-layout copy (when one is needed) is persistent: it costs one extra copy of the
+actor's weights in the generation layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.hybrid.memory import TrainingMemory
+from megatron_rlhf.hybrid.reshard import WeightResharder
+from megatron_rlhf.metrics.log import memory_summary
+from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+from megatron_rlhf.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class PhaseReport:
+    phase: str
+    seconds: float
+    memory: str
+
+
+class HybridEngine:
+    def __init__(self, actor: TrainState, generation_tp: int, engine_cfg: NativeEngineConfig) -> None:
+        self.actor = actor
+        self.memory = TrainingMemory(actor)
+        self.resharder = WeightResharder(actor.role, generation_tp)
+        self.engine_cfg = engine_cfg
+        self.device = next(actor.role.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[list[Completion], list[PhaseReport]]:
+        """All completions (every rank gets all of them, ordered), and the phase reports."""
+        reports: list[PhaseReport] = []
+
+        def phase(name: str, start: float) -> None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            reports.append(PhaseReport(name, time.perf_counter() - start, memory_summary(self.device)))
+
+        start = time.perf_counter()
+        self.memory.to_generation()
+        phase("release training memory", start)
+
+        start = time.perf_counter()
+        role = self.resharder.refresh()
+        phase("generation weights" + (" (zero copy)" if self.resharder.zero_copy else " (reshard)"), start)
+
+        start = time.perf_counter()
+        dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
+        mine = list(range(dp_rank, len(prompts), dp))
+        completions = NativeEngine(role, self.engine_cfg).generate([list(prompts[i]) for i in mine], params)
+        for completion in completions:
+            completion.prompt_index = mine[completion.prompt_index]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the KV cache went with the engine
+        phase("generate", start)
+
+        start = time.perf_counter()
+        self.memory.to_training()
+        phase("restore training memory", start)
+
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, completions if role.groups.tp_rank == 0 else [])
+        everything = sorted((c for part in gathered for c in part), key=lambda c: (c.prompt_index, c.sample_index))
+        return everything, reports
