@@ -1,6 +1,9 @@
 """Benchmark: native-engine generation vs HF transformers ``generate`` on the same weights.
 
     torchrun --nproc-per-node 1 scripts/bench_rollout.py --model builtin:llama-1.5b --out result.json
+    torchrun --nproc-per-node 2 scripts/bench_rollout.py --model builtin:llama-1.5b --out reshard.json
+
+With 2 ranks it measures only the hybrid engine's weight copy: TP2 training -> TP1 x DP2 generation.
 
 Fixed output length (EOS ignored), greedy, random prompts. For each batch size: prefill tokens/s
 (max_new_tokens=1 run), decode tokens/s of both engines, and the HBM roofline of a decode step:
@@ -53,6 +56,27 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def measure_reshard(args: argparse.Namespace, env) -> None:
+    from megatron_rlhf.config.schema import ModelConfig
+    from megatron_rlhf.hybrid.reshard import WeightResharder
+    from megatron_rlhf.metrics.log import log
+    from megatron_rlhf.models.roles import build_role
+    from megatron_rlhf.models.sources import architecture_of
+
+    arch = architecture_of(args.model)
+    actor = build_role("actor", ModelConfig(path=args.model, tp=env.world_size), arch, world_size=env.world_size,
+                       dtype=torch.bfloat16, device=env.device)  # fmt: skip
+    resharder = WeightResharder(actor, generation_tp=1)
+    times = [timed(resharder.refresh) for _ in range(3)]  # the first one builds the copy plan
+    copy_bytes = resharder.destination_bytes()
+    result = {"model": args.model, "train_layout": str(actor.groups.layout), "generation_layout": "TP1xPP1xDP"
+              + str(env.world_size), "refresh_s": times, "destination_GB_per_rank": copy_bytes / 1e9,
+              "effective_GBps_per_rank": copy_bytes / 1e9 / min(times[1:])}  # fmt: skip
+    log(json.dumps(result, indent=1))
+    if env.rank == 0 and args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:llama-1.5b")
@@ -79,6 +103,8 @@ def main() -> None:
 
     env = init_distributed("cuda")
     arch = architecture_of(args.model)
+    if env.world_size > 1:
+        return measure_reshard(args, env)
     role = build_role("actor", ModelConfig(path=args.model), arch, world_size=1, dtype=torch.bfloat16, device=env.device)
     bandwidth = copy_bandwidth(env.device) / 2  # read bandwidth
     weight_bytes = sum(p.numel() * p.element_size() for n, p in role.model.named_parameters() if "word_embeddings" not in n)
@@ -89,18 +115,23 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for batch in args.batch_sizes:
         prompts = torch.randint(0, arch.vocab_size, (batch, args.prompt_len), generator=g)
-        engine = NativeEngine(role, NativeEngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens))
         greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-        engine.generate(prompts[:4].tolist(), SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))  # warm-up
-        prefill_s = timed(lambda: engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)))
-        total_s = timed(lambda: engine.generate(prompts.tolist(), greedy))
-        decode_tokens = batch * (args.new_tokens - 1)
-        ours = decode_tokens / (total_s - prefill_s)
+        figures = {}
+        for label, graphs in (("eager", False), ("cuda_graphs", True)):
+            engine = NativeEngine(role, NativeEngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens,
+                                                           cuda_graphs=graphs))  # fmt: skip
+            # Warm-up: with graphs, a full run captures every KV-length bucket's graph once.
+            engine.generate(prompts.tolist() if graphs else prompts[:4].tolist(), greedy)
+            prefill_s = timed(lambda: engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)))
+            total_s = timed(lambda: engine.generate(prompts.tolist(), greedy))
+            figures["prefill_tokens_per_s"] = batch * args.prompt_len / prefill_s
+            figures[f"decode_tokens_per_s_{label}"] = batch * (args.new_tokens - 1) / (total_s - prefill_s)
+            del engine
+        ours = figures["decode_tokens_per_s_cuda_graphs"]
         mean_context = args.prompt_len + args.new_tokens / 2
         step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
         roofline = batch / (step_bytes / bandwidth)
-        figures = {"prefill_tokens_per_s": batch * args.prompt_len / prefill_s, "decode_tokens_per_s": ours,
-                   "roofline_tokens_per_s": roofline, "fraction_of_roofline": ours / roofline}  # fmt: skip
+        figures.update({"roofline_tokens_per_s": roofline, "fraction_of_roofline": ours / roofline})
         if hf is not None:
             with torch.no_grad():
                 ids = prompts.to(env.device)
@@ -110,7 +141,6 @@ def main() -> None:
             figures["hf_generate_tokens_per_s"] = batch * args.new_tokens / hf_s
             figures["speedup_vs_hf"] = ours / figures["hf_generate_tokens_per_s"]
         result[f"batch{batch}"] = figures
-        del engine
         torch.cuda.empty_cache()
     del hf
     state = make_train_state(role, OptimConfig(lr=1e-6))

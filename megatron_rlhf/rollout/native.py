@@ -38,10 +38,17 @@ class NativeEngineConfig:
     """A prompt with no room for one new token: error, or truncate (drop its oldest tokens, counted)."""
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids of the tokenizer; generation stops on them unless ignore_eos."""
+    cuda_graphs: bool = True
+    """On GPU, replay decode steps as CUDA graphs (one per KV-length bucket), removing per-step
+    launch overhead; prefill stays eager. Ignored on CPU."""
+    graph_kv_bucket: int = 128
+    """Decode graphs attend over the cache rounded up to a multiple of this many positions."""
 
     def __post_init__(self) -> None:
         if self.on_long_prompt not in LONG_PROMPT_POLICIES:
             raise ValueError(f"on_long_prompt={self.on_long_prompt!r} must be one of {list(LONG_PROMPT_POLICIES)}")
+        if self.graph_kv_bucket < 1:
+            raise ValueError(f"graph_kv_bucket={self.graph_kv_bucket} must be >= 1")
         if self.max_batch_size < 1 or self.max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {self.max_batch_size}, {self.max_seq_len}")
 
@@ -91,6 +98,7 @@ class NativeEngine:
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
         free = list(range(cache.keys.shape[1]))
+        graphs = _DecodeGraphs(self, cache) if self.cfg.cuda_graphs and self.device.type == "cuda" else None
         running: list[_Sequence] = []
         finished: list[Completion] = []
         was_training = self.model.training
@@ -105,7 +113,7 @@ class NativeEngine:
                         self._prefill(admitted, cache, params, generator)
                         running += admitted
                     else:
-                        self._decode(running, cache, params, generator)
+                        self._decode(running, cache, params, generator, graphs)
                     still_running = []
                     for seq in running:
                         if self._is_done(seq, params, stop_ids):
@@ -151,14 +159,25 @@ class NativeEngine:
             input_ids[row, : lengths[row]] = torch.tensor(seq.completion.prompt_ids)
         positions = torch.arange(width).expand(len(seqs), width)
         last = torch.tensor(lengths) - 1
-        logits = self._logits(input_ids, positions, seqs, cache, last)
+        logits = self._model_logits(input_ids, positions, self._slots(seqs), width, cache, last)
         self._append_samples(seqs, logits, params, generator)
 
-    def _decode(self, seqs: list[_Sequence], cache: KVCache, params: SamplingParams, generator: torch.Generator) -> None:
+    def _decode(
+        self, seqs: list[_Sequence], cache: KVCache, params: SamplingParams, generator: torch.Generator,
+        graphs: "_DecodeGraphs | None",
+    ) -> None:  # fmt: skip
         input_ids = torch.tensor([[s.completion.token_ids[-1]] for s in seqs])
         positions = torch.tensor([[s.length - 1] for s in seqs])
-        logits = self._logits(input_ids, positions, seqs, cache, torch.zeros(len(seqs), dtype=torch.long))
+        kv_len = max(s.length for s in seqs)
+        if graphs is not None:
+            logits = graphs.logits(input_ids, positions, [s.slot for s in seqs], kv_len)
+        else:
+            last = torch.zeros(len(seqs), dtype=torch.long)
+            logits = self._model_logits(input_ids, positions, self._slots(seqs), kv_len, cache, last)
         self._append_samples(seqs, logits, params, generator)
+
+    def _slots(self, seqs: list[_Sequence]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in seqs], device=self.device)
 
     def _append_samples(
         self, seqs: list[_Sequence], logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
@@ -171,21 +190,23 @@ class NativeEngine:
             seq.completion.token_ids.append(token)
             seq.completion.logprobs.append(logprob)
 
-    def _logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[_Sequence], cache: KVCache, last: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the model over (b, sq) tokens at the given positions; (b, V) float32 logits of the
-        token at index ``last[row]`` of each row."""
+    def _model_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int, cache: KVCache,
+        last: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Run the model over (b, sq) tokens at the given positions of the given cache slots,
+        attending over cache positions [0, kv_len); (b, V) float32 logits of the token at index
+        ``last[row]`` of each row. No host synchronisation: decode graphs capture this."""
         model, device = self.model, self.device
         input_ids, positions, last = input_ids.to(device), positions.to(device), last.to(device)
         inv_freq = model.rotary_pos_emb.inv_freq.to(device)
         angles = positions.t().float()[..., None] * inv_freq  # (sq, b, rotary_dim / 2)
         step = DecodeStep(
             cache=cache,
-            slots=torch.tensor([s.slot for s in seqs], device=device),
+            slots=slots,
             positions=positions,
             rotary_freqs=torch.cat([angles, angles], dim=-1)[:, :, None, :],
-            kv_len=int(positions.max()) + 1,
+            kv_len=kv_len,
         )
         for module in self.attention:
             module.kv_step = step
@@ -200,3 +221,52 @@ class NativeEngine:
         logits, _ = model.output_layer(final[None], weight=weight)  # (1, b, Vp / tp)
         logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
         return logits[0, :, : self.role.arch.vocab_size].float()
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode step over every cache slot, one per KV-length bucket.
+
+    A graph reads static input buffers (one row per slot; rows of idle slots decode a dummy token
+    at position 0, harmless: a slot's next prefill overwrites its cache) and writes static logits.
+    Captured lazily, sharing one memory pool. Sampling stays outside the graph.
+    """
+
+    def __init__(self, engine: NativeEngine, cache: KVCache) -> None:
+        self.engine, self.cache = engine, cache
+        slots = cache.keys.shape[1]
+        device = engine.device
+        self.input_ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.slots = torch.arange(slots, device=device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _bucket(self, kv_len: int) -> int:
+        step = self.engine.cfg.graph_kv_bucket
+        return min(-(-kv_len // step) * step, self.cache.max_len)
+
+    def _run(self, kv_len: int) -> torch.Tensor:
+        return self.engine._model_logits(self.input_ids, self.positions, self.slots, kv_len, self.cache, self.last)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: list[int], kv_len: int) -> torch.Tensor:
+        index = torch.tensor(slots, device=self.slots.device)
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.input_ids[index] = input_ids.to(self.input_ids.device)
+        self.positions[index] = positions.to(self.positions.device)
+        bucket = self._bucket(kv_len)
+        if bucket not in self.graphs:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up outside the graph (library handles, allocator)
+                    self._run(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._run(bucket)
+            self.graphs[bucket] = (graph, out)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out[index]
