@@ -119,6 +119,12 @@ def build_model(
         )
     if arch.score_head and groups.is_last_stage:
         model.output_layer = ValueHead(config, groups.pg_collection.tp, arch.num_labels)
+    # torch's RMSNorm (the TE-free spec) creates float32 weights whatever params_dtype says; give
+    # every parameter the model's dtype, as HF checkpoints and TE norms have (buffers such as the
+    # rotary frequencies stay float32).
+    for param in model.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
     if on_gpu:
         model.cuda(device)  # torch norms are built on the CPU even with GPU initialisation
     return model
