@@ -23,7 +23,8 @@ import torch
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy, counted as bytes read (the decode roofline reads, it barely writes)."""
+    """HBM traffic rate of a device-to-device copy (bytes read + bytes written per second): the
+    rate a read-dominated decode step can at best stream its weights and KV cache at."""
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
@@ -106,10 +107,10 @@ def main() -> None:
     if env.world_size > 1:
         return measure_reshard(args, env)
     role = build_role("actor", ModelConfig(path=args.model), arch, world_size=1, dtype=torch.bfloat16, device=env.device)
-    bandwidth = copy_bandwidth(env.device) / 2  # read bandwidth
+    bandwidth = copy_bandwidth(env.device)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in role.model.named_parameters() if "word_embeddings" not in n)
     kv_bytes_per_token = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * 2
-    result: dict[str, object] = {"model": args.model, "device": torch.cuda.get_device_name(), "read_bandwidth_TBps": bandwidth / 1e12,
+    result: dict[str, object] = {"model": args.model, "device": torch.cuda.get_device_name(), "hbm_bandwidth_TBps": bandwidth / 1e12,
                                  "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(local_dir(args.model), dtype=torch.bfloat16).to(env.device).eval()
     g = torch.Generator().manual_seed(0)
