@@ -16,6 +16,7 @@ import os
 import sys
 
 from megatron_rlhf.config.loader import ConfigError, load_config, presets, to_yaml
+from megatron_rlhf.metrics.log import quiet_known_warnings
 
 DEFAULT_PRESET = "smoke"
 
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_known_warnings()
     try:
         if args.command == "config":
             print(to_yaml(load_config(args.config, args.overrides)), end="")

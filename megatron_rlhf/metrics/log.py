@@ -7,8 +7,10 @@ hits them. Memory figures come from the CUDA allocator on GPU and from the proce
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
+import warnings
 from typing import Iterator
 
 import psutil
@@ -49,3 +51,20 @@ def timed(phase: str, device: torch.device, times: dict[str, float] | None = Non
     if times is not None:
         times[phase] = elapsed
     log(f"[{phase}] {elapsed:.2f}s, {memory_summary(device)}")
+
+
+def quiet_known_warnings() -> None:
+    """Silence megatron-core's expected notices on machines without apex/Transformer Engine.
+
+    They repeat on every rank and every model build (torch fallbacks in use, GPTModel deprecation;
+    the model class choice lives in models/builder.py) and would bury the run's own output. Call it
+    before megatron is imported.
+    """
+    for message in (
+        "Transformer Engine and Apex are not installed",
+        "Apex is not installed",
+        "full scope is deprecated",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
