@@ -54,26 +54,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(smoke)
 
-    sft = commands.add_parser(
-        "sft",
-        help="supervised fine-tuning of a causal LM on prompt/response rows",
-        description="Train a *ForCausalLM on prompt -> response rows (.jsonl/.parquet; columns prompt and "
-        "response by default) with next-token NLL on the response. Writes metrics.jsonl, TensorBoard events "
-        "(tb/) and, with save_hf=true, an HF checkpoint (hf/) under output_dir. Example: megatron-rlhf sft "
-        "data.train=[train.jsonl] data.validation=[val.jsonl] model.path=/models/Qwen2.5-0.5B",
-    )
-    _add_config_args(sft, default="sft-tiny", example="data.train=[train.jsonl] model.tp=2 max_steps=100")
-    sft.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML and exit")
-    rm = commands.add_parser(
-        "rm",
-        help="reward-model training on preference pairs (Bradley-Terry)",
-        description="Train a *ForSequenceClassification (score head) on prompt/chosen/rejected rows with the "
-        "Bradley-Terry loss; validation reports preference accuracy. Writes metrics.jsonl, TensorBoard "
-        "events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under output_dir. Example: megatron-rlhf "
-        "rm data.train=[prefs.jsonl] data.validation=[prefs-val.jsonl]",
-    )
-    _add_config_args(rm, default="rm-tiny", example="data.train=[prefs.jsonl] optim.lr=1e-5")
-    rm.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML and exit")
+    outputs = "Writes metrics.jsonl, TensorBoard events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under output_dir."
+    for name, help_text, description, example in (
+        (
+            "sft",
+            "supervised fine-tuning of a causal LM on prompt/response rows",
+            "Train a *ForCausalLM on prompt -> response rows (.jsonl/.parquet; columns prompt and response by "
+            f"default) with next-token NLL on the response. {outputs} Example: megatron-rlhf sft "
+            "data.train=[train.jsonl] data.validation=[val.jsonl] model.path=/models/Qwen2.5-0.5B",
+            "data.train=[train.jsonl] model.tp=2 max_steps=100",
+        ),
+        (
+            "rm",
+            "reward-model training on preference pairs (Bradley-Terry)",
+            "Train a *ForSequenceClassification (score head) on prompt/chosen/rejected rows with the Bradley-Terry "
+            f"loss; validation reports preference accuracy. {outputs} Example: megatron-rlhf rm "
+            "data.train=[prefs.jsonl] data.validation=[prefs-val.jsonl]",
+            "data.train=[prefs.jsonl] optim.lr=1e-5",
+        ),
+    ):
+        trainer = commands.add_parser(name, help=help_text, description=description)
+        _add_config_args(trainer, default=f"{name}-tiny", example=example)
+        trainer.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML and exit")
 
     generate = commands.add_parser(
         "generate",

@@ -16,25 +16,19 @@ import torch.distributed as dist
 from megatron_rlhf.config.loader import to_yaml
 from megatron_rlhf.config.schema import ROLES, RunConfig
 from megatron_rlhf.config.validate import validate
+from megatron_rlhf.engine.train import forward_outputs
 from megatron_rlhf.metrics.log import log, timed
-from megatron_rlhf.models.builder import DTYPES
-from megatron_rlhf.models.forward import forward_outputs
+from megatron_rlhf.models.builder import resolve_dtype
 from megatron_rlhf.models.roles import build_role
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 
 SMOKE_BATCH, SMOKE_SEQ_LEN = 4, 32
 
 
-def resolve_dtype(name: str, env: DistEnv) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if env.is_cpu else torch.bfloat16
-    return DTYPES[name]
-
-
 def run_smoke(cfg: RunConfig, env: DistEnv) -> dict[str, dict[str, float]]:
     archs = validate(cfg, env.world_size)
     seed_everything(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env)
+    dtype = resolve_dtype(cfg.dtype, env.device)
     log(f"world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}")
     out_dir = Path(cfg.output_dir)
     if env.rank == 0:

@@ -8,19 +8,13 @@ import torch.distributed as dist
 from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, read_architecture, save_mcore_checkpoint
 from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.metrics.log import log, timed
-from megatron_rlhf.models.architecture import Architecture, load_architecture
+from megatron_rlhf.models.architecture import load_architecture
 from megatron_rlhf.models.builder import build_model
-from megatron_rlhf.models.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from megatron_rlhf.models.hf_checkpoint import checkpoint_torch_dtype, load_hf_weights, save_hf_checkpoint
 from megatron_rlhf.parallel.distributed import init_distributed
 from megatron_rlhf.parallel.layout import Layout, parallel_groups
 
 DIRECTIONS = ("hf-to-mcore", "mcore-to-hf")
-
-
-def _dtype_of(arch: Architecture) -> torch.dtype:
-    """Convert in the checkpoint's own dtype, so that a round trip is bit-exact."""
-    name = arch.checkpoint_dtype
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.float32
 
 
 def convert(direction: str, source: str, output: str, *, tp: int, pp: int, device: str = "auto") -> None:
@@ -28,14 +22,15 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
         raise ValueError(f"convert direction {direction!r} must be one of {list(DIRECTIONS)}")
     arch = load_architecture(source) if direction == "hf-to-mcore" else read_architecture(source)
     env = init_distributed(device)
-    errors = layout_errors("convert", tp, pp, arch, env.world_size)
+    errors = layout_errors("convert", tp, pp, arch, env.world_size, as_flags=True)
     if errors:
         if env.world_size % (tp * pp):
             errors.append(f"run under torchrun with a multiple of {tp * pp} processes, e.g. "
                           f"torchrun --nproc-per-node {tp * pp} -m megatron_rlhf convert ...")
-        raise ValueError("; ".join(e.replace("convert.", "--") for e in errors))
+        raise ValueError("; ".join(errors))
     groups = parallel_groups(Layout.for_world(tp, pp, env.world_size))
-    model = build_model(arch, groups, dtype=_dtype_of(arch), device=env.device)
+    # Convert in the checkpoint's own dtype, so that a round trip is bit-exact.
+    model = build_model(arch, groups, dtype=checkpoint_torch_dtype(arch, torch.float32), device=env.device)
     with timed(f"convert {direction}: load", env.device):
         if direction == "hf-to-mcore":
             load_hf_weights(model, arch, groups, source)

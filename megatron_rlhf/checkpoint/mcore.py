@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
-from megatron_rlhf.models.hf_checkpoint import SIDE_FILES
+from megatron_rlhf.models.hf_checkpoint import copy_side_files
 from megatron_rlhf.parallel.layout import ParallelGroups
 
 FORMAT_VERSION = 1
@@ -82,9 +81,7 @@ def save_mcore_checkpoint(
         meta = {"format_version": FORMAT_VERSION, "hf_config": arch.hf_config, "saved_layout": str(groups.layout)}
         (ckpt / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if side_files_from is not None:
-            for name in SIDE_FILES:
-                if (Path(side_files_from) / name).is_file():
-                    shutil.copy2(Path(side_files_from) / name, ckpt / name)
+            copy_side_files(side_files_from, ckpt)
     dist.barrier()
 
 

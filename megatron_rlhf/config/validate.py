@@ -17,22 +17,28 @@ from megatron_rlhf.parallel.distributed import DEVICES
 _NEEDS_SCORE_HEAD = {"actor": False, "reference": False, "critic": True, "reward": True}
 
 
-def layout_errors(key: str, tp: int, pp: int, arch: Architecture, world_size: int) -> list[str]:
-    """Rules a (tp, pp) layout must satisfy for ``arch`` in a world of ``world_size`` ranks."""
+def layout_errors(
+    key: str, tp: int, pp: int, arch: Architecture, world_size: int, *, as_flags: bool = False
+) -> list[str]:
+    """Rules a (tp, pp) layout must satisfy for ``arch`` in a world of ``world_size`` ranks.
+
+    Messages name the settings ``key.tp``/``key.pp``, or ``--tp``/``--pp`` for command-line flags.
+    """
+    tp_name, pp_name = ("--tp", "--pp") if as_flags else (f"{key}.tp", f"{key}.pp")
     errors = []
     if tp < 1 or pp < 1:
-        return [f"{key}.tp={tp} and {key}.pp={pp} must both be >= 1"]
+        return [f"{tp_name}={tp} and {pp_name}={pp} must both be >= 1"]
     if world_size % (tp * pp):
-        errors.append(f"{key}.tp*{key}.pp={tp * pp} must divide the world size {world_size}")
+        errors.append(f"{tp_name}*{pp_name}={tp * pp} must divide the world size {world_size}")
     for field, value in (
         ("num_attention_heads", arch.num_attention_heads),
         ("num_key_value_heads", arch.num_query_groups),
         ("intermediate_size", arch.ffn_hidden_size),
     ):
         if value % tp:
-            errors.append(f"{key}.tp={tp} must divide {field}={value}")
+            errors.append(f"{tp_name}={tp} must divide {field}={value}")
     if arch.num_layers % pp:
-        errors.append(f"{key}.pp={pp} must divide num_hidden_layers={arch.num_layers}")
+        errors.append(f"{pp_name}={pp} must divide num_hidden_layers={arch.num_layers}")
     return errors
 
 

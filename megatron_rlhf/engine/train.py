@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, micro_batches, run_schedule
@@ -89,3 +90,17 @@ def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_toke
         return None
     padded = [torch.nn.functional.pad(o, (0, 0) * (o.dim() - 2) + (0, width - o.shape[1])) for o in outputs]
     return torch.cat(padded)
+
+
+def forward_outputs(role: RoleModel, input_ids: torch.Tensor, micro_batch_size: int) -> torch.Tensor | None:
+    """The raw model output for full-length rows ``input_ids (B, S)``: logits (B, S, V) over the real
+    vocabulary (TP shards gathered, padding stripped) or scores (B, S, num_labels); last stage only."""
+    pg, arch = role.groups.pg_collection, role.arch
+
+    def output(piece: Batch, out: torch.Tensor) -> torch.Tensor:
+        if arch.score_head:
+            return out
+        return gather_from_tensor_model_parallel_region(out, group=pg.tp)[..., : arch.vocab_size]
+
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    return forward_pass(role, batch, output, max_tokens_per_micro_batch=micro_batch_size * input_ids.shape[1])

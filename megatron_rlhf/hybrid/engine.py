@@ -4,7 +4,7 @@
 pinned CPU), bring the generation weights up to date (zero copy when the layouts match, else a
 resharding copy into the generation layout), generate with the native engine on this rank's
 share of the prompts (data parallel over the generation layout), free the KV cache, restore the
-training memory, and share all completions with every rank. Each phase is timed and reports GPU
+training memory. Every rank gets all completions. Each phase is timed and reports GPU
 memory. No process group is created after construction.
 
 The generation-layout copy (when one is needed) is persistent: it costs one extra copy of the
@@ -18,14 +18,13 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.hybrid.memory import TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.log import memory_summary
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+from megatron_rlhf.rollout.native import NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 
@@ -62,11 +61,7 @@ class HybridEngine:
         phase("generation weights" + (" (zero copy)" if self.resharder.zero_copy else " (reshard)"), start)
 
         start = time.perf_counter()
-        dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
-        mine = list(range(dp_rank, len(prompts), dp))
-        completions = NativeEngine(role, self.engine_cfg).generate([list(prompts[i]) for i in mine], params)
-        for completion in completions:
-            completion.prompt_index = mine[completion.prompt_index]
+        completions = generate_data_parallel(role, self.engine_cfg, prompts, params)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV cache went with the engine
         phase("generate", start)
@@ -74,8 +69,4 @@ class HybridEngine:
         start = time.perf_counter()
         self.memory.to_training()
         phase("restore training memory", start)
-
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, completions if role.groups.tp_rank == 0 else [])
-        everything = sorted((c for part in gathered for c in part), key=lambda c: (c.prompt_index, c.sample_index))
-        return everything, reports
+        return completions, reports

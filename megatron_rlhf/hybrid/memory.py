@@ -33,6 +33,7 @@ class SwitchReport:
 class TrainingMemory:
     def __init__(self, state: TrainState) -> None:
         self.state = state
+        self.on_gpu = any(p.is_cuda for p in state.role.model.parameters())
         self._host: dict[tuple[int, str | None], torch.Tensor] = {}  # pinned buffers, reused across switches
         self._offloaded: list[tuple[object, str | None, torch.Tensor, torch.device]] = []
 
@@ -55,8 +56,7 @@ class TrainingMemory:
     def to_generation(self) -> SwitchReport:
         start = time.perf_counter()
         moved = 0
-        on_gpu = any(p.is_cuda for p in self.state.role.model.parameters())
-        if on_gpu:
+        if self.on_gpu:
             torch.cuda.synchronize()
             self.state.ddp_model.offload_grad_buffers(synchronize=False, empty_cache=False)
             for owner, key, tensor in self._movable():
@@ -93,7 +93,7 @@ class TrainingMemory:
             owner[key] = tensor
 
     def _report(self, phase: str, start: float, moved: int) -> SwitchReport:
-        on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in self.state.role.model.parameters())
+        on_gpu = self.on_gpu
         gib = 1024**3
         return SwitchReport(
             phase=phase,

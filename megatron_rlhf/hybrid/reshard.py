@@ -28,7 +28,6 @@ training weights into it in place with megatron-core's
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from megatron.core.resharding import refit
 from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService

@@ -71,11 +71,18 @@ def _write_checkpoint(name: str, target: Path) -> None:
     os.replace(tmp, target)  # atomic: a half-written checkpoint is never visible
 
 
-def builtin_checkpoint(path: str) -> Path:
-    """The HF directory for ``builtin:NAME``, written by rank 0 on first use (collective)."""
+def builtin_config(path: str) -> dict[str, Any]:
+    """The HF config of ``builtin:NAME``."""
     name = path[len(PREFIX):]
     if name not in BUILTIN_CONFIGS:
         raise ValueError(f"unknown built-in model '{path}'; available: {[PREFIX + n for n in BUILTIN_CONFIGS]}")
+    return BUILTIN_CONFIGS[name]
+
+
+def builtin_checkpoint(path: str) -> Path:
+    """The HF directory for ``builtin:NAME``, written by rank 0 on first use (collective)."""
+    builtin_config(path)
+    name = path[len(PREFIX):]
     target = cache_dir() / "builtin" / f"{name}-v1"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not target.is_dir():

@@ -127,9 +127,20 @@ def _check_no_unexpected_tensors(source: SafetensorsCheckpoint, arch: Architectu
         )
 
 
-def _hf_dtype(arch: Architecture, fallback: torch.dtype) -> torch.dtype:
+def checkpoint_torch_dtype(arch: Architecture, fallback: torch.dtype) -> torch.dtype:
+    """The dtype the HF config declares, or ``fallback`` when it declares none."""
     name = arch.checkpoint_dtype
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else fallback
+
+
+def side_files_in(directory: str | Path) -> list[str]:
+    """The tokenizer/generation files of ``directory`` that travel with exported weights."""
+    return [name for name in SIDE_FILES if (Path(directory) / name).is_file()]
+
+
+def copy_side_files(source: str | Path, target: str | Path) -> None:
+    for name in side_files_in(source):
+        shutil.copy2(Path(source) / name, Path(target) / name)
 
 
 def save_hf_checkpoint(
@@ -175,7 +186,7 @@ def save_hf_checkpoint(
         if not is_writer:
             continue
         for name, tensor in hf_from_shards(tmap, shards, arch).items():
-            tensor = tensor.to(device="cpu", dtype=_hf_dtype(arch, tensor.dtype)).contiguous()
+            tensor = tensor.to(device="cpu", dtype=checkpoint_torch_dtype(arch, tensor.dtype)).contiguous()
             pending[name] = tensor
             pending_bytes += tensor.numel() * tensor.element_size()
         if pending_bytes >= max_shard_bytes:
@@ -191,7 +202,5 @@ def save_hf_checkpoint(
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (out / "config.json").write_text(json.dumps(arch.hf_config, indent=2) + "\n")
         if side_files_from is not None:
-            for name in SIDE_FILES:
-                if (Path(side_files_from) / name).is_file():
-                    shutil.copy2(Path(side_files_from) / name, out / name)
+            copy_side_files(side_files_from, out)
     dist.barrier()

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlhf.checkpoint.mcore import is_mcore_checkpoint, load_mcore_checkpoint, read_architecture
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
-from megatron_rlhf.models.builtin import BUILTIN_CONFIGS, PREFIX, builtin_checkpoint, is_builtin
+from megatron_rlhf.models.builtin import builtin_checkpoint, builtin_config, is_builtin
 from megatron_rlhf.models.hf_checkpoint import load_hf_weights
 from megatron_rlhf.parallel.layout import ParallelGroups
 
@@ -19,10 +19,7 @@ from megatron_rlhf.parallel.layout import ParallelGroups
 def architecture_of(path: str) -> Architecture:
     """Read a model's architecture without touching its weights (cheap; used by validation)."""
     if is_builtin(path):
-        name = path[len(PREFIX):]
-        if name not in BUILTIN_CONFIGS:
-            raise ValueError(f"unknown built-in model '{path}'; available: {[PREFIX + n for n in BUILTIN_CONFIGS]}")
-        return architecture_from_hf_config(BUILTIN_CONFIGS[name], source=path)
+        return architecture_from_hf_config(builtin_config(path), source=path)
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model path '{path}' is not a directory (expected an HF model dir, "
                                 f"a megatron-rlhf checkpoint, or builtin:NAME)")

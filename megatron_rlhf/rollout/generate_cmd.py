@@ -13,7 +13,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config.loader import ConfigError
@@ -22,11 +21,11 @@ from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.data import load_prompt_dataset
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import log
-from megatron_rlhf.models.builder import DTYPES
+from megatron_rlhf.models.builder import resolve_dtype
 from megatron_rlhf.models.roles import build_role
 from megatron_rlhf.models.sources import architecture_of, local_dir
 from megatron_rlhf.parallel.distributed import init_distributed
-from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+from megatron_rlhf.rollout.native import NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 UNBOUNDED_PROMPT = 1 << 30  # the engine, not the loader, applies the prompt-length policy
@@ -38,12 +37,12 @@ def run_generate(
 ) -> None:  # fmt: skip
     arch = architecture_of(model)
     env = init_distributed(device)
-    errors = layout_errors("generate", tp, 1, arch, env.world_size)
+    errors = layout_errors("generate", tp, 1, arch, env.world_size, as_flags=True)
     if arch.score_head:
         errors.append(f"--model {model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
     if errors:
-        raise ConfigError("; ".join(e.replace("generate.", "--") for e in errors))
-    torch_dtype = (torch.float32 if env.is_cpu else torch.bfloat16) if dtype == "auto" else DTYPES[dtype]
+        raise ConfigError("; ".join(errors))
+    torch_dtype = resolve_dtype(dtype, env.device)
     role = build_role("actor", ModelConfig(path=model, tp=tp), arch, world_size=env.world_size, dtype=torch_dtype,
                       device=env.device)  # fmt: skip
     tokenizer = resolve_tokenizer(local_dir(model), arch, model)
@@ -51,18 +50,10 @@ def run_generate(
     log(report.summary())
     if not engine_cfg.eos_token_ids and tokenizer.eos_id is not None:
         engine_cfg = NativeEngineConfig(**{**engine_cfg.__dict__, "eos_token_ids": (tokenizer.eos_id,)})
-    engine = NativeEngine(role, engine_cfg)
-    dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
-    mine = list(range(dp_rank, len(dataset), dp))
     start = time.perf_counter()
-    completions = engine.generate([dataset[i].prompt_ids.tolist() for i in mine], params)
-    for completion in completions:
-        completion.prompt_index = mine[completion.prompt_index]
+    rows = generate_data_parallel(role, engine_cfg, [example.prompt_ids.tolist() for example in dataset], params)
     elapsed = time.perf_counter() - start
-    gathered: list = [None] * env.world_size
-    dist.all_gather_object(gathered, completions if role.groups.tp_rank == 0 else [])
     if env.rank == 0:
-        rows = sorted((c for part in gathered for c in part), key=lambda c: (c.prompt_index, c.sample_index))
         new_tokens = sum(len(c.token_ids) for c in rows)
         Path(output_path).parent.mkdir(parents=True, exist_ok=True)
         with open(output_path, "w", encoding="utf-8") as out:

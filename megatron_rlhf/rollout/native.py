@@ -223,6 +223,21 @@ class NativeEngine:
         return logits[0, :, : self.role.arch.vocab_size].float()
 
 
+def generate_data_parallel(
+    role: RoleModel, cfg: NativeEngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> list[Completion]:
+    """Generate over the role's data-parallel groups: each takes every dp-th prompt; every rank of
+    the world returns all completions, ordered by (prompt_index, sample_index). Collective."""
+    dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
+    mine = list(range(dp_rank, len(prompts), dp))
+    completions = NativeEngine(role, cfg).generate([list(prompts[i]) for i in mine], params)
+    for completion in completions:
+        completion.prompt_index = mine[completion.prompt_index]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, completions if role.groups.tp_rank == 0 else [])
+    return sorted((c for part in gathered for c in part), key=lambda c: (c.prompt_index, c.sample_index))
+
+
 class _DecodeGraphs:
     """CUDA graphs of the decode step over every cache slot, one per KV-length bucket.
 

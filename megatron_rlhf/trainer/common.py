@@ -32,7 +32,7 @@ from megatron_rlhf.engine.train import train_step
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import DTYPES
-from megatron_rlhf.models.hf_checkpoint import SIDE_FILES, save_hf_checkpoint
+from megatron_rlhf.models.hf_checkpoint import save_hf_checkpoint, side_files_in
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.models.sources import architecture_of
 from megatron_rlhf.parallel.distributed import DEVICES
@@ -328,7 +328,7 @@ def finish(cfg: TrainerConfig, role: RoleModel, arch: Architecture, out_dir: Pat
         hf_dir = out_dir / "hf"
         start = time.perf_counter()
         save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
-        copied = [name for name in SIDE_FILES if (role.source / name).is_file()]
+        copied = side_files_in(role.source)
         log(f"saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
             + (f"copied {', '.join(copied)} from {role.source}" if copied else
                "no tokenizer files to copy (the model ships none: byte tokenizer)"))  # fmt: skip

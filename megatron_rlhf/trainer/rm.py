@@ -25,7 +25,7 @@ from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.roles import RoleModel, build_role
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.smoke import resolve_dtype
+from megatron_rlhf.models.builder import resolve_dtype
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.models.sources import local_dir
 from megatron_rlhf.trainer.common import (
@@ -120,7 +120,7 @@ def preference_accuracy(role: RoleModel, dataset: PreferenceDataset, pad_id: int
 def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
     arch = check_config(cfg, env.world_size, score_head=True)
     seed_everything(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env)
+    dtype = resolve_dtype(cfg.dtype, env.device)
     out_dir = Path(cfg.output_dir)
     write_run_files(cfg, out_dir)
     log(f"rm: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "

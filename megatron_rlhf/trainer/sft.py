@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.roles import RoleModel, build_role
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.smoke import resolve_dtype
+from megatron_rlhf.models.builder import resolve_dtype
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.models.sources import local_dir
 from megatron_rlhf.trainer.common import (
@@ -101,7 +100,7 @@ def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: 
 def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
     arch = check_config(cfg, env.world_size, score_head=False)
     seed_everything(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env)
+    dtype = resolve_dtype(cfg.dtype, env.device)
     out_dir = Path(cfg.output_dir)
     write_run_files(cfg, out_dir)
     log(f"sft: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "

@@ -48,7 +48,7 @@ def main() -> None:
     from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.reshard import WeightResharder
     from megatron_rlhf.models.architecture import load_architecture
-    from megatron_rlhf.models.forward import forward_outputs
+    from megatron_rlhf.engine.train import forward_outputs
     from megatron_rlhf.models.roles import build_role
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout

@@ -25,7 +25,7 @@ RATIO, FLOOR = 2.0, 1e-2
 def main() -> None:
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
-    from megatron_rlhf.models.forward import forward_outputs
+    from megatron_rlhf.engine.train import forward_outputs
     from megatron_rlhf.models.hf_checkpoint import load_hf_weights
     from megatron_rlhf.models.roles import RoleModel
     from megatron_rlhf.parallel.distributed import init_distributed
