@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_rlhf.fusion import gpu_fused
+
 __all__ = ["token_logprobs_and_entropy"]
 
 
@@ -66,10 +68,12 @@ def _scaled(logits_shard: Tensor, dtype: torch.dtype, inv_temperature: float, n_
     return torch.where(column < n_real, z, float("-inf"))
 
 
+@gpu_fused
 def _shard_max(logits_shard: Tensor, dtype: torch.dtype, inv_temperature: float, n_real: int) -> Tensor:
     return _scaled(logits_shard, dtype, inv_temperature, n_real).amax(dim=-1)
 
 
+@gpu_fused
 def _shard_stats(
     logits_shard: Tensor, local_target: Tensor, z_max: Tensor, dtype: torch.dtype, inv_temperature: float, n_real: int
 ) -> Tensor:
@@ -82,6 +86,7 @@ def _shard_stats(
     return torch.stack([exp_z.sum(dim=-1), picked, weighted])
 
 
+@gpu_fused
 def _shard_grad(
     logits_shard: Tensor,
     local_target: Tensor,
@@ -104,18 +109,6 @@ def _shard_grad(
     return (grad_z * inv_temperature).to(logits_shard.dtype)
 
 
-_COMPILED: dict[str, object] = {}
-
-
-def _kernel(name: str, fn, on_gpu: bool):
-    """``fn`` itself on CPU; on GPU, one compiled (fused) kernel per function, dynamic in shape."""
-    if not on_gpu:
-        return fn
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
-    return _COMPILED[name]
-
-
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -132,15 +125,14 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         vocab_start = tp_rank * local_vocab
         n_real = min(max(vocab_size - vocab_start, 0), local_vocab)  # real columns on this rank
         dtype = torch.promote_types(logits_shard.dtype, torch.float32)
-        on_gpu = logits_shard.is_cuda
         # Target columns owned by another rank map to -1, which matches no local column.
         local_target = targets - vocab_start
         local_target = torch.where((local_target >= 0) & (local_target < local_vocab), local_target, -1)
 
-        z_max = _kernel("max", _shard_max, on_gpu)(logits_shard, dtype, 1.0 / temperature, n_real)
+        z_max = _shard_max(logits_shard, dtype, 1.0 / temperature, n_real)
         if tp_size > 1:  # -inf on a rank whose shard is all padding
             dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
-        stats = _kernel("stats", _shard_stats, on_gpu)(logits_shard, local_target, z_max, dtype, 1.0 / temperature, n_real)
+        stats = _shard_stats(logits_shard, local_target, z_max, dtype, 1.0 / temperature, n_real)
         if tp_size > 1:  # the three per-token sums travel together
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
         log_sum_exp = stats[0].log()  # logsumexp(z) - max
@@ -149,7 +141,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         entropy = log_sum_exp - mean_z if compute_entropy else None
 
         ctx.save_for_backward(logits_shard, local_target, z_max, log_sum_exp, mean_z)
-        ctx.settings = (dtype, 1.0 / temperature, n_real, on_gpu)
+        ctx.settings = (dtype, 1.0 / temperature, n_real)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -158,11 +150,11 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
         logits_shard, local_target, z_max, log_sum_exp, mean_z = ctx.saved_tensors
-        dtype, inv_temperature, n_real, on_gpu = ctx.settings
+        dtype, inv_temperature, n_real = ctx.settings
         zeros = torch.zeros_like(log_sum_exp)
         grad_logprobs = zeros if grad_logprobs is None else grad_logprobs.to(dtype)
         grad_entropy = zeros if grad_entropy is None else grad_entropy.to(dtype)
-        grad_logits = _kernel("grad", _shard_grad, on_gpu)(
+        grad_logits = _shard_grad(
             logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy,
             dtype, inv_temperature, n_real,
         )  # fmt: skip

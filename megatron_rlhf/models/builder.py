@@ -79,8 +79,9 @@ def transformer_config(arch: Architecture, groups: ParallelGroups, dtype: torch.
         # Weights always come from a checkpoint: skip megatron's random init entirely.
         perform_initialization=False,
         use_cpu_initialization=not on_gpu,
-        # Fusions below need apex/TE kernels; the torch paths are used instead.
-        bias_activation_fusion=False,
+        # SwiGLU fusion is megatron's torch.compile'd kernel: on GPU only (no compiler in CPU mode).
+        bias_activation_fusion=on_gpu,
+        # The fusions below need apex/TE kernels; the torch paths are used instead.
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
