@@ -16,12 +16,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rlhf.fusion import gpu_fused
 
 
 def _allowed_positions(sq: int, sk: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -93,14 +94,79 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, batch, num_heads * head_dim)
 
 
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``t`` (..., hn) with precomputed ``cos``/``sin`` in t's dtype, broadcast
+    against it: megatron's unfused non-interleaved formula and rounding (``_apply_rotary_pos_emb_bshd``),
+    without recomputing the angles' cosines in every layer."""
+    first, second = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+@gpu_fused
+def rotate_for_cache(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated query, and the cache entry [rotated key | value] (last dim 2 * hn); fused on GPU
+    (computed in float32 there, rounded once)."""
+    return rotate(query, cos, sin), torch.cat([rotate(key, cos, sin), value], dim=-1)
+
+
+def decode_score_bias(positions: torch.Tensor, kv_len: int, groups: int, window: int | None) -> torch.Tensor:
+    """Additive attention bias of a decode step, shared by all layers: (slots * groups, 1, kv_len)
+    float32, 0 where slot i's query (at ``positions[i, 0]``) may attend the cached key (causal, and
+    within the sliding ``window`` if any), -inf elsewhere."""
+    key_pos = torch.arange(kv_len, device=positions.device)
+    masked = key_pos[None, :] > positions  # (slots, kv_len)
+    if window is not None:
+        masked |= positions - key_pos[None, :] > window
+    bias = torch.zeros(masked.shape, dtype=torch.float32, device=positions.device).masked_fill_(masked, float("-inf"))
+    return bias.repeat_interleave(groups, dim=0)[:, None, :]
+
+
+def cached_decode_attention(query: torch.Tensor, cache: torch.Tensor, score_bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query per cache slot over that slot's cached keys, read in place.
+
+    query (1, slots, heads, hn): row i is slot i's newest token; cache (slots, groups, max_len,
+    2 * hn), keys then values in the last dim, already holding this step's entries;
+    ``score_bias`` from ``decode_score_bias``, whose length kv_len bounds the cache slice read.
+    Returns (1, slots, heads * hn).
+
+    Why not SDPA: with GQA and a per-row mask torch falls back to kernels that repeat each KV head
+    per query head, or it needs the rows' prefixes gathered into a fresh tensor. Here the query
+    heads of a KV group become the rows of one small matrix, so two batched matmuls read the cache
+    slice [0, kv_len) exactly once, as strided views (slot and group dims fold into one batch
+    stride). Scores and softmax in float32 (or the inputs' wider dtype).
+    """
+    _, slots, heads, head_dim = query.shape
+    groups, kv_len = cache.shape[1], score_bias.shape[-1]
+    window = cache[:, :, :kv_len].flatten(0, 1)  # (slots * groups, kv_len, 2 * hn): a view
+    keys, values = window[..., :head_dim], window[..., head_dim:]
+    q = query[0].reshape(slots * groups, heads // groups, head_dim)
+    probs = _masked_softmax(_bmm_float32(q, keys.transpose(1, 2)), score_bias, scale, values.dtype)
+    return torch.bmm(probs, values).view(1, slots, heads * head_dim)
+
+
+def _bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in at least float32; half-precision inputs on GPU accumulate and write float32 directly."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b).to(torch.promote_types(a.dtype, torch.float32))
+
+
+@gpu_fused
+def _masked_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.softmax(scores * scale + bias, dim=-1).to(dtype)
+
+
 class CachedSelfAttention(SelfAttention):
     """megatron's SelfAttention, plus a KV-cache path used by the generation engine.
 
     Parameters and checkpoint names are those of ``SelfAttention``: training and generation share
     one module (no weight copy when their layouts match). When the engine attaches a ``DecodeStep``
     (``kv_step``), the forward writes this step's keys/values into the engine's cache at each row's
-    own positions (slots of a continuous batch are at different lengths) and attends over the
-    cached prefix; otherwise it is megatron's forward unchanged.
+    own positions, then attends: a prefill (prompts from position 0) over its own keys with causal
+    core attention; a decode step (one token per cache slot) over the cache in place. Otherwise it
+    is megatron's forward unchanged.
     """
 
     kv_step: object | None = None
@@ -110,23 +176,13 @@ class CachedSelfAttention(SelfAttention):
         if step is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         query, key, value = self.get_query_key_value_tensors(hidden_states, None)  # (sq, b, heads, hn)
-        query = apply_rotary_pos_emb(query, step.rotary_freqs, config=self.config, cp_group=self.pg_collection.cp)
-        key = apply_rotary_pos_emb(key, step.rotary_freqs, config=self.config, cp_group=self.pg_collection.cp)
-        cache_k, cache_v = step.cache.layer(self.layer_number)  # (slots, max_len, groups, hn)
-        rows, cols = step.slots[:, None], step.positions  # (b, 1), (b, sq)
-        cache_k[rows, cols] = key.transpose(0, 1).to(cache_k.dtype)
-        cache_v[rows, cols] = value.transpose(0, 1).to(cache_v.dtype)
-        keys = cache_k[step.slots, : step.kv_len].transpose(1, 2)  # (b, groups, kv_len, hn)
-        values = cache_v[step.slots, : step.kv_len].transpose(1, 2)
-        key_pos = torch.arange(step.kv_len, device=query.device)
-        allowed = key_pos[None, None, :] <= step.positions[:, :, None]  # (b, sq, kv_len): causal per row
-        if self.core_attention.window is not None:
-            allowed &= step.positions[:, :, None] - key_pos[None, None, :] <= self.core_attention.window
-        q = query.permute(1, 2, 0, 3)  # (b, heads, sq, hn)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=allowed[:, None], scale=self.core_attention.softmax_scale,
-            enable_gqa=q.shape[1] != keys.shape[1],
-        )  # fmt: skip
-        sq, batch = hidden_states.shape[0], hidden_states.shape[1]
-        out = out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+        query, entry = rotate_for_cache(query, key, value, step.cos, step.sin)
+        cache = step.cache.layer(self.layer_number)  # (slots, groups, max_len, 2 * hn)
+        cache[step.slots[:, None], :, step.positions] = entry.transpose(0, 1).to(cache.dtype)  # (b, sq, groups, 2hn)
+        if step.prefill:
+            head_dim = query.shape[-1]
+            key, value = entry[..., :head_dim], entry[..., head_dim:]  # views: rotated key, value
+            out = self.core_attention(query, key, value, None, attn_mask_type=AttnMaskType.causal)
+        else:
+            out = cached_decode_attention(query, cache, step.score_bias, self.core_attention.softmax_scale)
         return self.linear_proj(out)

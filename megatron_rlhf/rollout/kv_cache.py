@@ -1,7 +1,10 @@
 """The generation engine's KV cache: preallocated, one slot per running sequence.
 
-Shapes: per local layer, keys and values (slots, max_len, groups_per_tp_rank, head_dim). A slot is
-reused by the next waiting prompt as soon as its sequence finishes (continuous batching).
+Shapes: per local layer, one tensor (slots, groups_per_tp_rank, max_len, 2 * head_dim) holding
+each position's key (first half of the last dim) and value (second half) side by side, so that one
+write stores both. A slot's positions of one KV group are contiguous, so decode attention reads the
+cache slice [0, kv_len) of all slots in place (models/attention.py). A slot is reused by the next
+waiting prompt as soon as its sequence finishes (continuous batching).
 """
 
 from __future__ import annotations
@@ -15,26 +18,30 @@ class KVCache:
     def __init__(
         self, *, num_layers: int, slots: int, max_len: int, groups: int, head_dim: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        shape = (num_layers, slots, max_len, groups, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+        self.data = torch.zeros(num_layers, slots, groups, max_len, 2 * head_dim, dtype=dtype, device=device)
+        self.slots, self.groups, self.max_len = slots, groups, max_len
 
-    def layer(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, layer_number: int) -> torch.Tensor:
         """megatron numbers layers from 1 within a pipeline stage's block."""
-        return self.keys[layer_number - 1], self.values[layer_number - 1]
+        return self.data[layer_number - 1]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return self.data.numel() * self.data.element_size()
 
 
 @dataclasses.dataclass
 class DecodeStep:
-    """What the cached attention needs for one forward: which slots, which positions."""
+    """What the cached attention needs for one forward: which slots, which positions.
+
+    A prefill starts every row at position 0 and attends over its own keys. A decode step has one
+    row per cache slot, in slot order, and attends over the cache.
+    """
 
     cache: KVCache
     slots: torch.Tensor  # (b,) int64
     positions: torch.Tensor  # (b, sq) int64: the position of every query token of each row
-    rotary_freqs: torch.Tensor  # (sq, b, 1, rotary_dim): rotary angles at those positions
-    kv_len: int  # attend over cache positions [0, kv_len)
+    cos: torch.Tensor  # (sq, b, 1, hn) in the model dtype: rotary cosines at those positions
+    sin: torch.Tensor
+    prefill: bool
+    score_bias: torch.Tensor | None  # decode: (slots * groups, 1, kv_len) additive mask over the cache

@@ -14,7 +14,7 @@ with warnings.catch_warnings():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rlhf.models.attention import SDPAttention, _allowed_positions
+from megatron_rlhf.models.attention import SDPAttention, _allowed_positions, cached_decode_attention, decode_score_bias, rotate
 
 HEADS, GROUPS, HN = 4, 2, 16
 
@@ -251,3 +251,40 @@ def test_refuses_packed_sequences_and_bias():
         module(q, k, v, None, packed_seq_params=object())
     with pytest.raises(NotImplementedError):
         module(q, k, v, None, attention_bias=torch.zeros(1))
+
+
+# ------------------------------------------- decode over a KV cache, in place
+
+
+@pytest.mark.parametrize("heads,groups,window", [(4, 2, None), (6, 3, None), (4, 4, None), (4, 1, 2)])
+def test_cached_decode_attention_per_slot_lengths(heads, groups, window):
+    # Each slot holds its own prefix length; the reference attends slot by slot over exactly
+    # keys [0, position] (and the window), with the GQA head repeat done by hand.
+    slots, max_len, kv_len = 3, 10, 8
+    positions = torch.tensor([[7], [0], [4]])
+    g = torch.Generator().manual_seed(heads * 10 + groups)
+    cache_k = torch.randn(slots, groups, max_len, HN, generator=g, dtype=torch.float64)
+    cache_v = torch.randn(slots, groups, max_len, HN, generator=g, dtype=torch.float64)
+    query = torch.randn(1, slots, heads, HN, generator=g, dtype=torch.float64)
+    bias = decode_score_bias(positions, kv_len, groups, window)
+    assert bias.shape == (slots * groups, 1, kv_len)
+    out = cached_decode_attention(query, torch.cat([cache_k, cache_v], dim=-1), bias, 0.3)
+    assert out.shape == (1, slots, heads * HN)
+    for slot in range(slots):
+        pos = int(positions[slot, 0])
+        k = cache_k[slot].transpose(0, 1)[: pos + 1, None]  # (pos + 1, 1, groups, hn)
+        v = cache_v[slot].transpose(0, 1)[: pos + 1, None]
+        # window=w in megatron's (left) convention keeps keys pos - w .. pos: w + 1 keys
+        allowed = allowed_by_hand(1, pos + 1, window=None if window is None else window + 1)
+        ref = naive_attention(query[:, slot : slot + 1], k, v, allowed[None], scale=0.3)
+        torch.testing.assert_close(out[:, slot : slot + 1], ref, rtol=1e-10, atol=1e-10)
+
+
+def test_rotate_matches_megatron_unfused_rope():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    g = torch.Generator().manual_seed(7)
+    t = torch.randn(5, 2, 4, HN, generator=g).to(torch.bfloat16)
+    freqs = torch.randn(5, 2, 1, HN, generator=g)
+    got = rotate(t, freqs.cos().to(t.dtype), freqs.sin().to(t.dtype))
+    assert torch.equal(got, _apply_rotary_pos_emb_bshd(t, freqs))
