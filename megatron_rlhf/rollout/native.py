@@ -2,24 +2,33 @@
 
 Flow of ``generate``: prompts (x n samples) wait in a queue; free cache slots take waiting prompts
 (one batched, right-padded prefill), then every running sequence advances one token per decode
-step; a finished sequence frees its slot for the next waiting prompt at once. TP-aware: each rank
-computes its attention heads and vocabulary shard; the sampled tokens are broadcast from TP rank 0
-so that all ranks continue with identical sequences. Pipeline parallelism is collapsed (pp=1).
+step; a finished sequence frees its slot for the next waiting prompt. TP-aware: each rank computes
+its attention heads and vocabulary shard; the sampled tokens are broadcast from TP rank 0 so that
+all ranks continue with identical sequences. Pipeline parallelism is collapsed (pp=1).
 
-Shapes: prefill input (b, W) right-padded; decode input (b, 1); logits (b, V) over the real vocab.
+The decode loop keeps the device one step ahead of the host. Step t+1 is launched (its input
+tokens are step t's samples, still on the device) before the host reads step t's tokens, so the
+host's bookkeeping overlaps the device's work instead of idling it. A sequence that stops on a
+stop token at step t is thus computed once more at t+1; that extra token is dropped. Limits known
+in advance (max_new_tokens, max_seq_len) are never overrun. New prompts are admitted when the
+pipeline is drained.
+
+Shapes: prefill input (b, W) right-padded; decode input (slots, 1): every cache slot decodes
+(a static shape, as CUDA graphs need), idle slots a dummy token whose result is dropped.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_rlhf.models.attention import CachedSelfAttention
+from megatron_rlhf.models.attention import CachedSelfAttention, decode_score_bias
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
@@ -41,7 +50,7 @@ class NativeEngineConfig:
     cuda_graphs: bool = True
     """On GPU, replay decode steps as CUDA graphs (one per KV-length bucket), removing per-step
     launch overhead; prefill stays eager. Ignored on CPU."""
-    graph_kv_bucket: int = 128
+    graph_kv_bucket: int = 64
     """Decode graphs attend over the cache rounded up to a multiple of this many positions."""
 
     def __post_init__(self) -> None:
@@ -57,14 +66,89 @@ class PromptTooLongError(ValueError):
     pass
 
 
-@dataclasses.dataclass
-class _Sequence:
-    completion: Completion
-    slot: int = -1
+class _History:
+    """Every decode step's output per slot, one row per step: the produced token (-1 where the slot
+    did not produce one) and its log-prob. Host tensors, grown by doubling."""
 
-    @property
-    def length(self) -> int:
-        return len(self.completion.prompt_ids) + len(self.completion.token_ids)
+    def __init__(self, slots: int) -> None:
+        self.tokens = torch.full((256, slots), -1, dtype=torch.long)
+        self.logprobs = torch.zeros(256, slots, dtype=torch.float32)
+        self.steps = 0
+
+    def append(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        if self.steps == len(self.tokens):
+            self.tokens = torch.cat([self.tokens, torch.full_like(self.tokens, -1)])
+            self.logprobs = torch.cat([self.logprobs, torch.zeros_like(self.logprobs)])
+        self.tokens[self.steps] = tokens
+        self.logprobs[self.steps] = logprobs
+        self.steps += 1
+
+    def of_slot(self, slot: int, since: int) -> tuple[list[int], list[float]]:
+        """The tokens and log-probs slot ``slot`` produced from step ``since`` on."""
+        tokens = self.tokens[since : self.steps, slot]
+        produced = tokens >= 0
+        return tokens[produced].tolist(), self.logprobs[since : self.steps, slot][produced].tolist()
+
+
+@dataclasses.dataclass
+class _LaunchedStep:
+    """A decode step queued on the device whose outputs the host has not read yet."""
+
+    tokens: torch.Tensor  # (slots,) host buffers the step's outputs are copied into
+    logprobs: torch.Tensor
+    live: torch.Tensor
+    ready: torch.cuda.Event | None  # recorded after the copies (None on CPU: already there)
+
+
+class _Slots:
+    """What decoding over a fixed number of slots keeps from one ``generate`` call to the next: the
+    KV cache, the device-side slot state (``input_ids`` (slots, 1), each slot's last token, the next
+    step's input, at ``positions`` (slots, 1); ``remaining`` (slots,), tokens it may still generate;
+    ``live`` (slots,), whether it is generating), pinned staging buffers for the host (two sets,
+    alternating, so that filling one never races the copy out of the other), and the CUDA graphs
+    that read them. Capturing costs a few eager steps per KV-length bucket: paid once per engine
+    and slot count, not per call."""
+
+    def __init__(self, engine: "NativeEngine", count: int) -> None:
+        arch, device = engine.role.arch, engine.device
+        self.count = count
+        self.cache = KVCache(
+            num_layers=len(engine.attention), slots=count, max_len=engine.cfg.max_seq_len,
+            groups=arch.num_query_groups // engine.role.groups.layout.tp, head_dim=arch.head_dim,
+            dtype=engine.model.config.params_dtype, device=device,
+        )  # fmt: skip
+        self.input_ids = torch.zeros(count, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(count, 1, dtype=torch.long, device=device)
+        self.remaining = torch.zeros(count, dtype=torch.long, device=device)
+        self.live = torch.zeros(count, dtype=torch.bool, device=device)
+        self.all_slots = torch.arange(count, device=device)
+        pin = device.type == "cuda"
+        self.staging = [
+            (torch.zeros(count, dtype=torch.long, pin_memory=pin), torch.zeros(count, dtype=torch.float32, pin_memory=pin),
+             torch.zeros(count, dtype=torch.bool, pin_memory=pin))
+            for _ in range(2)
+        ]  # fmt: skip
+        self.graphs = _DecodeGraphs(engine, self) if engine.cfg.cuda_graphs and pin else None
+
+
+class _DecodeState:
+    """One ``generate`` call's decode state: the device side (the loop's truth) lives in ``_Slots``
+    and is advanced there by each decode step (a live slot moves one position, spends one token,
+    and dies on a stop token or an empty budget), so the host never reads a step before launching
+    the next and its per-step work does not grow with the number of slots. The host keeps a lagged
+    view: ``live_known`` as of the last step read, ``position_bound`` (>= every slot's device
+    position, for the attention length), and the history of the steps read."""
+
+    def __init__(self, slots: _Slots, stop_ids: set[int]) -> None:
+        self.slots, self.cache = slots, slots.cache
+        slots.live.zero_()  # nothing from an earlier call is generating
+        self.input_ids, self.positions, self.all_slots = slots.input_ids, slots.positions, slots.all_slots
+        self.remaining, self.live = slots.remaining, slots.live
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=slots.live.device)
+        self.live_known = torch.zeros(slots.count, dtype=torch.bool)
+        self.position_bound = torch.zeros(slots.count, dtype=torch.long)
+        self.history = _History(slots.count)
+        self.parity = 0
 
 
 class NativeEngine:
@@ -77,52 +161,88 @@ class NativeEngine:
         self.model = role.model
         self.device = next(self.model.parameters()).device
         self.attention = [m for m in self.model.modules() if isinstance(m, CachedSelfAttention)]
+        window = self.model.config.window_size
+        self.window = window[0] if window is not None else None
         tp_group = role.groups.pg_collection.tp
         self.tp_group = tp_group
         self.tp_src = dist.get_global_rank(tp_group, 0)
+        self._slots: _Slots | None = None
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def graph_capture_seconds(self) -> float:
+        """What capturing the current CUDA graphs cost (0 without graphs): paid once per engine and
+        slot count, by the first ``generate`` calls that reach each KV-length bucket."""
+        slots = self._slots
+        return slots.graphs.capture_seconds if slots is not None and slots.graphs is not None else 0.0
+
+    def release(self) -> None:
+        """Free the KV cache and the CUDA graphs (the next ``generate`` rebuilds them)."""
+        self._slots = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         waiting = collections.deque(
-            _Sequence(self._completion(i, j, list(prompt), params)) for i, prompt in enumerate(prompts) for j in range(params.n)
+            self._completion(i, j, list(prompt), params) for i, prompt in enumerate(prompts) for j in range(params.n)
         )  # fmt: skip
         if not waiting:
             return []
-        arch = self.role.arch
-        tp = self.role.groups.layout.tp
-        cache = KVCache(
-            num_layers=len(self.attention), slots=min(self.cfg.max_batch_size, len(waiting)), max_len=self.cfg.max_seq_len,
-            groups=arch.num_query_groups // tp, head_dim=arch.head_dim, dtype=self.model.config.params_dtype, device=self.device,
-        )  # fmt: skip
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        count = min(self.cfg.max_batch_size, len(waiting))
+        if self._slots is None or self._slots.count != count:
+            self.release()
+            self._slots = _Slots(self, count)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
-        free = list(range(cache.keys.shape[1]))
-        graphs = _DecodeGraphs(self, cache) if self.cfg.cuda_graphs and self.device.type == "cuda" else None
-        running: list[_Sequence] = []
+        state = _DecodeState(self._slots, stop_ids)
+        cache = state.cache
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        occupant: list[Completion | None] = [None] * cache.slots
+        first_step = [0] * cache.slots  # the history row where each occupant's decoding began
         finished: list[Completion] = []
+        in_flight: _LaunchedStep | None = None
+
+        def finish(slot: int) -> None:
+            completion = occupant[slot]
+            tokens, logprobs = state.history.of_slot(slot, first_step[slot])
+            completion.token_ids += tokens
+            completion.logprobs += logprobs
+            completion.finish_reason = "stop" if completion.token_ids[-1] in stop_ids else "length"
+            finished.append(completion)
+            occupant[slot] = None
+
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                while waiting or running:
-                    if waiting and free:
+                while True:
+                    if waiting and not bool(state.live_known.all()):  # a slot is free for a waiting prompt
+                        if in_flight is not None:  # drain: the history must be complete first
+                            self._collect(in_flight, state)
+                            in_flight = None
+                            continue
+                        for slot in (~state.live_known).nonzero().flatten().tolist():
+                            if occupant[slot] is not None:
+                                finish(slot)
+                        free = [slot for slot, held in enumerate(occupant) if held is None]
                         admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                        for seq in admitted:
-                            seq.slot = free.pop(0)
-                        self._prefill(admitted, cache, params, generator)
-                        running += admitted
-                    else:
-                        self._decode(running, cache, params, generator, graphs)
-                    still_running = []
-                    for seq in running:
-                        if self._is_done(seq, params, stop_ids):
-                            finished.append(seq.completion)
-                            free.append(seq.slot)
-                        else:
-                            still_running.append(seq)
-                    running = still_running
-                    free.sort()
+                        for slot, completion in zip(free, admitted):
+                            occupant[slot], first_step[slot] = completion, state.history.steps
+                        self._prefill(admitted, free[: len(admitted)], cache, state, params, generator)
+                        continue
+                    if not bool(state.live_known.any()):  # nothing generates any more
+                        if in_flight is None:
+                            break
+                        self._collect(in_flight, state)
+                        in_flight = None
+                        continue
+                    launched = self._launch_decode(cache, state, params, generator)
+                    if in_flight is not None:
+                        self._collect(in_flight, state)
+                    in_flight = launched
+                for slot, held in enumerate(occupant):
+                    if held is not None:
+                        finish(slot)
         finally:
             self.model.train(was_training)
         return sorted(finished, key=lambda c: (c.prompt_index, c.sample_index))
@@ -141,73 +261,102 @@ class NativeEngine:
             )
         return Completion(prompt_index, sample_index, prompt[dropped:], [], [], prompt_tokens_dropped=dropped)
 
-    def _is_done(self, seq: _Sequence, params: SamplingParams, stop_ids: set[int]) -> bool:
-        completion = seq.completion
-        if completion.token_ids and completion.token_ids[-1] in stop_ids:
-            completion.finish_reason = "stop"
-            return True
-        if len(completion.token_ids) >= params.max_new_tokens or seq.length >= self.cfg.max_seq_len:
-            completion.finish_reason = "length"
-            return True
-        return False
-
-    def _prefill(self, seqs: list[_Sequence], cache: KVCache, params: SamplingParams, generator: torch.Generator) -> None:
-        lengths = [len(s.completion.prompt_ids) for s in seqs]
-        width = max(lengths)
-        input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            input_ids[row, : lengths[row]] = torch.tensor(seq.completion.prompt_ids)
-        positions = torch.arange(width).expand(len(seqs), width)
-        last = torch.tensor(lengths) - 1
-        logits = self._model_logits(input_ids, positions, self._slots(seqs), width, cache, last)
-        self._append_samples(seqs, logits, params, generator)
-
-    def _decode(
-        self, seqs: list[_Sequence], cache: KVCache, params: SamplingParams, generator: torch.Generator,
-        graphs: "_DecodeGraphs | None",
+    def _prefill(
+        self, admitted: list[Completion], slot_ids: list[int], cache: KVCache, state: _DecodeState,
+        params: SamplingParams, generator: torch.Generator,
     ) -> None:  # fmt: skip
-        input_ids = torch.tensor([[s.completion.token_ids[-1]] for s in seqs])
-        positions = torch.tensor([[s.length - 1] for s in seqs])
-        kv_len = max(s.length for s in seqs)
-        if graphs is not None:
-            logits = graphs.logits(input_ids, positions, [s.slot for s in seqs], kv_len)
+        """Prompts into their slots: one batched prefill, the first token of each, and the slots'
+        device state (budget = max_new_tokens, capped by the context left)."""
+        lengths = [len(c.prompt_ids) for c in admitted]
+        width = max(lengths)
+        input_ids = torch.zeros(len(admitted), width, dtype=torch.long)
+        for row, completion in enumerate(admitted):
+            input_ids[row, : lengths[row]] = torch.tensor(completion.prompt_ids)
+        positions = torch.arange(width).expand(len(admitted), width)
+        slots = torch.tensor(slot_ids, device=self.device)
+        logits = self._model_logits(input_ids, positions, slots, cache, last=torch.tensor(lengths) - 1)
+        tokens, logprobs = self._sample(logits, params, generator)
+        budget = torch.tensor([min(params.max_new_tokens, self.cfg.max_seq_len - n) for n in lengths], device=self.device)
+        state.input_ids[slots, 0] = tokens
+        state.positions[slots, 0] = torch.tensor(lengths, device=self.device)  # the first token's position
+        state.remaining[slots] = budget - 1
+        state.live[slots] = (budget > 1) & ~torch.isin(tokens, state.stop_ids)
+        state.live_known[slot_ids] = state.live[slots].cpu()
+        state.position_bound[slot_ids] = torch.tensor(lengths)
+        for completion, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist()):
+            completion.token_ids.append(token)
+            completion.logprobs.append(logprob)
+
+    def _launch_decode(
+        self, cache: KVCache, state: _DecodeState, params: SamplingParams, generator: torch.Generator
+    ) -> _LaunchedStep:  # fmt: skip
+        """Queue one decode step over every slot and the state update after it; returns without
+        waiting for the device."""
+        maybe_live = state.live_known  # a superset of the device's live slots (the host lags)
+        kv_len = min(int(state.position_bound[maybe_live].max()) + 1, cache.max_len)
+        if state.slots.graphs is not None:
+            logits = state.slots.graphs.logits(kv_len)
         else:
-            last = torch.zeros(len(seqs), dtype=torch.long)
-            logits = self._model_logits(input_ids, positions, self._slots(seqs), kv_len, cache, last)
-        self._append_samples(seqs, logits, params, generator)
+            logits = self._model_logits(state.input_ids, state.positions, state.all_slots, cache, kv_len=kv_len)
+        tokens, logprobs = self._sample(logits, params, generator)
+        live = state.live
+        produced = torch.where(live, tokens, -1)
+        state.input_ids.copy_(tokens[:, None])
+        state.positions.add_(live[:, None])
+        state.remaining.sub_(live.long())
+        live &= state.remaining > 0
+        live &= ~torch.isin(tokens, state.stop_ids)
+        state.position_bound += maybe_live
+        host_tokens, host_logprobs, host_live = state.slots.staging[state.parity]
+        state.parity = 1 - state.parity
+        host_tokens.copy_(produced, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        host_live.copy_(live, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return _LaunchedStep(host_tokens, host_logprobs, host_live, ready)
 
-    def _slots(self, seqs: list[_Sequence]) -> torch.Tensor:
-        return torch.tensor([s.slot for s in seqs], device=self.device)
+    def _collect(self, step: _LaunchedStep, state: _DecodeState) -> None:
+        """Read a launched step's outputs into the history and the host's view of live slots."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        state.history.append(step.tokens, step.logprobs)
+        state.live_known.copy_(step.live)
 
-    def _append_samples(
-        self, seqs: list[_Sequence], logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> None:
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One token per row; every TP rank continues with rank 0's."""
         tokens, logprobs = sample(logits, params, generator)
-        if self.tp_group.size() > 1:  # every TP rank continues with rank 0's tokens
+        if self.tp_group.size() > 1:
             dist.broadcast(tokens, src=self.tp_src, group=self.tp_group)
             dist.broadcast(logprobs, src=self.tp_src, group=self.tp_group)
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            seq.completion.token_ids.append(token)
-            seq.completion.logprobs.append(logprob)
+        return tokens, logprobs
 
     def _model_logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int, cache: KVCache,
-        last: torch.Tensor,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache, *,
+        last: torch.Tensor | None = None, kv_len: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Run the model over (b, sq) tokens at the given positions of the given cache slots,
-        attending over cache positions [0, kv_len); (b, V) float32 logits of the token at index
-        ``last[row]`` of each row. No host synchronisation: decode graphs capture this."""
+        """Run the model over (b, sq) tokens at the given positions of the given cache slots; (b, V)
+        logits (model dtype) of the token at index ``last[row]`` of each row.
+
+        With ``last``: a prefill, every row from position 0, attending causally over its own
+        tokens. Without: a decode step, one token per slot (rows = all slots), attending over cache
+        positions [0, kv_len). No host synchronisation: decode graphs capture this."""
         model, device = self.model, self.device
-        input_ids, positions, last = input_ids.to(device), positions.to(device), last.to(device)
+        input_ids, positions = input_ids.to(device), positions.to(device)
         inv_freq = model.rotary_pos_emb.inv_freq.to(device)
-        angles = positions.t().float()[..., None] * inv_freq  # (sq, b, rotary_dim / 2)
+        angles = positions.t().float()[..., None] * inv_freq  # (sq, b, hn / 2)
+        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+        dtype = model.config.params_dtype
+        prefill = last is not None
+        score_bias = None if prefill else decode_score_bias(positions, kv_len, cache.groups, self.window)
         step = DecodeStep(
-            cache=cache,
-            slots=slots,
-            positions=positions,
-            rotary_freqs=torch.cat([angles, angles], dim=-1)[:, :, None, :],
-            kv_len=kv_len,
-        )
+            cache=cache, slots=slots, positions=positions, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+            prefill=prefill, score_bias=score_bias,
+        )  # fmt: skip
         for module in self.attention:
             module.kv_step = step
         try:
@@ -216,11 +365,14 @@ class NativeEngine:
         finally:
             for module in self.attention:
                 module.kv_step = None
-        final = hidden[last, torch.arange(hidden.shape[1], device=device)]  # (b, h)
+        if prefill:
+            final = hidden[last.to(device), torch.arange(hidden.shape[1], device=device)]  # (b, h)
+        else:
+            final = hidden[-1]
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(final[None], weight=weight)  # (1, b, Vp / tp)
         logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
-        return logits[0, :, : self.role.arch.vocab_size].float()
+        return logits[0, :, : self.role.arch.vocab_size]
 
 
 def generate_data_parallel(
@@ -241,47 +393,42 @@ def generate_data_parallel(
 class _DecodeGraphs:
     """CUDA graphs of the decode step over every cache slot, one per KV-length bucket.
 
-    A graph reads static input buffers (one row per slot; rows of idle slots decode a dummy token
-    at position 0, harmless: a slot's next prefill overwrites its cache) and writes static logits.
-    Captured lazily, sharing one memory pool. Sampling stays outside the graph.
+    A graph reads the slots' input buffers and writes static logits. Captured lazily, sharing one
+    memory pool; ``capture_seconds`` adds up what capturing (warm-up steps included) cost. Sampling
+    stays outside the graph.
     """
 
-    def __init__(self, engine: NativeEngine, cache: KVCache) -> None:
-        self.engine, self.cache = engine, cache
-        slots = cache.keys.shape[1]
-        device = engine.device
-        self.input_ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
-        self.slots = torch.arange(slots, device=device)
-        self.last = torch.zeros(slots, dtype=torch.long, device=device)
+    def __init__(self, engine: NativeEngine, slots: _Slots) -> None:
+        self.engine, self.slots = engine, slots
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
 
     def _bucket(self, kv_len: int) -> int:
         step = self.engine.cfg.graph_kv_bucket
-        return min(-(-kv_len // step) * step, self.cache.max_len)
+        return min(-(-kv_len // step) * step, self.slots.cache.max_len)
 
     def _run(self, kv_len: int) -> torch.Tensor:
-        return self.engine._model_logits(self.input_ids, self.positions, self.slots, kv_len, self.cache, self.last)
+        slots = self.slots
+        return self.engine._model_logits(slots.input_ids, slots.positions, slots.all_slots, slots.cache, kv_len=kv_len)
 
-    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: list[int], kv_len: int) -> torch.Tensor:
-        index = torch.tensor(slots, device=self.slots.device)
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.input_ids[index] = input_ids.to(self.input_ids.device)
-        self.positions[index] = positions.to(self.positions.device)
+    def logits(self, kv_len: int) -> torch.Tensor:
+        """(slots, V) logits of the decode step of the slots' current inputs."""
         bucket = self._bucket(kv_len)
         if bucket not in self.graphs:
+            start = time.perf_counter()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up outside the graph (library handles, allocator)
+                for _ in range(2):  # warm-up outside the graph (compilation, library handles, allocator)
                     self._run(bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._run(bucket)
             self.graphs[bucket] = (graph, out)
+            torch.cuda.current_stream().synchronize()
+            self.capture_seconds += time.perf_counter() - start
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out[index]
+        return out

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_rlhf.fusion import gpu_fused
+
 __all__ = ["SamplingParams", "apply_top_k_top_p", "sample"]
 
 
@@ -152,16 +154,28 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         raise TypeError(f"params must be a SamplingParams; got {type(params).__name__}")
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point (B, V) tensor; got {logits.dtype} {tuple(logits.shape)}")
-    logits = logits.float()
-    if params.greedy:
+    if params.greedy:  # the argmax of the upcast values is that of the originals: no float32 copy
         tokens = torch.argmax(logits, dim=-1)  # first maximal index on ties
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return tokens, logprobs
+        return tokens, _logprob_of_max(logits, tokens)
 
-    z = logits * (1.0 / params.temperature)  # as engine/logprobs.py scales, for identical rounding
+    z = logits.float() * (1.0 / params.temperature)  # as engine/logprobs.py scales, for identical rounding
     probs = torch.softmax(apply_top_k_top_p(z, params.top_k, params.top_p), dim=-1)  # filtered -> 0
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     race.clamp_min_(torch.finfo(race.dtype).tiny)  # guard against an exact 0 draw (p / 0)
     tokens = torch.argmax(probs / race, dim=-1)
-    logprobs = torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens, logprobs
+    return tokens, _logprob_of(z, tokens)
+
+
+@gpu_fused
+def _logprob_of_max(z: Tensor, tokens: Tensor) -> Tensor:
+    """``_logprob_of`` for tokens at the row maximum: -log sum_v exp(z_v - z_token), one pass."""
+    top = z.gather(-1, tokens.unsqueeze(-1)).float()
+    return -torch.log(torch.exp(z.float() - top).sum(dim=-1))
+
+
+@gpu_fused
+def _logprob_of(z: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(z)[token] per row in float32, without writing the (B, V) log-softmax (one fused
+    read of z on GPU)."""
+    z = z.float()
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -62,3 +63,42 @@ def test_stop_token_ends_a_sample(world_of_one) -> None:
     stopped = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(stop,)))[0]
     assert stopped.token_ids == free_run.token_ids[: free_run.token_ids.index(stop) + 1]
     assert stopped.finish_reason == "stop"
+
+
+def test_stops_with_continuous_batching_equal_single_sequence_runs(world_of_one) -> None:
+    # More prompts than slots, different stop points: every sample equals its own one-at-a-time
+    # run cut after the first stop token (the device runs one step ahead of the host; the extra
+    # token of a stopped sample must be dropped, and a freed slot must serve the next prompt).
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    engine = _tiny_engine("error")
+    prompts = [[5, 6, 7], [9], [11, 12, 13, 14, 15], [3, 4], [8, 8], [20, 1, 2]]
+    free = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    single = [engine.generate([p], free)[0].token_ids for p in prompts]
+    counts = collections.Counter(token for run in single for token in set(run))
+    stop = counts.most_common(1)[0][0]  # the token in the most runs: they stop at different steps
+    engine.cfg.max_batch_size = 2
+    batched = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))
+    for run, completion in zip(single, batched):
+        expected = run[: run.index(stop) + 1] if stop in run else run
+        assert completion.token_ids == expected
+        assert completion.finish_reason == ("stop" if stop in run else "length")
+        assert len(completion.logprobs) == len(completion.token_ids)
+    assert sum(stop in run for run in single) >= 2, "the stop token should end at least two samples"
+
+
+def test_engine_reused_across_calls_gives_the_same_results(world_of_one) -> None:
+    # The engine keeps its KV cache and slot state between calls (and, on GPU, its CUDA graphs):
+    # nothing of one call may leak into the next.
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    engine = _tiny_engine("error")
+    first = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    other = [[1, 2, 3, 4, 5, 6], [7], [8, 9]]
+    params = SamplingParams(temperature=0.8, max_new_tokens=6, ignore_eos=True, seed=3)
+    before = engine.generate(first, params)
+    engine.generate(other, SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True))
+    again = engine.generate(first, params)
+    fresh = _tiny_engine("error").generate(first, params)
+    for a, b, c in zip(before, again, fresh):
+        assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == b.logprobs == c.logprobs
