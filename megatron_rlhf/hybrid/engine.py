@@ -2,13 +2,11 @@
 
 ``generate`` runs, in order: release the training memory (grad buffers freed, optimizer state to
 pinned CPU), bring the generation weights up to date (zero copy when the layouts match, else a
-resharding copy into the generation layout), generate with the native engine on this rank's
-share of the prompts (data parallel over the generation layout), free the KV cache, restore the
-training memory. Every rank gets all completions. Each phase is timed and reports GPU
-memory. No process group is created after construction.
-
-The generation-layout copy (when one is needed) is persistent: it costs one extra copy of the
-actor's weights in the generation layout.
+resharding copy into the generation layout, allocated in the memory just freed), generate with
+the native engine on this rank's share of the prompts (data parallel over the generation layout),
+free the KV cache and the generation copy, restore the training memory. Every rank gets all
+completions. Each phase is timed and reports GPU memory. No process group is created after
+construction.
 """
 
 from __future__ import annotations
@@ -62,9 +60,13 @@ class HybridEngine:
 
         start = time.perf_counter()
         completions = generate_data_parallel(role, self.engine_cfg, prompts, params)
+        phase("generate", start)
+
+        start = time.perf_counter()
+        self.resharder.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV cache went with the engine
-        phase("generate", start)
+        phase("free generation memory", start)
 
         start = time.perf_counter()
         self.memory.to_training()

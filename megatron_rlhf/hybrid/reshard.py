@@ -22,12 +22,18 @@ training weights into it in place with megatron-core's
   tensors). ``refresh()`` clears the cache whenever the pair differs from the last one copied
   through this module. Anything else in the process that calls ``swap_model_weights`` directly
   must call ``refit.clear_plan_cache()`` itself.
-* Memory: the destination is a second copy of the actor's weights (in the generation layout), and
-  megatron 0.19.2 does no bucketing: all the temporaries of one refresh exist at once.
+* Memory: the destination's parameters are views into one flat buffer whose storage exists only
+  between ``refresh()`` (which allocates it, then copies) and ``release()`` (which frees it). The
+  hybrid engine calls ``refresh()`` after the optimizer state has left the GPU and ``release()``
+  before it comes back, so the generation copy lives in the memory the offload freed. Parameter
+  objects (and megatron's cached name -> tensor maps of them) stay valid across the cycle: only the
+  storage under them is freed and reallocated. megatron 0.19.2 does no bucketing: all the
+  temporaries of one refresh exist at once.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from megatron.core.resharding import refit
 from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
@@ -105,6 +111,8 @@ class WeightResharder:
         model = build_model(source.arch, groups, dtype=dtypes.pop(), device=devices.pop(), vocab_pad_multiple=multiple)
         model.requires_grad_(False)  # inference only; the copy writes into .data in place
         model.eval()
+        self._flat = _flatten_parameters(model)
+        self.release()
         self.target = RoleModel(role=source.role, arch=source.arch, groups=groups, model=model, source=source.source)
         self._service = NCCLCopyService()
 
@@ -117,6 +125,9 @@ class WeightResharder:
         """
         if self.zero_copy:
             return self.source
+        storage = self._flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self._flat.numel() * self._flat.element_size())
         if _LAST_PAIR[0] is not self._pair:
             refit.clear_plan_cache()
             _LAST_PAIR[0] = self._pair
@@ -126,9 +137,30 @@ class WeightResharder:
         refit.swap_model_weights(self.source.model, self.target.model, self._service)
         return self.target
 
+    def release(self) -> None:
+        """Free the generation copy's memory (its parameters keep their shapes, not their values)."""
+        if not self.zero_copy:
+            self._flat.untyped_storage().resize_(0)
+
     def destination_bytes(self) -> int:
-        """This rank's bytes of the generation copy (0 in the zero-copy case)."""
+        """This rank's bytes of the generation copy while it exists (0 in the zero-copy case)."""
         if self.zero_copy:
             return 0
-        return sum(p.numel() * p.element_size() for p in self.target.model.parameters())
+        return self._flat.numel() * self._flat.element_size()
+
+
+_ALIGN = 128  # elements: every parameter view starts 256-byte aligned (bf16), as kernels prefer
+
+
+def _flatten_parameters(model: torch.nn.Module) -> torch.Tensor:
+    """Re-point every parameter of ``model`` at a slice of one new flat buffer (contents not
+    kept: ``refresh()`` overwrites them); returns the buffer."""
+    params = list(model.parameters())
+    sizes = [-(-p.numel() // _ALIGN) * _ALIGN for p in params]
+    flat = torch.empty(sum(sizes), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for param, size in zip(params, sizes):
+        param.data = flat[offset : offset + param.numel()].view_as(param)
+        offset += size
+    return flat
 

@@ -57,6 +57,10 @@ def main() -> None:
         expected = reference(path if round_ == 0 else str(out / "after-step"))
         results[f"round{round_}_mismatches"] = sum(c.token_ids != e for c, e in zip(completions, expected))
         results[f"round{round_}_phases"] = [r.phase for r in reports]
+        # The generation copy exists only while generating: its memory is freed before training.
+        results[f"round{round_}_copy_bytes_after"] = sum(
+            p.untyped_storage().nbytes() for p in hybrid.resharder.target.model.parameters()
+        )  # fmt: skip
         ids = torch.randint(3, 512, (4, 24), generator=torch.Generator().manual_seed(round_))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
         train_step(state, batch, sft_loss(actor), max_tokens_per_micro_batch=64)

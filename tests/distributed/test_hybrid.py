@@ -20,3 +20,4 @@ def test_hybrid_generation_follows_training(tmp_path: Path) -> None:
     assert results["round0_mismatches"] == 0 and results["round1_mismatches"] == 0
     assert results["tokens_changed_by_step"]
     assert results["round1_phases"][1] == "generation weights (reshard)"
+    assert results["round0_copy_bytes_after"] == 0 and results["round1_copy_bytes_after"] == 0

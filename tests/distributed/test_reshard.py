@@ -28,17 +28,18 @@ def test_generation_copy_matches_training_model(results: dict, case: str) -> Non
     """TP2 / PP2 (untied llama, tied qwen2) -> TP1xDP2, and TP1xDP2 -> TP2: logits and greedy tokens."""
     assert results[f"{case}/logits_max_abs_diff"] < TOLERANCE
     assert results[f"{case}/greedy_mismatches"] == 0
-    assert results[f"{case}/refresh_moved_tensors"] == 0
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("update", ["perturbed", "optimizer_step"])
 @pytest.mark.parametrize("case", ["tp2", "pp2"])
-def test_refresh_follows_training_updates_in_place(results: dict, case: str, update: str) -> None:
+def test_refresh_follows_training_updates(results: dict, case: str, update: str) -> None:
+    """In place after a perturbation; rebuilt after release() (memory freed) around an optimizer step."""
     key = f"{case}/{update}"
     assert results[f"{key}/stale_logits_max_abs_diff"] > 1e-3  # the update did change the model
     assert results[f"{key}/refreshed_logits_max_abs_diff"] < TOLERANCE
-    assert results[f"{key}/refresh_moved_tensors"] == 0
+    if update == "perturbed":
+        assert results[f"{key}/refresh_moved_tensors"] == 0
     assert results[f"{key}/refresh_same_role_object"] is True
 
 
