@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 1 scripts/bench_rollout.py --model builtin:llama-1.5b --out result.json
     torchrun --nproc-per-node 2 scripts/bench_rollout.py --model builtin:llama-1.5b --out reshard.json
 
-With 2 ranks it measures only the hybrid engine's weight copy: TP2 training -> TP1 x DP2 generation.
+With 2 ranks it measures only the hybrid engine's weight copy: TP2 training -> TP1 x DP2 generation
+(time, and GPU memory with the copy allocated and after its release).
 
 Fixed output length (EOS ignored), greedy, random prompts. For each batch size: prefill tokens/s
 (max_new_tokens=1 run), decode tokens/s of both engines, and the HBM roofline of a decode step:
@@ -57,6 +58,46 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path | None) -> dict[str, float]:
+    """Where a decode step's time goes, eager and with CUDA graphs: GPU kernel time per step by
+    kernel, and the share of wall time the GPU is busy (the rest is the host loop). Decode-only
+    figures are differences of two profiled runs, ``steps + 1`` and 1 new tokens (the prefill)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    def kernel_times(engine, new_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
+        params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = timed(lambda: engine.generate(prompts, params))
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+        by_name = {e.key: (e.self_device_time_total, e.count) for e in kernels}  # device work only, not the ops launching it
+        return wall, by_name
+
+    figures: dict[str, float] = {}
+    lines = []
+    for label, graphs in (("eager", False), ("cuda_graphs", True)):
+        engine = engine_for(graphs)
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True))  # warm-up
+        wall_full, full = kernel_times(engine, steps + 1)
+        wall_prefill, prefill = kernel_times(engine, 1)
+        decode = {k: ((t - prefill.get(k, (0, 0))[0]) / steps, (n - prefill.get(k, (0, 0))[1]) / steps) for k, (t, n) in full.items()}
+        busy_us = sum(t for t, _ in decode.values())
+        figures[f"{label}_wall_ms_per_step"] = 1e3 * (wall_full - wall_prefill) / steps
+        figures[f"{label}_gpu_busy_ms_per_step"] = busy_us / 1e3
+        figures[f"{label}_kernels_per_step"] = sum(n for _, n in decode.values())
+        lines.append(f"== {label}, batch {len(prompts)}: per decode step, {figures[f'{label}_wall_ms_per_step']:.3f} ms "
+                     f"wall, {busy_us / 1e3:.3f} ms GPU busy, {figures[f'{label}_kernels_per_step']:.0f} kernels")  # fmt: skip
+        for name, (t, n) in sorted(decode.items(), key=lambda kv: -kv[1][0])[:30]:
+            lines.append(f"{t:10.1f} us {n:7.1f}x  {name[:110]}")
+    text = "\n".join(lines)
+    print(text)
+    if out is not None:
+        out.with_suffix(".profile.txt").write_text(text + "\n")
+    return figures
+
+
 def measure_reshard(args: argparse.Namespace, env) -> None:
     from megatron_rlhf.config.schema import ModelConfig
     from megatron_rlhf.hybrid.reshard import WeightResharder
@@ -68,11 +109,20 @@ def measure_reshard(args: argparse.Namespace, env) -> None:
     actor = build_role("actor", ModelConfig(path=args.model, tp=env.world_size), arch, world_size=env.world_size,
                        dtype=torch.bfloat16, device=env.device)  # fmt: skip
     resharder = WeightResharder(actor, generation_tp=1)
-    times = [timed(resharder.refresh) for _ in range(3)]  # the first one builds the copy plan
+    gib = 1024**3
+    training_weights = torch.cuda.memory_allocated()
+    times, with_copy = [], []
+    for _ in range(3):  # the first refresh builds the copy plan; each allocates the copy, then it is released
+        times.append(timed(resharder.refresh))
+        with_copy.append(torch.cuda.memory_allocated())
+        resharder.release()
     copy_bytes = resharder.destination_bytes()
     result = {"model": args.model, "train_layout": str(actor.groups.layout), "generation_layout": "TP1xPP1xDP"
               + str(env.world_size), "refresh_s": times, "destination_GB_per_rank": copy_bytes / 1e9,
-              "effective_GBps_per_rank": copy_bytes / 1e9 / min(times[1:])}  # fmt: skip
+              "effective_GBps_per_rank": copy_bytes / 1e9 / min(times[1:]),
+              "allocated_GiB_training_weights": training_weights / gib,
+              "allocated_GiB_with_copy": max(with_copy) / gib,
+              "allocated_GiB_after_release": torch.cuda.memory_allocated() / gib}  # fmt: skip
     log(json.dumps(result, indent=1))
     if env.rank == 0 and args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -85,6 +135,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile decode at the largest batch (torch.profiler)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -121,13 +172,15 @@ def main() -> None:
         for label, graphs in (("eager", False), ("cuda_graphs", True)):
             engine = NativeEngine(role, NativeEngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens,
                                                            cuda_graphs=graphs))  # fmt: skip
-            # Warm-up: with graphs, a full run captures every KV-length bucket's graph once.
+            # Warm-up: with graphs, a full run captures every KV-length bucket's graph once; the
+            # engine keeps them (and its KV cache) for the timed calls, as a rollout engine would.
             engine.generate(prompts.tolist() if graphs else prompts[:4].tolist(), greedy)
+            if graphs:
+                figures["graph_capture_s"] = engine.graph_capture_seconds
             prefill_s = timed(lambda: engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)))
             total_s = timed(lambda: engine.generate(prompts.tolist(), greedy))
             figures["prefill_tokens_per_s"] = batch * args.prompt_len / prefill_s
             figures[f"decode_tokens_per_s_{label}"] = batch * (args.new_tokens - 1) / (total_s - prefill_s)
-            del engine
         ours = figures["decode_tokens_per_s_cuda_graphs"]
         mean_context = args.prompt_len + args.new_tokens / 2
         step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
@@ -143,7 +196,13 @@ def main() -> None:
             figures["speedup_vs_hf"] = ours / figures["hf_generate_tokens_per_s"]
         result[f"batch{batch}"] = figures
         torch.cuda.empty_cache()
-    del hf
+    if args.profile:
+        batch = max(args.batch_sizes)
+        prompts = torch.randint(0, arch.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+        engine_for = lambda graphs: NativeEngine(role, NativeEngineConfig(  # noqa: E731
+            max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens, cuda_graphs=graphs))
+        result["profile"] = profile_decode(engine_for, prompts, 32, args.out)
+    hf = None  # free its weights before the training state below
     state = make_train_state(role, OptimConfig(lr=1e-6))
     ids = torch.randint(0, arch.vocab_size, (8, 512), generator=g)
     train_step(state, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)},

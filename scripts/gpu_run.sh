@@ -20,8 +20,9 @@ python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gp
 bench() { python3 -m torch.distributed.run --standalone --nproc-per-node="$1" "${@:2}"; }
 bench 1 scripts/bench_load.py --model builtin:llama-1.5b --tp 1 --out "$OUT/bench_load_tp1.json" 2>&1 | tail -25 | tee "$OUT/bench_load_tp1.log" || status=1
 bench 1 scripts/bench_update.py --model builtin:llama-1.5b --out "$OUT/bench_update.json" 2>&1 | tail -30 | tee "$OUT/bench_update.log" || status=1
-bench 1 scripts/bench_rollout.py --model builtin:llama-1.5b --out "$OUT/bench_rollout.json" 2>&1 | tail -40 | tee "$OUT/bench_rollout.log" || status=1
+bench 1 scripts/bench_rollout.py --model builtin:llama-1.5b --profile --out "$OUT/bench_rollout.json" 2>&1 | tail -40 | tee "$OUT/bench_rollout.log" || status=1
 if [ "$ngpu" -ge 2 ]; then
   bench 2 scripts/bench_load.py --model builtin:llama-1.5b --tp 2 --out "$OUT/bench_load_tp2.json" 2>&1 | tail -25 | tee "$OUT/bench_load_tp2.log" || status=1
+  bench 2 scripts/bench_rollout.py --model builtin:llama-1.5b --out "$OUT/bench_reshard.json" 2>&1 | tail -25 | tee "$OUT/bench_reshard.log" || status=1
 fi
 exit $status
