@@ -36,6 +36,24 @@ def memory_summary(device: torch.device) -> str:
     return f"cpu rss {psutil.Process().memory_info().rss / gib:.2f} GiB"
 
 
+class Progress:
+    """A progress line for long work, at most every ``every_s`` seconds and at the end (rank 0):
+    ``label: done/total (rate/s, eta)``. Call it with the count done so far."""
+
+    def __init__(self, label: str, total: int, unit: str, every_s: float = 10.0, clock=time.perf_counter) -> None:
+        self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, every_s, clock
+        self.start = self.last = clock()
+
+    def __call__(self, done: int) -> None:
+        now = self.clock()
+        if done < self.total and now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        eta = f", eta {(self.total - done) / rate:.0f}s" if 0 < done < self.total else ""
+        log(f"{self.label}: {done}/{self.total} {self.unit} ({rate:,.1f}/s{eta})")
+
+
 @contextlib.contextmanager
 def timed(phase: str, device: torch.device, times: dict[str, float] | None = None) -> Iterator[None]:
     """Time a phase across all ranks (barrier at both ends) and log it with memory use."""

@@ -20,7 +20,7 @@ from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.data import load_prompt_dataset
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
-from megatron_rlhf.metrics.log import log
+from megatron_rlhf.metrics.log import Progress, log
 from megatron_rlhf.models.builder import resolve_dtype
 from megatron_rlhf.models.roles import build_role
 from megatron_rlhf.models.sources import architecture_of, local_dir
@@ -51,7 +51,9 @@ def run_generate(
     if not engine_cfg.eos_token_ids and tokenizer.eos_id is not None:
         engine_cfg = NativeEngineConfig(**{**engine_cfg.__dict__, "eos_token_ids": (tokenizer.eos_id,)})
     start = time.perf_counter()
-    rows = generate_data_parallel(role, engine_cfg, [example.prompt_ids.tolist() for example in dataset], params)
+    group_share = -(-len(dataset) // role.groups.layout.dp) * params.n  # rank 0's data-parallel group
+    progress = Progress("generate (data-parallel group 0)", group_share, "completions")
+    rows = generate_data_parallel(role, engine_cfg, [example.prompt_ids.tolist() for example in dataset], params, progress)
     elapsed = time.perf_counter() - start
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)

@@ -6,12 +6,13 @@ step; a finished sequence frees its slot for the next waiting prompt. TP-aware: 
 its attention heads and vocabulary shard; the sampled tokens are broadcast from TP rank 0 so that
 all ranks continue with identical sequences. Pipeline parallelism is collapsed (pp=1).
 
-The decode loop keeps the device one step ahead of the host. Step t+1 is launched (its input
-tokens are step t's samples, still on the device) before the host reads step t's tokens, so the
-host's bookkeeping overlaps the device's work instead of idling it. A sequence that stops on a
-stop token at step t is thus computed once more at t+1; that extra token is dropped. Limits known
-in advance (max_new_tokens, max_seq_len) are never overrun. New prompts are admitted when the
-pipeline is drained.
+The decode loop keeps the device ahead of the host. Each slot's state (last token, position,
+remaining budget, whether it still generates) lives on the device and a decode step advances it
+there, stop tokens and budgets included, so step t+1 is launched before the host has read step t.
+The host reads every step one step late into a history, with per-step work that does not grow with
+the number of slots, and learns of finished slots then. New prompts are admitted into free slots
+after draining the step in flight. The engine keeps its KV cache and CUDA graphs for the next call
+(``release()`` frees them).
 
 Shapes: prefill input (b, W) right-padded; decode input (slots, 1): every cache slot decodes
 (a static shape, as CUDA graphs need), idle slots a dummy token whose result is dropped.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -183,7 +184,11 @@ class NativeEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_finished: Callable[[int], None] | None = None
+    ) -> list[Completion]:  # fmt: skip
+        """``params.n`` completions per prompt, ordered by (prompt_index, sample_index);
+        ``on_finished(count)`` is told how many are complete whenever that number grows."""
         waiting = collections.deque(
             self._completion(i, j, list(prompt), params) for i, prompt in enumerate(prompts) for j in range(params.n)
         )  # fmt: skip
@@ -210,6 +215,8 @@ class NativeEngine:
             completion.finish_reason = "stop" if completion.token_ids[-1] in stop_ids else "length"
             finished.append(completion)
             occupant[slot] = None
+            if on_finished is not None:
+                on_finished(len(finished))
 
         was_training = self.model.training
         self.model.eval()
@@ -376,13 +383,15 @@ class NativeEngine:
 
 
 def generate_data_parallel(
-    role: RoleModel, cfg: NativeEngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams
-) -> list[Completion]:
+    role: RoleModel, cfg: NativeEngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
+    on_finished: Callable[[int], None] | None = None,
+) -> list[Completion]:  # fmt: skip
     """Generate over the role's data-parallel groups: each takes every dp-th prompt; every rank of
-    the world returns all completions, ordered by (prompt_index, sample_index). Collective."""
+    the world returns all completions, ordered by (prompt_index, sample_index). Collective.
+    ``on_finished`` follows this rank's group (see ``NativeEngine.generate``)."""
     dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
     mine = list(range(dp_rank, len(prompts), dp))
-    completions = NativeEngine(role, cfg).generate([list(prompts[i]) for i in mine], params)
+    completions = NativeEngine(role, cfg).generate([list(prompts[i]) for i in mine], params, on_finished)
     for completion in completions:
         completion.prompt_index = mine[completion.prompt_index]
     gathered: list = [None] * dist.get_world_size()

@@ -102,3 +102,14 @@ def test_engine_reused_across_calls_gives_the_same_results(world_of_one) -> None
     fresh = _tiny_engine("error").generate(first, params)
     for a, b, c in zip(before, again, fresh):
         assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == b.logprobs == c.logprobs
+
+
+def test_engine_reports_each_finished_completion(world_of_one) -> None:
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    engine = _tiny_engine("error")
+    counts: list[int] = []
+    prompts = [[5, 6, 7], [9], [11, 12], [3, 4], [8]]
+    engine.cfg.max_batch_size = 2
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True, n=2), counts.append)
+    assert counts == list(range(1, 11))
