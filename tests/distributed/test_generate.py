@@ -113,3 +113,17 @@ def test_engine_reports_each_finished_completion(world_of_one) -> None:
     engine.cfg.max_batch_size = 2
     engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True, n=2), counts.append)
     assert counts == list(range(1, 11))
+
+
+def test_history_keeps_every_step_past_its_initial_capacity() -> None:
+    from megatron_rlhf.rollout.native import _History
+
+    history = _History(slots=3)
+    steps = 600  # more than the initial 256 rows: the buffer must grow without losing rows
+    for step in range(steps):
+        produced = torch.tensor([step, -1 if step % 2 else step + 1, -1])  # slot 1 produces every other step
+        history.append(produced, produced.float() / 10)
+    tokens, logprobs = history.of_slot(0, since=0)
+    assert tokens == list(range(steps)) and logprobs == (torch.arange(steps).float() / 10).tolist()
+    assert history.of_slot(1, since=500)[0] == [s + 1 for s in range(500, steps, 2)]
+    assert history.of_slot(2, since=0) == ([], [])
