@@ -25,10 +25,6 @@ class KVCache:
         """megatron numbers layers from 1 within a pipeline stage's block."""
         return self.data[layer_number - 1]
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
 
 @dataclasses.dataclass
 class DecodeStep:
