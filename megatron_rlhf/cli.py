@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--on-long-prompt", default="error", choices=["error", "truncate"],
         help="a prompt with no room for a new token: error, or drop its oldest tokens (counted)",
     )  # fmt: skip
+    generate.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on GPU (slower; for debugging)")
+    generate.add_argument("--graph-kv-bucket", type=int, default=64, help="CUDA-graph KV-length granularity (positions)")
 
     show = commands.add_parser("config", help="print the resolved configuration (preset + overrides) as YAML")
     _add_config_args(show)
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                     n=args.num_samples, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos,
                 ),
                 engine_cfg=NativeEngineConfig(
-                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, on_long_prompt=args.on_long_prompt
+                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, on_long_prompt=args.on_long_prompt,
+                    cuda_graphs=not args.no_cuda_graphs, graph_kv_bucket=args.graph_kv_bucket,
                 ),
             )  # fmt: skip
             return 0
