@@ -141,10 +141,8 @@ class _DecodeState:
     position, for the attention length), and the history of the steps read."""
 
     def __init__(self, slots: _Slots, stop_ids: set[int]) -> None:
-        self.slots, self.cache = slots, slots.cache
+        self.slots = slots
         slots.live.zero_()  # nothing from an earlier call is generating
-        self.input_ids, self.positions, self.all_slots = slots.input_ids, slots.positions, slots.all_slots
-        self.remaining, self.live = slots.remaining, slots.live
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=slots.live.device)
         self.live_known = torch.zeros(slots.count, dtype=torch.bool)
         self.position_bound = torch.zeros(slots.count, dtype=torch.long)
@@ -200,10 +198,9 @@ class NativeEngine:
             self._slots = _Slots(self, count)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
         state = _DecodeState(self._slots, stop_ids)
-        cache = state.cache
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        occupant: list[Completion | None] = [None] * cache.slots
-        first_step = [0] * cache.slots  # the history row where each occupant's decoding began
+        occupant: list[Completion | None] = [None] * count
+        first_step = [0] * count  # the history row where each occupant's decoding began
         finished: list[Completion] = []
         in_flight: _LaunchedStep | None = None
 
@@ -235,7 +232,7 @@ class NativeEngine:
                         admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                         for slot, completion in zip(free, admitted):
                             occupant[slot], first_step[slot] = completion, state.history.steps
-                        self._prefill(admitted, free[: len(admitted)], cache, state, params, generator)
+                        self._prefill(admitted, free[: len(admitted)], state, params, generator)
                         continue
                     if not bool(state.live_known.any()):  # nothing generates any more
                         if in_flight is None:
@@ -243,7 +240,7 @@ class NativeEngine:
                         self._collect(in_flight, state)
                         in_flight = None
                         continue
-                    launched = self._launch_decode(cache, state, params, generator)
+                    launched = self._launch_decode(state, params, generator)
                     if in_flight is not None:
                         self._collect(in_flight, state)
                     in_flight = launched
@@ -269,8 +266,8 @@ class NativeEngine:
         return Completion(prompt_index, sample_index, prompt[dropped:], [], [], prompt_tokens_dropped=dropped)
 
     def _prefill(
-        self, admitted: list[Completion], slot_ids: list[int], cache: KVCache, state: _DecodeState,
-        params: SamplingParams, generator: torch.Generator,
+        self, admitted: list[Completion], slot_ids: list[int], state: _DecodeState, params: SamplingParams,
+        generator: torch.Generator,
     ) -> None:  # fmt: skip
         """Prompts into their slots: one batched prefill, the first token of each, and the slots'
         device state (budget = max_new_tokens, capped by the context left)."""
@@ -281,40 +278,42 @@ class NativeEngine:
             input_ids[row, : lengths[row]] = torch.tensor(completion.prompt_ids)
         positions = torch.arange(width).expand(len(admitted), width)
         slots = torch.tensor(slot_ids, device=self.device)
-        logits = self._model_logits(input_ids, positions, slots, cache, last=torch.tensor(lengths) - 1)
+        device_state = state.slots
+        logits = self._model_logits(input_ids, positions, slots, device_state.cache, last=torch.tensor(lengths) - 1)
         tokens, logprobs = self._sample(logits, params, generator)
         budget = torch.tensor([min(params.max_new_tokens, self.cfg.max_seq_len - n) for n in lengths], device=self.device)
-        state.input_ids[slots, 0] = tokens
-        state.positions[slots, 0] = torch.tensor(lengths, device=self.device)  # the first token's position
-        state.remaining[slots] = budget - 1
-        state.live[slots] = (budget > 1) & ~torch.isin(tokens, state.stop_ids)
-        state.live_known[slot_ids] = state.live[slots].cpu()
+        device_state.input_ids[slots, 0] = tokens
+        device_state.positions[slots, 0] = torch.tensor(lengths, device=self.device)  # the first token's position
+        device_state.remaining[slots] = budget - 1
+        device_state.live[slots] = (budget > 1) & ~torch.isin(tokens, state.stop_ids)
+        state.live_known[slot_ids] = device_state.live[slots].cpu()
         state.position_bound[slot_ids] = torch.tensor(lengths)
         for completion, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist()):
             completion.token_ids.append(token)
             completion.logprobs.append(logprob)
 
     def _launch_decode(
-        self, cache: KVCache, state: _DecodeState, params: SamplingParams, generator: torch.Generator
+        self, state: _DecodeState, params: SamplingParams, generator: torch.Generator
     ) -> _LaunchedStep:  # fmt: skip
         """Queue one decode step over every slot and the state update after it; returns without
         waiting for the device."""
+        device_state = state.slots
         maybe_live = state.live_known  # a superset of the device's live slots (the host lags)
-        kv_len = min(int(state.position_bound[maybe_live].max()) + 1, cache.max_len)
-        if state.slots.graphs is not None:
-            logits = state.slots.graphs.logits(kv_len)
+        kv_len = min(int(state.position_bound[maybe_live].max()) + 1, device_state.cache.max_len)
+        if device_state.graphs is not None:
+            logits = device_state.graphs.logits(kv_len)
         else:
-            logits = self._model_logits(state.input_ids, state.positions, state.all_slots, cache, kv_len=kv_len)
+            logits = self._decode_logits(device_state, kv_len)
         tokens, logprobs = self._sample(logits, params, generator)
-        live = state.live
+        live = device_state.live
         produced = torch.where(live, tokens, -1)
-        state.input_ids.copy_(tokens[:, None])
-        state.positions.add_(live[:, None])
-        state.remaining.sub_(live.long())
-        live &= state.remaining > 0
+        device_state.input_ids.copy_(tokens[:, None])
+        device_state.positions.add_(live[:, None])
+        device_state.remaining.sub_(live.long())
+        live &= device_state.remaining > 0
         live &= ~torch.isin(tokens, state.stop_ids)
         state.position_bound += maybe_live
-        host_tokens, host_logprobs, host_live = state.slots.staging[state.parity]
+        host_tokens, host_logprobs, host_live = device_state.staging[state.parity]
         state.parity = 1 - state.parity
         host_tokens.copy_(produced, non_blocking=True)
         host_logprobs.copy_(logprobs, non_blocking=True)
@@ -341,6 +340,10 @@ class NativeEngine:
             dist.broadcast(tokens, src=self.tp_src, group=self.tp_group)
             dist.broadcast(logprobs, src=self.tp_src, group=self.tp_group)
         return tokens, logprobs
+
+    def _decode_logits(self, slots: _Slots, kv_len: int) -> torch.Tensor:
+        """(slots, V) logits of one decode step of the slots' current inputs (what graphs capture)."""
+        return self._model_logits(slots.input_ids, slots.positions, slots.all_slots, slots.cache, kv_len=kv_len)
 
     def _model_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache, *,
@@ -418,8 +421,7 @@ class _DecodeGraphs:
         return min(-(-kv_len // step) * step, self.slots.cache.max_len)
 
     def _run(self, kv_len: int) -> torch.Tensor:
-        slots = self.slots
-        return self.engine._model_logits(slots.input_ids, slots.positions, slots.all_slots, slots.cache, kv_len=kv_len)
+        return self.engine._decode_logits(self.slots, kv_len)
 
     def logits(self, kv_len: int) -> torch.Tensor:
         """(slots, V) logits of the decode step of the slots' current inputs."""
