@@ -26,16 +26,17 @@ from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
-from megatron_rlhf.engine.optim import OptimConfig, TrainState
+from megatron_rlhf.data.tokenizer import resolve_tokenizer
+from megatron_rlhf.engine.optim import OptimConfig, TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import train_step
-from megatron_rlhf.metrics.log import is_rank0, log
+from megatron_rlhf.metrics.log import is_rank0, log, timed
 from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.builder import DTYPES
+from megatron_rlhf.models.builder import DTYPES, resolve_dtype
 from megatron_rlhf.models.hf_checkpoint import save_hf_checkpoint, side_files_in
-from megatron_rlhf.models.roles import RoleModel
-from megatron_rlhf.models.sources import architecture_of
-from megatron_rlhf.parallel.distributed import DEVICES
+from megatron_rlhf.models.roles import RoleModel, build_role
+from megatron_rlhf.models.sources import architecture_of, local_dir
+from megatron_rlhf.parallel.distributed import DEVICES, DistEnv, seed_everything
 
 ON_PROBLEM = ("error", "skip")
 
@@ -320,6 +321,54 @@ def _evaluate(task: TrainTask, step: int, sink: MetricsSink) -> dict[str, float]
     shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
     log(f"validation at step {step}: {shown} ({time.perf_counter() - start:.1f}s)")
     return figures
+
+
+@dataclasses.dataclass
+class TrainerRun:
+    """What ``set_up_run`` prepares for a trainer: the model, its training state, the data."""
+
+    arch: Architecture
+    tokenizer: Tokenizer
+    train: Any
+    validation: Any | None
+    role: RoleModel
+    state: TrainState
+    out_dir: Path
+
+
+def set_up_run(
+    cfg: TrainerConfig, env: DistEnv, *, name: str, role: str, score_head: bool,
+    load: Callable[[list[str], Tokenizer, Any, str], Any],
+) -> TrainerRun:  # fmt: skip
+    """Check the config, seed, write config.yaml, read the train/validation data with
+    ``load(paths, tokenizer, cfg.data, "train" | "validation")``, build the model and its state."""
+    arch = check_config(cfg, env.world_size, score_head=score_head)
+    seed_everything(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    out_dir = Path(cfg.output_dir)
+    write_run_files(cfg, out_dir)
+    log(f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"model {cfg.model.path}")  # fmt: skip
+    tokenizer = resolve_tokenizer(local_dir(cfg.model.path), arch, cfg.model.path)
+    train = load(cfg.data.train, tokenizer, cfg.data, "train")
+    validation = load(cfg.data.validation, tokenizer, cfg.data, "validation") if cfg.data.validation else None
+    with timed("build+load model", env.device):
+        model = build_role(role, cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
+        state = make_train_state(model, cfg.optim)
+    log(f"model {arch.hf_class_name} {arch.num_layers} layers, {model.groups.layout}, "
+        f"{sum(p.numel() for p in model.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {model.source}")
+    return TrainerRun(arch, tokenizer, train, validation, model, state, out_dir)
+
+
+def run_task(cfg: TrainerConfig, run: TrainerRun, task: TrainTask, device: torch.device) -> dict[str, Any]:
+    """Train (metrics to stdout, metrics.jsonl and TensorBoard), then export and write result.json."""
+    sink = MetricsSink(run.out_dir)
+    try:
+        summary = train_loop(cfg, run.state, task, sink, device)
+    finally:
+        sink.close()
+    finish(cfg, run.role, with_token_ids(run.arch, run.tokenizer), run.out_dir, summary)
+    return summary
 
 
 def finish(cfg: TrainerConfig, role: RoleModel, arch: Architecture, out_dir: Path, summary: dict[str, Any]) -> None:

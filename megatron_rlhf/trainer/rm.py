@@ -10,7 +10,6 @@ validation set.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,27 +18,20 @@ import torch.nn.functional as F
 from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.data import PreferenceDataset, load_preference_dataset, pack_batch
 from megatron_rlhf.engine.objectives import bradley_terry_loss, values_output
-from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+from megatron_rlhf.engine.optim import OptimConfig
 from megatron_rlhf.engine.schedule import Batch
 from megatron_rlhf.engine.train import forward_pass
-from megatron_rlhf.metrics.log import log, timed
-from megatron_rlhf.models.roles import RoleModel, build_role
-from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.models.builder import resolve_dtype
-from megatron_rlhf.data.tokenizer import resolve_tokenizer
-from megatron_rlhf.models.sources import local_dir
+from megatron_rlhf.metrics.log import log
+from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.trainer.common import (
     DataConfigBase,
-    MetricsSink,
     TrainerConfig,
     TrainTask,
-    check_config,
     dp_shard,
-    finish,
     reduce_over_model,
-    train_loop,
-    with_token_ids,
-    write_run_files,
+    run_task,
+    set_up_run,
 )
 
 
@@ -118,47 +110,27 @@ def preference_accuracy(role: RoleModel, dataset: PreferenceDataset, pad_id: int
 
 
 def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
-    arch = check_config(cfg, env.world_size, score_head=True)
-    seed_everything(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env.device)
-    out_dir = Path(cfg.output_dir)
-    write_run_files(cfg, out_dir)
-    log(f"rm: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
-        f"model {cfg.model.path}")  # fmt: skip
-    source = local_dir(cfg.model.path)
-    tokenizer = resolve_tokenizer(source, arch, cfg.model.path)
-    train = _load(cfg.data.train, tokenizer, cfg.data, "train")
-    validation = _load(cfg.data.validation, tokenizer, cfg.data, "validation") if cfg.data.validation else None
-
-    with timed("build+load model", env.device):
-        role = build_role("reward", cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
-        state = make_train_state(role, cfg.optim)
-    log(f"model {arch.hf_class_name} {arch.num_layers} layers, {role.groups.layout}, "
-        f"{sum(p.numel() for p in role.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {role.source}")
+    run = set_up_run(cfg, env, name="rm", role="reward", score_head=True, load=_load)
+    role, train, validation, pad_id = run.role, run.train, run.validation, run.tokenizer.pad_id
     lengths = train.lengths  # (N, 2)
     per_rank = cfg.global_batch_size // role.groups.layout.dp
 
     def evaluate() -> dict[str, float]:
-        return preference_accuracy(role, validation, tokenizer.pad_id, chunk=per_rank,
-                                   max_tokens=cfg.max_tokens_per_micro_batch, device=env.device)  # fmt: skip
+        return preference_accuracy(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
+                                   device=env.device)  # fmt: skip
 
     task = TrainTask(
         name="rm",
         num_examples=len(train),
         tokens_of=lambda idx: int(lengths[list(idx)].sum()),
-        make_batch=lambda idx: adjacent_pairs(pack_batch([train[i] for i in idx], tokenizer.pad_id)),
+        make_batch=lambda idx: adjacent_pairs(pack_batch([train[i] for i in idx], pad_id)),
         loss_fn=bradley_terry_loss(),
         group_size=2,
         evaluate=evaluate if validation is not None else None,
         headline=("accuracy", "margin"),
     )
-    sink = MetricsSink(out_dir)
-    try:
-        summary = train_loop(cfg, state, task, sink, env.device)
-    finally:
-        sink.close()
-    finish(cfg, role, with_token_ids(arch, tokenizer), out_dir, summary)
+    summary = run_task(cfg, run, task, env.device)
     accuracy = summary.get("validation", {}).get("accuracy")
     log(f"rm done: first loss {summary['first_loss']:.4f}, last loss {summary['last_loss']:.4f}"
-        + (f", validation accuracy {accuracy:.4f}" if accuracy is not None else "") + f"; {out_dir}")
+        + (f", validation accuracy {accuracy:.4f}" if accuracy is not None else "") + f"; {run.out_dir}")
     return summary

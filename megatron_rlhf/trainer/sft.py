@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,26 +17,19 @@ import torch.nn.functional as F
 from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.data import SFTDataset, load_sft_dataset, pack_batch
 from megatron_rlhf.engine.objectives import next_token_logprobs, sft_loss
-from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+from megatron_rlhf.engine.optim import OptimConfig
 from megatron_rlhf.engine.train import forward_pass
-from megatron_rlhf.metrics.log import log, timed
-from megatron_rlhf.models.roles import RoleModel, build_role
-from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.models.builder import resolve_dtype
-from megatron_rlhf.data.tokenizer import resolve_tokenizer
-from megatron_rlhf.models.sources import local_dir
+from megatron_rlhf.metrics.log import log
+from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.trainer.common import (
     DataConfigBase,
-    MetricsSink,
     TrainerConfig,
     TrainTask,
-    check_config,
     dp_shard,
-    finish,
     reduce_over_model,
-    train_loop,
-    with_token_ids,
-    write_run_files,
+    run_task,
+    set_up_run,
 )
 
 
@@ -98,44 +90,24 @@ def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: 
 
 
 def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
-    arch = check_config(cfg, env.world_size, score_head=False)
-    seed_everything(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env.device)
-    out_dir = Path(cfg.output_dir)
-    write_run_files(cfg, out_dir)
-    log(f"sft: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
-        f"model {cfg.model.path}")  # fmt: skip
-    source = local_dir(cfg.model.path)
-    tokenizer = resolve_tokenizer(source, arch, cfg.model.path)
-    train = _load(cfg.data.train, tokenizer, cfg.data, "train")
-    validation = _load(cfg.data.validation, tokenizer, cfg.data, "validation") if cfg.data.validation else None
-
-    with timed("build+load model", env.device):
-        role = build_role("actor", cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
-        state = make_train_state(role, cfg.optim)
-    log(f"model {arch.hf_class_name} {arch.num_layers} layers, {role.groups.layout}, "
-        f"{sum(p.numel() for p in role.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {role.source}")
+    run = set_up_run(cfg, env, name="sft", role="actor", score_head=False, load=_load)
+    role, train, validation, pad_id = run.role, run.train, run.validation, run.tokenizer.pad_id
     lengths = train.lengths
     per_rank = cfg.global_batch_size // role.groups.layout.dp
 
     def evaluate() -> dict[str, float]:
-        return validation_nll(role, validation, tokenizer.pad_id, chunk=per_rank,
-                              max_tokens=cfg.max_tokens_per_micro_batch, device=env.device)  # fmt: skip
+        return validation_nll(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
+                              device=env.device)  # fmt: skip
 
     task = TrainTask(
         name="sft",
         num_examples=len(train),
         tokens_of=lambda idx: int(lengths[list(idx)].sum()),
-        make_batch=lambda idx: pack_batch([train[i] for i in idx], tokenizer.pad_id),
+        make_batch=lambda idx: pack_batch([train[i] for i in idx], pad_id),
         loss_fn=sft_loss(role),
         group_size=1,
         evaluate=evaluate if validation is not None else None,
     )
-    sink = MetricsSink(out_dir)
-    try:
-        summary = train_loop(cfg, state, task, sink, env.device)
-    finally:
-        sink.close()
-    finish(cfg, role, with_token_ids(arch, tokenizer), out_dir, summary)
-    log(f"sft done: first loss {summary['first_loss']:.4f}, last loss {summary['last_loss']:.4f}; {out_dir}")
+    summary = run_task(cfg, run, task, env.device)
+    log(f"sft done: first loss {summary['first_loss']:.4f}, last loss {summary['last_loss']:.4f}; {run.out_dir}")
     return summary
