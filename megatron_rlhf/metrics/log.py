@@ -36,6 +36,12 @@ def memory_summary(device: torch.device) -> str:
     return f"cpu rss {psutil.Process().memory_info().rss / gib:.2f} GiB"
 
 
+def format_eta(seconds: float) -> str:
+    """H:MM:SS."""
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class Progress:
     """A progress line for long work, at most every ``every_s`` seconds and at the end (rank 0):
     ``label: done/total (rate/s, eta)``. Call it with the count done so far."""
@@ -50,7 +56,7 @@ class Progress:
             return
         self.last = now
         rate = done / max(now - self.start, 1e-9)
-        eta = f", eta {(self.total - done) / rate:.0f}s" if 0 < done < self.total else ""
+        eta = f", eta {format_eta((self.total - done) / rate)}" if 0 < done < self.total else ""
         log(f"{self.label}: {done}/{self.total} {self.unit} ({rate:,.1f}/s{eta})")
 
 

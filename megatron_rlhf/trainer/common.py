@@ -30,7 +30,7 @@ from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.engine.optim import OptimConfig, TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import train_step
-from megatron_rlhf.metrics.log import is_rank0, log, timed
+from megatron_rlhf.metrics.log import format_eta, is_rank0, log, timed
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import DTYPES, resolve_dtype
 from megatron_rlhf.models.hf_checkpoint import save_hf_checkpoint, side_files_in
@@ -201,11 +201,6 @@ def write_run_files(cfg: Any, out_dir: Path) -> None:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
 
-def _fmt_eta(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 # --------------------------------------------------------------------------- evaluation helpers
 
 
@@ -302,7 +297,7 @@ def train_loop(cfg: TrainerConfig, state: TrainState, task: TrainTask, sink: Met
                 skipped = " | update skipped (inf/nan grads)" if metrics.get("update_skipped") else ""
                 log(f"step {step}/{total} | epoch {epoch} | loss {metrics['loss']:.4f}{extra} | "
                     f"lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.3f} | "
-                    f"{rate:,.0f} tokens/s | eta {_fmt_eta(eta)}{skipped}")  # fmt: skip
+                    f"{rate:,.0f} tokens/s | eta {format_eta(eta)}{skipped}")  # fmt: skip
                 window_tokens, window_start = 0, now
             if task.evaluate is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < total:
                 summary["validation"] = _evaluate(task, step, sink)
