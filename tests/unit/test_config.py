@@ -139,17 +139,10 @@ def test_unknown_key_in_yaml_file_names_file(tmp_path):
     assert str(path) in msg and "'actor.tpp'" in msg and "did you mean 'actor.tp'?" in msg
 
 
-def test_invalid_yaml_names_file(tmp_path):
-    path = tmp_path / "broken.yaml"
-    path.write_text("actor: [1\n")
-    with pytest.raises(ConfigError) as info:
-        load_config(str(path))
-    assert str(path) in str(info.value)
-
-
-def test_yaml_top_level_list_is_a_config_error(tmp_path):
-    path = tmp_path / "list.yaml"
-    path.write_text("- 1\n- 2\n")
+@pytest.mark.parametrize("text", ["actor: [1\n", "- 1\n- 2\n"], ids=["invalid_yaml", "top_level_list"])
+def test_bad_yaml_is_a_config_error_naming_the_file(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
     with pytest.raises(ConfigError) as info:
         load_config(str(path))
     assert str(path) in str(info.value)
