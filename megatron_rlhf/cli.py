@@ -1,5 +1,6 @@
 """The ``megatron-rlhf`` command line. Run it plainly for one process, or under torchrun.
 
+    megatron-rlhf ppo [--config PRESET|FILE.yaml] [key=value ...]
     megatron-rlhf smoke [--config PRESET|FILE.yaml] [key=value ...]
     megatron-rlhf config [--config PRESET|FILE.yaml] [key=value ...]
     megatron-rlhf sft [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
@@ -21,7 +22,7 @@ from megatron_rlhf.metrics.log import quiet_known_warnings
 DEFAULT_PRESET = "smoke"
 
 
-TRAINER_PRESET_PREFIXES = ("sft-", "rm-")
+TRAINER_PRESET_PREFIXES = ("ppo-", "sft-", "rm-")
 
 
 def _add_config_args(
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     outputs = "Writes metrics.jsonl, TensorBoard events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under output_dir."
     for name, help_text, description, example in (
+        (
+            "ppo",
+            "RL from prompts: PPO (critic, GAE) or GRPO-style group baselines, with the hybrid engine",
+            "Each step: generate responses with the hybrid engine, score them (reward model and/or rule functions), "
+            "compute reference log-probs and values, advantages, then update the actor and critic. With no "
+            f"arguments: GRPO on built-in tiny models and prompts (no download; GPU if present, else CPU). {outputs}",
+            "actor.tp=2 rollout.tp=1 prompts_per_step=64",
+        ),
         (
             "sft",
             "supervised fine-tuning of a causal LM on prompt/response rows",
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_smoke(cfg, init_distributed(cfg.device))
             return 0
-        if args.command in ("sft", "rm"):
+        if args.command in ("ppo", "sft", "rm"):
             return _run_trainer(args.command, args.config, args.overrides, args.print_config)
         if args.command == "generate":
             from megatron_rlhf.rollout.generate_cmd import run_generate
@@ -182,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_trainer(command: str, preset: str, overrides: list[str], print_config: bool) -> int:
-    if command == "sft":
+    if command == "ppo":
+        from megatron_rlhf.trainer.ppo import PPOConfig as schema, run_ppo as run
+    elif command == "sft":
         from megatron_rlhf.trainer.sft import SFTConfig as schema, run_sft as run
     else:
         from megatron_rlhf.trainer.rm import RMConfig as schema, run_rm as run

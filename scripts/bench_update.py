@@ -78,7 +78,7 @@ def main() -> None:
         "ref_logprobs": -10.0 + 0.1 * torch.randn(shape, generator=g),
         "advantages": torch.randn(shape, generator=g) * response,
     }
-    ppo = ppo_actor_loss(role, PPOLossConfig(entropy_coef=0.01, kl_loss_coef=0.01, temperature=0.7))
+    ppo = ppo_actor_loss(role, PPOLossConfig(entropy_coef=0.01, kl_loss_coef=0.01), temperature=0.7)
     tp_group = role.groups.pg_collection.tp
 
     def plain_nll(piece, logits):

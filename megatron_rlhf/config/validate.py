@@ -6,6 +6,8 @@ instead of surfacing later as a stack trace deep inside megatron.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.schema import ROLES, RunConfig
 from megatron_rlhf.models.architecture import Architecture
@@ -42,15 +44,15 @@ def layout_errors(
     return errors
 
 
-def validate(cfg: RunConfig, world_size: int) -> dict[str, Architecture]:
-    """Check ``cfg``; returns each role's architecture. Raises ``ConfigError`` listing every problem."""
+def validate_roles(cfg: RunConfig, world_size: int, roles: Sequence[str] = ROLES) -> tuple[list[str], dict[str, Architecture]]:
+    """The problems of the run-wide fields and of the models ``roles``, and those models' architectures."""
     errors: list[str] = []
     if cfg.device not in DEVICES:
         errors.append(f"device={cfg.device!r} must be one of {list(DEVICES)}")
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
         errors.append(f"dtype={cfg.dtype!r} must be one of {['auto', *DTYPES]}")
     archs: dict[str, Architecture] = {}
-    for role in ROLES:
+    for role in roles:
         model = cfg.role(role)
         try:
             arch = architecture_of(model.path)
@@ -62,6 +64,12 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, Architecture]:
         if arch.score_head != _NEEDS_SCORE_HEAD[role]:
             need = "a *ForSequenceClassification (score head)" if _NEEDS_SCORE_HEAD[role] else "a *ForCausalLM"
             errors.append(f"{role}.path={model.path!r} is a {arch.hf_class_name}; the {role} needs {need} model")
+    return errors, archs
+
+
+def validate(cfg: RunConfig, world_size: int) -> dict[str, Architecture]:
+    """Check ``cfg``; returns each role's architecture. Raises ``ConfigError`` listing every problem."""
+    errors, archs = validate_roles(cfg, world_size)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return archs

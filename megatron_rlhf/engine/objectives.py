@@ -72,17 +72,16 @@ class PPOLossConfig:
     """KL to the reference policy as a loss term (GRPO style); 0 when KL is a reward penalty."""
     kl_estimator: str = "low_var_kl"
     agg_mode: str = "token-mean"
-    temperature: float = 1.0
-    """The sampling temperature: log-probs are recomputed at it, as the sampler produced them."""
 
 
-def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig) -> LossFn:
+def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig, *, temperature: float) -> LossFn:
     """Clipped policy loss - entropy bonus + KL loss; all three share one aggregation and mask,
-    hence one denominator."""
+    hence one denominator. Log-probs are recomputed at the sampling ``temperature``, as the
+    sampler produced them."""
 
     def loss(piece: Batch, logits: torch.Tensor):
         logprobs, entropy = next_token_logprobs(
-            role, piece, logits, temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0
+            role, piece, logits, temperature=temperature, with_entropy=cfg.entropy_coef > 0
         )
         mask = piece["response_mask"][:, 1:].float()
         numerator, denominator, metrics = ppo_policy_loss(

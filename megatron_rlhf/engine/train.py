@@ -104,3 +104,26 @@ def forward_outputs(role: RoleModel, input_ids: torch.Tensor, micro_batch_size: 
 
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     return forward_pass(role, batch, output, max_tokens_per_micro_batch=micro_batch_size * input_ids.shape[1])
+
+
+def forward_all_rows(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int) -> torch.Tensor:
+    """(B, S) float32 outputs of every row, on every rank, on the CPU.
+
+    Each data-parallel rank runs a contiguous 1/dp of the rows (B must divide evenly), the shares
+    are gathered over DP on the last pipeline stage and broadcast along the pipeline. Used where
+    every rank needs the whole batch's figures (rewards, reference log-probs, values of a rollout).
+    """
+    groups, pg = role.groups, role.groups.pg_collection
+    rows, width = batch["input_ids"].shape
+    dp = groups.layout.dp
+    if rows % dp:
+        raise ValueError(f"{rows} rows cannot be split evenly over the {role.role}'s {dp} data-parallel ranks")
+    share = rows // dp
+    mine = {key: value[groups.dp_rank * share : (groups.dp_rank + 1) * share] for key, value in batch.items()}
+    local = forward_pass(role, mine, output_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    device = _device(role.model)
+    everything = torch.empty((rows, width), dtype=torch.float32, device=device)
+    if local is not None:
+        dist.all_gather(list(everything.split(share)), local.float().contiguous(), group=pg.dp)
+    dist.broadcast(everything, src=dist.get_global_rank(pg.pp, groups.layout.pp - 1), group=pg.pp)
+    return everything.cpu()

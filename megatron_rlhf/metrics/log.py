@@ -61,8 +61,8 @@ class Progress:
 
 
 @contextlib.contextmanager
-def timed(phase: str, device: torch.device, times: dict[str, float] | None = None) -> Iterator[None]:
-    """Time a phase across all ranks (barrier at both ends) and log it with memory use."""
+def timed(phase: str, device: torch.device, times: dict[str, float] | None = None, *, quiet: bool = False) -> Iterator[None]:
+    """Time a phase across all ranks (barrier at both ends) and log it with memory use (unless quiet)."""
     if dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
@@ -74,7 +74,8 @@ def timed(phase: str, device: torch.device, times: dict[str, float] | None = Non
     elapsed = time.perf_counter() - start
     if times is not None:
         times[phase] = elapsed
-    log(f"[{phase}] {elapsed:.2f}s, {memory_summary(device)}")
+    if not quiet:
+        log(f"[{phase}] {elapsed:.2f}s, {memory_summary(device)}")
 
 
 def quiet_known_warnings() -> None:

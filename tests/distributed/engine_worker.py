@@ -100,7 +100,7 @@ def main() -> None:
         if role_name == "actor":
             probe = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=budget)
             batch["old_logprobs"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]
-            loss_fn = ppo_actor_loss(role, loss_cfg)
+            loss_fn = ppo_actor_loss(role, loss_cfg, temperature=1.0)
         else:
             probe = forward_pass(role, batch, token_values_output(), max_tokens_per_micro_batch=budget)
             batch["old_values"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]

@@ -1,0 +1,56 @@
+"""Built-in prompt sets: ``builtin:NAME`` in a data path list, written as JSONL on first use.
+
+They let the default RL run go with no download. Like the built-in models they are ordinary files
+(under the cache directory) that go through the same loader as a user's data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rlhf.models.builtin import PREFIX, cache_dir, is_builtin
+
+
+def _lowercase_prompts() -> list[dict[str, str]]:
+    """256 short instructions; with the ``lowercase_fraction`` rule the policy learns to answer in
+    lowercase letters, a reward a random tiny model can visibly climb within a few dozen steps."""
+    rng = random.Random(0)
+    words = ["apple", "river", "stone", "cloud", "maple", "ocean", "tiger", "lemon", "piano", "crane"]
+    return [{"prompt": f"Say something about {rng.choice(words)} and {rng.choice(words)}:"} for _ in range(256)]
+
+
+BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, str]]]] = {"lowercase-prompts": _lowercase_prompts}
+
+
+def _write(name: str, target: Path) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}-", delete=False) as tmp:
+        tmp.write("".join(json.dumps(row) + "\n" for row in BUILTIN_DATASETS[name]()))
+    os.replace(tmp.name, target)  # atomic: a half-written file is never visible
+
+
+def resolve_data_paths(paths: Sequence[str]) -> list[str]:
+    """``paths`` with each ``builtin:NAME`` replaced by its JSONL file (written by rank 0 on first
+    use; collective when any path is built-in)."""
+    resolved = []
+    for path in paths:
+        if not is_builtin(path):
+            resolved.append(path)
+            continue
+        name = path[len(PREFIX) :]
+        if name not in BUILTIN_DATASETS:
+            raise ValueError(f"unknown built-in dataset {path!r}; available: {[PREFIX + n for n in BUILTIN_DATASETS]}")
+        target = cache_dir() / "builtin-data" / f"{name}-v1.jsonl"
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0 and not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write(name, target)
+        resolved.append(str(target))
+    if dist.is_initialized() and any(map(is_builtin, paths)):
+        dist.barrier()
+    return resolved
