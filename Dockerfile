@@ -24,4 +24,4 @@ COPY . .
 # NVLink multicast off (NCCL NVLS and torch symmetric-memory multicast).
 ENV NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-CMD ["launch/torchrun.sh", "smoke"]
+CMD ["launch/torchrun.sh", "ppo"]

@@ -20,7 +20,7 @@ Options:
 Environment: PYTHON (default .venv/bin/python if the repo has a .venv, else python),
 OMP_NUM_THREADS (default 1), NCCL_NVLS_ENABLE (default 0),
 TORCH_SYMM_MEM_DISABLE_MULTICAST (default 1).
-Example: launch/torchrun.sh --nproc 2 smoke --config smoke
+Example: launch/torchrun.sh --nproc 2 ppo actor.tp=2 rollout.tp=1
 USAGE
 }
 
@@ -55,7 +55,7 @@ while [[ $# -gt 0 ]]; do
     *) break ;;
   esac
 done
-[[ $# -gt 0 ]] || die "missing SUBCOMMAND (smoke, convert, config, ...)"
+[[ $# -gt 0 ]] || die "missing SUBCOMMAND (ppo, sft, rm, generate, smoke, convert, config, ...)"
 
 if [[ -z "$NPROC" ]]; then
   NPROC="$(count_gpus)"

@@ -1,4 +1,4 @@
-"""The model-building smoke run: the stack's main job until the PPO trainer lands.
+"""The model-building smoke run: a quick check of a cluster and a config before a long job.
 
 It does what every RLHF step relies on: validate the config against the world and the models,
 build the four models (actor, critic, reference, reward) each in its own parallel layout, load

@@ -166,12 +166,14 @@ def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
 
 
 class MetricsSink:
-    """metrics.jsonl and TensorBoard events (global rank 0 only; no-ops elsewhere)."""
+    """metrics.jsonl, TensorBoard events and other JSONL row files (global rank 0 only; no-ops elsewhere)."""
 
     def __init__(self, out_dir: Path) -> None:
         self.enabled = is_rank0()
+        self.out_dir = out_dir
         self._jsonl = None
         self._tb = None
+        self._row_files: dict[str, Any] = {}
         if self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -189,10 +191,22 @@ class MetricsSink:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(f"{split}/{name}", value, step)
 
+    def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """Append rows to ``out_dir/<name>.jsonl`` (made on first use)."""
+        if not self.enabled or not rows:
+            return
+        if name not in self._row_files:
+            self._row_files[name] = (self.out_dir / f"{name}.jsonl").open("w", encoding="utf-8")
+        handle = self._row_files[name]
+        handle.write("".join(json.dumps(row) + "\n" for row in rows))
+        handle.flush()
+
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+            for handle in self._row_files.values():
+                handle.close()
 
 
 def write_run_files(cfg: Any, out_dir: Path) -> None:

@@ -79,7 +79,7 @@ class PromptDataConfig:
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig:
     tp: int = 0
-    """Tensor-parallel size of generation (0: the actor's); must divide actor.tp. PP is collapsed."""
+    """Tensor-parallel size of generation (0: the actor's); PP is collapsed, the rest of the world is DP."""
     n: int = 4
     """Responses sampled per prompt (a group, for GRPO-style estimators)."""
     temperature: float = 1.0
@@ -140,6 +140,8 @@ class PPOConfig(RunConfig):
     """If > 0: exactly this many RL steps."""
     log_every: int = 1
     """Print a progress line every this many steps (and at the first and last)."""
+    samples_per_step: int = 4
+    """Rollouts written to output_dir/samples.jsonl each step (prompt, response, reward); 0: none."""
     save_hf: bool = True
     """Write the trained actor to output_dir/hf as an HF checkpoint."""
 
@@ -204,7 +206,8 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Archite
                              ("prompts_per_step", cfg.prompts_per_step, 1), ("ppo_epochs", cfg.ppo_epochs, 1),
                              ("max_tokens_per_micro_batch", cfg.max_tokens_per_micro_batch, 1), ("num_epochs", cfg.num_epochs, 1),
                              ("log_every", cfg.log_every, 1), ("mini_batch_size", cfg.mini_batch_size, 0),
-                             ("max_steps", cfg.max_steps, 0), ("rollout.tp", rollout.tp, 0)):  # fmt: skip
+                             ("max_steps", cfg.max_steps, 0), ("rollout.tp", rollout.tp, 0),
+                             ("samples_per_step", cfg.samples_per_step, 0)):  # fmt: skip
         if value < low:
             errors.append(f"{name}={value} must be >= {low}")
     if "actor" in archs:
@@ -319,8 +322,9 @@ def run_ppo(cfg: PPOConfig, env: DistEnv) -> dict[str, Any]:
                 if step == total:
                     break
                 step += 1
-                metrics = ppo_step(run, step, indices)
+                metrics, samples = ppo_step(run, step, indices)
                 sink.write("train", step, {"epoch": epoch, **metrics})
+                sink.write_rows("samples", [{"step": step, **sample} for sample in samples])
                 summary.setdefault("first_reward_mean", metrics["reward/mean"])
                 summary["last_reward_mean"] = metrics["reward/mean"]
                 if step % cfg.log_every == 0 or step in (1, total):
@@ -335,8 +339,9 @@ def run_ppo(cfg: PPOConfig, env: DistEnv) -> dict[str, Any]:
     return summary
 
 
-def ppo_step(run: PPORun, step: int, indices: list[int]) -> dict[str, float]:
-    """One RL step (see the module docstring); returns its metrics, identical on every rank."""
+def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """One RL step (see the module docstring); returns its metrics, identical on every rank, and
+    the first ``samples_per_step`` rollouts as text with their reward."""
     cfg, algo, device = run.cfg, run.cfg.algorithm, run.device
     times: dict[str, float] = {}
     temperature = cfg.rollout.temperature
@@ -413,7 +418,10 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> dict[str, float]:
     }  # fmt: skip
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
-    return metrics
+    decode = run.tokenizer.decode
+    samples = [{"prompt": decode(c.prompt_ids), "response": decode(c.token_ids), "finish_reason": c.finish_reason,
+                "reward": float(score)} for c, score in zip(completions[: cfg.samples_per_step], scores)]  # fmt: skip
+    return metrics, samples
 
 
 # --------------------------------------------------------------------------- step helpers

@@ -1,0 +1,111 @@
+"""Pieces of the PPO trainer: the rollout batch layout (hand-derived), reward-model scores against
+HF transformers, rule scores through the trainer, and the up-front config checks."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rlhf.config.loader import ConfigError, load_config
+from megatron_rlhf.rewards import resolve_rule
+from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.trainer.ppo import PPOConfig, check_ppo_config, rollout_batch, score_rollout
+from tests.helpers import VOCAB, hf_reference_outputs, make_tiny_hf_model
+
+
+def _completion(prompt_index: int, prompt: list[int], response: list[int]) -> Completion:
+    return Completion(prompt_index=prompt_index, sample_index=0, prompt_ids=prompt, token_ids=response,
+                      logprobs=[-1.0] * len(response))  # fmt: skip
+
+
+def test_rollout_batch_layout_hand_derived() -> None:
+    completions = [_completion(0, [7, 8, 9], [10, 11]), _completion(1, [7], [12, 13, 14, 15])]
+    batch = rollout_batch(completions, pad_id=0)
+    assert batch["input_ids"].tolist() == [[7, 8, 9, 10, 11], [7, 12, 13, 14, 15]]
+    assert batch["response_mask"].tolist() == [[False, False, False, True, True], [False, True, True, True, True]]
+    assert batch["attention_mask"].all()
+    assert batch["lengths"].tolist() == [5, 5]
+    assert batch["prompt_index"].tolist() == [0, 1]
+    short = rollout_batch([_completion(0, [7], [10]), _completion(0, [7, 8], [10, 11])], pad_id=3)
+    assert short["input_ids"].tolist() == [[7, 10, 3, 3], [7, 8, 10, 11]]
+    assert short["response_mask"].tolist() == [[False, True, False, False], [False, False, True, True]]
+    assert short["attention_mask"].tolist() == [[True, True, False, False], [True, True, True, True]]
+
+
+def test_scores_are_reward_model_last_token_plus_rules(world_of_one, tmp_path: Path) -> None:
+    """The reward model's part equals HF transformers' score of each unpadded sequence at its last
+    token; the rule's part is the rule applied to the decoded response of the right row."""
+    from megatron_rlhf.config.schema import ModelConfig
+    from megatron_rlhf.models.roles import build_role
+    from megatron_rlhf.models.sources import architecture_of
+
+    hf = make_tiny_hf_model("llama", True, tmp_path / "rm")
+    role = build_role("reward", ModelConfig(path=str(tmp_path / "rm")), architecture_of(str(tmp_path / "rm")),
+                      world_size=1, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, VOCAB - 1, (n,), generator=g).tolist()  # noqa: E731
+    completions = [_completion(0, ids(5), ids(3)), _completion(0, ids(2), ids(9)), _completion(1, ids(7), ids(1))]
+    run = types.SimpleNamespace(
+        reward_model=role, rules={"count": resolve_rule("tests.unit.test_ppo_parts:_response_length")},
+        tokenizer=types.SimpleNamespace(decode=lambda token_ids: "x" * len(token_ids)),
+        cfg=types.SimpleNamespace(max_tokens_per_micro_batch=24),
+    )  # fmt: skip
+    batch = rollout_batch(completions, pad_id=VOCAB - 1)
+    total, parts = score_rollout(run, batch, completions, [{}, {}])
+    expected_rm = torch.stack([hf_reference_outputs(hf, torch.tensor([c.prompt_ids + c.token_ids]))[0, -1, 0]
+                               for c in completions])  # fmt: skip
+    lengths = torch.tensor([3.0, 9.0, 1.0])
+    torch.testing.assert_close(total, expected_rm + lengths, rtol=1e-5, atol=1e-5)
+    assert parts["reward/rule/count"] == pytest.approx(lengths.mean().item())
+    assert parts["reward/reward_model"] == pytest.approx(expected_rm.mean().item(), abs=1e-5)
+
+
+def _response_length(sample) -> float:
+    return float(len(sample.response_text))
+
+
+def _errors(world_size: int, *overrides: str) -> str:
+    cfg = load_config("ppo-tiny", list(overrides), schema=PPOConfig)
+    with pytest.raises(ConfigError) as err:
+        check_ppo_config(cfg, world_size)
+    return str(err.value)
+
+
+def test_the_preset_is_valid() -> None:
+    archs, rules = check_ppo_config(load_config("ppo-tiny", [], schema=PPOConfig), 1)
+    assert sorted(archs) == ["actor", "reference"]  # GRPO with a KL loss and rule rewards: no critic, no reward model
+    assert list(rules) == ["lowercase_fraction"]
+    archs, _ = check_ppo_config(load_config("ppo-tiny", ["algorithm.advantage_estimator=gae", "scoring.use_reward_model=true",
+                                                          "algorithm.loss.kl_loss_coef=0"], schema=PPOConfig), 1)  # fmt: skip
+    assert sorted(archs) == ["actor", "critic", "reward"]
+
+
+@pytest.mark.parametrize(
+    "world_size, overrides, message",
+    [
+        (1, ["rollout.n=1"], "rollout.n=1: the grpo estimator compares the samples of a prompt"),
+        (1, ["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
+        (1, ["algorithm.advantage_estimator=ppo"], "algorithm.advantage_estimator='ppo' must be one of"),
+        (1, ["scoring.rules=[]"], "nothing scores the responses"),
+        (1, ["scoring.rules=[lowercase]"], "Did you mean 'lowercase_fraction'"),
+        (1, ["mini_batch_size=12"], "mini_batch_size=12 must divide the rollout's prompts_per_step x rollout.n = 32"),
+        (2, ["actor.tp=2", "prompts_per_step=3", "rollout.n=3", "mini_batch_size=9"],
+         "the rollout's 9 sequences (prompts_per_step x rollout.n) must split evenly over the reference's dp=2"),
+        (2, ["rollout.tp=3"], "rollout.tp=3 must divide num_attention_heads=4"),
+        (1, ["data.max_prompt_length=1000", "rollout.max_new_tokens=100"],
+         "data.max_prompt_length + rollout.max_new_tokens = 1100 exceeds the actor's max_position_embeddings=1024"),
+        (1, ["actor.path=builtin:tiny-llama-rm"], "the actor needs a *ForCausalLM model"),
+        (1, ["data.train=[]"], "data.train is empty"),
+        (1, ["algorithm.loss.agg_mode=mean"], "algorithm.loss.agg_mode='mean' must be one of"),
+    ],
+)
+def test_bad_configs_are_named_up_front(world_size: int, overrides: list[str], message: str) -> None:
+    assert message in _errors(world_size, *overrides)
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    text = _errors(1, "rollout.temperature=0", "scoring.rules=[]", "ppo_epochs=0")
+    assert "rollout.temperature" in text and "nothing scores" in text and "ppo_epochs=0 must be >= 1" in text
