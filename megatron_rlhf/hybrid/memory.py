@@ -9,6 +9,11 @@ calls only report.
 
 Main parameters that alias the model's own parameters (fp32 training) are left in place: moving
 them would break the aliasing the optimizer relies on.
+
+Gradient buffers are released only once the model has taken an optimizer step: with fp32 parameters
+on a GPU, releasing megatron's buffers before the first step made the next ``zero_grad_buffer``
+fault (illegal memory access, measured on an H200 with megatron-core 0.19.2; bf16 was fine, and
+so was fp32 after one step). Before that step they hold only zeros; the first rollout keeps them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class TrainingMemory:
         self.on_gpu = any(p.is_cuda for p in state.role.model.parameters())
         self._host: dict[tuple[int, str | None], torch.Tensor] = {}  # pinned buffers, reused across switches
         self._offloaded: list[tuple[object, str | None, torch.Tensor, torch.device]] = []
+        self._grads_released = False
 
     def _movable(self) -> list[tuple[object, str | None, torch.Tensor]]:
         """(owner, state key or None for a parameter, tensor) for every optimizer tensor on a GPU."""
@@ -58,7 +64,9 @@ class TrainingMemory:
         moved = 0
         if self.on_gpu:
             torch.cuda.synchronize()
-            self.state.ddp_model.offload_grad_buffers(synchronize=False, empty_cache=False)
+            if self.state.step > 0:
+                self.state.ddp_model.offload_grad_buffers(synchronize=False, empty_cache=False)
+                self._grads_released = True
             for owner, key, tensor in self._movable():
                 host = self._host.get((id(owner), key))
                 if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
@@ -75,14 +83,18 @@ class TrainingMemory:
     def to_training(self) -> SwitchReport:
         start = time.perf_counter()
         moved = 0
+        if self._grads_released:
+            self.state.ddp_model.restore_grad_buffers(synchronize=False)
+            self._grads_released = False
         if self._offloaded:
             for owner, key, host, device in self._offloaded:
                 self._set(owner, key, host.to(device, non_blocking=True))
                 moved += host.numel() * host.element_size()
-            self.state.ddp_model.restore_grad_buffers(synchronize=True)
             # Keep the pinned buffers for the next switch (allocating pinned memory is slow).
             self._host = {(id(owner), key): host for owner, key, host, _ in self._offloaded}
             self._offloaded = []
+        if self.on_gpu:
+            torch.cuda.synchronize()
         return self._report("generate->train", start, moved)
 
     @staticmethod
