@@ -133,10 +133,13 @@ def config_errors(cfg: TrainerConfig, world_size: int, *, score_head: bool) -> t
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
     if data.max_length < 2:
         errors.append(f"data.max_length={data.max_length} must be >= 2")
-    for name in ("on_overlong", "on_invalid"):
-        if getattr(data, name) not in ON_PROBLEM:
-            errors.append(f"data.{name}={getattr(data, name)!r} must be one of {list(ON_PROBLEM)}")
-    return errors, arch
+    return errors + on_problem_errors(data), arch
+
+
+def on_problem_errors(data: Any) -> list[str]:
+    """``data.on_overlong`` / ``data.on_invalid`` must name a known policy (every trainer's data has both)."""
+    return [f"data.{name}={getattr(data, name)!r} must be one of {list(ON_PROBLEM)}"
+            for name in ("on_overlong", "on_invalid") if getattr(data, name) not in ON_PROBLEM]  # fmt: skip
 
 
 def check_config(cfg: TrainerConfig, world_size: int, *, score_head: bool) -> Architecture:

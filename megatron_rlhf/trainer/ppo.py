@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages
-from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig, apply_kl_penalty, build_kl_controller
+from megatron_rlhf.algorithms.kl import (
+    KL_ESTIMATORS,
+    KLController,
+    KLControllerConfig,
+    apply_kl_penalty,
+    build_kl_controller,
+)
 from megatron_rlhf.algorithms.losses import AGG_MODES
 from megatron_rlhf.algorithms.utils import masked_mean
 from megatron_rlhf.config.loader import ConfigError
@@ -53,7 +59,7 @@ from megatron_rlhf.rewards import RewardRule, Sample, resolve_rule, rule_scores
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
-from megatron_rlhf.trainer.common import ON_PROBLEM, MetricsSink, finish, with_token_ids, write_run_files
+from megatron_rlhf.trainer.common import MetricsSink, finish, on_problem_errors, with_token_ids, write_run_files
 
 # --------------------------------------------------------------------------- config
 
@@ -196,9 +202,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Archite
             errors.append(f"scoring.rules: {err}")
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
-    for name in ("on_overlong", "on_invalid"):
-        if getattr(data, name) not in ON_PROBLEM:
-            errors.append(f"data.{name}={getattr(data, name)!r} must be one of {list(ON_PROBLEM)}")
+    errors += on_problem_errors(data)
     if not rollout.temperature > 0:
         errors.append(f"rollout.temperature={rollout.temperature} must be > 0: RL samples its responses")
     for name, value, low in (("rollout.n", rollout.n, 1), ("rollout.max_new_tokens", rollout.max_new_tokens, 1),
@@ -264,7 +268,7 @@ class PPORun:
     reward_model: RoleModel | None
     rules: dict[str, RewardRule]
     hybrid: HybridEngine
-    kl_controller: Any
+    kl_controller: KLController
 
 
 def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
@@ -349,7 +353,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     with timed("rollout", device, times, quiet=True):
         params = SamplingParams(
             temperature=temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, n=cfg.rollout.n,
-            max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed * 100_003 + step,
+            max_new_tokens=cfg.rollout.max_new_tokens, seed=_step_seed(cfg, step),
         )  # fmt: skip
         completions, switch_reports = run.hybrid.generate([run.prompts[i].prompt_ids.tolist() for i in indices], params)
     batch = rollout_batch(completions, run.tokenizer.pad_id)
@@ -395,7 +399,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
             critic_batch = {**_model_inputs(batch), "old_values": values, "returns": returns}
             critic_metrics = update(run, run.critic, critic_batch, critic_loss(algo.loss), step)
 
-    kl_per_sequence = float((kl * mask).sum(1).mean()) if kl is not None else 0.0
+    kl_per_sequence = float(kl.sum(1).mean()) if kl is not None else 0.0  # kl is 0 off the response
     kl_coef = run.kl_controller.value
     if kl is not None:
         run.kl_controller.update(kl_per_sequence, n_steps=len(scores))
@@ -410,8 +414,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "advantages/mean": float(masked_mean(advantages, mask)), "returns/mean": float(masked_mean(returns, mask)),
         # The engine's sampling log-probs against the trainer's recomputation: 0 up to numerics.
         "rollout/logprob_max_abs_diff": float(((rollout_logprobs - old_logprobs).abs() * mask).max()),
-        **{f"actor/{k}" if not k.startswith("actor/") else k: v for k, v in actor_metrics.items()},
-        **{f"critic/{k}" if not k.startswith("critic/") else k: v for k, v in critic_metrics.items()},
+        **_prefixed("actor/", actor_metrics), **_prefixed("critic/", critic_metrics),
         **{f"time/{phase}": seconds for phase, seconds in times.items()},
         **{f"time/rollout: {r.phase}": r.seconds for r in switch_reports},
         "throughput/generated_tokens_per_s": float(lengths.sum()) / max(times["rollout"], 1e-9),
@@ -427,6 +430,11 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
 # --------------------------------------------------------------------------- step helpers
 
 
+def _step_seed(cfg: PPOConfig, step: int) -> int:
+    """The seed of a step's sampling and mini-batch shuffle: distinct per (seed, step)."""
+    return cfg.seed * 100_003 + step
+
+
 def rollout_batch(completions: list[Completion], pad_id: int) -> Batch:
     """Completions -> right-padded rows ``prompt + response``: input_ids, attention_mask, lengths,
     response_mask (True on response tokens) and prompt_index (the group of each row)."""
@@ -437,6 +445,12 @@ def rollout_batch(completions: list[Completion], pad_id: int) -> Batch:
     batch["response_mask"] = batch.pop("loss_mask")
     batch["prompt_index"] = torch.tensor([c.prompt_index for c in completions])
     return batch
+
+
+def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
+    """``train_step``'s own metrics (loss, grad_norm, lr) under the model's prefix; the loss
+    function's carry it already."""
+    return {name if name.startswith(prefix) else prefix + name: value for name, value in metrics.items()}
 
 
 def _model_inputs(batch: Batch) -> Batch:
@@ -486,7 +500,7 @@ def update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn, step: 
     groups = state.role.groups
     dp, dp_rank = groups.layout.dp, groups.dp_rank
     share = mini // dp
-    generator = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    generator = torch.Generator().manual_seed(_step_seed(cfg, step))
     totals: dict[str, float] = {}
     count = 0
     for _ in range(cfg.ppo_epochs):
@@ -508,8 +522,8 @@ def _progress_line(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"critic loss {m['critic/loss']:.4f}")
     if m["kl/per_sequence"]:
         parts.append(f"kl {m['kl/per_sequence']:.4f}")
-    phases = ("rollout", "rewards", "reference log-probs", "old log-probs", "values", "advantages", "actor update",
-              "critic update")  # fmt: skip
-    parts.append("time " + " ".join(f"{p.split()[0]} {m[f'time/{p}']:.2f}s" for p in phases if f"time/{p}" in m))
+    # The step's phases in the order they ran (the rollout's own sub-phases, "rollout: ...", left out).
+    phases = [key.removeprefix("time/") for key in m if key.startswith("time/") and ":" not in key]
+    parts.append("time " + " ".join(f"{p.split()[0]} {m[f'time/{p}']:.2f}s" for p in phases))
     parts.append(f"{m['throughput/generated_tokens_per_s']:,.0f} gen tok/s")
     return " | ".join(parts)
