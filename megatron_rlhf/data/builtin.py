@@ -13,9 +13,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch.distributed as dist
-
-from megatron_rlhf.models.builtin import PREFIX, cache_dir, is_builtin
+from megatron_rlhf.models.builtin import PREFIX, cache_dir, is_builtin, made_once
 
 
 def _lowercase_prompts() -> list[dict[str, str]]:
@@ -46,11 +44,6 @@ def resolve_data_paths(paths: Sequence[str]) -> list[str]:
         name = path[len(PREFIX) :]
         if name not in BUILTIN_DATASETS:
             raise ValueError(f"unknown built-in dataset {path!r}; available: {[PREFIX + n for n in BUILTIN_DATASETS]}")
-        target = cache_dir() / "builtin-data" / f"{name}-v1.jsonl"
-        if (dist.get_rank() if dist.is_initialized() else 0) == 0 and not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _write(name, target)
+        target = made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target: _write(name, target))
         resolved.append(str(target))
-    if dist.is_initialized() and any(map(is_builtin, paths)):
-        dist.barrier()
     return resolved

@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,19 +80,24 @@ def builtin_config(path: str) -> dict[str, Any]:
     return BUILTIN_CONFIGS[name]
 
 
-def builtin_checkpoint(path: str) -> Path:
-    """The HF directory for ``builtin:NAME``, written by rank 0 on first use (collective)."""
-    builtin_config(path)
-    name = path[len(PREFIX):]
-    target = cache_dir() / "builtin" / f"{name}-v1"
+def made_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target`` in the cache, written by ``write(target)`` on rank 0 if it does not exist yet
+    (``write`` must make it appear atomically); collective: every rank waits for it."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and not target.is_dir():
+    if rank == 0 and not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            _write_checkpoint(name, target)
+            write(target)
         except OSError:
-            if not target.is_dir():  # another job may have won the race
+            if not target.exists():  # another job may have won the race
                 raise
     if dist.is_initialized():
         dist.barrier()
     return target
+
+
+def builtin_checkpoint(path: str) -> Path:
+    """The HF directory for ``builtin:NAME``, written by rank 0 on first use (collective)."""
+    builtin_config(path)
+    name = path[len(PREFIX):]
+    return made_once(cache_dir() / "builtin" / f"{name}-v1", lambda target: _write_checkpoint(name, target))
