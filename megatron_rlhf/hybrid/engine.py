@@ -1,8 +1,9 @@
 """The hybrid engine: the actor's train -> generate -> train switch, in one object made once.
 
-``generate`` runs, in order: release the training memory (grad buffers freed, optimizer state to
-pinned CPU), bring the generation weights up to date (zero copy when the layouts match, else a
-resharding copy into the generation layout, allocated in the memory just freed), generate with
+``generate`` runs, in order: release the training memory (grad buffers freed once the model has
+taken an optimizer step, optimizer state to pinned CPU), bring the generation weights up to date
+(zero copy when the layouts match, else a resharding copy into the generation layout, allocated
+in the memory just freed), generate with
 the native engine on this rank's share of the prompts (data parallel over the generation layout),
 free the KV cache and the generation copy, restore the training memory. Every rank gets all
 completions. Each phase is timed and reports GPU memory. No process group is created after
