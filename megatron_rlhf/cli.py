@@ -16,8 +16,11 @@ import argparse
 import os
 import sys
 
-from megatron_rlhf.config.loader import ConfigError, load_config, presets, to_yaml
+from megatron_rlhf.config.flags import add_flags, from_flags
+from megatron_rlhf.config.loader import ConfigError, config_errors, load_config, presets, raise_if_errors, to_yaml
 from megatron_rlhf.metrics.log import quiet_known_warnings
+from megatron_rlhf.rollout.native import NativeEngineConfig
+from megatron_rlhf.rollout.sampling import SamplingParams
 
 DEFAULT_PRESET = "smoke"
 
@@ -99,22 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the generation layout")
     generate.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     generate.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
-    generate.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    generate.add_argument("--max-new-tokens", type=int, default=256)
-    generate.add_argument("--num-samples", type=int, default=1, help="samples per prompt (n)")
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="extra stop tokens")
-    generate.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    generate.add_argument("--max-batch-size", type=int, default=64, help="KV-cache slots (sequences decoded together)")
-    generate.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response tokens per sequence")
-    generate.add_argument(
-        "--on-long-prompt", default="error", choices=["error", "truncate"],
-        help="a prompt with no room for a new token: error, or drop its oldest tokens (counted)",
-    )  # fmt: skip
-    generate.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on GPU (slower; for debugging)")
-    generate.add_argument("--graph-kv-bucket", type=int, default=64, help="CUDA-graph KV-length granularity (positions)")
+    # Sampling and engine flags come from the same dataclasses as ppo's rollout.sampling and
+    # rollout.engine, so their names, defaults and help cannot drift apart.
+    add_flags(generate.add_argument_group("sampling (ppo: rollout.sampling.*)"), SamplingParams)
+    add_flags(generate.add_argument_group("engine (ppo: rollout.engine.*)"), NativeEngineConfig, skip=("eos_token_ids",))
 
     show = commands.add_parser("config", help="print the resolved configuration (preset + overrides) as YAML")
     _add_config_args(show)
@@ -147,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
     try:
         if args.command == "config":
-            print(to_yaml(load_config(args.config, args.overrides)), end="")
+            from megatron_rlhf.smoke import SmokeConfig
+
+            print(_checked_yaml(load_config(args.config, args.overrides, schema=SmokeConfig)), end="")
             return 0
         if args.command == "smoke":
-            cfg = load_config(args.config, args.overrides)
             from megatron_rlhf.parallel.distributed import init_distributed
-            from megatron_rlhf.smoke import run_smoke
+            from megatron_rlhf.smoke import SmokeConfig, run_smoke
+
+            cfg = load_config(args.config, args.overrides, schema=SmokeConfig)
 
             run_smoke(cfg, init_distributed(cfg.device))
             return 0
@@ -160,20 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             return _run_trainer(args.command, args.config, args.overrides, args.print_config)
         if args.command == "generate":
             from megatron_rlhf.rollout.generate_cmd import run_generate
-            from megatron_rlhf.rollout.native import NativeEngineConfig
-            from megatron_rlhf.rollout.sampling import SamplingParams
 
             run_generate(
                 model=args.model, input_path=args.input, output_path=args.output, tp=args.tp, device=args.device,
-                dtype=args.dtype,
-                params=SamplingParams(
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                    n=args.num_samples, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos,
-                ),
-                engine_cfg=NativeEngineConfig(
-                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, on_long_prompt=args.on_long_prompt,
-                    cuda_graphs=not args.no_cuda_graphs, graph_kv_bucket=args.graph_kv_bucket,
-                ),
+                dtype=args.dtype, params=from_flags(args, SamplingParams),
+                engine_cfg=from_flags(args, NativeEngineConfig, eos_token_ids=()),
             )  # fmt: skip
             return 0
         if args.command == "convert":
@@ -192,16 +177,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_trainer(command: str, preset: str, overrides: list[str], print_config: bool) -> int:
     if command == "ppo":
-        from megatron_rlhf.trainer.ppo import PPOConfig as schema, run_ppo as run
+        from megatron_rlhf.trainer.ppo import run_ppo as run
+        from megatron_rlhf.trainer.ppo_config import PPOConfig as schema
     elif command == "sft":
-        from megatron_rlhf.trainer.sft import SFTConfig as schema, run_sft as run
+        from megatron_rlhf.trainer.sft import SFTConfig as schema
+        from megatron_rlhf.trainer.sft import run_sft as run
     else:
-        from megatron_rlhf.trainer.rm import RMConfig as schema, run_rm as run
+        from megatron_rlhf.trainer.rm import RMConfig as schema
+        from megatron_rlhf.trainer.rm import run_rm as run
     cfg = load_config(preset, overrides, schema=schema)
     if print_config:
-        print(to_yaml(cfg), end="")
+        print(_checked_yaml(cfg), end="")
         return 0
     from megatron_rlhf.parallel.distributed import init_distributed
 
     run(cfg, init_distributed(cfg.device))
     return 0
+
+
+def _checked_yaml(cfg: object) -> str:
+    """The resolved config as YAML, once every field passes its own check (checks that need the
+    models or the world size run when the command starts)."""
+    raise_if_errors(config_errors(cfg))
+    return to_yaml(cfg)

@@ -1,6 +1,6 @@
 """RL algorithms as pure, registered tensor functions (no collectives, no state)."""
 
-from .advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageEstimator, compute_advantages
+from .advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageEstimator, EstimatorNeeds, compute_advantages
 from .kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -23,6 +23,7 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageConfig",
     "AdvantageEstimator",
+    "EstimatorNeeds",
     "FixedKLController",
     "KLController",
     "KLControllerConfig",

@@ -22,10 +22,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from megatron_rlhf.config.fields import check_on_init
+
 from .registry import Registry
 from .utils import as_bool_mask, masked_sum, masked_whiten
 
-__all__ = ["AdvantageConfig", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "compute_advantages"]
+__all__ = ["AdvantageConfig", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "EstimatorNeeds", "compute_advantages"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,12 +46,23 @@ class AdvantageConfig:
     """GRPO: divide by the group std (False reproduces Dr. GRPO)."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
-        if self.eps <= 0.0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
+        check_on_init(self)
+
+    def errors(self) -> list[str]:
+        errors = [f"{name}={getattr(self, name)} must be in [0, 1]" for name in ("gamma", "lam")
+                  if not 0.0 <= getattr(self, name) <= 1.0]  # fmt: skip
+        return errors + ([f"eps={self.eps} must be > 0"] if self.eps <= 0.0 else [])
+
+
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an estimator needs of the run, declared at registration; the trainer builds models and
+    checks the config from it and never compares estimator names."""
+
+    critic: bool = False
+    """Per-token values from a critic model (``values`` is required)."""
+    groups: bool = False
+    """Several samples per prompt (``group_index``; rollout.sampling.n >= 2)."""
 
 
 class AdvantageEstimator(Protocol):
@@ -155,7 +168,7 @@ def _broadcast(row_adv: Tensor, mask: Tensor, valid_rows: Tensor) -> tuple[Tenso
 # --------------------------------------------------------------------------- estimators
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@ADVANTAGE_ESTIMATORS.register("gae", info=EstimatorNeeds(critic=True))
 def gae(
     *,
     token_rewards: Tensor,
@@ -196,7 +209,7 @@ def _grpo_like(
     return _broadcast(row_adv, mask, valid_rows)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@ADVANTAGE_ESTIMATORS.register("grpo", info=EstimatorNeeds(groups=True))
 def grpo(
     *,
     token_rewards: Tensor,
@@ -214,7 +227,7 @@ def grpo(
     return _grpo_like(token_rewards, response_mask, group_index, config, config.norm_by_std)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", info=EstimatorNeeds(groups=True))
 def dr_grpo(
     *,
     token_rewards: Tensor,
@@ -231,7 +244,7 @@ def dr_grpo(
     return _grpo_like(token_rewards, response_mask, group_index, config, norm_by_std=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", info=EstimatorNeeds(groups=True))
 def rloo(
     *,
     token_rewards: Tensor,
@@ -252,7 +265,7 @@ def rloo(
     return _broadcast(scale * (scores - mean), mask, valid_rows)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp", info=EstimatorNeeds())
 def reinforce_pp(
     *,
     token_rewards: Tensor,
@@ -271,7 +284,7 @@ def reinforce_pp(
     return masked_whiten(returns, mask, eps=config.eps), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline", info=EstimatorNeeds(groups=True))
 def reinforce_pp_baseline(
     *,
     token_rewards: Tensor,

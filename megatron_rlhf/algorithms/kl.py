@@ -21,6 +21,8 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from megatron_rlhf.config.fields import at_least, check_on_init
+
 from .registry import Registry
 from .utils import as_bool_mask
 
@@ -87,6 +89,14 @@ class KLControllerConfig:
     """Adaptive only: the KL per sequence the controller steers towards."""
     horizon: float = 10_000
     """Adaptive only: steps over which a full +-20% correction is applied."""
+
+    def __post_init__(self) -> None:
+        check_on_init(self)
+
+    def errors(self) -> list[str]:
+        errors = KL_CONTROLLERS.field_errors("type", self.type) + at_least(self, 0, "coef")
+        return errors + [f"{name}={getattr(self, name)} must be > 0" for name in ("target_kl", "horizon")
+                         if not getattr(self, name) > 0]  # fmt: skip
 
 
 class KLController(Protocol):

@@ -1,7 +1,9 @@
 """Tiny name -> function registry.
 
 Each registry holds functions that share ONE signature, so call sites do
-``REGISTRY.get(config.name)(**kwargs)`` and never branch on the name itself.
+``REGISTRY.get(config.name)(**kwargs)`` and never branch on the name itself. What a caller must
+know about an entry beyond calling it (an advantage estimator needs a critic, say) is declared with
+it at registration (``info=``) and read with ``REGISTRY.info(name)``.
 Unknown names fail loudly with the valid choices and the closest spelling,
 because a typo in a YAML config should not cost a cluster allocation.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -25,18 +27,25 @@ class Registry(Generic[F]):
         # e.g. "advantage estimator".
         self.kind = kind
         self._fns: dict[str, F] = {}
+        self._info: dict[str, Any] = {}
 
-    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
-        """Decorator registering ``fn`` under ``name`` and any ``aliases``."""
+    def register(self, name: str, *aliases: str, info: Any = None) -> Callable[[F], F]:
+        """Decorator registering ``fn`` under ``name`` and any ``aliases``, with what callers must
+        know about it (``info``, read back with ``info(name)``)."""
 
         def deco(fn: F) -> F:
             for key in (name, *aliases):
                 if key in self._fns:
                     raise ValueError(f"{self.kind} {key!r} is already registered")
                 self._fns[key] = fn
+                self._info[key] = info
             return fn
 
         return deco
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (tests that register a temporary entry clean up with it)."""
+        del self._fns[name], self._info[name]
 
     def get(self, name: str) -> F:
         """Return the function registered as ``name``; ValueError if unknown."""
@@ -44,12 +53,22 @@ class Registry(Generic[F]):
             return self._fns[name]
         except (KeyError, TypeError):
             pass
-        valid = sorted(self._fns)
-        scored = sorted(
-            valid, key=lambda k: difflib.SequenceMatcher(None, str(name), k).ratio(), reverse=True
-        )
-        hint = f" Did you mean {scored[0]!r}?" if scored else ""
-        raise ValueError(f"Unknown {self.kind} {name!r}. Valid names: {valid}.{hint}")
+        raise ValueError(f"Unknown {self.kind} {name!r}. Valid names: {sorted(self._fns)}.{self._hint(name)}")
+
+    def field_errors(self, field: str, value: object) -> list[str]:
+        """For a config dataclass's ``errors()``: the field ``field`` must name an entry."""
+        if isinstance(value, str) and value in self._fns:
+            return []
+        return [f"{field}={value!r} must be one of {list(self.names())} (unknown {self.kind}.{self._hint(value)})"]
+
+    def _hint(self, name: object) -> str:
+        scored = sorted(self._fns, key=lambda k: difflib.SequenceMatcher(None, str(name), k).ratio(), reverse=True)
+        return f" Did you mean {scored[0]!r}?" if scored else ""
+
+    def info(self, name: str) -> Any:
+        """What was declared with ``name`` at registration; ValueError if unknown."""
+        self.get(name)
+        return self._info[name]
 
     def names(self) -> tuple[str, ...]:
         """All registered names (including aliases), sorted."""

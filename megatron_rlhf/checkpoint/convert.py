@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.checkpoint.hf import checkpoint_torch_dtype, load_hf_weights, save_hf_checkpoint
 from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, read_architecture, save_mcore_checkpoint
-from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import load_architecture
 from megatron_rlhf.models.builder import build_model
-from megatron_rlhf.models.hf_checkpoint import checkpoint_torch_dtype, load_hf_weights, save_hf_checkpoint
 from megatron_rlhf.parallel.distributed import init_distributed
-from megatron_rlhf.parallel.layout import Layout, parallel_groups
+from megatron_rlhf.parallel.layout import Layout, layout_errors, parallel_groups
 
 DIRECTIONS = ("hf-to-mcore", "mcore-to-hf")
 

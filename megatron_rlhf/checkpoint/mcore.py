@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
-from megatron_rlhf.models.hf_checkpoint import copy_side_files
+from megatron_rlhf.checkpoint.hf import copy_side_files
 from megatron_rlhf.parallel.layout import ParallelGroups
 
 FORMAT_VERSION = 1

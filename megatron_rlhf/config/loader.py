@@ -1,7 +1,9 @@
-"""YAML presets + dotlist overrides -> a typed ``RunConfig``, with errors that name the key.
+"""YAML presets + dotlist overrides -> a command's typed config, with errors that name the key.
 
 Unknown keys are refused with the closest valid key suggested; values of the wrong type name the
-key, the value and the expected type.
+key, the value and the expected type. Values are then checked by the command: ``config_errors``
+collects every dataclass's own ``errors()`` with its full key, the command adds the rules that span
+sections, and ``raise_if_errors`` reports all of them at once.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from megatron_rlhf.config.schema import RunConfig
+from megatron_rlhf.config.fields import building_tree
 
 PRESET_DIR = Path(__file__).parent / "presets"
 T = TypeVar("T")
@@ -23,6 +26,26 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key, the value and the rule."""
+
+
+def raise_if_errors(errors: list[str]) -> None:
+    """One ``ConfigError`` listing every problem, one per line (nothing when there are none)."""
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def config_errors(cfg: Any, prefix: str = "", *, unused: Collection[str] = ()) -> list[str]:
+    """The ``errors()`` of every dataclass in the tree ``cfg``, each prefixed with its dotted key.
+
+    ``unused`` names sections of ``cfg`` the command will not use (the critic's optimizer of a run
+    without a critic): they are not checked.
+    """
+    errors = [prefix + message for message in (cfg.errors() if hasattr(cfg, "errors") else [])]
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if dataclasses.is_dataclass(value) and field.name not in unused:
+            errors += config_errors(value, f"{prefix}{field.name}.")
+    return errors
 
 
 def presets() -> list[str]:
@@ -72,12 +95,12 @@ def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
         raise ConfigError(f"{origin}: {str(err).splitlines()[0]}") from None
 
 
-def load_config(
-    preset: str | None = None, overrides: list[str] | tuple[str, ...] = (), schema: type[T] = RunConfig
-) -> T:
+def load_config(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]) -> T:
     """Schema defaults <- preset or YAML file <- dotlist overrides, in that order.
 
-    ``schema`` is the dataclass of the command (the RLHF run by default; SFT and RM have their own).
+    ``schema`` is the dataclass of the command (``SmokeConfig``, ``PPOConfig``, ...). Keys and types
+    are checked here; values are checked by the command's check function, which reports
+    ``config_errors`` (every dataclass's own ``errors()``) and its cross-component rules together.
     """
     merged = OmegaConf.structured(schema)
     if preset is not None:
@@ -91,10 +114,8 @@ def load_config(
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override '{item}'", schema)
-    try:
+    with building_tree():
         return OmegaConf.to_object(merged)
-    except ValueError as err:  # a component's own check in __post_init__ (e.g. optim.lr <= 0)
-        raise ConfigError(f"invalid configuration: {err}") from None
 
 
 def to_yaml(cfg: Any) -> str:

@@ -1,1 +1,2 @@
-"""Training/inference engine pieces shared by the trainer and the rollout engine."""
+"""Training engine: log-probs from vocab-parallel logits, micro-batching, pipeline-schedule passes,
+DDP + optimizer state, and the loss and output functions the trainers and rollouts share."""

@@ -16,7 +16,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.algorithms import aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
+from megatron_rlhf.algorithms import AGG_MODES, KL_ESTIMATORS, aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
+from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
 from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn
 from megatron_rlhf.models.roles import RoleModel
@@ -71,7 +72,18 @@ class PPOLossConfig:
     kl_loss_coef: float = 0.0
     """KL to the reference policy as a loss term (GRPO style); 0 when KL is a reward penalty."""
     kl_estimator: str = "low_var_kl"
+    """KL estimator of the KL loss term (k1, k2, k3 / low_var_kl, abs, ...)."""
     agg_mode: str = "token-mean"
+    """How per-token losses become one number (token-mean, seq-mean-token-sum, seq-mean-token-mean)."""
+
+    def errors(self) -> list[str]:
+        errors = KL_ESTIMATORS.field_errors("kl_estimator", self.kl_estimator) + AGG_MODES.field_errors("agg_mode", self.agg_mode)
+        errors += at_least(self, 0, "clip_low", "clip_high", "entropy_coef", "kl_loss_coef")
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
+            errors.append(f"dual_clip_c={self.dual_clip_c} must be > 1 (or null: off)")
+        if self.value_clip is not None and not self.value_clip > 0:
+            errors.append(f"value_clip={self.value_clip} must be > 0 (or null: off)")
+        return errors
 
 
 def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig, *, temperature: float) -> LossFn:

@@ -18,6 +18,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_rlhf.config.fields import at_least, check_on_init, one_of
 from megatron_rlhf.models.roles import RoleModel
 
 LR_DECAY_STYLES = ("constant", "cosine", "linear")
@@ -44,12 +45,16 @@ class OptimConfig:
     """Shard optimizer states over data-parallel ranks (ZeRO-1)."""
 
     def __post_init__(self) -> None:
-        if self.decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"decay_style={self.decay_style!r} must be one of {list(LR_DECAY_STYLES)}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.warmup_steps < 0 or self.decay_steps < 1:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and decay_steps={self.decay_steps} >= 1")
+        check_on_init(self)
+
+    def errors(self) -> list[str]:
+        errors = one_of(self, "decay_style", LR_DECAY_STYLES) + at_least(self, 0, "warmup_steps", "clip_grad")
+        errors += at_least(self, 1, "decay_steps")
+        if not self.lr > 0:
+            errors.append(f"lr={self.lr} must be > 0")
+        elif not 0 <= self.min_lr <= self.lr:
+            errors.append(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        return errors
 
 
 @dataclasses.dataclass

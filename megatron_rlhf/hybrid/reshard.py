@@ -39,10 +39,9 @@ from megatron.core.resharding import refit
 from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
 from megatron.core.resharding.utils import invalidate_refit_tensor_cache
 
-from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.models.builder import build_model, padded_vocab_size
 from megatron_rlhf.models.roles import RoleModel
-from megatron_rlhf.parallel.layout import Layout, parallel_groups
+from megatron_rlhf.parallel.layout import Layout, layout_errors, parallel_groups
 
 # The model pair whose plan megatron's plan cache holds now (see the module docstring).
 _LAST_PAIR: list[object | None] = [None]
@@ -98,7 +97,7 @@ class WeightResharder:
         if self.zero_copy:
             self.target = source
             return
-        errors = layout_errors("generation", generation_tp, 1, source.arch, world_size)
+        errors = layout_errors("generation", generation_tp, 1, source.arch, world_size, pipeline=False)
         if errors:
             raise ValueError("cannot generate in this layout: " + "; ".join(errors))
         dtypes = {p.dtype for p in source.model.parameters()}

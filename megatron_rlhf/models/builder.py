@@ -25,15 +25,6 @@ from megatron_rlhf.parallel.layout import ParallelGroups
 MODEL_CLASS = GPTModel
 VOCAB_PAD_MULTIPLE = 128
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A config's dtype name; ``auto`` is bf16 on GPU and fp32 in CPU mode."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
     """Round the vocabulary up so that every TP rank holds an equal, aligned slice.

@@ -1,7 +1,8 @@
-"""The four models of a run (actor, critic, reference, reward), each in its own layout.
+"""The four models of a run (actor, critic, reference, reward) and what one built model bundles.
 
-A ``RoleModel`` bundles what every later stage needs of one model: its architecture, its process
-groups and this rank's shard. ``build_role`` is collective over the whole world.
+A ``RoleModel`` holds what every later stage needs of one model: its architecture, its process
+groups and this rank's shard. It is made by ``checkpoint.sources.build_role``, which reads the
+weights too.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.builder import build_model
-from megatron_rlhf.models.sources import load_weights
-from megatron_rlhf.parallel.layout import Layout, ParallelGroups, parallel_groups
+from megatron_rlhf.parallel.layout import ParallelGroups
+
+ROLES = ("actor", "critic", "reference", "reward")
+NEEDS_SCORE_HEAD = {"actor": False, "reference": False, "critic": True, "reward": True}
+"""Which head each role needs: the policy-like roles generate tokens, the others score them."""
 
 
 @dataclasses.dataclass
@@ -30,12 +32,3 @@ class RoleModel:
     @property
     def padded_vocab_size(self) -> int:
         return self.model.vocab_size
-
-
-def build_role(
-    role: str, model_cfg: ModelConfig, arch: Architecture, *, world_size: int, dtype: torch.dtype, device: torch.device
-) -> RoleModel:
-    groups = parallel_groups(Layout.for_world(model_cfg.tp, model_cfg.pp, world_size))
-    model = build_model(arch, groups, dtype=dtype, device=device)
-    source = load_weights(model, arch, groups, model_cfg.path)
-    return RoleModel(role=role, arch=arch, groups=groups, model=model, source=source)

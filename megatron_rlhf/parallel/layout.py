@@ -11,6 +11,7 @@ phases never creates new ones.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -36,6 +37,46 @@ class Layout:
 
     def __str__(self) -> str:
         return f"TP{self.tp}xPP{self.pp}xDP{self.dp}"
+
+
+class ModelShape(Protocol):
+    """The sizes a layout must divide (``models.architecture.Architecture`` has them)."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    num_layers: int
+
+
+def layout_errors(
+    key: str, tp: int, pp: int, shape: ModelShape, world_size: int, *, as_flags: bool = False, pipeline: bool = True
+) -> list[str]:
+    """Rules a (tp, pp) layout must satisfy for a model of ``shape`` in a world of ``world_size`` ranks.
+
+    Messages name the settings ``key.tp``/``key.pp``, or ``--tp``/``--pp`` for command-line flags.
+    ``pipeline=False`` is a layout that has no pipeline setting (generation: ``pp`` is 1 and only
+    ``key.tp`` is named).
+    """
+    tp_name, pp_name = ("--tp", "--pp") if as_flags else (f"{key}.tp", f"{key}.pp")
+    if not pipeline:
+        if tp < 1:
+            return [f"{tp_name}={tp} must be >= 1"]
+    elif tp < 1 or pp < 1:
+        return [f"{tp_name}={tp} and {pp_name}={pp} must both be >= 1"]
+    errors = []
+    if world_size % (tp * pp):
+        product = f"{tp_name}*{pp_name}" if pipeline else tp_name
+        errors.append(f"{product}={tp * pp} must divide the world size {world_size}")
+    for field, value in (
+        ("num_attention_heads", shape.num_attention_heads),
+        ("num_key_value_heads", shape.num_query_groups),
+        ("intermediate_size", shape.ffn_hidden_size),
+    ):
+        if value % tp:
+            errors.append(f"{tp_name}={tp} must divide {field}={value}")
+    if shape.num_layers % pp:
+        errors.append(f"{pp_name}={pp} must divide num_hidden_layers={shape.num_layers}")
+    return errors
 
 
 @dataclasses.dataclass(frozen=True)

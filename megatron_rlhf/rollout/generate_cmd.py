@@ -15,16 +15,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.config.schema import ModelConfig
-from megatron_rlhf.config.validate import layout_errors
+from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import load_prompt_dataset
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
-from megatron_rlhf.models.builder import resolve_dtype
-from megatron_rlhf.models.roles import build_role
-from megatron_rlhf.models.sources import architecture_of, local_dir
 from megatron_rlhf.parallel.distributed import init_distributed
+from megatron_rlhf.parallel.layout import layout_errors
 from megatron_rlhf.rollout.native import NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
 
@@ -37,7 +35,7 @@ def run_generate(
 ) -> None:  # fmt: skip
     arch = architecture_of(model)
     env = init_distributed(device)
-    errors = layout_errors("generate", tp, 1, arch, env.world_size, as_flags=True)
+    errors = layout_errors("generate", tp, 1, arch, env.world_size, as_flags=True, pipeline=False)
     if arch.score_head:
         errors.append(f"--model {model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
     if errors:
@@ -48,8 +46,7 @@ def run_generate(
     tokenizer = resolve_tokenizer(local_dir(model), arch, model)
     dataset, report = load_prompt_dataset(input_path, tokenizer, max_length=UNBOUNDED_PROMPT)
     log(report.summary())
-    if not engine_cfg.eos_token_ids and tokenizer.eos_id is not None:
-        engine_cfg = NativeEngineConfig(**{**engine_cfg.__dict__, "eos_token_ids": (tokenizer.eos_id,)})
+    engine_cfg = engine_cfg.with_eos_of(tokenizer.stop_ids)
     start = time.perf_counter()
     group_share = -(-len(dataset) // role.groups.layout.dp) * params.n  # rank 0's data-parallel group
     progress = Progress("generate (data-parallel group 0)", group_share, "completions")

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_rlhf.config.fields import at_least, check_on_init, one_of
 from megatron_rlhf.models.attention import CachedSelfAttention, decode_score_bias
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
@@ -43,11 +44,12 @@ class NativeEngineConfig:
     max_batch_size: int = 64
     """KV-cache slots: sequences decoded together."""
     max_seq_len: int = 2048
-    """Prompt + response tokens per sequence (the cache length)."""
+    """Prompt + response tokens per sequence (the cache length). ppo caps it at
+    data.max_prompt_length + rollout.sampling.max_new_tokens, the longest sequence a rollout holds."""
     on_long_prompt: str = "error"
     """A prompt with no room for one new token: error, or truncate (drop its oldest tokens, counted)."""
     eos_token_ids: tuple[int, ...] = ()
-    """End-of-sequence ids of the tokenizer; generation stops on them unless ignore_eos."""
+    """End-of-sequence ids; generation stops on them unless ignore_eos. Empty: the tokenizer's."""
     cuda_graphs: bool = True
     """On GPU, replay decode steps as CUDA graphs (one per KV-length bucket), removing per-step
     launch overhead; prefill stays eager. Ignored on CPU."""
@@ -55,12 +57,15 @@ class NativeEngineConfig:
     """Decode graphs attend over the cache rounded up to a multiple of this many positions."""
 
     def __post_init__(self) -> None:
-        if self.on_long_prompt not in LONG_PROMPT_POLICIES:
-            raise ValueError(f"on_long_prompt={self.on_long_prompt!r} must be one of {list(LONG_PROMPT_POLICIES)}")
-        if self.graph_kv_bucket < 1:
-            raise ValueError(f"graph_kv_bucket={self.graph_kv_bucket} must be >= 1")
-        if self.max_batch_size < 1 or self.max_seq_len < 2:
-            raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {self.max_batch_size}, {self.max_seq_len}")
+        check_on_init(self)
+
+    def with_eos_of(self, stop_ids: Sequence[int]) -> "NativeEngineConfig":
+        """This config, with the tokenizer's ``stop_ids`` where it names no ``eos_token_ids``."""
+        return self if self.eos_token_ids else dataclasses.replace(self, eos_token_ids=tuple(stop_ids))
+
+    def errors(self) -> list[str]:
+        return (one_of(self, "on_long_prompt", LONG_PROMPT_POLICIES) + at_least(self, 1, "max_batch_size", "graph_kv_bucket")
+                + at_least(self, 2, "max_seq_len"))  # fmt: skip
 
 
 class PromptTooLongError(ValueError):

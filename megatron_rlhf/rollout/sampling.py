@@ -32,11 +32,12 @@ Why it is done this way:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from megatron_rlhf.config.fields import check_on_init
 from megatron_rlhf.fusion import gpu_fused
 
 __all__ = ["SamplingParams", "apply_top_k_top_p", "sample"]
@@ -52,49 +53,54 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to sample continuations of a prompt.
-
-    temperature: logits are divided by it; 0 means greedy (argmax, top_k/top_p ignored).
-    top_k: keep the k most likely tokens (ties at the k-th value all kept); 0 = off.
-    top_p: keep the nucleus, the smallest set of most likely tokens whose probability reaches top_p
-        (computed after top-k; always at least one token); 1 = off.
-    max_new_tokens: at most this many generated tokens per sample.
-    n: samples per prompt.
-    stop_token_ids: generation stops after any of these (in addition to EOS unless ignore_eos).
-    ignore_eos: keep generating past EOS (up to max_new_tokens).
-    seed: seed of the generator the engine draws with.
-    """
+    """How to sample continuations of a prompt (the ``generate`` command's flags are built from
+    these fields; ``ppo`` holds them as ``rollout.sampling``)."""
 
     temperature: float = 1.0
+    """Logits are divided by it; 0 means greedy (argmax, top_k/top_p ignored)."""
     top_k: int = 0
+    """Keep the k most likely tokens (ties at the k-th value all kept); 0 = off."""
     top_p: float = 1.0
+    """Keep the nucleus: the smallest set of most likely tokens whose probability reaches top_p
+    (after top-k; always at least one token); 1 = off."""
     max_new_tokens: int = 256
-    n: int = 1
+    """At most this many generated tokens per sample."""
+    n: int = field(default=1, metadata={"flag": "--num-samples"})
+    """Samples per prompt (a group, for GRPO-style estimators)."""
     stop_token_ids: tuple[int, ...] = ()
+    """Generation stops after any of these (in addition to EOS unless ignore_eos)."""
     ignore_eos: bool = False
+    """Keep generating past EOS (up to max_new_tokens)."""
     seed: int = 0
+    """Seed of the generator the engine draws with (ppo offsets it by the run seed and the step)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, list):  # a list is accepted, stored as a tuple
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check_on_init(self)
+
+    def errors(self) -> list[str]:
+        errors = []
         t = self.temperature
         if not (_is_number(t) and math.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
+            errors.append(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
         if not (_is_int(self.top_k) and self.top_k >= 0):
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
+            errors.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
         p = self.top_p
         if not (_is_number(p) and 0 < p <= 1):
-            raise ValueError(f"top_p={p!r} must be a number with 0 < top_p <= 1 (1 disables top-p)")
+            errors.append(f"top_p={p!r} must be a number with 0 < top_p <= 1 (1 disables top-p)")
         if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+            errors.append(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
         if not (_is_int(self.n) and self.n >= 1):
-            raise ValueError(f"n={self.n!r} must be an integer >= 1 (samples per prompt)")
+            errors.append(f"n={self.n!r} must be an integer >= 1 (samples per prompt)")
         stop = self.stop_token_ids
-        if not (isinstance(stop, (tuple, list)) and all(_is_int(s) and s >= 0 for s in stop)):
-            raise ValueError(f"stop_token_ids={stop!r} must be a tuple of integer token ids >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(stop))  # a list is accepted, stored as a tuple
+        if not (isinstance(stop, tuple) and all(_is_int(s) and s >= 0 for s in stop)):
+            errors.append(f"stop_token_ids={stop!r} must be a tuple of integer token ids >= 0")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be a bool")
+            errors.append(f"ignore_eos={self.ignore_eos!r} must be a bool")
         if not _is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r} must be an integer")
+            errors.append(f"seed={self.seed!r} must be an integer")
+        return errors
 
     @property
     def greedy(self) -> bool:

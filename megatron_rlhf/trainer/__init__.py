@@ -1,5 +1,6 @@
-"""Trainers on the shared engine: ``sft`` (supervised fine-tuning) and ``rm`` (reward model).
+"""The trainers: one loop (``loop.py``) for every command; ``ppo`` (RL; its step top to bottom in
+``ppo.py``, its settings in ``ppo_config.py``), and ``sft`` and ``rm`` on their shared supervised
+set-up (``supervised.py``).
 
-Import the submodules (``megatron_rlhf.trainer.sft``, ``megatron_rlhf.trainer.rm``) directly;
-this package imports nothing so that ``megatron-rlhf --help`` stays fast.
-"""
+Import the submodules directly; this package imports nothing so that ``megatron-rlhf --help`` stays
+fast."""

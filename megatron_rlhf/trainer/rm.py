@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.config.schema import ModelConfig
+from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import PreferenceDataset, load_preference_dataset, pack_batch
 from megatron_rlhf.engine.objectives import bradley_terry_loss, values_output
 from megatron_rlhf.engine.optim import OptimConfig
@@ -24,19 +24,19 @@ from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
-from megatron_rlhf.trainer.common import (
-    DataConfigBase,
-    TrainerConfig,
-    TrainTask,
+from megatron_rlhf.trainer.loop import run_loop
+from megatron_rlhf.trainer.supervised import (
+    SupervisedConfig,
+    SupervisedDataConfig,
+    SupervisedTask,
     dp_shard,
     reduce_over_model,
-    run_task,
     set_up_run,
 )
 
 
 @dataclasses.dataclass(kw_only=True)
-class PreferenceDataConfig(DataConfigBase):
+class PreferenceDataConfig(SupervisedDataConfig):
     """Preference rows: a prompt, a chosen and a rejected response."""
 
     chosen_key: str = "chosen"
@@ -46,13 +46,11 @@ class PreferenceDataConfig(DataConfigBase):
 
 
 @dataclasses.dataclass(kw_only=True)
-class RMConfig(TrainerConfig):
-    """``megatron-rlhf rm``: the fields of ``TrainerConfig`` plus the preference data.
+class RMConfig(SupervisedConfig):
+    """``megatron-rlhf rm``: the fields of ``SupervisedConfig`` plus the preference data.
 
     ``global_batch_size`` counts pairs (each pair is two sequences)."""
 
-    output_dir: str = "runs/rm"
-    """Where config.yaml, metrics.jsonl, result.json, tb/ (TensorBoard) and hf/ (the model) go."""
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama-rm"))
     """A *ForSequenceClassification model (score head; HF dir, megatron-rlhf checkpoint or
     builtin:NAME) and its TP/PP layout."""
@@ -119,18 +117,15 @@ def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
         return preference_accuracy(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
                                    device=env.device)  # fmt: skip
 
-    task = TrainTask(
+    task = SupervisedTask(
         name="rm",
-        num_examples=len(train),
+        cfg=cfg,
+        run=run,
         tokens_of=lambda idx: int(lengths[list(idx)].sum()),
         make_batch=lambda idx: adjacent_pairs(pack_batch([train[i] for i in idx], pad_id)),
         loss_fn=bradley_terry_loss(),
         group_size=2,
         evaluate=evaluate if validation is not None else None,
-        headline=("accuracy", "margin"),
+        extra_headline=("accuracy", "margin"),
     )
-    summary = run_task(cfg, run, task, env.device)
-    accuracy = summary.get("validation", {}).get("accuracy")
-    log(f"rm done: first loss {summary['first_loss']:.4f}, last loss {summary['last_loss']:.4f}"
-        + (f", validation accuracy {accuracy:.4f}" if accuracy is not None else "") + f"; {run.out_dir}")
-    return summary
+    return run_loop(cfg, task)

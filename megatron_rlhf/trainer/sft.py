@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.config.schema import ModelConfig
+from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import SFTDataset, load_sft_dataset, pack_batch
 from megatron_rlhf.engine.objectives import next_token_logprobs, sft_loss
 from megatron_rlhf.engine.optim import OptimConfig
@@ -22,19 +22,19 @@ from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
-from megatron_rlhf.trainer.common import (
-    DataConfigBase,
-    TrainerConfig,
-    TrainTask,
+from megatron_rlhf.trainer.loop import run_loop
+from megatron_rlhf.trainer.supervised import (
+    SupervisedConfig,
+    SupervisedDataConfig,
+    SupervisedTask,
     dp_shard,
     reduce_over_model,
-    run_task,
     set_up_run,
 )
 
 
 @dataclasses.dataclass(kw_only=True)
-class SFTDataConfig(DataConfigBase):
+class SFTDataConfig(SupervisedDataConfig):
     """SFT rows: a prompt and the response the model learns to produce."""
 
     response_key: str = "response"
@@ -42,11 +42,9 @@ class SFTDataConfig(DataConfigBase):
 
 
 @dataclasses.dataclass(kw_only=True)
-class SFTConfig(TrainerConfig):
-    """``megatron-rlhf sft``: the fields of ``TrainerConfig`` plus the SFT data."""
+class SFTConfig(SupervisedConfig):
+    """``megatron-rlhf sft``: the fields of ``SupervisedConfig`` plus the SFT data."""
 
-    output_dir: str = "runs/sft"
-    """Where config.yaml, metrics.jsonl, result.json, tb/ (TensorBoard) and hf/ (the model) go."""
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama"))
     """A *ForCausalLM model (HF dir, megatron-rlhf checkpoint or builtin:NAME) and its TP/PP layout."""
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -99,15 +97,14 @@ def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
         return validation_nll(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
                               device=env.device)  # fmt: skip
 
-    task = TrainTask(
+    task = SupervisedTask(
         name="sft",
-        num_examples=len(train),
+        cfg=cfg,
+        run=run,
         tokens_of=lambda idx: int(lengths[list(idx)].sum()),
         make_batch=lambda idx: pack_batch([train[i] for i in idx], pad_id),
         loss_fn=sft_loss(role),
         group_size=1,
         evaluate=evaluate if validation is not None else None,
     )
-    summary = run_task(cfg, run, task, env.device)
-    log(f"sft done: first loss {summary['first_loss']:.4f}, last loss {summary['last_loss']:.4f}; {run.out_dir}")
-    return summary
+    return run_loop(cfg, task)

@@ -29,7 +29,7 @@ def main() -> None:
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.engine.train import forward_outputs
-    from megatron_rlhf.models.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+    from megatron_rlhf.checkpoint.hf import load_hf_weights, save_hf_checkpoint
     from megatron_rlhf.models.roles import RoleModel
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups

@@ -70,7 +70,7 @@ def _builtin_dir() -> Path:
 
 PPO_ARGS = ("max_steps=2", "prompts_per_step=4", "mini_batch_size=8", "algorithm.advantage_estimator=gae",
             "scoring.use_reward_model=true", "algorithm.kl_penalty.coef=0.05", "algorithm.loss.kl_loss_coef=0",
-            "rollout.max_new_tokens=12")  # fmt: skip
+            "rollout.sampling.max_new_tokens=12")  # fmt: skip
 COMPARED = ("reward/mean", "reward/reward_model", "reward/rule/lowercase_fraction", "kl/per_sequence",
             "advantages/mean", "returns/mean", "values/mean", "actor/loss", "actor/grad_norm", "critic/loss",
             "critic/grad_norm", "response/length_mean")  # fmt: skip

@@ -15,7 +15,7 @@ from tests.helpers import make_tiny_hf_model
 def _import(hf_dir: Path) -> None:
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
-    from megatron_rlhf.models.hf_checkpoint import load_hf_weights
+    from megatron_rlhf.checkpoint.hf import load_hf_weights
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
 
     arch = load_architecture(hf_dir)
@@ -43,7 +43,7 @@ def test_clean_checkpoint_imports(llama_dir: Path) -> None:
 
 def test_missing_tensor_is_named(llama_dir: Path) -> None:
     _edit_tensors(llama_dir, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
-    from megatron_rlhf.models.hf_checkpoint import CheckpointError
+    from megatron_rlhf.checkpoint.hf import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.2\.mlp\.up_proj\.weight' is missing"):
         _import(llama_dir)
@@ -54,7 +54,7 @@ def test_shape_mismatch_names_file_tensor_and_shapes(llama_dir: Path) -> None:
         tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.k_proj.weight"][:8]
 
     _edit_tensors(llama_dir, shrink)
-    from megatron_rlhf.models.hf_checkpoint import CheckpointError
+    from megatron_rlhf.checkpoint.hf import CheckpointError
 
     with pytest.raises(CheckpointError) as err:
         _import(llama_dir)
@@ -65,7 +65,7 @@ def test_shape_mismatch_names_file_tensor_and_shapes(llama_dir: Path) -> None:
 
 def test_unexpected_tensor_is_refused(llama_dir: Path) -> None:
     _edit_tensors(llama_dir, lambda t: t.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(2)))
-    from megatron_rlhf.models.hf_checkpoint import CheckpointError
+    from megatron_rlhf.checkpoint.hf import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"1 tensor\(s\) do not belong to a LlamaForCausalLM.*layers\.9"):
         _import(llama_dir)
@@ -87,7 +87,7 @@ def test_index_listing_a_missing_shard(tmp_path: Path, world_of_one) -> None:
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[1]
     (hf_dir / victim).unlink()
-    from megatron_rlhf.models.hf_checkpoint import CheckpointError
+    from megatron_rlhf.checkpoint.hf import CheckpointError
 
     with pytest.raises(CheckpointError, match=rf"lists {victim}, which does not exist"):
         _import(hf_dir)

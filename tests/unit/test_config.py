@@ -7,12 +7,21 @@ import warnings
 
 import pytest
 
-from megatron_rlhf.config.loader import ConfigError, load_config, presets
-from megatron_rlhf.config.schema import ModelConfig, RunConfig
+from megatron_rlhf.config.loader import ConfigError, presets
+from megatron_rlhf.config.loader import load_config as load_any_config
+from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.parallel.layout import layout_errors
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from megatron_rlhf.config.validate import layout_errors, validate
+    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.smoke import SmokeConfig
+    from megatron_rlhf.smoke import check_smoke_config as validate
+
+
+def load_config(preset=None, overrides=()):
+    """The smoke command's config (the four models), as the tests below check it."""
+    return load_any_config(preset, overrides, schema=SmokeConfig)
 
 from megatron_rlhf.models.architecture import Architecture
 

@@ -12,7 +12,8 @@ import torch
 from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.rewards import resolve_rule
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.trainer.ppo import PPOConfig, check_ppo_config, rollout_batch, score_rollout
+from megatron_rlhf.trainer.ppo import rollout_batch, score_rollout
+from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 from tests.helpers import VOCAB, hf_reference_outputs, make_tiny_hf_model
 
 
@@ -38,9 +39,9 @@ def test_rollout_batch_layout_hand_derived() -> None:
 def test_scores_are_reward_model_last_token_plus_rules(world_of_one, tmp_path: Path) -> None:
     """The reward model's part equals HF transformers' score of each unpadded sequence at its last
     token; the rule's part is the rule applied to the decoded response of the right row."""
-    from megatron_rlhf.config.schema import ModelConfig
-    from megatron_rlhf.models.roles import build_role
-    from megatron_rlhf.models.sources import architecture_of
+    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.checkpoint.sources import build_role
+    from megatron_rlhf.checkpoint.sources import architecture_of
 
     hf = make_tiny_hf_model("llama", True, tmp_path / "rm")
     role = build_role("reward", ModelConfig(path=str(tmp_path / "rm")), architecture_of(str(tmp_path / "rm")),
@@ -86,17 +87,17 @@ def test_the_preset_is_valid() -> None:
 @pytest.mark.parametrize(
     "world_size, overrides, message",
     [
-        (1, ["rollout.n=1"], "rollout.n=1: the grpo estimator compares the samples of a prompt"),
-        (1, ["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
+        (1, ["rollout.sampling.n=1"], "rollout.sampling.n=1: the grpo estimator compares the samples of a prompt"),
+        (1, ["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
         (1, ["algorithm.advantage_estimator=ppo"], "algorithm.advantage_estimator='ppo' must be one of"),
         (1, ["scoring.rules=[]"], "nothing scores the responses"),
         (1, ["scoring.rules=[lowercase]"], "Did you mean 'lowercase_fraction'"),
-        (1, ["mini_batch_size=12"], "mini_batch_size=12 must divide the rollout's prompts_per_step x rollout.n = 32"),
-        (2, ["actor.tp=2", "prompts_per_step=3", "rollout.n=3", "mini_batch_size=9"],
-         "the rollout's 9 sequences (prompts_per_step x rollout.n) must split evenly over the reference's dp=2"),
+        (1, ["mini_batch_size=12"], "mini_batch_size=12 must divide the rollout's prompts_per_step x rollout.sampling.n = 32"),
+        (2, ["actor.tp=2", "prompts_per_step=3", "rollout.sampling.n=3", "mini_batch_size=9"],
+         "the rollout's 9 sequences (prompts_per_step x rollout.sampling.n) must split evenly over the reference's dp=2"),
         (2, ["rollout.tp=3"], "rollout.tp=3 must divide num_attention_heads=4"),
-        (1, ["data.max_prompt_length=1000", "rollout.max_new_tokens=100"],
-         "data.max_prompt_length + rollout.max_new_tokens = 1100 exceeds the actor's max_position_embeddings=1024"),
+        (1, ["data.max_prompt_length=1000", "rollout.sampling.max_new_tokens=100"],
+         "data.max_prompt_length + rollout.sampling.max_new_tokens = 1100 exceeds the actor's max_position_embeddings=1024"),
         (1, ["actor.path=builtin:tiny-llama-rm"], "the actor needs a *ForCausalLM model"),
         (1, ["data.train=[]"], "data.train is empty"),
         (1, ["algorithm.loss.agg_mode=mean"], "algorithm.loss.agg_mode='mean' must be one of"),
@@ -107,5 +108,5 @@ def test_bad_configs_are_named_up_front(world_size: int, overrides: list[str], m
 
 
 def test_every_problem_is_listed_at_once() -> None:
-    text = _errors(1, "rollout.temperature=0", "scoring.rules=[]", "ppo_epochs=0")
-    assert "rollout.temperature" in text and "nothing scores" in text and "ppo_epochs=0 must be >= 1" in text
+    text = _errors(1, "rollout.sampling.temperature=0", "scoring.rules=[]", "ppo_epochs=0")
+    assert "rollout.sampling.temperature" in text and "nothing scores" in text and "ppo_epochs=0 must be >= 1" in text

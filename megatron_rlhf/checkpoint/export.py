@@ -1,0 +1,35 @@
+"""A trainer's final export: the trained model as an HF checkpoint that ``from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from megatron_rlhf.checkpoint.hf import save_hf_checkpoint, side_files_in
+from megatron_rlhf.data.tokenizer import Tokenizer
+from megatron_rlhf.metrics.log import log
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.roles import RoleModel
+
+
+def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
+    """The architecture with the tokenizer's special ids in its HF config where it names none
+    (an exported reward model needs ``pad_token_id`` for batched scoring in transformers)."""
+    hf_config = dict(arch.hf_config)
+    for key, value in (("pad_token_id", tokenizer.pad_id), ("bos_token_id", tokenizer.bos_id),
+                       ("eos_token_id", tokenizer.eos_id)):  # fmt: skip
+        if hf_config.get(key) is None and value is not None:
+            hf_config[key] = value
+    return dataclasses.replace(arch, hf_config=hf_config)
+
+
+def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path) -> None:
+    """Write ``role``'s model to ``hf_dir`` with its tokenizer files (collective)."""
+    arch = with_token_ids(role.arch, tokenizer)
+    start = time.perf_counter()
+    save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
+    copied = side_files_in(role.source)
+    log(f"saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
+        + (f"copied {', '.join(copied)} from {role.source}" if copied else
+           "no tokenizer files to copy (the model ships none: byte tokenizer)"))  # fmt: skip

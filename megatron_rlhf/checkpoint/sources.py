@@ -1,0 +1,113 @@
+"""Where a model comes from (an HF directory, a megatron-rlhf checkpoint, or ``builtin:NAME``), and
+a role's model built from its ``ModelConfig``: architecture, layout, weights.
+
+The config's ``path`` values are resolved here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.checkpoint.hf import load_hf_weights
+from megatron_rlhf.checkpoint.mcore import is_mcore_checkpoint, load_mcore_checkpoint, read_architecture
+from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.builtin import builtin_checkpoint, builtin_config, is_builtin
+from megatron_rlhf.models.roles import NEEDS_SCORE_HEAD, RoleModel
+from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """One model and its parallel layout (dp = world_size / (tp * pp))."""
+
+    path: str = "builtin:tiny-llama"
+    """An HF model directory, a megatron-rlhf model checkpoint, or ``builtin:NAME``."""
+    tp: int = 1
+    """Tensor-parallel size: must divide the number of attention heads and of query groups."""
+    pp: int = 1
+    """Pipeline-parallel size: must divide the number of layers."""
+
+    def errors(self) -> list[str]:
+        return at_least(self, 1, "tp", "pp")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelsConfig(RunConfig):
+    """A run with the four models (``smoke``, ``ppo``); each command builds the ones it uses."""
+
+    actor: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama"))
+    critic: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama-rm"))
+    reference: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama"))
+    reward: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama-rm"))
+
+    def role(self, name: str) -> ModelConfig:
+        return getattr(self, name)
+
+
+def architecture_of(path: str) -> Architecture:
+    """Read a model's architecture without touching its weights (cheap; used by validation)."""
+    if is_builtin(path):
+        return architecture_from_hf_config(builtin_config(path), source=path)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model path '{path}' is not a directory (expected an HF model dir, "
+                                f"a megatron-rlhf checkpoint, or builtin:NAME)")
+    if is_mcore_checkpoint(path):
+        return read_architecture(path)
+    return load_architecture(path)
+
+
+def model_errors(key: str, model: ModelConfig, world_size: int, *, score_head: bool) -> tuple[list[str], Architecture | None]:
+    """The problems of the model configured at ``key`` (path, head type, layout in this world) and
+    its architecture (None when the path cannot be read)."""
+    try:
+        arch = architecture_of(model.path)
+    except (ValueError, FileNotFoundError) as err:
+        return [f"{key}.path={model.path!r}: {err}"], None
+    errors = [f"{e} (model {model.path})" for e in layout_errors(key, model.tp, model.pp, arch, world_size)]
+    if arch.score_head != score_head:
+        need = "a *ForSequenceClassification (score head)" if score_head else "a *ForCausalLM"
+        errors.append(f"{key}.path={model.path!r} is a {arch.hf_class_name}; the {key} needs {need} model")
+    return errors, arch
+
+
+def role_errors(cfg: ModelsConfig, roles: tuple[str, ...] | list[str], world_size: int) -> tuple[list[str], dict[str, Architecture]]:
+    """``model_errors`` of each of ``roles``, and their architectures."""
+    errors: list[str] = []
+    archs: dict[str, Architecture] = {}
+    for role in roles:
+        found, arch = model_errors(role, cfg.role(role), world_size, score_head=NEEDS_SCORE_HEAD[role])
+        errors += found
+        if arch is not None:
+            archs[role] = arch
+    return errors, archs
+
+
+def local_dir(path: str) -> Path:
+    """The local directory of a model's files (collective for ``builtin:`` models: made on first use)."""
+    return builtin_checkpoint(path) if is_builtin(path) else Path(path)
+
+
+def load_weights(model: torch.nn.Module, arch: Architecture, groups: ParallelGroups, path: str) -> Path:
+    """Fill ``model`` from ``path``; returns the local directory the weights came from (collective)."""
+    local = local_dir(path)
+    if is_mcore_checkpoint(local):
+        load_mcore_checkpoint(model, groups, local)
+    else:
+        load_hf_weights(model, arch, groups, local)
+    return local
+
+
+def build_role(
+    role: str, model_cfg: ModelConfig, arch: Architecture, *, world_size: int, dtype: torch.dtype, device: torch.device
+) -> RoleModel:
+    """The model of ``role`` in its own layout, with its weights (collective over the whole world)."""
+    groups = parallel_groups(Layout.for_world(model_cfg.tp, model_cfg.pp, world_size))
+    model = build_model(arch, groups, dtype=dtype, device=device)
+    source = load_weights(model, arch, groups, model_cfg.path)
+    return RoleModel(role=role, arch=arch, groups=groups, model=model, source=source)

@@ -1,0 +1,37 @@
+"""``RunConfig``: the settings every command has (where it runs, in what dtype, its seed and output).
+
+Each command's config derives from it (``SmokeConfig``, ``PPOConfig``, the SFT and RM configs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_rlhf.config.fields import one_of
+from megatron_rlhf.parallel.distributed import DEVICES
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A config's dtype name; ``auto`` is bf16 on GPU and fp32 in CPU mode."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    device: str = "auto"
+    """auto (cuda when a GPU is visible, else cpu), cuda, or cpu (gloo CPU mode)."""
+    dtype: str = "auto"
+    """Parameter dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."""
+    seed: int = 1234
+    """Seeds the data order, sampling and everything random."""
+    output_dir: str = "runs/default"
+    """Where config.yaml, metrics.jsonl, result.json, tb/ (TensorBoard) and the models go."""
+
+    def errors(self) -> list[str]:
+        return one_of(self, "device", DEVICES) + one_of(self, "dtype", ["auto", *DTYPES])

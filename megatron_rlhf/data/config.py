@@ -1,0 +1,27 @@
+"""Settings shared by every trainer's data: which files, which column holds the prompt, and what to
+do with a row that is too long or holds a bad value (the loaders in ``datasets.py`` apply them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import get_args
+
+from megatron_rlhf.config.fields import one_of
+from megatron_rlhf.data.datasets import OnProblem
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataFilesConfig:
+    train: list[str] = dataclasses.field(default_factory=list)
+    """Training data: .jsonl / .parquet files or directories of them (e.g. data.train=[a.jsonl])."""
+    prompt_key: str = "prompt"
+    """Column of the prompt text (or pre-tokenized ``<key>_ids``)."""
+    on_overlong: str = "error"
+    """error: stop naming the file and row; skip: drop such rows and count them in the data report."""
+    on_invalid: str = "error"
+    """The same for rows with a bad value (null, empty, wrong type, token id out of range)."""
+    add_bos: bool = False
+    """Prepend the tokenizer's BOS id to every sequence (for text that does not already hold it)."""
+
+    def errors(self) -> list[str]:
+        return one_of(self, "on_overlong", get_args(OnProblem)) + one_of(self, "on_invalid", get_args(OnProblem))

@@ -1,0 +1,161 @@
+"""The training loop every trainer runs: steps over epochs of shuffled batches, the progress line
+with its ETA, metrics to every sink, validation, the final export and ``result.json``.
+
+A trainer supplies a ``Task``: its set-up is done, and the loop calls ``task.step`` with the global
+batch of example indices for each step (the same on every rank; a task takes its own share). The
+loop is one SPMD program: every rank runs it, only global rank 0 prints and writes files.
+
+Batches are drawn with ``drop_last``: an epoch is ``num_examples // batch_size`` steps and the few
+examples left over by each epoch's shuffle wait for another epoch (the count is logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from megatron_rlhf.checkpoint.export import export_hf
+from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.loader import ConfigError, to_yaml
+from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
+from megatron_rlhf.metrics.log import format_eta, is_rank0, log
+from megatron_rlhf.metrics.sinks import MetricsSink
+from megatron_rlhf.models.roles import RoleModel
+
+StepRows = dict[str, list[dict[str, Any]]]
+"""Rows a step writes beside its metrics, by file: ``{"samples": [...]}`` -> ``samples.jsonl``."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoopConfig(RunConfig):
+    """What every trainer's run has: its length, logging, the engine's micro-batch budget, export."""
+
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one micro-batch (rows x longest row) in forward passes and updates."""
+    num_epochs: int = 1
+    """Passes over the training data (used when max_steps is 0)."""
+    max_steps: int = 0
+    """If > 0: train exactly this many steps, over as many epochs as that takes (num_epochs ignored)."""
+    log_every: int = 10
+    """Print a progress line every this many steps (and at the first and last)."""
+    save_hf: bool = True
+    """Write the trained model to output_dir/hf as an HF checkpoint (from_pretrained loads it)."""
+
+    def errors(self) -> list[str]:
+        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every")
+                + at_least(self, 0, "max_steps"))  # fmt: skip
+
+
+class Task(Protocol):
+    """What a trainer gives the loop (``sft``, ``rm``, ``ppo``)."""
+
+    name: str
+    num_examples: int
+    batch_size: int
+    """Examples per step over all ranks (sequences, preference pairs, prompts)."""
+    batch_description: str
+    """How a step's batch is made up, for the plan line (e.g. ``prompts, 8 per step x 4 samples``)."""
+    headline: tuple[str, str]
+    """The metric whose first and last values the summary keeps, and its name in the final line."""
+    evaluate: Callable[[], dict[str, float]] | None
+    """Validation figures (identical on every rank), or None without validation."""
+    eval_every: int
+    """Evaluate every this many steps (0: only at the end), when ``evaluate`` is set."""
+    export_role: RoleModel
+    """The model written to ``hf/`` at the end (with the tokenizer's files)."""
+    tokenizer: Tokenizer
+
+    def step(self, step: int, epoch: int, indices: list[int]) -> tuple[dict[str, float], StepRows]:
+        """Train on the global batch ``indices``; returns the step's metrics (identical on every rank)
+        and rows for other files."""
+        ...
+
+    def progress(self, metrics: dict[str, float]) -> str:
+        """The middle of the progress line (between ``step s/t`` and the ETA)."""
+        ...
+
+
+def write_run_files(cfg: Any, out_dir: Path) -> None:
+    if is_rank0():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+
+def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
+    """(steps per epoch, total steps)."""
+    per_epoch = num_steps(task.num_examples, task.batch_size, drop_last=True)
+    if per_epoch == 0:
+        raise ConfigError(f"the training set has {task.num_examples} examples, fewer than one step's "
+                          f"{task.batch_size} ({task.batch_description}): not one full step")  # fmt: skip
+    total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * per_epoch
+    return per_epoch, total
+
+
+def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
+    """Train for the configured steps, export, write ``result.json``; returns the summary."""
+    out_dir = Path(cfg.output_dir)
+    per_epoch, total = plan_steps(cfg, task)
+    left_over = task.num_examples - per_epoch * task.batch_size
+    log(f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} steps per epoch"
+        + (f" ({left_over} examples of each epoch's shuffle left for later epochs)" if left_over else "")
+        + f"; {total} steps ({total / per_epoch:.2f} epochs)")  # fmt: skip
+    metric, label = task.headline
+    stem = metric.replace("/", "_")
+    summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
+    sink = MetricsSink(out_dir)
+    start = time.perf_counter()
+    step, last_eval_step = 0, -1
+    try:
+        for epoch in range(-(-total // per_epoch)):
+            for indices in epoch_batches(task.num_examples, task.batch_size, 0, 1, cfg.seed, epoch, True):
+                if step == total:
+                    break
+                step += 1
+                metrics, rows = task.step(step, epoch, indices)
+                sink.write("train", step, {"epoch": epoch, **metrics})
+                for name, file_rows in rows.items():
+                    sink.write_rows(name, [{"step": step, **row} for row in file_rows])
+                summary.setdefault(f"first_{stem}", metrics[metric])
+                summary[f"last_{stem}"] = metrics[metric]
+                if step % cfg.log_every == 0 or step in (1, total):
+                    eta = (time.perf_counter() - start) / step * (total - step)
+                    log(f"step {step}/{total} | {task.progress(metrics)} | eta {format_eta(eta)}")
+                if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
+                    summary["validation"] = _evaluate(task.evaluate, step, sink)
+                    last_eval_step = step
+        if task.evaluate is not None and last_eval_step != total:
+            summary["validation"] = _evaluate(task.evaluate, total, sink)
+    finally:
+        sink.close()
+    summary["train_seconds"] = time.perf_counter() - start
+    if cfg.save_hf:
+        export_hf(task.export_role, task.tokenizer, out_dir / "hf")
+        summary["hf_dir"] = str(out_dir / "hf")
+    if is_rank0():
+        (out_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
+        f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
+    return summary
+
+
+def _evaluate(evaluate: Callable[[], dict[str, float]], step: int, sink: MetricsSink) -> dict[str, float]:
+    start = time.perf_counter()
+    figures = evaluate()
+    sink.write("validation", step, figures)
+    shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+    log(f"validation at step {step}: {shown} ({time.perf_counter() - start:.1f}s)")
+    return figures
+
+
+def _validation_headline(summary: dict[str, Any]) -> str:
+    """``, validation <first figure> <value>`` (e.g. accuracy for rm, nll for sft), if validated."""
+    figures = summary.get("validation")
+    if not figures:
+        return ""
+    name, value = next(iter(figures.items()))
+    return f", validation {name} {value:.4f}"

@@ -1,0 +1,179 @@
+"""``megatron-rlhf ppo``'s configuration and its up-front checks.
+
+The run's settings are the four models of ``ModelsConfig``, the loop's (``LoopConfig``), and the
+sections below; sampling and engine settings are the rollout's own dataclasses, held as
+``rollout.sampling`` and ``rollout.engine``. ``check_ppo_config`` reports every problem at once:
+each dataclass's own field checks plus the rules that span sections (layouts against the models,
+batch divisibility by each model's data-parallel size, lengths against the model's positions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
+from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
+from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.loader import config_errors, raise_if_errors
+from megatron_rlhf.data.config import DataFilesConfig
+from megatron_rlhf.engine.objectives import PPOLossConfig
+from megatron_rlhf.engine.optim import OptimConfig
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.parallel.layout import layout_errors
+from megatron_rlhf.rewards import RewardRule, resolve_rule
+from megatron_rlhf.rollout.native import NativeEngineConfig
+from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.trainer.loop import LoopConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class PromptDataConfig(DataFilesConfig):
+    """RL prompts (``train`` may also name built-in sets, e.g. builtin:lowercase-prompts)."""
+
+    extra_keys: list[str] = dataclasses.field(default_factory=list)
+    """Columns passed to reward rules with each sample (e.g. [answer])."""
+    max_prompt_length: int = 256
+    """Longest prompt in tokens; longer rows follow ``on_overlong``."""
+
+    def errors(self) -> list[str]:
+        return super().errors() + at_least(self, 1, "max_prompt_length")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    """Generation in the hybrid engine: its layout, how to sample, and the engine's settings."""
+
+    tp: int = 0
+    """Tensor-parallel size of generation (0: the actor's); PP is collapsed, the rest of the world is DP."""
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    """How responses are sampled (n per prompt, temperature, top-k/top-p, max_new_tokens, stops)."""
+    engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
+    """The native engine: KV-cache slots, CUDA graphs."""
+
+    def errors(self) -> list[str]:
+        return at_least(self, 0, "tp")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ScoringConfig:
+    """How a response's scalar reward is made: the sum of the reward model's score and every rule's."""
+
+    use_reward_model: bool = True
+    """Score with the reward model (``reward.path``); false: rules only, no reward model is built."""
+    rules: list[str] = dataclasses.field(default_factory=list)
+    """Rule names (exact_answer, lowercase_fraction) or import paths ``package.module:function``."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AlgorithmConfig:
+    advantage_estimator: str = "gae"
+    """gae (needs the critic), grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    kl_penalty: KLControllerConfig = dataclasses.field(default_factory=lambda: KLControllerConfig(coef=0.0))
+    """KL to the reference as a per-token reward penalty (coef 0: off; adaptive: Ziegler et al.)."""
+    kl_penalty_estimator: str = "k1"
+    """KL estimator of the reward penalty."""
+    loss: PPOLossConfig = dataclasses.field(default_factory=PPOLossConfig)
+    """Actor and critic losses (clip ranges, entropy bonus, KL loss, aggregation)."""
+
+    def errors(self) -> list[str]:
+        return (ADVANTAGE_ESTIMATORS.field_errors("advantage_estimator", self.advantage_estimator)
+                + KL_ESTIMATORS.field_errors("kl_penalty_estimator", self.kl_penalty_estimator))  # fmt: skip
+
+
+@dataclasses.dataclass(kw_only=True)
+class PPOConfig(LoopConfig, ModelsConfig):
+    """``megatron-rlhf ppo``: the four models, the loop, and data, rollout, scoring and algorithm."""
+
+    data: PromptDataConfig = dataclasses.field(default_factory=PromptDataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    actor_optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6))
+    critic_optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))
+    prompts_per_step: int = 16
+    """Prompts per RL step (the rollout holds prompts_per_step x rollout.sampling.n sequences)."""
+    mini_batch_size: int = 0
+    """Sequences per optimizer step; 0: the whole rollout (one actor/critic step per epoch)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout."""
+    samples_per_step: int = 4
+    """Rollouts written to output_dir/samples.jsonl each step (prompt, response, reward); 0: none."""
+
+    def errors(self) -> list[str]:
+        return super().errors() + at_least(self, 1, "prompts_per_step", "ppo_epochs") + at_least(
+            self, 0, "mini_batch_size", "samples_per_step")  # fmt: skip
+
+
+def models_used(cfg: PPOConfig) -> list[str]:
+    """The roles the configured algorithm uses (the actor always; others as the algorithm needs)."""
+    algo = cfg.algorithm
+    estimator = algo.advantage_estimator
+    critic = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info(estimator).critic
+    reference = algo.kl_penalty.coef > 0 or algo.loss.kl_loss_coef > 0
+    return ["actor"] + [role for role, used in (("critic", critic), ("reference", reference),
+                                                ("reward", cfg.scoring.use_reward_model)) if used]  # fmt: skip
+
+
+def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Architecture], dict[str, RewardRule]]:
+    """Every problem at once (``ConfigError``); returns the used models' architectures and the rules."""
+    roles = models_used(cfg)
+    unused = [role for role in ("critic", "reference", "reward") if role not in roles]
+    errors = config_errors(cfg, unused=unused + (["critic_optim"] if "critic" not in roles else []))
+    found, archs = role_errors(cfg, roles, world_size)
+    errors += found
+    algo, rollout, data, sampling = cfg.algorithm, cfg.rollout, cfg.data, cfg.rollout.sampling
+    if algo.advantage_estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info(algo.advantage_estimator).groups \
+            and sampling.n < 2:  # fmt: skip
+        errors.append(f"rollout.sampling.n={sampling.n}: the {algo.advantage_estimator} estimator compares the "
+                      "samples of a prompt with each other; it needs rollout.sampling.n >= 2")  # fmt: skip
+    if not cfg.scoring.use_reward_model and not cfg.scoring.rules:
+        errors.append("nothing scores the responses: set scoring.use_reward_model=true or give scoring.rules=[...]")
+    rules: dict[str, RewardRule] = {}
+    for name in cfg.scoring.rules:
+        try:
+            rules[name] = resolve_rule(name)
+        except ValueError as err:
+            errors.append(f"scoring.rules: {err}")
+    if not data.train:
+        errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
+    if not sampling.temperature > 0:
+        errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
+    longest = data.max_prompt_length + sampling.max_new_tokens
+    if rollout.engine.max_seq_len < longest:
+        errors.append(f"rollout.engine.max_seq_len={rollout.engine.max_seq_len} is shorter than data.max_prompt_length "
+                      f"+ rollout.sampling.max_new_tokens = {longest}")  # fmt: skip
+    if "actor" in archs:
+        limit = archs["actor"].hf_config.get("max_position_embeddings")
+        if limit is not None and longest > limit:
+            errors.append(f"data.max_prompt_length + rollout.sampling.max_new_tokens = {longest} exceeds the actor's "
+                          f"max_position_embeddings={limit}")  # fmt: skip
+        vocab = archs["actor"].vocab_size
+        errors += [f"{role}.path={cfg.role(role).path!r} has vocab_size={arch.vocab_size}, the actor's is {vocab}: "
+                   "all models must read the same token ids" for role, arch in archs.items() if arch.vocab_size != vocab]  # fmt: skip
+        errors += [f"{e} (generation layout of {cfg.actor.path})" for e in
+                   layout_errors("rollout", rollout.tp or cfg.actor.tp, 1, archs["actor"], world_size, pipeline=False)]  # fmt: skip
+        if not errors:
+            errors += _batch_errors(cfg, world_size, roles)
+    raise_if_errors(errors)
+    return archs, rules
+
+
+def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str]:
+    """Divisibility of the rollout and its mini-batches by each model's data-parallel size."""
+    errors = []
+    rows = cfg.prompts_per_step * cfg.rollout.sampling.n
+    mini = cfg.mini_batch_size or rows
+    if rows % mini:
+        errors.append(f"mini_batch_size={mini} must divide the rollout's prompts_per_step x rollout.sampling.n = {rows} "
+                      "sequences")  # fmt: skip
+    for role in roles:
+        model = cfg.role(role)
+        dp = world_size // (model.tp * model.pp)
+        if rows % dp:
+            errors.append(f"the rollout's {rows} sequences (prompts_per_step x rollout.sampling.n) must split evenly "
+                          f"over the {role}'s dp={dp} data-parallel ranks")  # fmt: skip
+        if role in ("actor", "critic") and mini % dp:
+            errors.append(f"mini_batch_size={mini} must be divisible by the {role}'s dp={dp}")
+    return errors

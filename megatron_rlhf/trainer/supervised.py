@@ -1,0 +1,210 @@
+"""What the SFT and reward-model trainers share: their config, up-front checks, set-up (tokenizer,
+data, model, training state) and the supervised step the loop calls.
+
+Each data-parallel rank trains on its own slice of every global batch; the engine (``train_step``)
+reduces gradients and metrics over the model's data-parallel group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, model_errors
+from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.loader import config_errors, raise_if_errors
+from megatron_rlhf.config.run import resolve_dtype
+from megatron_rlhf.data import Tokenizer
+from megatron_rlhf.data.config import DataFilesConfig
+from megatron_rlhf.data.tokenizer import resolve_tokenizer
+from megatron_rlhf.engine.optim import OptimConfig, TrainState, make_train_state
+from megatron_rlhf.engine.schedule import Batch, LossFn
+from megatron_rlhf.engine.train import train_step
+from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
+from megatron_rlhf.trainer.loop import LoopConfig, StepRows, write_run_files
+
+
+@dataclasses.dataclass(kw_only=True)
+class SupervisedDataConfig(DataFilesConfig):
+    """Training and validation files of SFT and RM rows."""
+
+    validation: list[str] = dataclasses.field(default_factory=list)
+    """Validation data, same formats; empty: no validation."""
+    max_length: int = 1024
+    """Longest sequence in tokens (prompt + response + EOS); longer rows follow ``on_overlong``."""
+
+    def errors(self) -> list[str]:
+        return super().errors() + at_least(self, 2, "max_length")
+
+
+@dataclasses.dataclass(kw_only=True)
+class SupervisedConfig(LoopConfig):
+    """Fields shared by ``megatron-rlhf sft`` and ``megatron-rlhf rm``."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The model trained and its TP/PP layout (dp = world_size / (tp * pp))."""
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Adam, warmup and LR decay."""
+    global_batch_size: int = 64
+    """Examples (SFT sequences or preference pairs) per optimizer step, over all DP ranks; a
+    multiple of the data-parallel size."""
+    eval_every: int = 0
+    """If > 0 and validation data is given: evaluate every this many steps (always at the end)."""
+
+    def errors(self) -> list[str]:
+        return super().errors() + at_least(self, 1, "global_batch_size") + at_least(self, 0, "eval_every")
+
+
+def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) -> Architecture:
+    """Raise ``ConfigError`` listing every problem at once; returns the model's architecture."""
+    errors, arch = model_errors("model", cfg.model, world_size, score_head=score_head)
+    model = cfg.model
+    if model.tp >= 1 and model.pp >= 1 and world_size % (model.tp * model.pp) == 0 and cfg.global_batch_size >= 1:
+        dp = world_size // (model.tp * model.pp)
+        if cfg.global_batch_size % dp:
+            errors.append(
+                f"global_batch_size={cfg.global_batch_size} must be divisible by the data-parallel size "
+                f"dp={dp} (world size {world_size} / (model.tp={model.tp} * model.pp={model.pp}))"
+            )
+    if not cfg.data.train:  # type: ignore[attr-defined]
+        errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
+    raise_if_errors(config_errors(cfg) + errors)
+    assert arch is not None
+    return arch
+
+
+def dp_shard(num_examples: int, dp_rank: int, dp_size: int) -> tuple[list[int], list[bool]]:
+    """This DP rank's examples of an evaluation set: rows r, r+dp, ..., padded with copies of
+    example 0 (``real`` False) so every rank runs the same number of collectives."""
+    mine = list(range(dp_rank, num_examples, dp_size))
+    per_rank = -(-num_examples // dp_size)
+    real = [True] * len(mine) + [False] * (per_rank - len(mine))
+    return mine + [0] * (per_rank - len(mine)), real
+
+
+def reduce_over_model(role: RoleModel, values: list[float], device: torch.device) -> list[float]:
+    """Sum per-rank figures over DP (last pipeline stage holds them), then share along the pipeline;
+    every rank gets the totals. TP ranks hold identical figures and are not summed."""
+    pg = role.groups.pg_collection
+    totals = torch.tensor(values if role.groups.is_last_stage else [0.0] * len(values), dtype=torch.float64,
+                          device=device)  # fmt: skip
+    dist.all_reduce(totals, group=pg.dp)
+    dist.all_reduce(totals, group=pg.pp)
+    return totals.tolist()
+
+
+@dataclasses.dataclass
+class SupervisedRun:
+    """What ``set_up_run`` prepares for a trainer: the model, its training state, the data."""
+
+    tokenizer: Tokenizer
+    train: Any
+    validation: Any | None
+    state: TrainState
+
+    @property
+    def role(self) -> RoleModel:
+        return self.state.role
+
+
+def set_up_run(
+    cfg: SupervisedConfig, env: DistEnv, *, name: str, role: str, score_head: bool,
+    load: Callable[[list[str], Tokenizer, Any, str], Any],
+) -> SupervisedRun:  # fmt: skip
+    """Check the config, seed, write config.yaml, read the train/validation data with
+    ``load(paths, tokenizer, cfg.data, "train" | "validation")``, build the model and its state."""
+    arch = check_config(cfg, env.world_size, score_head=score_head)
+    seed_everything(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    write_run_files(cfg, Path(cfg.output_dir))
+    log(f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"model {cfg.model.path}")  # fmt: skip
+    tokenizer = resolve_tokenizer(local_dir(cfg.model.path), arch, cfg.model.path)
+    data = cfg.data  # type: ignore[attr-defined]
+    train = load(data.train, tokenizer, data, "train")
+    validation = load(data.validation, tokenizer, data, "validation") if data.validation else None
+    with timed("build+load model", env.device):
+        model = build_role(role, cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
+        state = make_train_state(model, cfg.optim)
+    log(f"model {arch.hf_class_name} {arch.num_layers} layers, {model.groups.layout}, "
+        f"{sum(p.numel() for p in model.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {model.source}")
+    return SupervisedRun(tokenizer, train, validation, state)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SupervisedTask:
+    """The loop's ``Task`` for SFT and RM: one optimizer step on this rank's share of the batch."""
+
+    name: str
+    cfg: SupervisedConfig
+    run: SupervisedRun
+    tokens_of: Callable[[Sequence[int]], int]
+    """Real tokens of a set of examples (for tokens/s)."""
+    make_batch: Callable[[Sequence[int]], Batch]
+    loss_fn: LossFn
+    group_size: int
+    evaluate: Callable[[], dict[str, float]] | None
+    extra_headline: tuple[str, ...] = ()
+    """Loss-function metrics shown on the progress line, besides loss/lr/grad_norm."""
+    headline: tuple[str, str] = ("loss", "loss")
+    _window_tokens: int = 0
+    _window_start: float = dataclasses.field(default_factory=time.perf_counter)
+    _epoch: int = 0
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.run.train)
+
+    @property
+    def batch_size(self) -> int:
+        return self.cfg.global_batch_size
+
+    @property
+    def batch_description(self) -> str:
+        dp = self.run.role.groups.layout.dp
+        return f"training examples, global batch {self.batch_size} ({self.batch_size // dp} per DP rank x {dp})"
+
+    @property
+    def eval_every(self) -> int:
+        return self.cfg.eval_every
+
+    @property
+    def export_role(self) -> RoleModel:
+        return self.run.role
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.run.tokenizer
+
+    def step(self, step: int, epoch: int, indices: list[int]) -> tuple[dict[str, float], StepRows]:
+        groups = self.run.role.groups
+        share = len(indices) // groups.layout.dp
+        mine = indices[groups.dp_rank * share : (groups.dp_rank + 1) * share]
+        tokens = self.tokens_of(indices)
+        start = time.perf_counter()
+        metrics = train_step(self.run.state, self.make_batch(mine), self.loss_fn,
+                             max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch, group_size=self.group_size)  # fmt: skip
+        elapsed = time.perf_counter() - start
+        self._window_tokens += tokens
+        self._epoch = epoch
+        return {**metrics, "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}, {}
+
+    def progress(self, metrics: dict[str, float]) -> str:
+        """Loss, the loss function's headline figures, lr, gradient norm and the tokens/s since the
+        previous progress line."""
+        now = time.perf_counter()
+        rate = self._window_tokens / max(now - self._window_start, 1e-9)
+        self._window_tokens, self._window_start = 0, now
+        extra = "".join(f" | {name} {metrics[name]:.4f}" for name in self.extra_headline if name in metrics)
+        skipped = " | update skipped (inf/nan grads)" if metrics.get("update_skipped") else ""
+        return (f"epoch {self._epoch} | loss {metrics['loss']:.4f}{extra} | lr {metrics['lr']:.3e} | "
+                f"grad_norm {metrics['grad_norm']:.3f} | {rate:,.0f} tokens/s{skipped}")  # fmt: skip

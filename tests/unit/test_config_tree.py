@@ -1,0 +1,125 @@
+"""One config tree: each dataclass checks its own fields, the loader's ``config_errors`` collects
+them with their full keys, registries declare what an entry needs, and the ``generate`` flags are
+made from the same dataclasses as ``ppo``'s rollout settings."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorNeeds
+from megatron_rlhf.config.loader import ConfigError, config_errors, load_config
+from megatron_rlhf.rollout.native import NativeEngineConfig
+from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, models_used
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rlhf"
+
+
+def _ppo(*overrides: str) -> PPOConfig:
+    return load_config("ppo-tiny", list(overrides), schema=PPOConfig)
+
+
+def test_field_errors_of_every_section_come_together_with_full_keys():
+    cfg = _ppo("rollout.sampling.n=0", "rollout.engine.max_batch_size=0", "actor_optim.lr=0", "seed=3",
+               "algorithm.loss.agg_mode=mean", "algorithm.advantage.gamma=2", "data.on_invalid=drop", "device=tpu")  # fmt: skip
+    errors = config_errors(cfg)
+    for key in ("rollout.sampling.n=0", "rollout.engine.max_batch_size=0", "actor_optim.lr=0",
+                "algorithm.loss.agg_mode='mean'", "algorithm.advantage.gamma=2", "data.on_invalid='drop'", "device='tpu'"):  # fmt: skip
+        assert any(e.startswith(key) for e in errors), (key, errors)
+    assert len(errors) == 7
+    with pytest.raises(ConfigError) as info:
+        check_ppo_config(cfg, 1)
+    assert all(e in str(info.value) for e in errors)
+
+
+def test_a_dataclass_built_in_code_checks_itself_at_once():
+    with pytest.raises(ValueError, match=r"^max_batch_size=0 must be >= 1"):
+        NativeEngineConfig(max_batch_size=0)
+
+
+def test_unused_models_and_optimizers_are_not_checked():
+    """GRPO without a critic: the critic's optimizer settings do not matter and are not checked."""
+    cfg = _ppo("critic_optim.lr=0", "critic.tp=0")
+    assert "critic" not in models_used(cfg)
+    check_ppo_config(cfg, 1)
+    with pytest.raises(ConfigError, match=r"critic_optim.lr=0.0 must be > 0"):
+        check_ppo_config(_ppo("critic_optim.lr=0", "algorithm.advantage_estimator=gae"), 1)
+
+
+def test_a_new_estimator_declares_its_needs_and_the_trainer_follows():
+    """A toy estimator needing neither a critic nor groups runs through the checks with n=1."""
+
+    @ADVANTAGE_ESTIMATORS.register("toy_outcome", info=EstimatorNeeds())
+    def toy(*, token_rewards, response_mask, values, group_index, config):
+        advantages = token_rewards.sum(1, keepdim=True) * response_mask
+        return advantages, advantages
+
+    try:
+        cfg = _ppo("algorithm.advantage_estimator=toy_outcome", "rollout.sampling.n=1", "prompts_per_step=16")
+        archs, _ = check_ppo_config(cfg, 1)
+        assert "critic" not in archs
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("toy_outcome")
+    # A built-in one that needs no groups: REINFORCE++ with one sample per prompt.
+    check_ppo_config(_ppo("algorithm.advantage_estimator=reinforce_pp", "rollout.sampling.n=1", "prompts_per_step=16"), 1)
+    with pytest.raises(ConfigError, match="the grpo estimator compares the samples"):
+        check_ppo_config(_ppo("rollout.sampling.n=1", "prompts_per_step=16"), 1)
+    assert "critic" in models_used(_ppo("algorithm.advantage_estimator=gae"))
+
+
+def _names_compared_with_literals(source: str) -> list[str]:
+    """``x.advantage_estimator == "gae"``-style comparisons of a registered name with a literal."""
+    registered = ("estimator", "agg_mode", "kl_penalty", "kl_controller")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            literal = any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides)
+            named = [ast.unparse(s) for s in sides if isinstance(s, (ast.Attribute, ast.Name))]
+            if literal and any(word in name for name in named for word in registered):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_no_call_site_compares_a_registered_name_with_a_literal():
+    assert _names_compared_with_literals('if algo.advantage_estimator != "gae": pass')  # the check can fail
+    offenders = {str(p.relative_to(PACKAGE)): hits for p in PACKAGE.rglob("*.py")
+                 if (hits := _names_compared_with_literals(p.read_text()))}  # fmt: skip
+    assert not offenders, offenders
+
+
+def _generate_help_defaults() -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-m", "megatron_rlhf", "generate", "--help"], capture_output=True,
+                         text=True, check=True, env={"COLUMNS": "400", "PATH": ""}).stdout  # fmt: skip
+    flags = {}
+    for match in re.finditer(r"^  (--[\w-]+)(?:, --no-[\w-]+)?(?: [A-Z_]+| \[[A-Z_ .]+\])?\s+.*?\(default: (.*?)\)$", out, re.M):
+        flags[match.group(1)] = match.group(2)
+    return flags
+
+
+def test_generate_flags_and_ppo_rollout_settings_share_their_defaults(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    printed = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", "--config", str(empty), "--print-config"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    rollout = yaml.safe_load(printed)["rollout"]
+    flags = _generate_help_defaults()
+    compared = 0
+    for section, cls in (("sampling", SamplingParams), ("engine", NativeEngineConfig)):
+        for field in dataclasses.fields(cls):
+            flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+            if flag not in flags:  # eos_token_ids: the tokenizer's, not a flag
+                continue
+            in_yaml = rollout[section][field.name]
+            expected = str(tuple(in_yaml)) if isinstance(in_yaml, list) else str(in_yaml)
+            assert flags[flag] == expected, (flag, flags[flag], in_yaml)
+            compared += 1
+    assert compared == len(dataclasses.fields(SamplingParams)) + len(dataclasses.fields(NativeEngineConfig)) - 1
