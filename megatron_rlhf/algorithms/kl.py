@@ -64,13 +64,15 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3", "low_var_kl")
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman 2020), clamped.
+    """k3 = exp(x) - 1 - x with x = ref - logp (Schulman 2020), clamped.
 
-    The log ratio is clamped to +-LOG_RATIO_CLAMP and the result to
-    [0, K3_MAX] so that exp() cannot overflow in low precision.
+    Computed as expm1(x) - x: exp(x) - x - 1 rounds exp(x) near 1 and, for
+    |x| ~ 1e-3 in float32, loses ~10% of a value that is only ~x^2/2. The
+    log ratio is clamped to +-LOG_RATIO_CLAMP and the result to [0, K3_MAX]
+    so that exp() cannot overflow in low precision.
     """
     log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(log_r) - log_r - 1.0).clamp(0.0, K3_MAX)
+    return (torch.expm1(log_r) - log_r).clamp(0.0, K3_MAX)
 
 
 # --------------------------------------------------------------------------- controllers

@@ -62,6 +62,21 @@ def test_k3_is_nonnegative_and_clamped():
     assert below_cap == pytest.approx(math.exp(-5.0) + 5.0 - 1.0, rel=1e-12)
 
 
+def test_k3_float32_small_log_ratio_vs_float64():
+    # |ref - logp| ~ 1e-3: k3 ~ 5e-7, far below float32's resolution of exp() near 1.
+    logp = torch.tensor([[-0.5, -1.0, -2.0, -0.25, -1.5, -3.0]], dtype=torch.float32)
+    ref = logp + torch.tensor([[1e-3, -1e-3, 1.5e-3, -7e-4, 8e-4, -1.2e-3]], dtype=torch.float32)
+    x = ref.double() - logp.double()  # the float32 difference is exact here (Sterbenz)
+    truth = torch.tensor([[math.expm1(v) - v for v in x[0].tolist()]], dtype=torch.float64)
+    out = KL_ESTIMATORS.get("k3")(logp, ref)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), truth, rtol=1e-3, atol=0.0)
+    # the former exp(x) - x - 1 in float32 misses by several percent: this test can fail
+    x32 = ref - logp
+    naive = (torch.exp(x32) - x32 - 1.0).double()
+    assert ((naive - truth).abs() / truth).max().item() > 1e-2
+
+
 def test_unknown_estimator_suggests_closest():
     with pytest.raises(ValueError) as e:
         KL_ESTIMATORS.get("low_var_kll")
