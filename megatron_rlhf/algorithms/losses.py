@@ -146,7 +146,10 @@ def value_loss(
     v_clip = old_v + clip(v - old_v, -clip_range, clip_range) keeps the critic
     from moving far from its rollout-time estimate (PPO2 baselines);
     clip_range=None gives plain 0.5 (v - R)^2. Metric vf_clipfrac: fraction
-    of valid tokens where the clipped term is the larger one.
+    of valid tokens where the clamp moved v AND the clipped term is the
+    larger one (verl's meaning). The clamp's own output decides "moved":
+    old_v + (v - old_v) can differ from v by rounding, so comparing the two
+    squared errors alone would count clips that did not happen.
     """
     m = as_bool_mask(mask, values)
     err = (values - returns).square()
@@ -155,10 +158,11 @@ def value_loss(
     else:
         if clip_range <= 0:
             raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
-        v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
-        err_clip = (v_clip - returns).square()
+        delta = values - old_values
+        delta_clip = delta.clamp(-clip_range, clip_range)
+        err_clip = (old_values + delta_clip - returns).square()
         loss = 0.5 * torch.maximum(err, err_clip)
-        clipfrac = masked_mean((err_clip > err).to(values.dtype), m)
+        clipfrac = masked_mean(((delta_clip != delta) & (err_clip > err)).to(values.dtype), m)
     num, den = aggregate_loss(loss, m, agg_mode)
     return num, den, {"vf_clipfrac": clipfrac.detach()}
 

@@ -156,6 +156,22 @@ def test_value_loss_hand_computed():
     assert num.item() == pytest.approx(0.5 * 1.25) and den.item() == 1.0
 
 
+def test_value_clipfrac_counts_only_clips_that_happened():
+    # t0: |v - old| = 0.15 < 0.2, no clip, but old + (v - old) = 0.08000000000000002 != v and
+    #     lies farther from R: comparing squared errors alone counted it as clipped.
+    # t1: clip active and binding (v_clip = 0.7, error 0.09 > 0).
+    # t2: clamp moves v to 0.8 but the unclipped error is the larger: not counted (as in verl).
+    v, old, ret = t([[0.08, 1.0, 0.0]]), t([[-0.07, 0.5, 1.0]]), t([[-0.72, 1.0, 0.5]])
+    assert (old + (v - old))[0, 0].item() != v[0, 0].item()  # the rounding this test is about
+    err_t0 = (0.08 - -0.72) ** 2
+    num, den, m = value_loss(v, old, ret, torch.ones(1, 3), clip_range=0.2)
+    assert m["vf_clipfrac"].item() == pytest.approx(1 / 3)
+    assert num.item() == pytest.approx(0.5 * (err_t0 + 0.09 + 0.25), rel=1e-12) and den.item() == 3.0
+    # the former metric, (v_clip - R)^2 > (v - R)^2, gives 2/3 here
+    v_clip = old + (v - old).clamp(-0.2, 0.2)
+    assert ((v_clip - ret).square() > (v - ret).square()).double().mean().item() == pytest.approx(2 / 3)
+
+
 def test_entropy_bonus_and_kl_loss():
     ent = t([[1.0, 2.0, 4.0]])
     mask = torch.tensor([[1, 1, 0]])
