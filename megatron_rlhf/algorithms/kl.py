@@ -10,6 +10,9 @@ http://joschu.net/blog/kl-approx.html, with r = ref / pi:
   k1 = -log r (unbiased, high variance, can be negative)
   k2 = 0.5 (log r)^2 (biased, low variance, >= 0)
   k3 = r - 1 - log r (unbiased, low variance, >= 0)
+Names follow verl too: kl = k1, mse = k2, low_var_kl = k3, and a trailing
+"+" (k1+, kl+, abs+, k3+, low_var_kl+) keeps the value of the estimator but
+takes the gradient of k2 (straight-through).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ LOG_RATIO_CLAMP = 20.0
 K3_MAX = 10.0
 
 
-@KL_ESTIMATORS.register("k1")
+@KL_ESTIMATORS.register("k1", "kl")
 def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k1 = log pi - log ref: the naive unbiased estimator."""
     return logprobs - ref_logprobs
@@ -73,6 +76,25 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """
     log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (torch.expm1(log_r) - log_r).clamp(0.0, K3_MAX)
+
+
+def _with_k2_gradient(estimator: KLEstimator) -> KLEstimator:
+    """Straight-through: the value of ``estimator``, the gradient of k2.
+
+    k1 and k3 are unbiased for the KL's value but their gradients are not the
+    KL's gradient; k2's is (on-policy samples). verl's "+" names.
+    """
+
+    def straight_through(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        k2 = kl_k2(logprobs, ref_logprobs)
+        return estimator(logprobs, ref_logprobs).detach() + (k2 - k2.detach())
+
+    return straight_through
+
+
+KL_ESTIMATORS.register("k1+", "kl+")(_with_k2_gradient(kl_k1))
+KL_ESTIMATORS.register("abs+")(_with_k2_gradient(kl_abs))
+KL_ESTIMATORS.register("k3+", "low_var_kl+")(_with_k2_gradient(kl_k3))
 
 
 # --------------------------------------------------------------------------- controllers

@@ -28,6 +28,7 @@ def t(rows):
     "name,formula",
     [
         ("k1", lambda lp, rf: lp - rf),
+        ("kl", lambda lp, rf: lp - rf),
         ("abs", lambda lp, rf: abs(lp - rf)),
         ("k2", lambda lp, rf: 0.5 * (lp - rf) ** 2),
         ("mse", lambda lp, rf: 0.5 * (lp - rf) ** 2),
@@ -44,10 +45,39 @@ def test_estimators_match_formula(name, formula):
 def test_aliases_and_hand_values():
     assert KL_ESTIMATORS.get("k3") is KL_ESTIMATORS.get("low_var_kl")
     assert KL_ESTIMATORS.get("k2") is KL_ESTIMATORS.get("mse")
+    assert KL_ESTIMATORS.get("k1") is KL_ESTIMATORS.get("kl")
     # logp=0, ref=log 2: k1 = -log 2, k3 = 2 - log 2 - 1
     lp, rf = t([[0.0]]), t([[math.log(2.0)]])
     assert KL_ESTIMATORS.get("k1")(lp, rf).item() == pytest.approx(-math.log(2.0))
     assert KL_ESTIMATORS.get("k3")(lp, rf).item() == pytest.approx(1.0 - math.log(2.0))
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("k1+", lambda lp, rf: lp - rf),
+        ("kl+", lambda lp, rf: lp - rf),
+        ("abs+", lambda lp, rf: abs(lp - rf)),
+        ("k3+", lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1.0),
+        ("low_var_kl+", lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1.0),
+    ],
+)
+def test_straight_through_value_of_estimator_gradient_of_k2(name, value):
+    lp = t(LOGP).requires_grad_(True)
+    rf = t(REF).requires_grad_(True)
+    out = KL_ESTIMATORS.get(name)(lp, rf)
+    expected = [[value(a, b) for a, b in zip(LOGP[0], REF[0])]]
+    torch.testing.assert_close(out.detach(), t(expected), rtol=1e-12, atol=1e-12)
+    weights = t([[1.0, 2.0, -1.0, 0.5]])  # a weighted sum, so each token's gradient is checked
+    (out * weights).sum().backward()
+    # d/dlogp 0.5 (logp - ref)^2 = logp - ref, and the opposite for ref
+    k2_grad = [[w * (a - b) for w, a, b in zip(weights[0].tolist(), LOGP[0], REF[0])]]
+    torch.testing.assert_close(lp.grad, t(k2_grad), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rf.grad, -t(k2_grad), rtol=1e-12, atol=1e-12)
+    # the plain estimator's gradient differs (this test can fail)
+    lp_plain = t(LOGP).requires_grad_(True)
+    (KL_ESTIMATORS.get(name.rstrip("+"))(lp_plain, t(REF)) * weights).sum().backward()
+    assert not torch.allclose(lp_plain.grad, lp.grad)
 
 
 def test_k3_is_nonnegative_and_clamped():
