@@ -72,6 +72,18 @@ class PPOLossConfig:
     """KL to the reference policy as a loss term (GRPO style); 0 when KL is a reward penalty."""
     kl_estimator: str = "low_var_kl"
     agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None
+    """seq-mean-token-sum-norm only, and required there: the constant each sequence's token sum is
+    divided by (Dr. GRPO; verl defaults it to the padded response length, here set it to
+    rollout.sampling.max_new_tokens). Fixed, so the loss does not depend on a batch's padding; an
+    integer because megatron receives loss denominators as integers."""
+
+    def __post_init__(self) -> None:
+        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
+            raise ValueError(f"loss.loss_scale_factor={self.loss_scale_factor} must be > 0 (or null)")
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
+            raise ValueError("loss.agg_mode=seq-mean-token-sum-norm needs loss.loss_scale_factor "
+                             "(e.g. rollout.sampling.max_new_tokens)")
 
 
 def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig, *, temperature: float) -> LossFn:
@@ -87,16 +99,20 @@ def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig, *, temperature: float) -
         numerator, denominator, metrics = ppo_policy_loss(
             logprobs, piece["old_logprobs"][:, 1:], piece["advantages"][:, 1:], mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.agg_mode,
+            loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip
         metrics = {f"actor/{name}": value for name, value in metrics.items()}
         if cfg.entropy_coef > 0:
-            entropy_numerator, _ = entropy_bonus(entropy, mask, agg_mode=cfg.agg_mode)
+            entropy_numerator, _ = entropy_bonus(
+                entropy, mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
+            )
             numerator = numerator - cfg.entropy_coef * entropy_numerator
             metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
         if cfg.kl_loss_coef > 0:
             kl_numerator, _ = kl_loss(
-                logprobs, piece["ref_logprobs"][:, 1:], mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode
-            )
+                logprobs, piece["ref_logprobs"][:, 1:], mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode,
+                loss_scale_factor=cfg.loss_scale_factor,
+            )  # fmt: skip
             numerator = numerator + cfg.kl_loss_coef * kl_numerator
             metrics["actor/kl_loss"] = kl_numerator / denominator.clamp(min=1)
         return numerator, denominator, metrics
@@ -112,7 +128,7 @@ def critic_loss(cfg: PPOLossConfig) -> LossFn:
         mask = piece["response_mask"][:, 1:].float()
         numerator, denominator, metrics = value_loss(
             predicted, piece["old_values"][:, 1:], piece["returns"][:, 1:], mask,
-            clip_range=cfg.value_clip, agg_mode=cfg.agg_mode,
+            clip_range=cfg.value_clip, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip
         return numerator, denominator, {f"critic/{name}": value for name, value in metrics.items()}
 

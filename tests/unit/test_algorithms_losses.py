@@ -21,7 +21,7 @@ from megatron_rlhf.algorithms import (
     value_loss,
 )
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 
 
 def t(rows):
@@ -40,11 +40,38 @@ def test_aggregate_hand_computed():
         assert (n.item(), d.item()) == (num, den), mode
 
 
+def test_seq_mean_token_sum_norm_hand_computed():
+    # Dr. GRPO: mean over sequences of (token sum / L) with a constant L, here L = 5 (not T = 4)
+    loss = t([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    n, d = aggregate_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=5)
+    assert (n.item(), d.item()) == (29.0, 10.0)
+    assert (n / d).item() == pytest.approx(((1 + 2) / 5 + (5 + 6 + 7 + 8) / 5) / 2, rel=1e-15)
+    # the length of a sequence does not divide its own sum: doubling one row's valid tokens
+    # doubles its contribution, unlike seq-mean-token-mean
+    mask2 = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
+    n2, d2 = aggregate_loss(loss, mask2, "seq-mean-token-sum-norm", loss_scale_factor=5)
+    assert (n2 / d2).item() == pytest.approx((10 / 5 + 26 / 5) / 2, rel=1e-15)
+    for bad in (None, 0, -1.0):
+        with pytest.raises(ValueError, match="loss_scale_factor"):
+            aggregate_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=bad)
+
+
+def test_ppo_policy_loss_seq_mean_token_sum_norm():
+    lp, old, adv = ppo_inputs([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])
+    lp2, adv2 = torch.cat([lp.detach(), lp.detach()]), torch.cat([adv, adv])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    num, den, _ = ppo_policy_loss(lp2, torch.zeros_like(lp2), adv2, mask, agg_mode="seq-mean-token-sum-norm",
+                                  loss_scale_factor=8)
+    # ratio 1, loss -A: row sums -6 and -1; two rows, L = 8
+    assert num.item() == pytest.approx(-7.0) and den.item() == 16.0
+
+
 def test_aggregate_ignores_nan_on_masked_positions():
     loss = t([[1.0, float("nan")], [float("inf"), 3.0]])
     mask = torch.tensor([[True, False], [False, True]])
     for mode in MODES:
-        n, d = aggregate_loss(loss, mask, mode)
+        n, d = aggregate_loss(loss, mask, mode, loss_scale_factor=1)
         assert math.isfinite(n.item()) and n.item() == 4.0 and d.item() == 2.0
 
 
@@ -56,8 +83,8 @@ def test_aggregate_invariant_to_micro_batch_split(mode, cuts):
     mask = torch.rand(8, 6, generator=g) > 0.4
     mask[3] = False  # padding row inside some micro-batch
     mask[5, :] = torch.tensor([1, 0, 0, 0, 0, 0], dtype=torch.bool)
-    n_full, d_full = aggregate_loss(loss, mask, mode)
-    parts = [aggregate_loss(loss[a:b], mask[a:b], mode) for a, b in zip(cuts[:-1], cuts[1:])]
+    n_full, d_full = aggregate_loss(loss, mask, mode, loss_scale_factor=6)
+    parts = [aggregate_loss(loss[a:b], mask[a:b], mode, loss_scale_factor=6) for a, b in zip(cuts[:-1], cuts[1:])]
     n_sum = sum(p[0] for p in parts)
     d_sum = sum(p[1] for p in parts)
     torch.testing.assert_close(n_sum / d_sum, n_full / d_full, rtol=1e-13, atol=1e-13)

@@ -1,0 +1,23 @@
+"""PPOLossConfig: defaults and the checks made when a run's config is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rlhf.config.loader import ConfigError, load_config
+from megatron_rlhf.engine.objectives import PPOLossConfig
+from megatron_rlhf.trainer.ppo import PPOConfig
+
+
+def test_seq_mean_token_sum_norm_needs_a_positive_scale_factor() -> None:
+    assert PPOLossConfig(agg_mode="seq-mean-token-sum-norm", loss_scale_factor=512).loss_scale_factor == 512
+    with pytest.raises(ValueError, match="needs loss.loss_scale_factor"):
+        PPOLossConfig(agg_mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="loss_scale_factor=0 must be > 0"):
+        PPOLossConfig(loss_scale_factor=0)
+    # named when the run's config is loaded, before anything is built
+    with pytest.raises(ConfigError, match="needs loss.loss_scale_factor"):
+        load_config("ppo-tiny", ["algorithm.loss.agg_mode=seq-mean-token-sum-norm"], schema=PPOConfig)
+    cfg = load_config("ppo-tiny", ["algorithm.loss.agg_mode=seq-mean-token-sum-norm",
+                                   "algorithm.loss.loss_scale_factor=24"], schema=PPOConfig)  # fmt: skip
+    assert cfg.algorithm.loss.loss_scale_factor == 24
