@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .registry import Registry
-from .utils import as_bool_mask
+from .utils import as_bool_mask, masked_mean, masked_sum
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -35,6 +35,8 @@ __all__ = [
     "AdaptiveKLController",
     "KL_CONTROLLERS",
     "build_kl_controller",
+    "KL_MEASURES",
+    "controller_kl",
     "apply_kl_penalty",
 ]
 
@@ -99,6 +101,41 @@ KL_ESTIMATORS.register("k3+", "low_var_kl+")(_with_k2_gradient(kl_k3))
 
 # --------------------------------------------------------------------------- controllers
 
+# What the adaptive controller compares with target_kl: (B, T) kl, (B, T) mask -> scalar.
+# Both average over sequences with at least one valid token (all-masked rows are padding).
+KLMeasure = Callable[[Tensor, Tensor], Tensor]
+KL_MEASURES: Registry[KLMeasure] = Registry("KL controller measure")
+
+
+def _row_sums(kl: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    m = as_bool_mask(mask, kl)
+    lengths = m.sum(dim=-1)
+    return masked_sum(kl, m, dim=-1), lengths.to(kl.dtype), lengths > 0
+
+
+@KL_MEASURES.register("token_mean")
+def _token_mean_kl(kl: Tensor, mask: Tensor) -> Tensor:
+    # verl (ray_trainer.apply_kl_penalty): each sequence's mean per-token KL, averaged
+    row_sum, row_len, rows = _row_sums(kl, mask)
+    return masked_mean(row_sum / row_len.clamp(min=1), rows)
+
+
+@KL_MEASURES.register("sequence_sum")
+def _sequence_sum_kl(kl: Tensor, mask: Tensor) -> Tensor:
+    # Ziegler et al. 2019: the KL of a whole sequence (sum over its tokens), averaged
+    row_sum, _, rows = _row_sums(kl, mask)
+    return masked_mean(row_sum, rows)
+
+
+def controller_kl(kl: Tensor, mask: Tensor, measure: str = "token_mean") -> float:
+    """The host float to pass to ``KLController.update``: (B, T) kl, (B, T) mask -> float.
+
+    ``measure`` is ``KLControllerConfig.kl_measure``: "token_mean" (verl) or
+    "sequence_sum" (Ziegler et al.); target_kl is in the same unit. No
+    collectives: pass the whole rollout's kl and mask.
+    """
+    return float(KL_MEASURES.get(measure)(kl, mask))
+
 
 @dataclass(kw_only=True, frozen=True)
 class KLControllerConfig:
@@ -108,9 +145,17 @@ class KLControllerConfig:
     coef: float = 1e-3
     """Fixed coefficient, or the initial coefficient of the adaptive one."""
     target_kl: float = 0.1
-    """Adaptive only: the KL per sequence the controller steers towards."""
+    """Adaptive only: the KL the controller steers towards, measured as ``kl_measure`` says."""
     horizon: float = 10_000
     """Adaptive only: steps over which a full +-20% correction is applied."""
+    kl_measure: Literal["token_mean", "sequence_sum"] = "token_mean"
+    """Adaptive only: the KL fed to the controller (``controller_kl``). token_mean (verl's): mean
+    over sequences of each one's mean per-token KL; sequence_sum (Ziegler et al. 2019): mean over
+    sequences of each one's summed KL. A target_kl set for one is off by about the response length
+    for the other."""
+
+    def __post_init__(self) -> None:
+        KL_MEASURES.get(self.kl_measure)  # fail at construction, not at the first controller update
 
 
 class KLController(Protocol):

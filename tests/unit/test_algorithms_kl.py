@@ -14,6 +14,7 @@ from megatron_rlhf.algorithms import (
     KLControllerConfig,
     apply_kl_penalty,
     build_kl_controller,
+    controller_kl,
 )
 
 LOGP = [[-0.5, -2.0, -1.0, -0.1]]
@@ -150,6 +151,26 @@ def test_build_kl_controller():
     assert ad.value == pytest.approx(0.2 * (1 + 0.1 * 10 / 100))
     with pytest.raises(ValueError, match="KL controller.*Did you mean 'adaptive'"):
         build_kl_controller(KLControllerConfig(type="adaptiv"))  # type: ignore[arg-type]
+
+
+def test_controller_kl_measures_hand_computed():
+    kl = t([[0.1, 0.3, float("nan"), 0.0], [0.4, 0.0, 0.2, 0.6], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])  # row 2: padding, not a sample
+    # token_mean (verl): per-sequence means 0.2 and 0.3, averaged; not the batch token mean 1.6 / 6
+    assert controller_kl(kl, mask, "token_mean") == pytest.approx(0.25, rel=1e-12)
+    assert controller_kl(kl, mask) == pytest.approx(0.25, rel=1e-12)  # the default
+    assert controller_kl(kl, mask) != pytest.approx(1.6 / 6)
+    # sequence_sum (Ziegler et al.): per-sequence sums 0.4 and 1.2, averaged
+    assert controller_kl(kl, mask, "sequence_sum") == pytest.approx(0.8, rel=1e-12)
+    with pytest.raises(ValueError, match="KL controller measure"):
+        controller_kl(kl, mask, "token-mean")
+
+
+def test_kl_measure_config_default_and_check():
+    assert KLControllerConfig().kl_measure == "token_mean"
+    assert KLControllerConfig(kl_measure="sequence_sum").kl_measure == "sequence_sum"
+    with pytest.raises(ValueError, match="Did you mean 'sequence_sum'"):
+        KLControllerConfig(kl_measure="sequence-sum")  # type: ignore[arg-type]
 
 
 def test_apply_kl_penalty_hand_computed_and_ignores_masked_nan():
