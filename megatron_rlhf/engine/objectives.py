@@ -64,8 +64,9 @@ class PPOLossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     """Asymmetric ratio clip [1 - clip_low, 1 + clip_high] (clip-higher, DAPO)."""
-    dual_clip_c: float | None = None
-    """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); None disables it."""
+    dual_clip_c: float | None = 3.0
+    """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); None disables it. 3.0 is
+    verl's clip_ratio_c (always on there)."""
     value_clip: float | None = 0.2
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
@@ -79,6 +80,8 @@ class PPOLossConfig:
     integer because megatron receives loss denominators as integers."""
 
     def __post_init__(self) -> None:
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
+            raise ValueError(f"loss.dual_clip_c={self.dual_clip_c} must be > 1 (or null to disable it)")
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
             raise ValueError(f"loss.loss_scale_factor={self.loss_scale_factor} must be > 0 (or null)")
         if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:

@@ -9,6 +9,16 @@ from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.trainer.ppo import PPOConfig
 
 
+def test_dual_clip_is_on_by_default_as_in_verl() -> None:
+    assert PPOLossConfig().dual_clip_c == 3.0
+    assert PPOLossConfig(dual_clip_c=None).dual_clip_c is None
+    with pytest.raises(ValueError, match="dual_clip_c=1.0 must be > 1"):
+        PPOLossConfig(dual_clip_c=1.0)
+    cfg = load_config("ppo-tiny", ["algorithm.loss.dual_clip_c=null"], schema=PPOConfig)
+    assert cfg.algorithm.loss.dual_clip_c is None
+    assert load_config("ppo-tiny", [], schema=PPOConfig).algorithm.loss.dual_clip_c == 3.0
+
+
 def test_seq_mean_token_sum_norm_needs_a_positive_scale_factor() -> None:
     assert PPOLossConfig(agg_mode="seq-mean-token-sum-norm", loss_scale_factor=512).loss_scale_factor == 512
     with pytest.raises(ValueError, match="needs loss.loss_scale_factor"):
