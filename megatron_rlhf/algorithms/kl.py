@@ -72,7 +72,7 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k3 = exp(x) - 1 - x with x = ref - logp (Schulman 2020), clamped.
 
     Computed as expm1(x) - x: exp(x) - x - 1 rounds exp(x) near 1 and, for
-    |x| ~ 1e-3 in float32, loses ~10% of a value that is only ~x^2/2. The
+    |x| ~ 1e-3 in float32, is off by up to ~12% of a value of only ~x^2/2. The
     log ratio is clamped to +-LOG_RATIO_CLAMP and the result to [0, K3_MAX]
     so that exp() cannot overflow in low precision.
     """
