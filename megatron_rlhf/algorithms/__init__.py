@@ -4,12 +4,14 @@ from .advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageEstimato
 from .kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
+    KL_MEASURES,
     AdaptiveKLController,
     FixedKLController,
     KLController,
     KLControllerConfig,
     apply_kl_penalty,
     build_kl_controller,
+    controller_kl,
 )
 from .losses import AGG_MODES, aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
 from .registry import Registry
@@ -20,6 +22,7 @@ __all__ = [
     "AGG_MODES",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
+    "KL_MEASURES",
     "AdaptiveKLController",
     "AdvantageConfig",
     "AdvantageEstimator",
@@ -32,6 +35,7 @@ __all__ = [
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_advantages",
+    "controller_kl",
     "entropy_bonus",
     "explained_variance",
     "kl_loss",

@@ -44,6 +44,11 @@ class AdvantageConfig:
     """Added to standard deviations before dividing, keeps outputs finite."""
     norm_by_std: bool = True
     """GRPO: divide by the group std (False reproduces Dr. GRPO)."""
+    reset_return_at_gaps: bool = False
+    """REINFORCE++ (reinforce_pp) only: restart the discounted return at every masked token inside
+    a response (e.g. tool output between turns), so a token's return stops at the next gap. verl
+    up to v0.8 did this; verl v0.9 (PR #7300) carries the return across gaps like the default
+    False, which is also what GAE does here."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
@@ -112,12 +117,15 @@ def _zero_masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _discounted_scan(rewards: Tensor, mask: Tensor, values: Tensor | None, gamma: float, lam: float) -> Tensor:
+def _discounted_scan(
+    rewards: Tensor, mask: Tensor, values: Tensor | None, gamma: float, lam: float, *, reset_at_gaps: bool = False
+) -> Tensor:
     """Reverse scan of GAE deltas; (B, T) -> (B, T) advantages.
 
-    Masked positions are skipped: they add no reward and do not break the
-    chain, so the next *valid* token's value and advantage bootstrap across
-    gaps (e.g. tool-output tokens in multi-turn rollouts). ``values=None``
+    Masked positions add no reward. By default they do not break the chain
+    either, so the next *valid* token's value and advantage bootstrap across
+    gaps (e.g. tool-output tokens in multi-turn rollouts); ``reset_at_gaps``
+    instead ends the chain there, as if the episode stopped. ``values=None``
     means V = 0, which with lam=1 gives the discounted return-to-go.
     """
     B, T = rewards.shape
@@ -130,8 +138,8 @@ def _discounted_scan(rewards: Tensor, mask: Tensor, values: Tensor | None, gamma
         adv_t = delta + gamma * lam * carry
         m_t = mask[:, t]
         out[:, t] = torch.where(m_t, adv_t, zero)
-        carry = torch.where(m_t, adv_t, carry)
-        next_value = torch.where(m_t, v_t, next_value)
+        carry = torch.where(m_t, adv_t, zero if reset_at_gaps else carry)
+        next_value = torch.where(m_t, v_t, zero if reset_at_gaps else next_value)
     return out
 
 
@@ -276,11 +284,12 @@ def reinforce_pp(
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262).
 
-    returns G_t = r_t + gamma G_{t+1} over valid tokens (masked ones skipped);
-    advantages = G whitened globally over valid tokens. No critic, no groups.
+    returns G_t = r_t + gamma G_{t+1} over valid tokens (masked ones skipped,
+    or ending the return if ``config.reset_return_at_gaps``); advantages = G
+    whitened globally over valid tokens. No critic, no groups.
     """
     mask = _check(token_rewards, response_mask)
-    returns = _discounted_scan(token_rewards, mask, None, config.gamma, 1.0)
+    returns = _discounted_scan(token_rewards, mask, None, config.gamma, 1.0, reset_at_gaps=config.reset_return_at_gaps)
     return masked_whiten(returns, mask, eps=config.eps), returns
 
 

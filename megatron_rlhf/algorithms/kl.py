@@ -10,6 +10,9 @@ http://joschu.net/blog/kl-approx.html, with r = ref / pi:
   k1 = -log r (unbiased, high variance, can be negative)
   k2 = 0.5 (log r)^2 (biased, low variance, >= 0)
   k3 = r - 1 - log r (unbiased, low variance, >= 0)
+Names follow verl too: kl = k1, mse = k2, low_var_kl = k3, and a trailing
+"+" (k1+, kl+, abs+, k3+, low_var_kl+) keeps the value of the estimator but
+takes the gradient of k2 (straight-through).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import Tensor
 from megatron_rlhf.config.fields import at_least, check_on_init
 
 from .registry import Registry
-from .utils import as_bool_mask
+from .utils import as_bool_mask, masked_mean, masked_sum
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -34,6 +37,8 @@ __all__ = [
     "AdaptiveKLController",
     "KL_CONTROLLERS",
     "build_kl_controller",
+    "KL_MEASURES",
+    "controller_kl",
     "apply_kl_penalty",
 ]
 
@@ -46,7 +51,7 @@ LOG_RATIO_CLAMP = 20.0
 K3_MAX = 10.0
 
 
-@KL_ESTIMATORS.register("k1")
+@KL_ESTIMATORS.register("k1", "kl")
 def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k1 = log pi - log ref: the naive unbiased estimator."""
     return logprobs - ref_logprobs
@@ -66,16 +71,72 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3", "low_var_kl")
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman 2020), clamped.
+    """k3 = exp(x) - 1 - x with x = ref - logp (Schulman 2020), clamped.
 
-    The log ratio is clamped to +-LOG_RATIO_CLAMP and the result to
-    [0, K3_MAX] so that exp() cannot overflow in low precision.
+    Computed as expm1(x) - x: exp(x) - x - 1 rounds exp(x) near 1 and, for
+    |x| ~ 1e-3 in float32, is off by up to ~12% of a value of only ~x^2/2. The
+    log ratio is clamped to +-LOG_RATIO_CLAMP and the result to [0, K3_MAX]
+    so that exp() cannot overflow in low precision.
     """
     log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(log_r) - log_r - 1.0).clamp(0.0, K3_MAX)
+    return (torch.expm1(log_r) - log_r).clamp(0.0, K3_MAX)
+
+
+def _with_k2_gradient(estimator: KLEstimator) -> KLEstimator:
+    """Straight-through: the value of ``estimator``, the gradient of k2.
+
+    k1 and k3 are unbiased for the KL's value but their gradients are not the
+    KL's gradient; k2's is (on-policy samples). verl's "+" names.
+    """
+
+    def straight_through(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        k2 = kl_k2(logprobs, ref_logprobs)
+        return estimator(logprobs, ref_logprobs).detach() + (k2 - k2.detach())
+
+    return straight_through
+
+
+KL_ESTIMATORS.register("k1+", "kl+")(_with_k2_gradient(kl_k1))
+KL_ESTIMATORS.register("abs+")(_with_k2_gradient(kl_abs))
+KL_ESTIMATORS.register("k3+", "low_var_kl+")(_with_k2_gradient(kl_k3))
 
 
 # --------------------------------------------------------------------------- controllers
+
+# What the adaptive controller compares with target_kl: (B, T) kl, (B, T) mask -> scalar.
+# Both average over sequences with at least one valid token (all-masked rows are padding).
+KLMeasure = Callable[[Tensor, Tensor], Tensor]
+KL_MEASURES: Registry[KLMeasure] = Registry("KL controller measure")
+
+
+def _row_sums(kl: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    m = as_bool_mask(mask, kl)
+    lengths = m.sum(dim=-1)
+    return masked_sum(kl, m, dim=-1), lengths.to(kl.dtype), lengths > 0
+
+
+@KL_MEASURES.register("token_mean")
+def _token_mean_kl(kl: Tensor, mask: Tensor) -> Tensor:
+    # verl (ray_trainer.apply_kl_penalty): each sequence's mean per-token KL, averaged
+    row_sum, row_len, rows = _row_sums(kl, mask)
+    return masked_mean(row_sum / row_len.clamp(min=1), rows)
+
+
+@KL_MEASURES.register("sequence_sum")
+def _sequence_sum_kl(kl: Tensor, mask: Tensor) -> Tensor:
+    # Ziegler et al. 2019: the KL of a whole sequence (sum over its tokens), averaged
+    row_sum, _, rows = _row_sums(kl, mask)
+    return masked_mean(row_sum, rows)
+
+
+def controller_kl(kl: Tensor, mask: Tensor, measure: str = "token_mean") -> float:
+    """The host float to pass to ``KLController.update``: (B, T) kl, (B, T) mask -> float.
+
+    ``measure`` is ``KLControllerConfig.kl_measure``: "token_mean" (verl) or
+    "sequence_sum" (Ziegler et al.); target_kl is in the same unit. No
+    collectives: pass the whole rollout's kl and mask.
+    """
+    return float(KL_MEASURES.get(measure)(kl, mask))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -86,15 +147,21 @@ class KLControllerConfig:
     coef: float = 1e-3
     """Fixed coefficient, or the initial coefficient of the adaptive one."""
     target_kl: float = 0.1
-    """Adaptive only: the KL per sequence the controller steers towards."""
+    """Adaptive only: the KL the controller steers towards, measured as ``kl_measure`` says."""
     horizon: float = 10_000
     """Adaptive only: steps over which a full +-20% correction is applied."""
+    kl_measure: Literal["token_mean", "sequence_sum"] = "token_mean"
+    """Adaptive only: the KL fed to the controller (``controller_kl``). token_mean (verl's): mean
+    over sequences of each one's mean per-token KL; sequence_sum (Ziegler et al. 2019): mean over
+    sequences of each one's summed KL. A target_kl set for one is off by about the response length
+    for the other."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        errors = KL_CONTROLLERS.field_errors("type", self.type) + at_least(self, 0, "coef")
+        errors = KL_CONTROLLERS.field_errors("type", self.type) + KL_MEASURES.field_errors("kl_measure", self.kl_measure)
+        errors += at_least(self, 0, "coef")
         return errors + [f"{name}={getattr(self, name)} must be > 0" for name in ("target_kl", "horizon")
                          if not getattr(self, name) > 0]  # fmt: skip
 

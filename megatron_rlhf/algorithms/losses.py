@@ -15,6 +15,7 @@ Metrics are detached scalar tensors (no ``.item()``, no host sync).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,12 +34,22 @@ __all__ = [
     "explained_variance",
 ]
 
-AggFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+# (loss_mat, mask, loss_scale_factor) -> (num, den); only "seq-mean-token-sum-norm"
+# reads loss_scale_factor, the others share the signature so lookups never branch.
+AggFn = Callable[[Tensor, Tensor, float | None], tuple[Tensor, Tensor]]
 AGG_MODES: Registry[AggFn] = Registry("loss aggregation mode")
 
 
-@AGG_MODES.register("token-mean")
-def _token_mean(loss_mat: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class AggModeNeeds:
+    """What an aggregation mode needs of the loss config, declared at registration."""
+
+    scale_factor: bool = False
+    """A constant ``loss_scale_factor`` that each sequence's token sum is divided by."""
+
+
+@AGG_MODES.register("token-mean", info=AggModeNeeds())
+def _token_mean(loss_mat: Tensor, mask: Tensor, loss_scale_factor: float | None) -> tuple[Tensor, Tensor]:
     # every valid token weighs the same, whatever its sequence length
     return masked_sum(loss_mat, mask), mask.sum().to(loss_mat.dtype)
 
@@ -49,30 +60,49 @@ def _rows(loss_mat: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return row_sum, row_len, (row_len > 0).sum().to(loss_mat.dtype)
 
 
-@AGG_MODES.register("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    # every sequence weighs its token sum (Dr. GRPO style, no length bias)
+@AGG_MODES.register("seq-mean-token-sum", info=AggModeNeeds())
+def _seq_mean_token_sum(loss_mat: Tensor, mask: Tensor, loss_scale_factor: float | None) -> tuple[Tensor, Tensor]:
+    # every sequence weighs its token sum (no length bias)
     row_sum, _, n_rows = _rows(loss_mat, mask)
     return row_sum.sum(), n_rows
 
 
-@AGG_MODES.register("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+@AGG_MODES.register("seq-mean-token-sum-norm", info=AggModeNeeds(scale_factor=True))
+def _seq_mean_token_sum_norm(
+    loss_mat: Tensor, mask: Tensor, loss_scale_factor: float | None
+) -> tuple[Tensor, Tensor]:
+    # Dr. GRPO (arXiv:2503.20783): token sums over a constant, not over each
+    # sequence's own length; verl's agg_loss of the same name
+    if loss_scale_factor is None or not loss_scale_factor > 0:
+        raise ValueError(
+            f"agg mode 'seq-mean-token-sum-norm' needs loss_scale_factor > 0 (verl uses the padded "
+            f"response length, i.e. max_new_tokens), got {loss_scale_factor}"
+        )
+    row_sum, _, n_rows = _rows(loss_mat, mask)
+    return row_sum.sum(), n_rows * loss_scale_factor
+
+
+@AGG_MODES.register("seq-mean-token-mean", info=AggModeNeeds())
+def _seq_mean_token_mean(loss_mat: Tensor, mask: Tensor, loss_scale_factor: float | None) -> tuple[Tensor, Tensor]:
     # every sequence weighs the same (original GRPO)
     row_sum, row_len, n_rows = _rows(loss_mat, mask)
     return (row_sum / row_len.clamp(min=1)).sum(), n_rows
 
 
-def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+def aggregate_loss(
+    loss_mat: Tensor, mask: Tensor, mode: str, *, loss_scale_factor: float | None = None
+) -> tuple[Tensor, Tensor]:
     """Reduce a (B, T) loss to (numerator, denominator) scalars.
 
     Modes: "token-mean" (sum over valid tokens, #valid tokens),
     "seq-mean-token-sum" (sum of row token-sums, #rows with a valid token),
+    "seq-mean-token-sum-norm" (sum of row token-sums, #rows with a valid
+    token x loss_scale_factor; required, a constant such as max_new_tokens),
     "seq-mean-token-mean" (sum of row token-means, #rows with a valid token).
     Rows without valid tokens contribute 0 to both. See module docstring.
     """
     fn = AGG_MODES.get(mode)
-    return fn(loss_mat, as_bool_mask(mask, loss_mat))
+    return fn(loss_mat, as_bool_mask(mask, loss_mat), loss_scale_factor)
 
 
 def _zero(like: Tensor) -> Tensor:
@@ -89,6 +119,7 @@ def ppo_policy_loss(
     clip_high: float = 0.2,
     dual_clip_c: float | None = None,
     agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347).
 
@@ -123,7 +154,7 @@ def ppo_policy_loss(
     else:
         clipfrac_lower = _zero(logprobs)
 
-    num, den = aggregate_loss(loss, m, agg_mode)
+    num, den = aggregate_loss(loss, m, agg_mode, loss_scale_factor=loss_scale_factor)
     metrics = {
         "pg_clipfrac": clipfrac.detach(),
         "pg_clipfrac_lower": clipfrac_lower.detach(),
@@ -140,13 +171,17 @@ def value_loss(
     *,
     clip_range: float | None = None,
     agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Critic regression loss 0.5 * max((v - R)^2, (v_clip - R)^2).
 
     v_clip = old_v + clip(v - old_v, -clip_range, clip_range) keeps the critic
     from moving far from its rollout-time estimate (PPO2 baselines);
     clip_range=None gives plain 0.5 (v - R)^2. Metric vf_clipfrac: fraction
-    of valid tokens where the clipped term is the larger one.
+    of valid tokens where the clamp moved v AND the clipped term is the
+    larger one (verl's meaning). The clamp's own output decides "moved":
+    old_v + (v - old_v) can differ from v by rounding, so comparing the two
+    squared errors alone would count clips that did not happen.
     """
     m = as_bool_mask(mask, values)
     err = (values - returns).square()
@@ -155,17 +190,20 @@ def value_loss(
     else:
         if clip_range <= 0:
             raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
-        v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
-        err_clip = (v_clip - returns).square()
+        delta = values - old_values
+        delta_clip = delta.clamp(-clip_range, clip_range)
+        err_clip = (old_values + delta_clip - returns).square()
         loss = 0.5 * torch.maximum(err, err_clip)
-        clipfrac = masked_mean((err_clip > err).to(values.dtype), m)
-    num, den = aggregate_loss(loss, m, agg_mode)
+        clipfrac = masked_mean(((delta_clip != delta) & (err_clip > err)).to(values.dtype), m)
+    num, den = aggregate_loss(loss, m, agg_mode, loss_scale_factor=loss_scale_factor)
     return num, den, {"vf_clipfrac": clipfrac.detach()}
 
 
-def entropy_bonus(entropy: Tensor, mask: Tensor, *, agg_mode: str = "token-mean") -> tuple[Tensor, Tensor]:
+def entropy_bonus(
+    entropy: Tensor, mask: Tensor, *, agg_mode: str = "token-mean", loss_scale_factor: float | None = None
+) -> tuple[Tensor, Tensor]:
     """Aggregated token entropy (num, den); the caller SUBTRACTS coef * num/den."""
-    return aggregate_loss(entropy, mask, agg_mode)
+    return aggregate_loss(entropy, mask, agg_mode, loss_scale_factor=loss_scale_factor)
 
 
 def kl_loss(
@@ -175,9 +213,11 @@ def kl_loss(
     *,
     estimator: str = "low_var_kl",
     agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """KL-to-reference as a loss term (GRPO style, not a reward penalty).
 
     ``estimator`` is a KL_ESTIMATORS name; the caller ADDS coef * num/den.
     """
-    return aggregate_loss(KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs), mask, agg_mode)
+    kl = KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs)
+    return aggregate_loss(kl, mask, agg_mode, loss_scale_factor=loss_scale_factor)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rlhf.algorithms import AGG_MODES, KL_ESTIMATORS, aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
-from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
 from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn
 from megatron_rlhf.models.roles import RoleModel
@@ -65,8 +65,9 @@ class PPOLossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     """Asymmetric ratio clip [1 - clip_low, 1 + clip_high] (clip-higher, DAPO)."""
-    dual_clip_c: float | None = None
-    """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); None disables it."""
+    dual_clip_c: float | None = 3.0
+    """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); None disables it. 3.0 is
+    verl's clip_ratio_c (always on there)."""
     value_clip: float | None = 0.2
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
@@ -74,15 +75,27 @@ class PPOLossConfig:
     kl_estimator: str = "low_var_kl"
     """KL estimator of the KL loss term (k1, k2, k3 / low_var_kl, abs, ...)."""
     agg_mode: str = "token-mean"
-    """How per-token losses become one number (token-mean, seq-mean-token-sum, seq-mean-token-mean)."""
+    """How per-token losses become one number (token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm)."""
+    loss_scale_factor: int | None = None
+    """seq-mean-token-sum-norm only, and required there: the constant each sequence's token sum is
+    divided by (Dr. GRPO; verl defaults it to the padded response length, here set it to
+    rollout.sampling.max_new_tokens). Fixed, so the loss does not depend on a batch's padding; an
+    integer because megatron receives loss denominators as integers."""
+
+    def __post_init__(self) -> None:
+        check_on_init(self)
 
     def errors(self) -> list[str]:
         errors = KL_ESTIMATORS.field_errors("kl_estimator", self.kl_estimator) + AGG_MODES.field_errors("agg_mode", self.agg_mode)
         errors += at_least(self, 0, "clip_low", "clip_high", "entropy_coef", "kl_loss_coef")
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
-            errors.append(f"dual_clip_c={self.dual_clip_c} must be > 1 (or null: off)")
-        if self.value_clip is not None and not self.value_clip > 0:
-            errors.append(f"value_clip={self.value_clip} must be > 0 (or null: off)")
+        for name in ("dual_clip_c", "value_clip", "loss_scale_factor"):
+            low = 1 if name == "dual_clip_c" else 0
+            value = getattr(self, name)
+            if value is not None and not value > low:
+                errors.append(f"{name}={value} must be > {low} (or null: off)")
+        if self.agg_mode in AGG_MODES and AGG_MODES.info(self.agg_mode).scale_factor and self.loss_scale_factor is None:
+            errors.append(f"agg_mode={self.agg_mode} needs loss_scale_factor (e.g. rollout.sampling.max_new_tokens)")
         return errors
 
 
@@ -99,16 +112,20 @@ def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig, *, temperature: float) -
         numerator, denominator, metrics = ppo_policy_loss(
             logprobs, piece["old_logprobs"][:, 1:], piece["advantages"][:, 1:], mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.agg_mode,
+            loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip
         metrics = {f"actor/{name}": value for name, value in metrics.items()}
         if cfg.entropy_coef > 0:
-            entropy_numerator, _ = entropy_bonus(entropy, mask, agg_mode=cfg.agg_mode)
+            entropy_numerator, _ = entropy_bonus(
+                entropy, mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
+            )
             numerator = numerator - cfg.entropy_coef * entropy_numerator
             metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
         if cfg.kl_loss_coef > 0:
             kl_numerator, _ = kl_loss(
-                logprobs, piece["ref_logprobs"][:, 1:], mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode
-            )
+                logprobs, piece["ref_logprobs"][:, 1:], mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode,
+                loss_scale_factor=cfg.loss_scale_factor,
+            )  # fmt: skip
             numerator = numerator + cfg.kl_loss_coef * kl_numerator
             metrics["actor/kl_loss"] = kl_numerator / denominator.clamp(min=1)
         return numerator, denominator, metrics
@@ -124,7 +141,7 @@ def critic_loss(cfg: PPOLossConfig) -> LossFn:
         mask = piece["response_mask"][:, 1:].float()
         numerator, denominator, metrics = value_loss(
             predicted, piece["old_values"][:, 1:], piece["returns"][:, 1:], mask,
-            clip_range=cfg.value_clip, agg_mode=cfg.agg_mode,
+            clip_range=cfg.value_clip, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip
         return numerator, denominator, {f"critic/{name}": value for name, value in metrics.items()}
 

@@ -220,6 +220,42 @@ def test_reinforce_pp_matches_reference(gamma):
     torch.testing.assert_close(adv, as_t(ref_whiten(ret_ref, M, EPS)), rtol=1e-12, atol=1e-12)
 
 
+def ref_return_row_reset(r, m, gamma):
+    """Return-to-go that restarts after every masked token (verl <= 0.8 REINFORCE++ loop)."""
+    out = [0.0] * len(r)
+    g = 0.0
+    for t in reversed(range(len(r))):
+        g = r[t] + gamma * g
+        out[t] = g if m[t] else 0.0
+        if not m[t]:
+            g = 0.0  # also drops the (possibly NaN) reward of the masked token
+    return out
+
+
+def test_reinforce_pp_reset_at_gaps_hand_computed():
+    # turn 1 = tokens 0-1, tool output = 2-3 (masked), turn 2 = 4-5 with the outcome reward
+    r = torch.tensor([[0.5, 0.0, 9.0, 9.0, 0.0, 1.0]], dtype=torch.float64)
+    m = torch.tensor([[True, True, False, False, True, True]])
+    _, ret = call("reinforce_pp", r, m, None, None, gamma=0.5, reset_return_at_gaps=True)
+    assert tl(ret) == [[0.5, 0.0, 0.0, 0.0, 0.5, 1.0]]  # turn 1 never sees the outcome
+    _, ret = call("reinforce_pp", r, m, None, None, gamma=0.5)  # default: carried across the gap,
+    assert tl(ret) == [[0.5 + 0.5 * 0.25, 0.5 * 0.5, 0.0, 0.0, 0.5, 1.0]]  # which costs no discount
+    assert AdvantageConfig().reset_return_at_gaps is False
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_reset_at_gaps_matches_loop_reference(gamma):
+    rewards, mask, _, _ = make_batch(9)
+    R, M = tl(rewards), tl(mask)
+    ret_ref = [ref_return_row_reset(R[i], M[i], gamma) for i in range(len(R))]
+    adv, ret = call("reinforce_pp", rewards, mask, None, None, gamma=gamma, reset_return_at_gaps=True)
+    torch.testing.assert_close(ret, as_t(ret_ref), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv, as_t(ref_whiten(ret_ref, M, EPS)), rtol=1e-12, atol=1e-12)
+    # the batch has gaps, so resetting changes the result (this test can fail)
+    carried = [ref_return_row(R[i], M[i], gamma) for i in range(len(R))]
+    assert not torch.allclose(ret, as_t(carried))
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.8])
 def test_reinforce_pp_baseline_matches_reference(gamma):
     rewards, mask, _, groups = make_batch(7)

@@ -21,7 +21,7 @@ from megatron_rlhf.algorithms import (
     value_loss,
 )
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 
 
 def t(rows):
@@ -40,11 +40,38 @@ def test_aggregate_hand_computed():
         assert (n.item(), d.item()) == (num, den), mode
 
 
+def test_seq_mean_token_sum_norm_hand_computed():
+    # Dr. GRPO: mean over sequences of (token sum / L) with a constant L, here L = 5 (not T = 4)
+    loss = t([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    n, d = aggregate_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=5)
+    assert (n.item(), d.item()) == (29.0, 10.0)
+    assert (n / d).item() == pytest.approx(((1 + 2) / 5 + (5 + 6 + 7 + 8) / 5) / 2, rel=1e-15)
+    # the length of a sequence does not divide its own sum: doubling one row's valid tokens
+    # doubles its contribution, unlike seq-mean-token-mean
+    mask2 = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
+    n2, d2 = aggregate_loss(loss, mask2, "seq-mean-token-sum-norm", loss_scale_factor=5)
+    assert (n2 / d2).item() == pytest.approx((10 / 5 + 26 / 5) / 2, rel=1e-15)
+    for bad in (None, 0, -1.0):
+        with pytest.raises(ValueError, match="loss_scale_factor"):
+            aggregate_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=bad)
+
+
+def test_ppo_policy_loss_seq_mean_token_sum_norm():
+    lp, old, adv = ppo_inputs([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])
+    lp2, adv2 = torch.cat([lp.detach(), lp.detach()]), torch.cat([adv, adv])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    num, den, _ = ppo_policy_loss(lp2, torch.zeros_like(lp2), adv2, mask, agg_mode="seq-mean-token-sum-norm",
+                                  loss_scale_factor=8)
+    # ratio 1, loss -A: row sums -6 and -1; two rows, L = 8
+    assert num.item() == pytest.approx(-7.0) and den.item() == 16.0
+
+
 def test_aggregate_ignores_nan_on_masked_positions():
     loss = t([[1.0, float("nan")], [float("inf"), 3.0]])
     mask = torch.tensor([[True, False], [False, True]])
     for mode in MODES:
-        n, d = aggregate_loss(loss, mask, mode)
+        n, d = aggregate_loss(loss, mask, mode, loss_scale_factor=1)
         assert math.isfinite(n.item()) and n.item() == 4.0 and d.item() == 2.0
 
 
@@ -56,8 +83,8 @@ def test_aggregate_invariant_to_micro_batch_split(mode, cuts):
     mask = torch.rand(8, 6, generator=g) > 0.4
     mask[3] = False  # padding row inside some micro-batch
     mask[5, :] = torch.tensor([1, 0, 0, 0, 0, 0], dtype=torch.bool)
-    n_full, d_full = aggregate_loss(loss, mask, mode)
-    parts = [aggregate_loss(loss[a:b], mask[a:b], mode) for a, b in zip(cuts[:-1], cuts[1:])]
+    n_full, d_full = aggregate_loss(loss, mask, mode, loss_scale_factor=6)
+    parts = [aggregate_loss(loss[a:b], mask[a:b], mode, loss_scale_factor=6) for a, b in zip(cuts[:-1], cuts[1:])]
     n_sum = sum(p[0] for p in parts)
     d_sum = sum(p[1] for p in parts)
     torch.testing.assert_close(n_sum / d_sum, n_full / d_full, rtol=1e-13, atol=1e-13)
@@ -154,6 +181,22 @@ def test_value_loss_hand_computed():
     assert num.item() == pytest.approx(0.5 * (0.0 + 1.0 + 0.25)) and m["vf_clipfrac"].item() == 0.0
     num, den, _ = value_loss(v, old, ret, torch.tensor([[0, 1, 1]]), clip_range=0.2, agg_mode="seq-mean-token-sum")
     assert num.item() == pytest.approx(0.5 * 1.25) and den.item() == 1.0
+
+
+def test_value_clipfrac_counts_only_clips_that_happened():
+    # t0: |v - old| = 0.15 < 0.2, no clip, but old + (v - old) = 0.08000000000000002 != v and
+    #     lies farther from R: comparing squared errors alone counted it as clipped.
+    # t1: clip active and binding (v_clip = 0.7, error 0.09 > 0).
+    # t2: clamp moves v to 0.8 but the unclipped error is the larger: not counted (as in verl).
+    v, old, ret = t([[0.08, 1.0, 0.0]]), t([[-0.07, 0.5, 1.0]]), t([[-0.72, 1.0, 0.5]])
+    assert (old + (v - old))[0, 0].item() != v[0, 0].item()  # the rounding this test is about
+    err_t0 = (0.08 - -0.72) ** 2
+    num, den, m = value_loss(v, old, ret, torch.ones(1, 3), clip_range=0.2)
+    assert m["vf_clipfrac"].item() == pytest.approx(1 / 3)
+    assert num.item() == pytest.approx(0.5 * (err_t0 + 0.09 + 0.25), rel=1e-12) and den.item() == 3.0
+    # the former metric, (v_clip - R)^2 > (v - R)^2, gives 2/3 here
+    v_clip = old + (v - old).clamp(-0.2, 0.2)
+    assert ((v_clip - ret).square() > (v - ret).square()).double().mean().item() == pytest.approx(2 / 3)
 
 
 def test_entropy_bonus_and_kl_loss():
