@@ -15,9 +15,10 @@ EOS is appended unless the response already ends with it (chat-templated text of
 
 Problems never pass silently. A column missing from a row is always an error (a wrong key or a
 wrong file, not a bad row). A bad value (None, empty, wrong type, token id out of range) and an
-over-long sequence (more than ``max_length`` tokens) either raise ``DataError`` naming file, row
-and column (``on_invalid`` / ``on_overlong`` = "error", the default) or are skipped and counted in
-the returned ``DataReport`` ("skip"). The loaders log nothing; callers print ``report.summary()``.
+over-long sequence (more than ``max_length`` tokens; the message names the trainer setting,
+``data.max_length`` or ``data.max_prompt_length``) either raise ``DataError`` naming file, row and
+column (``on_invalid`` / ``on_overlong`` = "error", the default) or are skipped and counted in the
+returned ``DataReport`` ("skip"). The loaders log nothing; callers print ``report.summary()``.
 
 Examples are kept in flat int32 storage (about 5 bytes per token, against ~36 for Python int
 lists), so that million-row SFT sets fit in host memory; ``dataset[i]`` returns tensor views.
@@ -327,11 +328,6 @@ def _response(ids: list[int], eos: int | None) -> list[int]:
     return ids if eos is None or ids[-1] == eos else ids + [eos]
 
 
-def _check_length(ids_len: int, max_length: int, column: str, parts: str) -> None:
-    if ids_len > max_length:
-        raise _RowProblem(OVERLONG, column, f"gives {ids_len} tokens ({parts}) > max_length={max_length}")
-
-
 # --------------------------------------------------------------------------- loaders
 
 
@@ -339,7 +335,7 @@ class _Loader:
     """The shared loop: read rows, turn problems into errors or counted skips, count the rest."""
 
     def __init__(self, paths: str | Path | Sequence[str | Path], tokenizer: Tokenizer, max_length: int,
-                 on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool) -> None:
+                 length_setting: str, on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool) -> None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         for name, value in (("on_overlong", on_overlong), ("on_invalid", on_invalid)):
@@ -350,7 +346,7 @@ class _Loader:
         if add_bos and tokenizer.bos_id is None:
             raise ValueError(f"{tokenizer!r} has no bos_id; pass add_bos=False")
         self.files: list[Path] = data_files(paths)
-        self.tokenizer, self.max_length = tokenizer, max_length
+        self.tokenizer, self.max_length, self.length_setting = tokenizer, max_length, length_setting
         self.on_overlong, self.on_invalid = on_overlong, on_invalid
         self.eos = tokenizer.eos_id if append_eos else None
         self.bos = [tokenizer.bos_id] if add_bos else []
@@ -378,6 +374,12 @@ class _Loader:
     def field(self, rec: Record, key: str) -> list[int]:
         return _field_ids(rec, key, self.tokenizer)
 
+    def check_length(self, n_tokens: int, column: str, parts: str) -> None:
+        """An over-long row names the setting that bounds it, so the fix is one edit away."""
+        if n_tokens > self.max_length:
+            raise _RowProblem(OVERLONG, column,
+                              f"gives {n_tokens} tokens ({parts}) > {self.length_setting}={self.max_length}")
+
 
 def load_sft_dataset(
     paths: str | Path | Sequence[str | Path],
@@ -392,14 +394,14 @@ def load_sft_dataset(
     add_bos: bool = False,
 ) -> tuple[SFTDataset, DataReport]:
     """SFT sequences from ``.jsonl``/``.parquet`` files or directories (see the module docstring)."""
-    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, append_eos, add_bos)
+    ld = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos)
     store = _TokenStore(with_mask=True)
     for rec in ld.rows():
         try:
             prompt = ld.bos + ld.field(rec, prompt_key)
             response = _response(ld.field(rec, response_key), ld.eos)
-            _check_length(len(prompt) + len(response), max_length, response_key,
-                          f"prompt {len(prompt)} + response {len(response)}")
+            ld.check_length(len(prompt) + len(response), response_key,
+                            f"prompt {len(prompt)} + response {len(response)}")
         except _RowProblem as p:
             ld.problem(rec, p)
             continue
@@ -423,7 +425,7 @@ def load_preference_dataset(
     add_bos: bool = False,
 ) -> tuple[PreferenceDataset, DataReport]:
     """Preference pairs for reward models / DPO; a row is over-long if either side is."""
-    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, append_eos, add_bos)
+    ld = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos)
     chosen_store, rejected_store = _TokenStore(with_mask=True), _TokenStore(with_mask=True)
     for rec in ld.rows():
         try:
@@ -431,8 +433,7 @@ def load_preference_dataset(
             chosen = _response(ld.field(rec, chosen_key), ld.eos)
             rejected = _response(ld.field(rec, rejected_key), ld.eos)
             for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
-                _check_length(len(prompt) + len(resp), max_length, key,
-                              f"prompt {len(prompt)} + {key} {len(resp)}")
+                ld.check_length(len(prompt) + len(resp), key, f"prompt {len(prompt)} + {key} {len(resp)}")
         except _RowProblem as p:
             ld.problem(rec, p)
             continue
@@ -456,7 +457,7 @@ def load_prompt_dataset(
     add_bos: bool = False,
 ) -> tuple[PromptDataset, DataReport]:
     """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row."""
-    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, False, add_bos)
+    ld = _Loader(paths, tokenizer, max_length, "data.max_prompt_length", on_overlong, on_invalid, False, add_bos)
     store = _TokenStore(with_mask=False)
     extras: list[dict[str, Any]] = []
     for rec in ld.rows():
@@ -466,7 +467,7 @@ def load_prompt_dataset(
                             f"columns present: {_columns(rec)}")
         try:
             prompt = ld.bos + ld.field(rec, prompt_key)
-            _check_length(len(prompt), max_length, prompt_key, f"prompt {len(prompt)}")
+            ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
         except _RowProblem as p:
             ld.problem(rec, p)
             continue

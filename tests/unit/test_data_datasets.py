@@ -153,7 +153,7 @@ def test_overlong_error_and_skip_counts(tmp_path):
     f = write_jsonl(tmp_path / "a.jsonl", rows[:4])
     g = write_parquet(tmp_path / "b.parquet", rows[4:])
     with pytest.raises(DataError, match=err(str(f), "row 3", "column 'response'", "gives 7 tokens",
-                                            "prompt 2 + response 5", "max_length=6", "on_overlong='skip'")):
+                                            "prompt 2 + response 5", "> data.max_length=6", "on_overlong='skip'")):
         load_sft_dataset([f, g], TOK, max_length=6)
     ds, report = load_sft_dataset([f, g], TOK, max_length=6, on_overlong="skip")
     assert ds.lengths.tolist() == [4, 5, 6]
@@ -250,6 +250,13 @@ def test_prompt_dataset_with_extras(tmp_path):
     assert ds[0].extras == {"answer": "2"}
     with pytest.raises(DataError, match=err(str(f), "row 0", "no column 'solution'", "extra_keys")):
         load_prompt_dataset(f, TOK, max_length=5, extra_keys=["solution"])
+
+
+def test_overlong_prompt_names_the_setting(tmp_path):
+    f = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": "abc"}, {"prompt": "abcdef"}])
+    with pytest.raises(DataError, match=err(str(f), "row 1", "column 'prompt'", "gives 7 tokens (prompt 7)",
+                                            "> data.max_prompt_length=5", "on_overlong='skip'")):
+        load_prompt_dataset(f, TOK, max_length=5, add_bos=True)
 
 
 def test_example_validation():
