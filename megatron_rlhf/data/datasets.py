@@ -3,7 +3,10 @@
 Shape legend: L = tokens of one sequence (prompt + response, + EOS), P = prompt tokens.
 
 A row gives each field as text (``prompt``) tokenized here, or, when the text column is absent,
-as pre-tokenized ids (``prompt_ids``: a list of ints). Text wins when both are there.
+as pre-tokenized ids (``prompt_ids``: a list of ints). Text wins when both are there. An RL prompt
+may also be a conversation, a list of ``{role, content}`` messages (verl's ``prompt`` column): with
+``apply_chat_template`` (the default) it is rendered with the tokenizer's chat template, generation
+prompt appended, exactly as transformers' ``apply_chat_template`` renders and tokenizes it.
 
   SFT         input_ids = [BOS] + prompt + response [+ EOS]; loss_mask 0 on BOS and the prompt,
               1 on the response and EOS (the tokens the model is trained to produce).
@@ -11,7 +14,8 @@ as pre-tokenized ids (``prompt_ids``: a list of ints). Text wins when both are t
   prompt      [BOS] + prompt, for RL rollouts; ``extra_keys`` columns are kept verbatim (e.g. the
               reference answer a rule-based reward checks against).
 
-EOS is appended unless the response already ends with it (chat-templated text often does).
+BOS is prepended unless the prompt already starts with it (chat templates often write it) and EOS
+is appended unless the response already ends with it (chat-templated text often does).
 
 Problems never pass silently. A column missing from a row is always an error (a wrong key or a
 wrong file, not a bad row). A bad value (None, empty, wrong type, token id out of range) and an
@@ -36,8 +40,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .chat_template import ChatTemplateError
 from .records import DataError, Record, data_files, read_records
-from .tokenizer import Tokenizer
+from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer
 
 __all__ = [
     "DataReport",
@@ -62,6 +67,7 @@ OVERLONG = "overlong"
 EMPTY = "empty"
 WRONG_TYPE = "wrong_type"
 BAD_TOKEN = "token_out_of_range"
+TEMPLATE_FAILED = "chat_template_failed"
 MAX_SAMPLES = 5  # skipped rows remembered per reason
 
 
@@ -324,6 +330,34 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenizer, apply_chat_template: bool
+                 ) -> list[int]:  # fmt: skip
+    """Token ids of a conversation: the chat template's text, generation prompt included, tokenized."""
+    where = f"{rec.file}: row {rec.row}: column '{key}' holds chat messages"
+    if not apply_chat_template:
+        raise DataError(f"{where} but data.apply_chat_template is false: set it to true to render them with the "
+                        "model's chat template, or give the prompts as text")  # fmt: skip
+    template = tokenizer.chat_template
+    if template is None:
+        raise DataError(f"{where} but {tokenizer!r} has no chat template (looked for {CHAT_TEMPLATE_FILE}, or "
+                        "'chat_template' in tokenizer_config.json, beside a tokenizer.json): add one to the model "
+                        "directory, or give the prompts as text (data.apply_chat_template renders message rows)")
+    if not messages:
+        raise _RowProblem(EMPTY, key, "is an empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _RowProblem(WRONG_TYPE, key, f"message {i} must be an object with a string 'role' (and its "
+                                               f"'content'), got {message!r:.80}")  # fmt: skip
+    try:
+        text = template.render(messages)
+    except ChatTemplateError as exc:
+        raise _RowProblem(TEMPLATE_FAILED, key, str(exc)) from None
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise _RowProblem(EMPTY, key, "renders to no tokens")
+    return ids
+
+
 def _response(ids: list[int], eos: int | None) -> list[int]:
     return ids if eos is None or ids[-1] == eos else ids + [eos]
 
@@ -349,7 +383,7 @@ class _Loader:
         self.tokenizer, self.max_length, self.length_setting = tokenizer, max_length, length_setting
         self.on_overlong, self.on_invalid = on_overlong, on_invalid
         self.eos = tokenizer.eos_id if append_eos else None
-        self.bos = [tokenizer.bos_id] if add_bos else []
+        self.bos: list[int] = [tokenizer.bos_id] if add_bos else []
         self.report = DataReport(files=len(self.files))
 
     def rows(self) -> Iterator[Record]:
@@ -373,6 +407,10 @@ class _Loader:
 
     def field(self, rec: Record, key: str) -> list[int]:
         return _field_ids(rec, key, self.tokenizer)
+
+    def with_bos(self, prompt: list[int]) -> list[int]:
+        """[BOS] + prompt, unless the prompt already starts with BOS (chat templates often write it)."""
+        return prompt if prompt[: len(self.bos)] == self.bos else self.bos + prompt
 
     def check_length(self, n_tokens: int, column: str, parts: str) -> None:
         """An over-long row names the setting that bounds it, so the fix is one edit away."""
@@ -398,7 +436,7 @@ def load_sft_dataset(
     store = _TokenStore(with_mask=True)
     for rec in ld.rows():
         try:
-            prompt = ld.bos + ld.field(rec, prompt_key)
+            prompt = ld.with_bos(ld.field(rec, prompt_key))
             response = _response(ld.field(rec, response_key), ld.eos)
             ld.check_length(len(prompt) + len(response), response_key,
                             f"prompt {len(prompt)} + response {len(response)}")
@@ -429,7 +467,7 @@ def load_preference_dataset(
     chosen_store, rejected_store = _TokenStore(with_mask=True), _TokenStore(with_mask=True)
     for rec in ld.rows():
         try:
-            prompt = ld.bos + ld.field(rec, prompt_key)
+            prompt = ld.with_bos(ld.field(rec, prompt_key))
             chosen = _response(ld.field(rec, chosen_key), ld.eos)
             rejected = _response(ld.field(rec, rejected_key), ld.eos)
             for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
@@ -455,8 +493,12 @@ def load_prompt_dataset(
     prompt_key: str = "prompt",
     extra_keys: Sequence[str] = (),
     add_bos: bool = False,
+    apply_chat_template: bool = True,
 ) -> tuple[PromptDataset, DataReport]:
-    """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row."""
+    """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row.
+
+    ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template; text and
+    pre-tokenized prompts are never templated (they may be chat-formatted already)."""
     ld = _Loader(paths, tokenizer, max_length, "data.max_prompt_length", on_overlong, on_invalid, False, add_bos)
     store = _TokenStore(with_mask=False)
     extras: list[dict[str, Any]] = []
@@ -466,7 +508,10 @@ def load_prompt_dataset(
             raise DataError(f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
                             f"columns present: {_columns(rec)}")
         try:
-            prompt = ld.bos + ld.field(rec, prompt_key)
+            value = rec.data.get(prompt_key)
+            ids = (_message_ids(rec, prompt_key, value, tokenizer, apply_chat_template) if isinstance(value, list)
+                   else ld.field(rec, prompt_key))  # fmt: skip
+            prompt = ld.with_bos(ids)
             ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
         except _RowProblem as p:
             ld.problem(rec, p)
