@@ -12,7 +12,9 @@ prompt appended, exactly as transformers' ``apply_chat_template`` renders and to
               1 on the response and EOS (the tokens the model is trained to produce).
   preference  chosen and rejected each as above, sharing the prompt.
   prompt      [BOS] + prompt, for RL rollouts; ``extra_keys`` columns are kept verbatim (e.g. the
-              reference answer a rule-based reward checks against).
+              reference answer a rule-based reward checks against); a row in verl's format (with
+              a ``reward_model`` column) also gives ``data_source``, ``ground_truth`` and
+              ``extra_info``, the inputs of a verl reward function.
 
 BOS is prepended unless the prompt already starts with it (chat templates often write it) and EOS
 is appended unless the response already ends with it (chat-templated text often does).
@@ -112,7 +114,8 @@ class PreferenceExample:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptExample:
-    """An RL prompt. prompt_ids (P,) int; extras: the requested extra columns, verbatim."""
+    """An RL prompt. prompt_ids (P,) int; extras: the requested extra columns, verbatim, and verl's
+    reward inputs ``data_source``, ``ground_truth``, ``extra_info`` when the row has them."""
 
     prompt_ids: Tensor
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -229,7 +232,7 @@ class PromptDataset(Sequence[PromptExample]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         j = _index(i, len(self))
-        return PromptExample(self._seq.ids[self._seq.span(j)], dict(self._extras[j]) if self._extras else {})
+        return PromptExample(self._seq.ids[self._seq.span(j)], dict(self._extras[j]))
 
     @property
     def lengths(self) -> Tensor:
@@ -356,6 +359,27 @@ def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenize
     if not ids:
         raise _RowProblem(EMPTY, key, "renders to no tokens")
     return ids
+
+
+def _reward_inputs(rec: Record) -> dict[str, Any]:
+    """verl's reward inputs of a row, named as its ``compute_score`` takes them: ``data_source``,
+    ``ground_truth`` (from the ``reward_model`` struct) and ``extra_info`` (absent or null: {}), as
+    verl's ``examples/data_preprocess`` scripts write them. Rows without ``reward_model`` have none."""
+    data = rec.data
+    if "reward_model" not in data:
+        return {}
+    if "data_source" not in data:
+        raise DataError(f"{rec.file}: row {rec.row}: has a 'reward_model' column but no 'data_source' (verl's "
+                        f"reward functions are called with both); columns present: {_columns(rec)}")  # fmt: skip
+    source, reward_model, extra_info = data["data_source"], data["reward_model"], data.get("extra_info")
+    if not isinstance(source, str):
+        raise _RowProblem(WRONG_TYPE, "data_source", f"must be a string, got {type(source).__name__}")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise _RowProblem(WRONG_TYPE, "reward_model", f"must be an object with a 'ground_truth' field, got "
+                                                      f"{reward_model!r:.80}")  # fmt: skip
+    if extra_info is not None and not isinstance(extra_info, dict):
+        raise _RowProblem(WRONG_TYPE, "extra_info", f"must be an object (or null), got {type(extra_info).__name__}")
+    return {"data_source": source, "ground_truth": reward_model["ground_truth"], "extra_info": extra_info or {}}
 
 
 def _response(ids: list[int], eos: int | None) -> list[int]:
@@ -495,7 +519,8 @@ def load_prompt_dataset(
     add_bos: bool = False,
     apply_chat_template: bool = True,
 ) -> tuple[PromptDataset, DataReport]:
-    """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row.
+    """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row. A
+    verl row's reward inputs join its extras (and win over extra columns of the same name).
 
     ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template; text and
     pre-tokenized prompts are never templated (they may be chat-formatted already)."""
@@ -513,12 +538,12 @@ def load_prompt_dataset(
                    else ld.field(rec, prompt_key))  # fmt: skip
             prompt = ld.with_bos(ids)
             ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
+            row_extras = {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
         except _RowProblem as p:
             ld.problem(rec, p)
             continue
         store.append(prompt)
-        if extra_keys:
-            extras.append({k: rec.data[k] for k in extra_keys})
+        extras.append(row_extras)
         ld.report.kept += 1
     report = ld.finish()
     return PromptDataset(store, extras), report

@@ -11,55 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.data import ByteTokenizer, DataError, load_prompt_dataset, load_tokenizer
-
-# Written with plain {% %} tags on their own, indented lines: only trim_blocks + lstrip_blocks render
-# it right. Assistant turns sit in a {% generation %} block, as in training templates.
-QWEN2_TEMPLATE = """{% for message in messages %}
-    {% if loop.first and message['role'] != 'system' %}
-<|im_start|>system
-You are a helpful assistant.<|im_end|>
-    {% endif %}
-<|im_start|>{{ message['role'] }}
-    {% if message['role'] == 'assistant' %}
-{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}
-
-    {% else %}
-{{ message['content'] }}<|im_end|>
-    {% endif %}
-{% endfor %}
-{% if add_generation_prompt %}
-<|im_start|>assistant
-{% endif %}"""
-
-# Uses bos_token, strftime_now, raise_exception, tojson (for non-text content), the trim filter, a
-# loop control, and a key that is present only when not null.
-LLAMA3_TEMPLATE = """{{- bos_token }}
-{%- set date_string = strftime_now("%d %b %Y") %}
-{%- for message in messages %}
-    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
-        {{- raise_exception("Unknown role '" + message['role'] + "': expected system, user or assistant") }}
-    {%- endif %}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
-    {%- if loop.first and message['role'] == 'system' %}
-        {{- 'Cutting Knowledge Date: December 2023\\nToday Date: ' + date_string + '\\n\\n' }}
-    {%- endif %}
-    {%- if message['name'] is defined %}
-        {{- '(' + message['name'] + ') ' }}
-    {%- endif %}
-    {%- if message['content'] is string %}
-        {{- message['content'] | trim }}
-    {%- else %}
-        {{- message['content'] | tojson }}
-    {%- endif %}
-    {{- '<|eot_id|>' }}
-    {%- if message['role'] == 'assistant' and message['content'] == 'STOP' %}{% break %}{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}"""
-
-QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+from tests.helpers import make_chat_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}],
@@ -77,33 +29,14 @@ CONVERSATIONS = [
 ]
 
 
-def build_model_dir(path: Path, specials: list[str], template: str, **tokens: str) -> Path:
-    """A byte-level BPE tokenizer with the given special tokens and chat template, saved by transformers."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    corpus = ["You are a helpful assistant.", "What is two plus three? It is five.", "system user assistant",
-              "Bonjour, très bien merci", "Cutting Knowledge Date: December 2023", "Today Date"]  # fmt: skip
-    raw.train_from_iterator(corpus * 10, trainer=trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=template, **tokens).save_pretrained(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("qwen2"), QWEN2_SPECIALS, QWEN2_TEMPLATE,
-                           eos_token="<|im_end|>", pad_token="<|endoftext|>")  # fmt: skip
+    return make_chat_tokenizer("qwen2", tmp_path_factory.mktemp("qwen2"))
 
 
 @pytest.fixture(scope="module")
 def llama3_dir(tmp_path_factory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("llama3"), LLAMA3_SPECIALS, LLAMA3_TEMPLATE,
-                           bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")  # fmt: skip
+    return make_chat_tokenizer("llama3", tmp_path_factory.mktemp("llama3"))
 
 
 def reference_ids(model_dir: Path, messages: list[dict]) -> list[int]:
@@ -205,11 +138,12 @@ def test_bad_conversations_error_or_skip(llama3_dir, tmp_path):
             f"{f}: row 1: column 'prompt' the chat template ({llama3_dir / 'chat_template.jinja'}) failed: "
             "TemplateError: Unknown role 'tool': expected system, user or assistant (pass on_invalid='skip'")):
         load_prompt_dataset(f, tok, max_length=4096)
-    from transformers import AutoTokenizer
     from jinja2 import TemplateError
+    from transformers import AutoTokenizer
 
+    ref = AutoTokenizer.from_pretrained(str(llama3_dir))
     with pytest.raises(TemplateError, match="Unknown role 'tool'"):  # transformers rejects it too
-        AutoTokenizer.from_pretrained(str(llama3_dir)).apply_chat_template(rows[1]["prompt"], add_generation_prompt=True)
+        ref.apply_chat_template(rows[1]["prompt"], add_generation_prompt=True)
     ds, report = load_prompt_dataset(f, tok, max_length=4096, on_invalid="skip")
     assert len(ds) == 1 and report.skipped == {"chat_template_failed": 1, "empty": 1, "wrong_type": 2}
     assert [s.detail for s in report.samples["wrong_type"]] == [
