@@ -22,6 +22,7 @@ setup(
         "pyarrow",
         "tqdm",
         "tokenizers",  # HF tokenizer.json files
+        "jinja2>=3.1.6",  # chat templates; older releases have sandbox escapes (transformers requires it too)
         "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
     ],
     extras_require={"test": ["pytest", "transformers>=4.56"]},

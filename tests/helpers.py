@@ -1,4 +1,4 @@
-"""Shared test helpers: tiny random HF models made with transformers, torchrun launching."""
+"""Shared test helpers: tiny random HF models and chat tokenizers made with transformers, torchrun launching."""
 
 from __future__ import annotations
 
@@ -61,6 +61,81 @@ def make_tiny_hf_model(family: str, score_head: bool, out_dir: str | Path, *, se
     save_kwargs = dict(max_shard_size="40KB") if sharded else {}
     model.save_pretrained(out_dir, **save_kwargs)
     return model
+
+
+# Chat templates of two common shapes, written here. The Qwen2-style one has plain {% %} tags on
+# their own, indented lines: only trim_blocks + lstrip_blocks render it right. Assistant turns sit
+# in a {% generation %} block, as in training templates.
+QWEN2_TEMPLATE = """{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+    {% if message['role'] == 'assistant' %}
+{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}
+
+    {% else %}
+{{ message['content'] }}<|im_end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+# Uses bos_token, strftime_now, raise_exception, tojson (for non-text content), the trim filter, a
+# loop control, and a key that is present only when not null.
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- set date_string = strftime_now("%d %b %Y") %}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception("Unknown role '" + message['role'] + "': expected system, user or assistant") }}
+    {%- endif %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+    {%- if loop.first and message['role'] == 'system' %}
+        {{- 'Cutting Knowledge Date: December 2023\\nToday Date: ' + date_string + '\\n\\n' }}
+    {%- endif %}
+    {%- if message['name'] is defined %}
+        {{- '(' + message['name'] + ') ' }}
+    {%- endif %}
+    {%- if message['content'] is string %}
+        {{- message['content'] | trim }}
+    {%- else %}
+        {{- message['content'] | tojson }}
+    {%- endif %}
+    {{- '<|eot_id|>' }}
+    {%- if message['role'] == 'assistant' and message['content'] == 'STOP' %}{% break %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}"""
+
+# style -> (special tokens, template, named special tokens)
+CHAT_STYLES = {
+    "qwen2": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN2_TEMPLATE,
+              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+               LLAMA3_TEMPLATE, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+}  # fmt: skip
+
+
+def make_chat_tokenizer(style: str, out_dir: str | Path) -> Path:
+    """A byte-level BPE tokenizer with the special tokens and a chat template of the given style (qwen2
+    or llama3), saved by transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, template, tokens = CHAT_STYLES[style]
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    corpus = ["You are a helpful assistant.", "What is two plus three? It is five.", "system user assistant",
+              "Bonjour, très bien merci", "Cutting Knowledge Date: December 2023", "Today Date"]  # fmt: skip
+    raw.train_from_iterator(corpus * 10, trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=template, **tokens).save_pretrained(str(out_dir))
+    return Path(out_dir)
 
 
 def hf_reference_outputs(model, input_ids: torch.Tensor) -> torch.Tensor:

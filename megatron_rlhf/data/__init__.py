@@ -1,6 +1,7 @@
 """Data for the SFT, reward-model and RL trainers: tokenizers, dataset files, batches, sampling."""
 
 from .batch import pack_batch
+from .chat_template import ChatTemplate, ChatTemplateError
 from .datasets import (
     DataReport,
     OnProblem,
@@ -27,6 +28,8 @@ from .tokenizer import (
 
 __all__ = [
     "ByteTokenizer",
+    "ChatTemplate",
+    "ChatTemplateError",
     "DataError",
     "DataReport",
     "HFTokenizer",

@@ -3,21 +3,28 @@
 Shape legend: L = tokens of one sequence (prompt + response, + EOS), P = prompt tokens.
 
 A row gives each field as text (``prompt``) tokenized here, or, when the text column is absent,
-as pre-tokenized ids (``prompt_ids``: a list of ints). Text wins when both are there.
+as pre-tokenized ids (``prompt_ids``: a list of ints). Text wins when both are there. An RL prompt
+may also be a conversation, a list of ``{role, content}`` messages (verl's ``prompt`` column): with
+``apply_chat_template`` (the default) it is rendered with the tokenizer's chat template, generation
+prompt appended, exactly as transformers' ``apply_chat_template`` renders and tokenizes it.
 
   SFT         input_ids = [BOS] + prompt + response [+ EOS]; loss_mask 0 on BOS and the prompt,
               1 on the response and EOS (the tokens the model is trained to produce).
   preference  chosen and rejected each as above, sharing the prompt.
   prompt      [BOS] + prompt, for RL rollouts; ``extra_keys`` columns are kept verbatim (e.g. the
-              reference answer a rule-based reward checks against).
+              reference answer a rule-based reward checks against); a row in verl's format (with
+              a ``reward_model`` column) also gives ``data_source``, ``ground_truth`` and
+              ``extra_info``, the inputs of a verl reward function.
 
-EOS is appended unless the response already ends with it (chat-templated text often does).
+BOS is prepended unless the prompt already starts with it (chat templates often write it) and EOS
+is appended unless the response already ends with it (chat-templated text often does).
 
 Problems never pass silently. A column missing from a row is always an error (a wrong key or a
 wrong file, not a bad row). A bad value (None, empty, wrong type, token id out of range) and an
-over-long sequence (more than ``max_length`` tokens) either raise ``DataError`` naming file, row
-and column (``on_invalid`` / ``on_overlong`` = "error", the default) or are skipped and counted in
-the returned ``DataReport`` ("skip"). The loaders log nothing; callers print ``report.summary()``.
+over-long sequence (more than ``max_length`` tokens; the message names the trainer setting,
+``data.max_length`` or ``data.max_prompt_length``) either raise ``DataError`` naming file, row and
+column (``on_invalid`` / ``on_overlong`` = "error", the default) or are skipped and counted in the
+returned ``DataReport`` ("skip"). The loaders log nothing; callers print ``report.summary()``.
 
 Examples are kept in flat int32 storage (about 5 bytes per token, against ~36 for Python int
 lists), so that million-row SFT sets fit in host memory; ``dataset[i]`` returns tensor views.
@@ -35,8 +42,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .chat_template import ChatTemplateError
 from .records import DataError, Record, data_files, read_records
-from .tokenizer import Tokenizer
+from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer
 
 __all__ = [
     "DataReport",
@@ -61,6 +69,7 @@ OVERLONG = "overlong"
 EMPTY = "empty"
 WRONG_TYPE = "wrong_type"
 BAD_TOKEN = "token_out_of_range"
+TEMPLATE_FAILED = "chat_template_failed"
 MAX_SAMPLES = 5  # skipped rows remembered per reason
 
 
@@ -105,7 +114,8 @@ class PreferenceExample:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptExample:
-    """An RL prompt. prompt_ids (P,) int; extras: the requested extra columns, verbatim."""
+    """An RL prompt. prompt_ids (P,) int; extras: the requested extra columns, verbatim, and verl's
+    reward inputs ``data_source``, ``ground_truth``, ``extra_info`` when the row has them."""
 
     prompt_ids: Tensor
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -222,7 +232,7 @@ class PromptDataset(Sequence[PromptExample]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         j = _index(i, len(self))
-        return PromptExample(self._seq.ids[self._seq.span(j)], dict(self._extras[j]) if self._extras else {})
+        return PromptExample(self._seq.ids[self._seq.span(j)], dict(self._extras[j]))
 
     @property
     def lengths(self) -> Tensor:
@@ -323,13 +333,57 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenizer, apply_chat_template: bool
+                 ) -> list[int]:  # fmt: skip
+    """Token ids of a conversation: the chat template's text, generation prompt included, tokenized."""
+    where = f"{rec.file}: row {rec.row}: column '{key}' holds chat messages"
+    if not apply_chat_template:
+        raise DataError(f"{where} but data.apply_chat_template is false: set it to true to render them with the "
+                        "model's chat template, or give the prompts as text")  # fmt: skip
+    template = tokenizer.chat_template
+    if template is None:
+        raise DataError(f"{where} but {tokenizer!r} has no chat template (looked for {CHAT_TEMPLATE_FILE}, or "
+                        "'chat_template' in tokenizer_config.json, beside a tokenizer.json): add one to the model "
+                        "directory, or give the prompts as text (data.apply_chat_template renders message rows)")
+    if not messages:
+        raise _RowProblem(EMPTY, key, "is an empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _RowProblem(WRONG_TYPE, key, f"message {i} must be an object with a string 'role' (and its "
+                                               f"'content'), got {message!r:.80}")  # fmt: skip
+    try:
+        text = template.render(messages)
+    except ChatTemplateError as exc:
+        raise _RowProblem(TEMPLATE_FAILED, key, str(exc)) from None
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise _RowProblem(EMPTY, key, "renders to no tokens")
+    return ids
+
+
+def _reward_inputs(rec: Record) -> dict[str, Any]:
+    """verl's reward inputs of a row, named as its ``compute_score`` takes them: ``data_source``,
+    ``ground_truth`` (from the ``reward_model`` struct) and ``extra_info`` (absent or null: {}), as
+    verl's ``examples/data_preprocess`` scripts write them. Rows without ``reward_model`` have none."""
+    data = rec.data
+    if "reward_model" not in data:
+        return {}
+    if "data_source" not in data:
+        raise DataError(f"{rec.file}: row {rec.row}: has a 'reward_model' column but no 'data_source' (verl's "
+                        f"reward functions are called with both); columns present: {_columns(rec)}")  # fmt: skip
+    source, reward_model, extra_info = data["data_source"], data["reward_model"], data.get("extra_info")
+    if not isinstance(source, str):
+        raise _RowProblem(WRONG_TYPE, "data_source", f"must be a string, got {type(source).__name__}")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise _RowProblem(WRONG_TYPE, "reward_model", f"must be an object with a 'ground_truth' field, got "
+                                                      f"{reward_model!r:.80}")  # fmt: skip
+    if extra_info is not None and not isinstance(extra_info, dict):
+        raise _RowProblem(WRONG_TYPE, "extra_info", f"must be an object (or null), got {type(extra_info).__name__}")
+    return {"data_source": source, "ground_truth": reward_model["ground_truth"], "extra_info": extra_info or {}}
+
+
 def _response(ids: list[int], eos: int | None) -> list[int]:
     return ids if eos is None or ids[-1] == eos else ids + [eos]
-
-
-def _check_length(ids_len: int, max_length: int, column: str, parts: str) -> None:
-    if ids_len > max_length:
-        raise _RowProblem(OVERLONG, column, f"gives {ids_len} tokens ({parts}) > max_length={max_length}")
 
 
 # --------------------------------------------------------------------------- loaders
@@ -339,7 +393,7 @@ class _Loader:
     """The shared loop: read rows, turn problems into errors or counted skips, count the rest."""
 
     def __init__(self, paths: str | Path | Sequence[str | Path], tokenizer: Tokenizer, max_length: int,
-                 on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool) -> None:
+                 length_setting: str, on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool) -> None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         for name, value in (("on_overlong", on_overlong), ("on_invalid", on_invalid)):
@@ -350,10 +404,10 @@ class _Loader:
         if add_bos and tokenizer.bos_id is None:
             raise ValueError(f"{tokenizer!r} has no bos_id; pass add_bos=False")
         self.files: list[Path] = data_files(paths)
-        self.tokenizer, self.max_length = tokenizer, max_length
+        self.tokenizer, self.max_length, self.length_setting = tokenizer, max_length, length_setting
         self.on_overlong, self.on_invalid = on_overlong, on_invalid
         self.eos = tokenizer.eos_id if append_eos else None
-        self.bos = [tokenizer.bos_id] if add_bos else []
+        self.bos: list[int] = [tokenizer.bos_id] if add_bos else []
         self.report = DataReport(files=len(self.files))
 
     def rows(self) -> Iterator[Record]:
@@ -378,6 +432,16 @@ class _Loader:
     def field(self, rec: Record, key: str) -> list[int]:
         return _field_ids(rec, key, self.tokenizer)
 
+    def with_bos(self, prompt: list[int]) -> list[int]:
+        """[BOS] + prompt, unless the prompt already starts with BOS (chat templates often write it)."""
+        return prompt if prompt[: len(self.bos)] == self.bos else self.bos + prompt
+
+    def check_length(self, n_tokens: int, column: str, parts: str) -> None:
+        """An over-long row names the setting that bounds it, so the fix is one edit away."""
+        if n_tokens > self.max_length:
+            raise _RowProblem(OVERLONG, column,
+                              f"gives {n_tokens} tokens ({parts}) > {self.length_setting}={self.max_length}")
+
 
 def load_sft_dataset(
     paths: str | Path | Sequence[str | Path],
@@ -392,14 +456,14 @@ def load_sft_dataset(
     add_bos: bool = False,
 ) -> tuple[SFTDataset, DataReport]:
     """SFT sequences from ``.jsonl``/``.parquet`` files or directories (see the module docstring)."""
-    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, append_eos, add_bos)
+    ld = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos)
     store = _TokenStore(with_mask=True)
     for rec in ld.rows():
         try:
-            prompt = ld.bos + ld.field(rec, prompt_key)
+            prompt = ld.with_bos(ld.field(rec, prompt_key))
             response = _response(ld.field(rec, response_key), ld.eos)
-            _check_length(len(prompt) + len(response), max_length, response_key,
-                          f"prompt {len(prompt)} + response {len(response)}")
+            ld.check_length(len(prompt) + len(response), response_key,
+                            f"prompt {len(prompt)} + response {len(response)}")
         except _RowProblem as p:
             ld.problem(rec, p)
             continue
@@ -423,16 +487,15 @@ def load_preference_dataset(
     add_bos: bool = False,
 ) -> tuple[PreferenceDataset, DataReport]:
     """Preference pairs for reward models / DPO; a row is over-long if either side is."""
-    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, append_eos, add_bos)
+    ld = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos)
     chosen_store, rejected_store = _TokenStore(with_mask=True), _TokenStore(with_mask=True)
     for rec in ld.rows():
         try:
-            prompt = ld.bos + ld.field(rec, prompt_key)
+            prompt = ld.with_bos(ld.field(rec, prompt_key))
             chosen = _response(ld.field(rec, chosen_key), ld.eos)
             rejected = _response(ld.field(rec, rejected_key), ld.eos)
             for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
-                _check_length(len(prompt) + len(resp), max_length, key,
-                              f"prompt {len(prompt)} + {key} {len(resp)}")
+                ld.check_length(len(prompt) + len(resp), key, f"prompt {len(prompt)} + {key} {len(resp)}")
         except _RowProblem as p:
             ld.problem(rec, p)
             continue
@@ -454,9 +517,14 @@ def load_prompt_dataset(
     prompt_key: str = "prompt",
     extra_keys: Sequence[str] = (),
     add_bos: bool = False,
+    apply_chat_template: bool = True,
 ) -> tuple[PromptDataset, DataReport]:
-    """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row."""
-    ld = _Loader(paths, tokenizer, max_length, on_overlong, on_invalid, False, add_bos)
+    """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row. A
+    verl row's reward inputs join its extras (and win over extra columns of the same name).
+
+    ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template; text and
+    pre-tokenized prompts are never templated (they may be chat-formatted already)."""
+    ld = _Loader(paths, tokenizer, max_length, "data.max_prompt_length", on_overlong, on_invalid, False, add_bos)
     store = _TokenStore(with_mask=False)
     extras: list[dict[str, Any]] = []
     for rec in ld.rows():
@@ -465,14 +533,17 @@ def load_prompt_dataset(
             raise DataError(f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
                             f"columns present: {_columns(rec)}")
         try:
-            prompt = ld.bos + ld.field(rec, prompt_key)
-            _check_length(len(prompt), max_length, prompt_key, f"prompt {len(prompt)}")
+            value = rec.data.get(prompt_key)
+            ids = (_message_ids(rec, prompt_key, value, tokenizer, apply_chat_template) if isinstance(value, list)
+                   else ld.field(rec, prompt_key))  # fmt: skip
+            prompt = ld.with_bos(ids)
+            ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
+            row_extras = {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
         except _RowProblem as p:
             ld.problem(rec, p)
             continue
         store.append(prompt)
-        if extra_keys:
-            extras.append({k: rec.data[k] for k in extra_keys})
+        extras.append(row_extras)
         ld.report.kept += 1
     report = ld.finish()
     return PromptDataset(store, extras), report

@@ -2,9 +2,10 @@
 
 Each row comes with the file it is in and its 0-based row index in that file, so that every
 later error or skip can name both. JSONL rows are the non-blank lines (blank lines are not rows);
-a line that is not a JSON object fails naming its 1-based line number. A directory is read in
-sorted name order; entries whose names start with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are
-metadata and skipped, anything else that is not a data file is an error rather than ignored.
+a line that is not UTF-8 or not a JSON object fails naming its 1-based line number. A directory
+is read in sorted name order; entries whose names start with ``.`` or ``_`` (``_SUCCESS``,
+``.crc``) are metadata and skipped, anything else that is not a data file is an error rather than
+ignored.
 """
 
 from __future__ import annotations
@@ -65,21 +66,24 @@ def data_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
     row = 0
-    try:
-        with path.open("r", encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}: line {line_no}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-                if not isinstance(data, dict):
-                    raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(data).__name__}")
-                yield Record(path, row, data)
-                row += 1
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start} of a chunk)") from None
+    # Bytes, decoded line by line: a text-mode file decodes in chunks and cannot say which line is bad.
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}: line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start} "
+                                "of the line); JSONL files must be UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: line {line_no}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+            if not isinstance(data, dict):
+                raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(data).__name__}")
+            yield Record(path, row, data)
+            row += 1
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:

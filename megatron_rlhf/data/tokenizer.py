@@ -12,6 +12,13 @@ every EOS id those files name (``generation_config.json`` often lists several, e
 
 ``pad_id`` is always an int: the model's pad token, else EOS, else 0. Padded positions are masked
 out (``attention_mask``/``loss_mask``), so any valid id will do there.
+
+``chat_template`` is the model's chat template, found where transformers looks: ``chat_template.jinja``
+first, else ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of named templates
+of which ``default`` is used). It is rendered with the special-token strings of
+``tokenizer_config.json``, else ``special_tokens_map.json``. Only ``tokenizer.json`` tokenizers have
+one: a template writes special tokens as text (``<|im_start|>``), which ``tokenizer.json``'s added
+tokens turn back into their ids but a SentencePiece model would spell out piece by piece.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builtin import is_builtin
 
+from .chat_template import SPECIAL_TOKEN_VARIABLES, ChatTemplate
+
 __all__ = [
+    "CHAT_TEMPLATE_FILE",
     "ByteTokenizer",
     "HFTokenizer",
     "SentencePieceTokenizer",
@@ -37,6 +47,7 @@ __all__ = [
 
 # Looked for in this order by load_tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 _TOKEN_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")  # token strings
 _ID_CONFIGS = ("generation_config.json", "config.json")  # token ids
 _ROLES = ("bos", "eos", "pad")
@@ -51,6 +62,7 @@ class Tokenizer(Protocol):
     eos_id: int | None
     pad_id: int
     stop_ids: tuple[int, ...]
+    chat_template: ChatTemplate | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -128,6 +140,37 @@ def _pad_of(pad: int | None, eos: int | None) -> int:
     return pad if pad is not None else eos if eos is not None else 0
 
 
+def _chat_template(model_dir: Path) -> ChatTemplate | None:
+    """The model's chat template (see the module docstring), or None when it ships none."""
+    configs = {name: _read_json(model_dir / name) for name in _TOKEN_CONFIGS if (model_dir / name).is_file()}
+    specials: dict[str, str] = {}
+    for data in configs.values():  # tokenizer_config.json first: first found wins
+        for variable in SPECIAL_TOKEN_VARIABLES:
+            token = _token_string(data.get(variable))
+            if token is not None:
+                specials.setdefault(variable, token)
+    path = model_dir / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        try:
+            return ChatTemplate(path.read_text(encoding="utf-8"), str(path), specials)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read the chat template: {exc}") from exc
+    path = model_dir / "tokenizer_config.json"
+    template = configs.get(path.name, {}).get("chat_template")
+    if template is None:
+        return None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{path}: chat_template lists templates named {sorted(map(str, named))} but none "
+                             "named 'default', the one used for prompts")  # fmt: skip
+        template = named["default"]
+    if not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template must be a Jinja template string or a list of "
+                         f"{{name, template}} objects, got {type(template).__name__}")  # fmt: skip
+    return ChatTemplate(template, f"{path} (chat_template)", specials)
+
+
 # --------------------------------------------------------------------------- backends
 
 
@@ -152,6 +195,7 @@ class HFTokenizer:
         self.eos_id: int | None = ids["eos"]
         self.pad_id: int = _pad_of(ids["pad"], ids["eos"])
         self.stop_ids: tuple[int, ...] = stop
+        self.chat_template: ChatTemplate | None = _chat_template(model_dir)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -186,6 +230,7 @@ class SentencePieceTokenizer:
         self.eos_id: int | None = ids["eos"]
         self.pad_id: int = _pad_of(ids["pad"], ids["eos"])
         self.stop_ids: tuple[int, ...] = stop or ((self.eos_id,) if self.eos_id is not None else ())
+        self.chat_template: ChatTemplate | None = None  # see the module docstring
 
     def _piece_id(self, piece: str) -> int | None:
         # piece_to_id answers unk for unknown pieces: check the round trip.
@@ -220,6 +265,7 @@ class ByteTokenizer:
         self.eos_id: int | None = self.EOS
         self.pad_id = self.PAD
         self.stop_ids: tuple[int, ...] = (self.EOS,)
+        self.chat_template: ChatTemplate | None = None
 
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]

@@ -11,8 +11,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
+import torch
 
 from megatron_rlhf.algorithms.registry import Registry
 
@@ -26,7 +30,8 @@ class Sample:
     finish_reason: str
     """stop (EOS or a stop token ended it) or length (cut at max_new_tokens)."""
     extras: dict[str, Any]
-    """The prompt row's columns named in ``data.extra_keys`` (e.g. a reference answer)."""
+    """The prompt row's columns named in ``data.extra_keys`` (e.g. a reference answer) and, for a row
+    in verl's format, ``data_source``, ``ground_truth`` and ``extra_info``."""
 
 
 RewardRule = Callable[[Sample], float]
@@ -64,6 +69,19 @@ def resolve_rule(name: str) -> RewardRule:
     return rule
 
 
+def as_score(value: Any) -> float | None:
+    """``value`` as a float if it is one finite real number (Python, numpy, or a 0-d tensor or array;
+    a bool counts as 0 / 1), else None: reward code returns all of these."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim != 0:
+            return None
+        value = value.item()
+    if not isinstance(value, (numbers.Real, np.bool_)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 def rule_scores(rules: dict[str, RewardRule], samples: Sequence[Sample]) -> dict[str, list[float]]:
     """Each rule's score for each sample; a non-finite or non-numeric score is an error naming the
     rule and the sample, never a silent NaN in the advantages."""
@@ -72,9 +90,10 @@ def rule_scores(rules: dict[str, RewardRule], samples: Sequence[Sample]) -> dict
         column = []
         for index, sample in enumerate(samples):
             value = rule(sample)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):  # a bool counts as 0 / 1
+            score = as_score(value)
+            if score is None:
                 raise ValueError(f"reward rule {name!r} returned {value!r} for sample {index} "
                                  f"(response {sample.response_text[:60]!r}): expected a finite number")  # fmt: skip
-            column.append(float(value))
+            column.append(score)
         scores[name] = column
     return scores

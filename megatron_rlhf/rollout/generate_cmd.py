@@ -1,8 +1,9 @@
 """``megatron-rlhf generate``: prompts (JSONL/Parquet) in, completions (JSONL) out.
 
-Input rows hold ``prompt`` (text, tokenized with the model's tokenizer) or ``prompt_ids``. Under
-torchrun the world is split into generation groups of ``--tp`` ranks; each data-parallel group
-takes every dp-th prompt, and rank 0 writes all completions in prompt order. Output rows:
+Input rows hold ``prompt`` (text, tokenized with the model's tokenizer, or a list of chat messages,
+rendered with its chat template) or ``prompt_ids``. Under torchrun the world is split into
+generation groups of ``--tp`` ranks; each data-parallel group takes every dp-th prompt, and rank 0
+writes all completions in prompt order. Output rows:
 ``prompt_index``, ``sample_index``, ``token_ids``, ``text`` (decoded), ``logprobs``,
 ``finish_reason`` and ``prompt_tokens_dropped``.
 """

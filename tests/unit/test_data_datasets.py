@@ -153,7 +153,7 @@ def test_overlong_error_and_skip_counts(tmp_path):
     f = write_jsonl(tmp_path / "a.jsonl", rows[:4])
     g = write_parquet(tmp_path / "b.parquet", rows[4:])
     with pytest.raises(DataError, match=err(str(f), "row 3", "column 'response'", "gives 7 tokens",
-                                            "prompt 2 + response 5", "max_length=6", "on_overlong='skip'")):
+                                            "prompt 2 + response 5", "> data.max_length=6", "on_overlong='skip'")):
         load_sft_dataset([f, g], TOK, max_length=6)
     ds, report = load_sft_dataset([f, g], TOK, max_length=6, on_overlong="skip")
     assert ds.lengths.tolist() == [4, 5, 6]
@@ -252,6 +252,13 @@ def test_prompt_dataset_with_extras(tmp_path):
         load_prompt_dataset(f, TOK, max_length=5, extra_keys=["solution"])
 
 
+def test_overlong_prompt_names_the_setting(tmp_path):
+    f = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": "abc"}, {"prompt": "abcdef"}])
+    with pytest.raises(DataError, match=err(str(f), "row 1", "column 'prompt'", "gives 7 tokens (prompt 7)",
+                                            "> data.max_prompt_length=5", "on_overlong='skip'")):
+        load_prompt_dataset(f, TOK, max_length=5, add_bos=True)
+
+
 def test_example_validation():
     with pytest.raises(ValueError, match=r"loss_mask shape \(2,\) != input_ids shape \(3,\)"):
         SFTExample([1, 2, 3], [0, 1])
@@ -260,3 +267,85 @@ def test_example_validation():
     with pytest.raises(ValueError, match="must be integers"):
         SFTExample([1.0], [1])
     assert SFTExample(torch.tensor([4, 5]), [0, 1]).loss_mask.dtype == torch.bool
+
+
+# --------------------------------------------------------------------------- verl's format
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+GSM8K_PROBLEMS = [
+    ("Tom has 3 apples and buys 4 more. How many apples does he have?", "3 + 4 = <<3+4=7>>7\n#### 7"),
+    ("A school orders 25 boxes of 48 pencils. How many pencils?", "25 * 48 = <<25*48=1200>>1,200\n#### 1,200"),
+]
+
+
+def gsm8k_rows(split: str = "train") -> list[dict]:
+    """Rows as verl's examples/data_preprocess/gsm8k.py writes them (its answer extraction drops commas)."""
+    return [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
+             "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": answer.split("#### ")[1].replace(",", "")},
+             "extra_info": {"split": split, "index": index, "answer": answer, "question": question}}
+            for index, (question, answer) in enumerate(GSM8K_PROBLEMS)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> Path:
+    from tests.helpers import make_chat_tokenizer
+
+    return make_chat_tokenizer("qwen2", tmp_path_factory.mktemp("qwen2"))
+
+
+def test_verl_parquet_is_read_unchanged(qwen2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data import load_tokenizer
+
+    rows = gsm8k_rows()
+    f = write_parquet(tmp_path / "train.parquet", rows)
+    schema = pq.read_schema(f)  # the nested columns verl's parquet files have
+    assert str(schema.field("prompt").type) == "list<element: struct<role: string, content: string>>"
+    assert str(schema.field("reward_model").type) == "struct<style: string, ground_truth: string>"
+    ds, report = load_prompt_dataset(f, load_tokenizer(qwen2_dir), max_length=512, extra_keys=["ability"])
+    assert report.kept == 2
+    ref = AutoTokenizer.from_pretrained(str(qwen2_dir))
+    for example, row in zip(ds, rows, strict=True):
+        expected = ref.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert example.prompt_ids.tolist() == list(expected)
+        assert example.extras == {"ability": "math", "data_source": "openai/gsm8k",
+                                  "ground_truth": row["reward_model"]["ground_truth"], "extra_info": row["extra_info"]}
+    assert [e.extras["ground_truth"] for e in ds] == ["7", "1200"]
+    assert ds[1].extras["extra_info"] == {"split": "train", "index": 1, "answer": GSM8K_PROBLEMS[1][1],
+                                          "question": GSM8K_PROBLEMS[1][0]}  # fmt: skip
+    # The same rows as JSONL give the same examples; a null or absent extra_info is verl's {}.
+    jsonl_rows = [{**rows[0], "extra_info": None}, {k: v for k, v in rows[1].items() if k != "extra_info"}]
+    g = write_jsonl(tmp_path / "train.jsonl", jsonl_rows)
+    ds2, _ = load_prompt_dataset(g, load_tokenizer(qwen2_dir), max_length=512)
+    assert [e.prompt_ids.tolist() for e in ds2] == [e.prompt_ids.tolist() for e in ds]
+    assert [e.extras["extra_info"] for e in ds2] == [{}, {}]
+
+
+def test_rows_without_reward_model_carry_no_reward_inputs(tmp_path):
+    f = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": "p", "data_source": "mine", "extra_info": {"a": 1}}])
+    ds, _ = load_prompt_dataset(f, TOK, max_length=8)
+    assert ds[0].extras == {}
+
+
+def test_verl_reward_columns_errors(tmp_path):
+    good = {"prompt": "p", "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "7"}}
+    f = write_jsonl(tmp_path / "no_source.jsonl", [good, {"prompt": "p", "reward_model": {"ground_truth": "7"}}])
+    with pytest.raises(DataError, match=err(str(f), "row 1", "has a 'reward_model' column but no 'data_source'",
+                                            "columns present: ['prompt', 'reward_model']")):
+        load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")  # a missing column is never skipped
+    bad = [{**good, "data_source": 3}, {**good, "reward_model": {"style": "rule"}}, {**good, "reward_model": "7"},
+           {**good, "extra_info": [1]}]  # fmt: skip
+    g = write_jsonl(tmp_path / "bad.jsonl", [good, *bad])
+    with pytest.raises(DataError, match=err(str(g), "row 1", "column 'data_source' must be a string, got int")):
+        load_prompt_dataset(g, TOK, max_length=8)
+    ds, report = load_prompt_dataset(g, TOK, max_length=8, on_invalid="skip")
+    assert len(ds) == 1 and report.skipped == {"wrong_type": 4}
+    assert [(s.row, s.column, s.detail) for s in report.samples["wrong_type"]] == [
+        (1, "data_source", "must be a string, got int"),
+        (2, "reward_model", "must be an object with a 'ground_truth' field, got {'style': 'rule'}"),
+        (3, "reward_model", "must be an object with a 'ground_truth' field, got '7'"),
+        (4, "extra_info", "must be an object (or null), got list"),
+    ]

@@ -100,11 +100,14 @@ def test_non_object_json_line(tmp_path):
         list(read_records(f))
 
 
-def test_non_utf8_jsonl(tmp_path):
+def test_non_utf8_line_names_file_and_line(tmp_path):
     f = tmp_path / "latin1.jsonl"
-    f.write_bytes('{"a": "é"}\n'.encode("latin-1"))
-    with pytest.raises(DataError, match=re.escape(f"{f}: not UTF-8 text")):
-        list(read_records(f))
+    f.write_bytes('{"a": "ok"}\n\n{"a": "é"}\n'.encode("latin-1"))  # é is byte 0xe9 in Latin-1, at byte 7
+    rows = read_records(f)
+    assert next(rows).data == {"a": "ok"}
+    expected = f"{f}: line 3: not UTF-8 text (invalid continuation byte at byte 7 of the line)"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        next(rows)
 
 
 def test_corrupt_parquet(tmp_path):
