@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 from megatron_rlhf.checkpoint.hf import copy_side_files
+from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 from megatron_rlhf.parallel.layout import ParallelGroups
 
 FORMAT_VERSION = 1

@@ -62,7 +62,8 @@ class Progress:
 
 @contextlib.contextmanager
 def timed(phase: str, device: torch.device, times: dict[str, float] | None = None, *, quiet: bool = False) -> Iterator[None]:
-    """Time a phase across all ranks (barrier at both ends) and log it with memory use (unless quiet)."""
+    """Time a phase across all ranks (barrier at both ends), add it to ``times[phase]`` and log it
+    with memory use (unless quiet)."""
     if dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
@@ -72,8 +73,8 @@ def timed(phase: str, device: torch.device, times: dict[str, float] | None = Non
     if dist.is_initialized():
         dist.barrier()
     elapsed = time.perf_counter() - start
-    if times is not None:
-        times[phase] = elapsed
+    if times is not None:  # a phase run more than once in a step (extra rollout batches) adds up
+        times[phase] = times.get(phase, 0.0) + elapsed
     if not quiet:
         log(f"[{phase}] {elapsed:.2f}s, {memory_summary(device)}")
 

@@ -9,9 +9,9 @@ HF ``*ForSequenceClassification.score``.
 from __future__ import annotations
 
 import torch
-from torch.distributed import ProcessGroup
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.distributed import ProcessGroup
 
 
 class ValueHead(MegatronModule):

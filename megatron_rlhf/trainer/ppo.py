@@ -26,17 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf.algorithms.advantages import compute_advantages
-from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLController, apply_kl_penalty, build_kl_controller
+from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLController, apply_kl_penalty, build_kl_controller, controller_kl
 from megatron_rlhf.algorithms.utils import masked_mean
 from megatron_rlhf.checkpoint.sources import build_role, local_dir
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import PromptDataset, SFTExample, load_prompt_dataset, pack_batch
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
-from megatron_rlhf.engine.objectives import critic_loss, logprobs_output, ppo_actor_loss, token_values_output, values_output
+from megatron_rlhf.engine.objectives import critic_loss, logprobs_output, ppo_actor_loss, token_values_output
 from megatron_rlhf.engine.optim import TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import forward_all_rows, train_step
@@ -44,7 +43,7 @@ from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.rewards import RewardRule, Sample, rule_scores
+from megatron_rlhf.rewards.scoring import Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.trainer.loop import StepRows, run_loop, write_run_files
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
@@ -64,13 +63,14 @@ class PPORun:
     critic: TrainState | None
     reference: RoleModel | None
     reward_model: RoleModel | None
-    rules: dict[str, RewardRule]
+    scorer: Scorer
     hybrid: HybridEngine
     kl_controller: KLController
 
 
 def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
-    archs, rules = check_ppo_config(cfg, env.world_size)
+    checked = check_ppo_config(cfg, env.world_size)
+    archs = checked.archs
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
     write_run_files(cfg, Path(cfg.output_dir))
@@ -82,6 +82,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     prompts, report = load_prompt_dataset(
         resolve_data_paths(data.train), tokenizer, max_length=data.max_prompt_length, on_overlong=data.on_overlong,
         on_invalid=data.on_invalid, prompt_key=data.prompt_key, extra_keys=data.extra_keys, add_bos=data.add_bos,
+        apply_chat_template=data.apply_chat_template,
     )  # fmt: skip
     log(f"prompts: {report.summary()}")
 
@@ -100,7 +101,9 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     engine_cfg = dataclasses.replace(rollout.engine.with_eos_of(tokenizer.stop_ids),
                                      max_seq_len=min(rollout.engine.max_seq_len, longest))  # fmt: skip
     hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg)
-    return PPORun(cfg, env.device, tokenizer, prompts, actor, critic, reference, reward_model, rules, hybrid,
+    scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
+                    max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+    return PPORun(cfg, env.device, tokenizer, prompts, actor, critic, reference, reward_model, scorer, hybrid,
                   build_kl_controller(cfg.algorithm.kl_penalty))  # fmt: skip
 
 
@@ -154,14 +157,10 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     times: dict[str, float] = {}
     temperature = cfg.rollout.sampling.temperature
 
-    with timed("rollout", device, times, quiet=True):
-        params = dataclasses.replace(cfg.rollout.sampling, seed=_step_seed(cfg, step))
-        completions, switch_reports = run.hybrid.generate([run.prompts[i].prompt_ids.tolist() for i in indices], params)
+    completions, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times)
     batch = rollout_batch(completions, run.tokenizer.pad_id)
     mask = batch["response_mask"]
-
-    with timed("rewards", device, times, quiet=True):
-        scores, score_metrics = score_rollout(run, batch, completions, [run.prompts[i].extras for i in indices])
+    scores = scored.rewards
 
     ref_logprobs = values = None
     if run.reference is not None:
@@ -203,12 +202,12 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     kl_per_sequence = float(kl.sum(1).mean()) if kl is not None else 0.0  # kl is 0 off the response
     kl_coef = run.kl_controller.value
     if kl is not None:
-        run.kl_controller.update(kl_per_sequence, n_steps=len(scores))
+        run.kl_controller.update(controller_kl(kl, mask, algo.kl_penalty.kl_measure), n_steps=len(scores))
     lengths = mask.sum(1).float()
     rollout_logprobs = _rollout_logprobs(completions, mask)
     metrics = {
         "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-        **score_metrics,
+        **scored.metrics(), **rollout_metrics,
         "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
         "response/stopped_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
         "kl/per_sequence": kl_per_sequence, "kl/coef": kl_coef,
@@ -217,15 +216,68 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "rollout/logprob_max_abs_diff": float(((rollout_logprobs - old_logprobs).abs() * mask).max()),
         **_prefixed("actor/", actor_metrics), **_prefixed("critic/", critic_metrics),
         **{f"time/{phase}": seconds for phase, seconds in times.items()},
-        **{f"time/rollout: {r.phase}": r.seconds for r in switch_reports},
+        **{f"time/rollout: {phase}": seconds for phase, seconds in switch_reports.items()},
         "throughput/generated_tokens_per_s": float(lengths.sum()) / max(times["rollout"], 1e-9),
     }  # fmt: skip
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
-    decode = run.tokenizer.decode
-    samples = [{"prompt": decode(c.prompt_ids), "response": decode(c.token_ids), "finish_reason": c.finish_reason,
-                "reward": float(score)} for c, score in zip(completions[: cfg.samples_per_step], scores)]  # fmt: skip
+    # The response as the reward functions read it (no trailing EOS), and the reward they led to.
+    samples = [{"group": c.prompt_index, "prompt": run.tokenizer.decode(c.prompt_ids),
+                "response": run.scorer.sample(c, {}, run.tokenizer.decode).response_text,
+                "finish_reason": c.finish_reason, "reward": float(score)}
+               for c, score in zip(completions[: cfg.samples_per_step], scores)]  # fmt: skip
     return metrics, samples
+
+
+def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float]
+                   ) -> tuple[list[Completion], dict[str, float], Scores, dict[str, float]]:  # fmt: skip
+    """``rollout.sampling.n`` scored responses for each prompt of ``indices`` (completions ordered by
+    group), the hybrid engine's phase times, the scores and the sampling metrics.
+
+    With ``rollout.filter_groups`` (DAPO's dynamic sampling) a group whose raw scores all match
+    carries no signal for a group-relative advantage: it is dropped and more prompts are drawn (a
+    random draw per extra batch, a function of the seed and the step) until ``prompts_per_step``
+    groups are kept or ``rollout.max_sample_batches`` batches were drawn. A batch still short then is
+    filled with dropped groups, so that every step trains on the same number of sequences; the
+    shortfall is reported (``rollout/groups_short``).
+    """
+    cfg, rollout, device = run.cfg, run.cfg.rollout, run.device
+    n, wanted = rollout.sampling.n, cfg.prompts_per_step
+    kept: list[tuple[list[Completion], Scores]] = []
+    dropped: list[tuple[list[Completion], Scores]] = []
+    phase_seconds: dict[str, float] = {}
+    draws = 0
+    while True:
+        seed = _step_seed(cfg, step) + draws * 1_000_003
+        if draws:
+            generator = torch.Generator().manual_seed(seed)
+            indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
+        with timed("rollout", device, times, quiet=True):
+            prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
+            completions, reports = run.hybrid.generate(prompts, dataclasses.replace(rollout.sampling, seed=seed))
+        for report in reports:
+            phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
+        with timed("rewards", device, times, quiet=True):
+            scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions,
+                                      [run.prompts[i].extras for i in indices], run.tokenizer.decode)  # fmt: skip
+        draws += 1
+        if not rollout.filter_groups:
+            return completions, phase_seconds, scores, {}
+        raw = scores.raw.view(len(indices), n)
+        for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
+            rows = torch.arange(group * n, (group + 1) * n)
+            (kept if informative else dropped).append((completions[group * n : (group + 1) * n], scores.select(rows)))
+        if len(kept) >= wanted or (rollout.max_sample_batches and draws >= rollout.max_sample_batches):
+            break
+    short = max(wanted - len(kept), 0)
+    if short:
+        log(f"step {step}: {len(kept)} of {wanted} groups have differing scores after {draws} sample batches "
+            f"(rollout.max_sample_batches={rollout.max_sample_batches}); filling with {short} uniform groups")  # fmt: skip
+    chosen = (kept + dropped)[:wanted]
+    completions = [dataclasses.replace(c, prompt_index=group) for group, (cs, _) in enumerate(chosen) for c in cs]
+    metrics = {"rollout/sample_batches": float(draws), "rollout/groups_short": float(short),
+               "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped))}  # fmt: skip
+    return completions, phase_seconds, Scores.cat([s for _, s in chosen]), metrics
 
 
 # --------------------------------------------------------------------------- step helpers
@@ -257,31 +309,6 @@ def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
 
 def _model_inputs(batch: Batch) -> Batch:
     return {key: batch[key] for key in ("input_ids", "attention_mask", "response_mask")}
-
-
-def score_rollout(run: PPORun, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]]
-                  ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-    """(B,) sequence rewards: the reward model's score at each row's last token plus every rule's
-    score; and the mean of each part. Rules run on a 1/world share of the samples per rank."""
-    parts: dict[str, torch.Tensor] = {}
-    if run.reward_model is not None:
-        scores = forward_all_rows(run.reward_model, {k: batch[k] for k in ("input_ids", "attention_mask")}, values_output(),
-                                  max_tokens_per_micro_batch=run.cfg.max_tokens_per_micro_batch)  # fmt: skip
-        parts["reward_model"] = scores[torch.arange(len(completions)), batch["lengths"] - 1]
-    if run.rules:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        decode = run.tokenizer.decode
-        mine = [Sample(c.prompt_ids, c.token_ids, decode(c.prompt_ids), decode(c.token_ids), c.finish_reason,
-                       extras[c.prompt_index]) for c in completions[rank::world]]  # fmt: skip
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rule_scores(run.rules, mine))
-        for name in run.rules:
-            column = torch.empty(len(completions))
-            for r, part in enumerate(gathered):
-                column[r::world] = torch.tensor(part[name])
-            parts[f"rule/{name}"] = column
-    total = torch.stack(list(parts.values())).sum(0)
-    return total, {f"reward/{name}": float(value.mean()) for name, value in parts.items()}
 
 
 def _rollout_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:

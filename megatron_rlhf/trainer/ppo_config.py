@@ -21,7 +21,9 @@ from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.engine.optim import OptimConfig
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import layout_errors
-from megatron_rlhf.rewards import RewardRule, resolve_rule
+from megatron_rlhf.rewards.custom import CustomRewardFunction
+from megatron_rlhf.rewards.rules import RewardRule
+from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
 from megatron_rlhf.rollout.native import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.trainer.loop import LoopConfig
@@ -35,6 +37,9 @@ class PromptDataConfig(DataFilesConfig):
     """Columns passed to reward rules with each sample (e.g. [answer])."""
     max_prompt_length: int = 256
     """Longest prompt in tokens; longer rows follow ``on_overlong``."""
+    apply_chat_template: bool = True
+    """Render a prompt that is a list of {role, content} messages with the model's chat template (and
+    the generation prompt); plain-text prompts are tokenized as they are."""
 
     def errors(self) -> list[str]:
         return super().errors() + at_least(self, 1, "max_prompt_length")
@@ -50,19 +55,15 @@ class RolloutConfig:
     """How responses are sampled (n per prompt, temperature, top-k/top-p, max_new_tokens, stops)."""
     engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
     """The native engine: KV-cache slots, CUDA graphs."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop groups whose raw scores all match (no signal for a group-relative
+    advantage) and sample more prompts until the batch is full."""
+    max_sample_batches: int = 4
+    """With filter_groups: at most this many sample batches per step (0: no limit); a batch still
+    short is filled with dropped groups and the shortfall reported."""
 
     def errors(self) -> list[str]:
-        return at_least(self, 0, "tp")
-
-
-@dataclasses.dataclass(kw_only=True)
-class ScoringConfig:
-    """How a response's scalar reward is made: the sum of the reward model's score and every rule's."""
-
-    use_reward_model: bool = True
-    """Score with the reward model (``reward.path``); false: rules only, no reward model is built."""
-    rules: list[str] = dataclasses.field(default_factory=list)
-    """Rule names (exact_answer, lowercase_fraction) or import paths ``package.module:function``."""
+        return at_least(self, 0, "tp", "max_sample_batches")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -116,8 +117,17 @@ def models_used(cfg: PPOConfig) -> list[str]:
                                                 ("reward", cfg.scoring.use_reward_model)) if used]  # fmt: skip
 
 
-def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Architecture], dict[str, RewardRule]]:
-    """Every problem at once (``ConfigError``); returns the used models' architectures and the rules."""
+@dataclasses.dataclass
+class CheckedConfig:
+    """What checking loaded: the used models' architectures, the rules and the reward function."""
+
+    archs: dict[str, Architecture]
+    rules: dict[str, RewardRule]
+    function: CustomRewardFunction | None
+
+
+def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
+    """Every problem at once (``ConfigError``); returns what the checks loaded."""
     roles = models_used(cfg)
     unused = [role for role in ("critic", "reference", "reward") if role not in roles]
     errors = config_errors(cfg, unused=unused + (["critic_optim"] if "critic" not in roles else []))
@@ -128,14 +138,11 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Archite
             and sampling.n < 2:  # fmt: skip
         errors.append(f"rollout.sampling.n={sampling.n}: the {algo.advantage_estimator} estimator compares the "
                       "samples of a prompt with each other; it needs rollout.sampling.n >= 2")  # fmt: skip
-    if not cfg.scoring.use_reward_model and not cfg.scoring.rules:
-        errors.append("nothing scores the responses: set scoring.use_reward_model=true or give scoring.rules=[...]")
-    rules: dict[str, RewardRule] = {}
-    for name in cfg.scoring.rules:
-        try:
-            rules[name] = resolve_rule(name)
-        except ValueError as err:
-            errors.append(f"scoring.rules: {err}")
+    if rollout.filter_groups and sampling.n < 2:
+        errors.append(f"rollout.filter_groups compares the samples of a prompt: it needs rollout.sampling.n >= 2 "
+                      f"(got {sampling.n})")  # fmt: skip
+    found, rules, function = scoring_errors(cfg.scoring)
+    errors += found
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
     if not sampling.temperature > 0:
@@ -157,7 +164,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Archite
         if not errors:
             errors += _batch_errors(cfg, world_size, roles)
     raise_if_errors(errors)
-    return archs, rules
+    return CheckedConfig(archs, rules, function)
 
 
 def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str]:

@@ -3,7 +3,6 @@ HF transformers, rule scores through the trainer, and the up-front config checks
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,9 @@ import torch
 
 from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.rewards import resolve_rule
+from megatron_rlhf.rewards.scoring import OverlongConfig, Scorer, ScoringConfig, scoring_errors
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.trainer.ppo import rollout_batch, score_rollout
+from megatron_rlhf.trainer.ppo import rollout_batch
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 from tests.helpers import VOCAB, hf_reference_outputs, make_tiny_hf_model
 
@@ -39,9 +39,7 @@ def test_rollout_batch_layout_hand_derived() -> None:
 def test_scores_are_reward_model_last_token_plus_rules(world_of_one, tmp_path: Path) -> None:
     """The reward model's part equals HF transformers' score of each unpadded sequence at its last
     token; the rule's part is the rule applied to the decoded response of the right row."""
-    from megatron_rlhf.checkpoint.sources import ModelConfig
-    from megatron_rlhf.checkpoint.sources import build_role
-    from megatron_rlhf.checkpoint.sources import architecture_of
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
 
     hf = make_tiny_hf_model("llama", True, tmp_path / "rm")
     role = build_role("reward", ModelConfig(path=str(tmp_path / "rm")), architecture_of(str(tmp_path / "rm")),
@@ -49,13 +47,11 @@ def test_scores_are_reward_model_last_token_plus_rules(world_of_one, tmp_path: P
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, VOCAB - 1, (n,), generator=g).tolist()  # noqa: E731
     completions = [_completion(0, ids(5), ids(3)), _completion(0, ids(2), ids(9)), _completion(1, ids(7), ids(1))]
-    run = types.SimpleNamespace(
-        reward_model=role, rules={"count": resolve_rule("tests.unit.test_ppo_parts:_response_length")},
-        tokenizer=types.SimpleNamespace(decode=lambda token_ids: "x" * len(token_ids)),
-        cfg=types.SimpleNamespace(max_tokens_per_micro_batch=24),
-    )  # fmt: skip
+    scorer = Scorer(ScoringConfig(), {"count": resolve_rule("tests.unit.test_ppo_parts:_response_length")}, None, role,
+                    stop_ids=(), max_new_tokens=16, max_tokens_per_micro_batch=24)  # fmt: skip
     batch = rollout_batch(completions, pad_id=VOCAB - 1)
-    total, parts = score_rollout(run, batch, completions, [{}, {}])
+    scores = scorer.score(batch, completions, [{}, {}], lambda token_ids: "x" * len(token_ids))
+    total, parts = scores.rewards, scores.metrics()
     expected_rm = torch.stack([hf_reference_outputs(hf, torch.tensor([c.prompt_ids + c.token_ids]))[0, -1, 0]
                                for c in completions])  # fmt: skip
     lengths = torch.tensor([3.0, 9.0, 1.0])
@@ -76,11 +72,11 @@ def _errors(world_size: int, *overrides: str) -> str:
 
 
 def test_the_preset_is_valid() -> None:
-    archs, rules = check_ppo_config(load_config("ppo-tiny", [], schema=PPOConfig), 1)
-    assert sorted(archs) == ["actor", "reference"]  # GRPO with a KL loss and rule rewards: no critic, no reward model
-    assert list(rules) == ["lowercase_fraction"]
-    archs, _ = check_ppo_config(load_config("ppo-tiny", ["algorithm.advantage_estimator=gae", "scoring.use_reward_model=true",
-                                                          "algorithm.loss.kl_loss_coef=0"], schema=PPOConfig), 1)  # fmt: skip
+    checked = check_ppo_config(load_config("ppo-tiny", [], schema=PPOConfig), 1)
+    assert sorted(checked.archs) == ["actor", "reference"]  # GRPO with a KL loss and rule rewards: no critic, no reward model
+    assert list(checked.rules) == ["lowercase_fraction"]
+    archs = check_ppo_config(load_config("ppo-tiny", ["algorithm.advantage_estimator=gae", "scoring.use_reward_model=true",
+                                                          "algorithm.loss.kl_loss_coef=0"], schema=PPOConfig), 1).archs  # fmt: skip
     assert sorted(archs) == ["actor", "critic", "reward"]
 
 
@@ -110,3 +106,49 @@ def test_bad_configs_are_named_up_front(world_size: int, overrides: list[str], m
 def test_every_problem_is_listed_at_once() -> None:
     text = _errors(1, "rollout.sampling.temperature=0", "scoring.rules=[]", "ppo_epochs=0")
     assert "rollout.sampling.temperature" in text and "nothing scores" in text and "ppo_epochs=0 must be >= 1" in text
+
+
+def _stub_completion(prompt_index: int, length: int, finish_reason: str = "length") -> Completion:
+    return Completion(prompt_index=prompt_index, sample_index=0, prompt_ids=[5], token_ids=[7] * length,
+                      logprobs=[0.0] * length, finish_reason=finish_reason)  # fmt: skip
+
+
+def test_weighted_parts_and_the_overlong_penalty_hand_derived(world_of_one) -> None:
+    """score = 0.7 x custom + 0.3 x rule; DAPO's over-long penalty ramps from 0 at
+    max_new_tokens - buffer = 6 to -penalty = -0.5 at max_new_tokens = 10."""
+    cfg = ScoringConfig(use_reward_model=False, rules=["tests.unit.test_ppo_parts:_response_length"],
+                        weights={"tests.unit.test_ppo_parts:_response_length": 0.3, "custom_function": 0.7},
+                        overlong=OverlongConfig(buffer=4, penalty=0.5))  # fmt: skip
+    rules = {name: resolve_rule(name) for name in cfg.rules}
+    custom = _inline_function(lambda **kw: {"score": float(kw["ground_truth"]), "hits": 1.0})
+    completions = [_stub_completion(0, 3), _stub_completion(1, 8), _stub_completion(1, 10)]
+    extras = [{"data_source": "s", "ground_truth": 2, "extra_info": {}}, {"data_source": "s", "ground_truth": -1, "extra_info": {}}]
+    scorer = Scorer(cfg, rules, custom, None, stop_ids=(), max_new_tokens=10, max_tokens_per_micro_batch=64)
+    scores = scorer.score(rollout_batch(completions, pad_id=0), completions, extras, lambda ids: "x" * len(ids))
+    raw, reward, metrics = scores.raw, scores.rewards, scores.metrics()
+    expected_raw = torch.tensor([0.3 * 3 + 0.7 * 2, 0.3 * 8 + 0.7 * -1, 0.3 * 10 + 0.7 * -1])
+    torch.testing.assert_close(raw, expected_raw)
+    torch.testing.assert_close(reward - raw, torch.tensor([0.0, -0.5 * 2 / 4, -0.5]))
+    assert metrics["reward/custom/hits"] == 1.0 and metrics["reward/overlong_penalty"] == pytest.approx(-0.25)
+
+
+def test_rule_text_has_no_trailing_eos(world_of_one) -> None:
+    """A stopped response's text ends before its EOS (verl decodes with special tokens skipped)."""
+    scorer = Scorer(ScoringConfig(use_reward_model=False), {}, None, None, stop_ids=(2,), max_new_tokens=8,
+                    max_tokens_per_micro_batch=64)  # fmt: skip
+    stopped = Completion(prompt_index=0, sample_index=0, prompt_ids=[5], token_ids=[9, 9, 2], logprobs=[0.0] * 3,
+                         finish_reason="stop")  # fmt: skip
+    assert scorer.sample(stopped, {}, lambda ids: ",".join(map(str, ids))).response_text == "9,9"
+    assert scorer.sample(_stub_completion(0, 2), {}, lambda ids: ",".join(map(str, ids))).response_text == "7,7"
+
+
+def test_scoring_config_errors_name_the_part() -> None:
+    errors, _, _ = scoring_errors(ScoringConfig(use_reward_model=False, rules=["lowercase_fraction"],
+                                                weights={"reward_model": 1.0}))  # fmt: skip
+    assert errors == ["scoring.weights.reward_model: no such part; the parts are ['lowercase_fraction']"]
+
+
+def _inline_function(function):
+    from megatron_rlhf.rewards.custom import CustomRewardFunction
+
+    return CustomRewardFunction(function, "compute_score", Path("inline.py"))
