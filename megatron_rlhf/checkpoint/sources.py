@@ -16,7 +16,7 @@ from megatron_rlhf.checkpoint.mcore import is_mcore_checkpoint, load_mcore_check
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
-from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE, build_model
 from megatron_rlhf.models.builtin import builtin_checkpoint, builtin_config, is_builtin
 from megatron_rlhf.models.roles import NEEDS_SCORE_HEAD, RoleModel
 from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
@@ -104,10 +104,21 @@ def load_weights(model: torch.nn.Module, arch: Architecture, groups: ParallelGro
 
 
 def build_role(
-    role: str, model_cfg: ModelConfig, arch: Architecture, *, world_size: int, dtype: torch.dtype, device: torch.device
+    role: str,
+    model_cfg: ModelConfig,
+    arch: Architecture,
+    *,
+    world_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE,
 ) -> RoleModel:
-    """The model of ``role`` in its own layout, with its weights (collective over the whole world)."""
+    """The model of ``role`` in its own layout, with its weights (collective over the whole world).
+
+    ``vocab_pad_multiple``: a model that receives another's weights in its layout must have that
+    model's padded vocabulary (``hybrid.reshard.matching_vocab_pad_multiple``).
+    """
     groups = parallel_groups(Layout.for_world(model_cfg.tp, model_cfg.pp, world_size))
-    model = build_model(arch, groups, dtype=dtype, device=device)
+    model = build_model(arch, groups, dtype=dtype, device=device, vocab_pad_multiple=vocab_pad_multiple)
     source = load_weights(model, arch, groups, model_cfg.path)
     return RoleModel(role=role, arch=arch, groups=groups, model=model, source=source)

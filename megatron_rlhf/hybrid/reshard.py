@@ -1,14 +1,17 @@
-"""The actor's generation copy: its training weights resharded into the generation layout.
+"""A model's weights copied into another parallel layout: the actor's generation copy, and the
+actor's weights in the reference's layout (``hybrid/reference.py``).
 
-The actor trains in its own layout (say TP2, or PP2) and generates in another: TP = the generation
-tp, PP = 1 (the native engine collapses pipelines), DP = the rest of the world. A
-``WeightResharder`` builds the generation-layout model once, and ``refresh()`` copies the current
-training weights into it in place with megatron-core's
-``megatron.core.resharding.refit.swap_model_weights`` (collective over the whole world).
+A ``LayoutCopy`` builds the destination model in the target layout once, and ``refresh()`` copies
+the source's current weights into it in place with megatron-core's
+``megatron.core.resharding.refit.swap_model_weights`` (collective over the whole world). The actor
+trains in its own layout (say TP2, or PP2) and generates in another: TP = the generation tp, PP = 1
+(the native engine collapses pipelines), DP = the rest of the world; ``WeightResharder`` is the
+``LayoutCopy`` into that generation layout.
 
-* Zero copy: when the generation tp equals the training tp and the training pp is 1, the training
-  model already is in the generation layout. No destination is built and ``refresh()`` returns the
-  source ``RoleModel`` itself (same module, same groups): generation reads the live training weights.
+* Zero copy: when the target layout equals the source's (for generation: the generation tp equals
+  the training tp and the training pp is 1), the source already is in it. No destination is built
+  and ``refresh()`` returns the source ``RoleModel`` itself (same module, same groups): readers see
+  the live training weights.
 * Copy service: megatron's "nccl" service (``NCCLCopyService``), which is plain
   ``torch.distributed.batch_isend_irecv`` on the default group (same-rank pieces are local copies):
   NCCL point-to-point on GPU, and it runs unchanged on gloo in CPU mode. The "gloo" service stages
@@ -16,12 +19,13 @@ training weights into it in place with megatron-core's
   driver) and creates a new process group, so it is slower on GPU and unusable on CPU-only hosts.
 * The destination has the source's dtype (a dtype mismatch aborts megatron's copy) and the
   source's padded vocabulary (a mismatch raises): its vocab pad multiple is chosen so that
-  ``padded_vocab_size(vocab, generation_tp, multiple)`` equals the training model's.
+  ``padded_vocab_size(vocab, target_tp, multiple)`` equals the source model's.
 * Plan cache: megatron caches the copy plan by rank and layout sizes, not by model identity, so a
   second model pair with the same layouts would silently reuse the first pair's plan (wrong
   tensors). ``refresh()`` clears the cache whenever the pair differs from the last one copied
-  through this module. Anything else in the process that calls ``swap_model_weights`` directly
-  must call ``refit.clear_plan_cache()`` itself.
+  through this module (so two copies used in turn, the generation copy and the reference's copy
+  of the actor, each rebuild their plan on every refresh). Anything else in the process that
+  calls ``swap_model_weights`` directly must call ``refit.clear_plan_cache()`` itself.
 * Memory: the destination's parameters are views into one flat buffer whose storage exists only
   between ``refresh()`` (which allocates it, then copies) and ``release()`` (which frees it). The
   hybrid engine calls ``refresh()`` after the optimizer state has left the GPU and ``release()``
@@ -59,56 +63,51 @@ def generation_layout(train: Layout, generation_tp: int, world_size: int) -> Lay
     return Layout(tp=generation_tp, pp=1, dp=world_size // generation_tp)
 
 
-def generation_vocab_pad_multiple(vocab_size: int, source_padded_vocab: int, generation_tp: int) -> int:
-    """The ``vocab_pad_multiple`` that gives the generation model the training model's padded vocab.
+def matching_vocab_pad_multiple(vocab_size: int, source_padded_vocab: int, tp: int) -> int:
+    """The ``vocab_pad_multiple`` that gives a model at tensor-parallel size ``tp`` the source
+    model's padded vocabulary.
 
     megatron's refit needs equal padded vocab sizes on both sides; with multiple = padded // tp the
-    padding step is the training model's padded size itself, which rounds ``vocab_size`` up to it.
+    padding step is the source model's padded size itself, which rounds ``vocab_size`` up to it.
     """
     if not 0 < vocab_size <= source_padded_vocab:
-        raise ValueError(f"the training model's padded vocabulary {source_padded_vocab} does not hold "
+        raise ValueError(f"the source model's padded vocabulary {source_padded_vocab} does not hold "
                          f"the vocabulary of {vocab_size} tokens")  # fmt: skip
-    if source_padded_vocab % generation_tp:
+    if source_padded_vocab % tp:
         raise ValueError(
-            f"generation tp={generation_tp} must divide the training model's padded vocabulary "
-            f"{source_padded_vocab} (vocab {vocab_size}): megatron's weight copy needs the same padded "
-            f"vocabulary in both layouts"
+            f"tp={tp} must divide the source model's padded vocabulary {source_padded_vocab} "
+            f"(vocab {vocab_size}): megatron's weight copy needs the same padded vocabulary in both layouts"
         )
-    multiple = source_padded_vocab // generation_tp
-    padded = padded_vocab_size(vocab_size, generation_tp, multiple)
+    multiple = source_padded_vocab // tp
+    padded = padded_vocab_size(vocab_size, tp, multiple)
     if padded != source_padded_vocab:  # cannot happen for 0 < vocab_size <= source_padded_vocab
-        raise ValueError(f"cannot pad vocab {vocab_size} at tp={generation_tp} to {source_padded_vocab} (got {padded})")
+        raise ValueError(f"cannot pad vocab {vocab_size} at tp={tp} to {source_padded_vocab} (got {padded})")
     return multiple
 
 
-class WeightResharder:
-    """Builds (once) the generation-layout copy of ``source`` and refreshes its weights in place.
+class LayoutCopy:
+    """Builds (once) the copy of ``source`` in ``layout`` and refreshes its weights in place.
 
     Collective: construct it, and call ``refresh()``, on every rank in the same order.
     """
 
-    def __init__(self, source: RoleModel, generation_tp: int) -> None:
-        world_size = dist.get_world_size()
-        train = source.groups.layout
+    def __init__(self, source: RoleModel, layout: Layout) -> None:
         self.source = source
-        self.layout = generation_layout(train, generation_tp, world_size)
-        self.zero_copy = generation_tp == train.tp and train.pp == 1
+        self.layout = layout
+        self.zero_copy = layout == source.groups.layout
         self._pair = object()  # identifies this (source, destination) pair for the plan cache
         if self.zero_copy:
             self.target = source
             return
-        errors = layout_errors("generation", generation_tp, 1, source.arch, world_size, pipeline=False)
-        if errors:
-            raise ValueError("cannot generate in this layout: " + "; ".join(errors))
         dtypes = {p.dtype for p in source.model.parameters()}
         devices = {p.device for p in source.model.parameters()}
         if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"the training model's parameters must share one dtype and one device "
+            raise ValueError(f"the {source.role}'s parameters must share one dtype and one device "
                              f"(got {sorted(map(str, dtypes))} on {sorted(map(str, devices))})")  # fmt: skip
-        multiple = generation_vocab_pad_multiple(source.arch.vocab_size, source.padded_vocab_size, generation_tp)
-        groups = parallel_groups(self.layout)
+        multiple = matching_vocab_pad_multiple(source.arch.vocab_size, source.padded_vocab_size, layout.tp)
+        groups = parallel_groups(layout)
         model = build_model(source.arch, groups, dtype=dtypes.pop(), device=devices.pop(), vocab_pad_multiple=multiple)
-        model.requires_grad_(False)  # inference only; the copy writes into .data in place
+        model.requires_grad_(False)  # read only; the copy writes into .data in place
         model.eval()
         self._flat = _flatten_parameters(model)
         self.release()
@@ -116,7 +115,7 @@ class WeightResharder:
         self._service = NCCLCopyService()
 
     def refresh(self) -> RoleModel:
-        """Copy the current training weights into the generation copy (in place) and return it.
+        """Copy the source's current weights into the copy (in place) and return it.
 
         Call it after the optimizer step has finished writing the parameters (with the
         distributed optimizer and overlapped param gather, force the param sync first).
@@ -137,15 +136,28 @@ class WeightResharder:
         return self.target
 
     def release(self) -> None:
-        """Free the generation copy's memory (its parameters keep their shapes, not their values)."""
+        """Free the copy's memory (its parameters keep their shapes, not their values)."""
         if not self.zero_copy:
             self._flat.untyped_storage().resize_(0)
 
     def destination_bytes(self) -> int:
-        """This rank's bytes of the generation copy while it exists (0 in the zero-copy case)."""
+        """This rank's bytes of the copy while it exists (0 in the zero-copy case)."""
         if self.zero_copy:
             return 0
         return self._flat.numel() * self._flat.element_size()
+
+
+class WeightResharder(LayoutCopy):
+    """The actor's generation copy: ``source`` in its generation layout at ``generation_tp``."""
+
+    def __init__(self, source: RoleModel, generation_tp: int) -> None:
+        world_size = dist.get_world_size()
+        layout = generation_layout(source.groups.layout, generation_tp, world_size)
+        if layout != source.groups.layout:
+            errors = layout_errors("generation", generation_tp, 1, source.arch, world_size, pipeline=False)
+            if errors:
+                raise ValueError("cannot generate in this layout: " + "; ".join(errors))
+        super().__init__(source, layout)
 
 
 _ALIGN = 128  # elements: every parameter view starts 256-byte aligned (bf16), as kernels prefer

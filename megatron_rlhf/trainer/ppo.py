@@ -12,7 +12,9 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
   4. advantages   sequence score at the last response token, minus the KL penalty per token, then
                   the configured estimator (GAE, GRPO, RLOO, ...);
   5. updates      ``ppo_epochs`` passes of the actor (clipped policy loss) and the critic (clipped
-                  value loss) over the rollout in shuffled mini-batches of ``mini_batch_size``.
+                  value loss) over the rollout in shuffled mini-batches of ``mini_batch_size``;
+                  right after the actor's, the reference follows it if ``reference.update`` says so
+                  (a copy every ``update_every`` steps, or an EMA; ``hybrid/reference.py``).
 
 Each phase is timed. The loop around it (``trainer/loop.py``) writes the metrics to stdout,
 ``metrics.jsonl`` and TensorBoard and saves the actor as an HF checkpoint at the end; the settings
@@ -40,7 +42,9 @@ from megatron_rlhf.engine.optim import TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import forward_all_rows, train_step
 from megatron_rlhf.hybrid.engine import HybridEngine
+from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
 from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.rewards.scoring import Scorer, Scores
@@ -62,6 +66,8 @@ class PPORun:
     actor: TrainState
     critic: TrainState | None
     reference: RoleModel | None
+    reference_updater: ReferenceUpdater | None
+    """Moves the reference towards the actor after each actor update; None: a fixed reference."""
     reward_model: RoleModel | None
     scorer: Scorer
     hybrid: HybridEngine
@@ -86,13 +92,19 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     )  # fmt: skip
     log(f"prompts: {report.summary()}")
 
-    def build(role: str) -> RoleModel:
+    def build(role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
         with timed(f"{role}: build+load", env.device):
-            return build_role(role, cfg.role(role), archs[role], world_size=env.world_size, dtype=dtype, device=env.device)
+            return build_role(role, cfg.role(role), archs[role], world_size=env.world_size, dtype=dtype, device=env.device,
+                              vocab_pad_multiple=vocab_pad_multiple)  # fmt: skip
 
     actor = make_train_state(build("actor"), cfg.actor_optim)
     critic = make_train_state(build("critic"), cfg.critic_optim) if "critic" in archs else None
-    reference = build("reference") if "reference" in archs else None
+    reference = updater = None
+    if "reference" in archs:
+        reference = build("reference", reference_vocab_pad_multiple(cfg.reference, actor.role))
+        if cfg.reference.update != "none":
+            updater = ReferenceUpdater(actor.role, reference, cfg.reference)
+            log(updater.description)
     reward_model = build("reward") if "reward" in archs else None
     # The engine never holds more than a rollout's longest sequence, and stops on the tokenizer's EOS
     # ids unless the config names its own.
@@ -103,7 +115,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg)
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
                     max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
-    return PPORun(cfg, env.device, tokenizer, prompts, actor, critic, reference, reward_model, scorer, hybrid,
+    return PPORun(cfg, env.device, tokenizer, prompts, actor, critic, reference, updater, reward_model, scorer, hybrid,
                   build_kl_controller(cfg.algorithm.kl_penalty))  # fmt: skip
 
 
@@ -193,6 +205,10 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         if ref_logprobs is not None:
             actor_batch["ref_logprobs"] = ref_logprobs
         actor_metrics = update(run, run.actor, actor_batch, ppo_actor_loss(run.actor.role, algo.loss, temperature=temperature), step)
+    reference_metrics: dict[str, float] = {}
+    if run.reference_updater is not None:
+        with timed("refresh reference", device, times, quiet=True):
+            reference_metrics["reference/refreshed"] = float(run.reference_updater.after_step(step))
     critic_metrics: dict[str, float] = {}
     if run.critic is not None:
         with timed("critic update", device, times, quiet=True):
@@ -214,7 +230,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "advantages/mean": float(masked_mean(advantages, mask)), "returns/mean": float(masked_mean(returns, mask)),
         # The engine's sampling log-probs against the trainer's recomputation: 0 up to numerics.
         "rollout/logprob_max_abs_diff": float(((rollout_logprobs - old_logprobs).abs() * mask).max()),
-        **_prefixed("actor/", actor_metrics), **_prefixed("critic/", critic_metrics),
+        **_prefixed("actor/", actor_metrics), **reference_metrics, **_prefixed("critic/", critic_metrics),
         **{f"time/{phase}": seconds for phase, seconds in times.items()},
         **{f"time/rollout: {phase}": seconds for phase, seconds in switch_reports.items()},
         "throughput/generated_tokens_per_s": float(lengths.sum()) / max(times["rollout"], 1e-9),

@@ -4,7 +4,8 @@ The run's settings are the four models of ``ModelsConfig``, the loop's (``LoopCo
 sections below; sampling and engine settings are the rollout's own dataclasses, held as
 ``rollout.sampling`` and ``rollout.engine``. ``check_ppo_config`` reports every problem at once:
 each dataclass's own field checks plus the rules that span sections (layouts against the models,
-batch divisibility by each model's data-parallel size, lengths against the model's positions).
+batch divisibility by each model's data-parallel size, lengths against the model's positions, a
+reference that follows the actor against the actor).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.engine.optim import OptimConfig
+from megatron_rlhf.hybrid.reference import ReferenceConfig
+from megatron_rlhf.hybrid.reshard import matching_vocab_pad_multiple
 from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.builder import padded_vocab_size
 from megatron_rlhf.parallel.layout import layout_errors
 from megatron_rlhf.rewards.custom import CustomRewardFunction
 from megatron_rlhf.rewards.rules import RewardRule
@@ -87,6 +91,8 @@ class AlgorithmConfig:
 class PPOConfig(LoopConfig, ModelsConfig):
     """``megatron-rlhf ppo``: the four models, the loop, and data, rollout, scoring and algorithm."""
 
+    reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
+    """The reference model, and whether it follows the actor (``update``)."""
     data: PromptDataConfig = dataclasses.field(default_factory=PromptDataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
@@ -132,7 +138,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     unused = [role for role in ("critic", "reference", "reward") if role not in roles]
     errors = config_errors(cfg, unused=unused + (["critic_optim"] if "critic" not in roles else []))
     found, archs = role_errors(cfg, roles, world_size)
-    errors += found
+    errors += found + _reference_update_errors(cfg, roles, archs)
     algo, rollout, data, sampling = cfg.algorithm, cfg.rollout, cfg.data, cfg.rollout.sampling
     if algo.advantage_estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info(algo.advantage_estimator).groups \
             and sampling.n < 2:  # fmt: skip
@@ -184,3 +190,27 @@ def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str
         if role in ("actor", "critic") and mini % dp:
             errors.append(f"mini_batch_size={mini} must be divisible by the {role}'s dp={dp}")
     return errors
+
+
+def _reference_update_errors(cfg: PPOConfig, roles: list[str], archs: dict[str, Architecture]) -> list[str]:
+    """A reference that follows the actor must be used, be the actor's architecture, and hold the
+    actor's padded vocabulary in its own layout."""
+    ref = cfg.reference
+    if ref.update == "none":
+        return []
+    if "reference" not in roles:
+        return [(f"reference.update={ref.update!r} refreshes a reference that nothing uses: set "
+                 "algorithm.kl_penalty.coef > 0 or algorithm.loss.kl_loss_coef > 0, or reference.update=none")]  # fmt: skip
+    if "actor" not in archs or "reference" not in archs:
+        return []  # an unreadable path is reported already
+    actor, reference = archs["actor"], archs["reference"]
+    differ = [f"{f.name} {getattr(reference, f.name)} vs {getattr(actor, f.name)}" for f in dataclasses.fields(actor)
+              if f.compare and getattr(reference, f.name) != getattr(actor, f.name)]  # fmt: skip
+    if differ:
+        return [(f"reference.path={ref.path!r} is not the architecture of actor.path={cfg.actor.path!r} "
+                 f"({', '.join(differ)}): reference.update={ref.update!r} copies the actor's weights into the reference")]  # fmt: skip
+    try:
+        matching_vocab_pad_multiple(actor.vocab_size, padded_vocab_size(actor.vocab_size, cfg.actor.tp), ref.tp)
+    except ValueError as err:
+        return [f"reference.{err} (reference.update={ref.update!r} copies the actor's weights into the reference)"]
+    return []

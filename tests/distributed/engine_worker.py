@@ -51,16 +51,19 @@ def make_batch() -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.engine.objectives import (
-        PPOLossConfig, critic_loss, logprobs_output, next_token_logprobs, ppo_actor_loss, token_values_output,
+        PPOLossConfig,
+        critic_loss,
+        logprobs_output,
+        next_token_logprobs,
+        ppo_actor_loss,
+        token_values_output,
     )  # fmt: skip
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.engine.train import forward_pass, train_step
     from megatron_rlhf.models.builtin import builtin_checkpoint
-    from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
-    from megatron_rlhf.checkpoint.sources import build_role
-    from megatron_rlhf.checkpoint.sources import architecture_of
     from megatron_rlhf.parallel.distributed import init_distributed, seed_everything
 
     env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))

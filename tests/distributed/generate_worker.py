@@ -27,11 +27,10 @@ NEW_TOKENS = 10
 
 
 def main() -> None:
-    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
     from megatron_rlhf.engine.objectives import logprobs_output
     from megatron_rlhf.engine.train import forward_pass
     from megatron_rlhf.models.architecture import load_architecture
-    from megatron_rlhf.checkpoint.sources import build_role
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams

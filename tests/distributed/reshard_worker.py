@@ -43,14 +43,12 @@ CASES = (
 
 
 def main() -> None:
-    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
     from megatron_rlhf.engine.objectives import sft_loss
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import train_step
+    from megatron_rlhf.engine.train import forward_outputs, train_step
     from megatron_rlhf.hybrid.reshard import WeightResharder
     from megatron_rlhf.models.architecture import load_architecture
-    from megatron_rlhf.engine.train import forward_outputs
-    from megatron_rlhf.checkpoint.sources import build_role
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig

@@ -29,14 +29,12 @@ def batch_for(step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
+    from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
-    from megatron_rlhf.checkpoint.sources import ModelConfig
     from megatron_rlhf.engine.objectives import sft_loss
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.engine.train import train_step
-    from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
-    from megatron_rlhf.checkpoint.sources import build_role
-    from megatron_rlhf.checkpoint.sources import architecture_of
     from megatron_rlhf.parallel.distributed import init_distributed
 
     env = init_distributed("cpu")

@@ -25,9 +25,7 @@ def test_engine_matches_hf_and_trainer(tp: int, tmp_path: Path) -> None:
 
 
 def _tiny_engine(on_long_prompt: str):
-    from megatron_rlhf.checkpoint.sources import ModelConfig
-    from megatron_rlhf.checkpoint.sources import build_role
-    from megatron_rlhf.checkpoint.sources import architecture_of
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
 
     role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),

@@ -69,17 +69,17 @@ def test_generation_layout() -> None:
         generation_layout(Layout(tp=2, pp=2, dp=1), 2, 8)
 
 
-def test_generation_vocab_pad_multiple_keeps_the_padded_vocab() -> None:
-    from megatron_rlhf.hybrid.reshard import generation_vocab_pad_multiple
+def test_matching_vocab_pad_multiple_keeps_the_padded_vocab() -> None:
+    from megatron_rlhf.hybrid.reshard import matching_vocab_pad_multiple
     from megatron_rlhf.models.builder import padded_vocab_size
 
     for vocab in (97, 128, 32000, 151936):
         for train_tp in (1, 2, 4, 8):
             source = padded_vocab_size(vocab, train_tp)
             for gen_tp in (1, 2, 4, 8):
-                multiple = generation_vocab_pad_multiple(vocab, source, gen_tp)
+                multiple = matching_vocab_pad_multiple(vocab, source, gen_tp)
                 assert padded_vocab_size(vocab, gen_tp, multiple) == source
-    with pytest.raises(ValueError, match=r"generation tp=3 must divide the training model's padded vocabulary 256"):
-        generation_vocab_pad_multiple(97, 256, 3)
+    with pytest.raises(ValueError, match=r"tp=3 must divide the source model's padded vocabulary 256"):
+        matching_vocab_pad_multiple(97, 256, 3)
     with pytest.raises(ValueError, match=r"padded vocabulary 64 does not hold the vocabulary of 97 tokens"):
-        generation_vocab_pad_multiple(97, 64, 1)
+        matching_vocab_pad_multiple(97, 64, 1)

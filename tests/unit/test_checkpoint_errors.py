@@ -13,9 +13,9 @@ from tests.helpers import make_tiny_hf_model
 
 
 def _import(hf_dir: Path) -> None:
+    from megatron_rlhf.checkpoint.hf import load_hf_weights
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
-    from megatron_rlhf.checkpoint.hf import load_hf_weights
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
 
     arch = load_architecture(hf_dir)

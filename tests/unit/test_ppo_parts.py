@@ -97,6 +97,14 @@ def test_the_preset_is_valid() -> None:
         (1, ["actor.path=builtin:tiny-llama-rm"], "the actor needs a *ForCausalLM model"),
         (1, ["data.train=[]"], "data.train is empty"),
         (1, ["algorithm.loss.agg_mode=mean"], "algorithm.loss.agg_mode='mean' must be one of"),
+        (1, ["reference.update=sometimes"], "reference.update='sometimes' must be one of ['none', 'periodic', 'ema']"),
+        (1, ["reference.update=periodic", "reference.update_every=0"], "reference.update_every=0 must be >= 1"),
+        (1, ["reference.update=ema", "reference.ema_decay=1"], "reference.ema_decay=1.0 must be in [0, 1)"),
+        (1, ["reference.update=ema", "algorithm.loss.kl_loss_coef=0"],
+         "reference.update='ema' refreshes a reference that nothing uses: set algorithm.kl_penalty.coef > 0 or"),
+        (1, ["reference.update=periodic", "reference.path=builtin:llama-1.5b"],
+         ("reference.path='builtin:llama-1.5b' is not the architecture of actor.path='builtin:tiny-llama' "
+          "(vocab_size 151936 vs 512, hidden_size 1536 vs 128")),
     ],
 )
 def test_bad_configs_are_named_up_front(world_size: int, overrides: list[str], message: str) -> None:
@@ -152,3 +160,21 @@ def _inline_function(function):
     from megatron_rlhf.rewards.custom import CustomRewardFunction
 
     return CustomRewardFunction(function, "compute_score", Path("inline.py"))
+
+
+def test_a_reference_that_follows_the_actor_must_take_its_padded_vocabulary(tmp_path: Path) -> None:
+    """Vocab 97 pads to 128 at the actor's TP1; a TP3 reference cannot split 128 rows evenly."""
+    make_tiny_hf_model("llama", False, tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
+                       max_position_embeddings=256)  # fmt: skip
+    paths = [f"actor.path={tmp_path / 'm'}", f"reference.path={tmp_path / 'm'}", "reference.tp=3", "prompts_per_step=3",
+             "mini_batch_size=12"]  # fmt: skip
+    check_ppo_config(load_config("ppo-tiny", paths, schema=PPOConfig), 3)  # a fixed reference may pad as it likes
+    assert ("reference.tp=3 must divide the source model's padded vocabulary 128 (vocab 97)"
+            in _errors(3, *paths, "reference.update=ema"))  # fmt: skip
+
+
+def test_reference_settings_check_themselves_when_built_in_code() -> None:
+    from megatron_rlhf.hybrid.reference import ReferenceConfig
+
+    with pytest.raises(ValueError, match=r"^update_every=0 must be >= 1; ema_decay=-0.5 must be in \[0, 1\)"):
+        ReferenceConfig(update="periodic", update_every=0, ema_decay=-0.5)
