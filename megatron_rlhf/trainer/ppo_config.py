@@ -19,6 +19,7 @@ from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.engine.optim import OptimConfig
+from megatron_rlhf.metrics.log import snake_case
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import layout_errors
 from megatron_rlhf.rewards import RewardRule, resolve_rule
@@ -136,6 +137,12 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Archite
             rules[name] = resolve_rule(name)
         except ValueError as err:
             errors.append(f"scoring.rules: {err}")
+    metric_of: dict[str, str] = {}
+    for name in cfg.scoring.rules:
+        other = metric_of.setdefault(snake_case(name), name)
+        if other != name:
+            errors.append(f"scoring.rules: {other!r} and {name!r} would both be logged as reward/rule/{snake_case(name)}; "
+                          "give one of them another name")  # fmt: skip
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
     if not sampling.temperature > 0:
