@@ -2,13 +2,14 @@
 by ``build_sinks`` from the names of a run's ``loggers`` setting (``SINKS``).
 
 Global rank 0 writes; every other rank gets an empty ``Sinks``, so callers need no rank checks.
-A metric keeps its key in every destination (metrics.jsonl, TensorBoard): train metrics
+A metric keeps its key in every destination (metrics.jsonl, TensorBoard, wandb): train metrics
 under the key itself, those of another split (``validation``) under ``<split>/<key>``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import time
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_rlhf.config.fields import one_of
 from megatron_rlhf.metrics.log import format_eta, is_rank0, log
 
 
@@ -34,8 +36,8 @@ class Sink:
 
 
 def scalar_name(split: str, key: str) -> str:
-    """A metric's name where splits share one namespace (TensorBoard): train figures keep
-    their key, so they group by its first part (``actor/``, ``critic/``); others get ``<split>/``."""
+    """A metric's name where splits share one namespace (TensorBoard, wandb): train figures keep
+    their key, so they group by its first part (``actor/``, ``timing_s/``); others get ``<split>/``."""
     return key if split == "train" else f"{split}/{key}"
 
 
@@ -100,6 +102,43 @@ class TensorBoardSink(Sink):
         self.writer.close()
 
 
+WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+@dataclasses.dataclass(kw_only=True)
+class WandbConfig:
+    """Where the ``wandb`` logger sends a run (read only when ``loggers`` lists wandb)."""
+
+    project: str = "megatron-rlhf"
+    """The wandb project (the entity is wandb's default, or the WANDB_ENTITY environment variable)."""
+    name: str = ""
+    """The run's name; empty: the last part of output_dir."""
+    mode: str = ""
+    """online, offline (files under output_dir/wandb; `wandb sync` uploads them later) or disabled;
+    empty: the WANDB_MODE environment variable, else online."""
+
+    def errors(self) -> list[str]:
+        return one_of(self, "mode", WANDB_MODES)
+
+
+class WandbSink(Sink):
+    """A wandb run under ``out_dir/wandb`` holding the run's resolved config; each step's figures
+    are one row of its history at that step."""
+
+    def __init__(self, settings: WandbConfig, out_dir: Path, config: dict[str, Any]) -> None:
+        import wandb
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=settings.project, name=settings.name or out_dir.resolve().name,
+                              mode=settings.mode or None, dir=str(out_dir), config=config)  # fmt: skip
+
+    def write(self, split: str, step: int, values: dict[str, float]) -> None:
+        self.run.log({scalar_name(split, key): value for key, value in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class Sinks(Sink):
     """Several sinks as one: every call goes to each, in order."""
 
@@ -128,20 +167,28 @@ class SinkSetup:
     log_every: int
     progress: Callable[[dict[str, float]], str]
     """A train step's figures -> the middle of its console line."""
+    wandb: WandbConfig
+    config: dict[str, Any]
+    """The run's resolved config, recorded with the wandb run."""
 
 
 SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
     "console": lambda setup: ConsoleSink(setup.progress, setup.total_steps, setup.log_every),
     "jsonl": lambda setup: JsonlSink(setup.out_dir),
     "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb"),
+    "wandb": lambda setup: WandbSink(setup.wandb, setup.out_dir, setup.config),
 }
 """The ``loggers`` a run may name, and how each sink is made."""
 
 
 def logger_errors(field: str, names: Sequence[str]) -> list[str]:
-    """Problems with a ``loggers`` list: unknown or repeated names."""
+    """Problems with a ``loggers`` list: unknown or repeated names, and wandb without its package
+    (found here, at start-up, rather than after the models are built)."""
     errors = [f"{field}={list(names)}: unknown logger {name!r}; choose from {list(SINKS)}" for name in names if name not in SINKS]
     errors += [f"{field}={list(names)}: {name!r} is listed twice" for name in sorted(set(names)) if names.count(name) > 1]
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        errors.append(f"{field}={list(names)} lists wandb, but the wandb package is not installed: "
+                      "pip install wandb (or leave wandb out of loggers)")  # fmt: skip
     return errors
 
 

@@ -1,5 +1,5 @@
 """The training loop every trainer runs: steps over epochs of shuffled batches, metrics to the sinks
-the ``loggers`` setting names (progress lines with the ETA, metrics.jsonl, TensorBoard),
+the ``loggers`` setting names (progress lines with the ETA, metrics.jsonl, TensorBoard, wandb),
 validation, the final export and ``result.json``.
 
 A trainer supplies a ``Task``: its set-up is done, and the loop calls ``task.step`` with the global
@@ -25,7 +25,7 @@ from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
 from megatron_rlhf.metrics.log import is_rank0, log
-from megatron_rlhf.metrics.sinks import Sink, SinkSetup, build_sinks, logger_errors
+from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors
 from megatron_rlhf.models.roles import RoleModel
 
 StepRows = dict[str, list[dict[str, Any]]]
@@ -45,7 +45,10 @@ class LoopConfig(RunConfig):
     log_every: int = 10
     """Print a progress line every this many steps (and at the first and last)."""
     loggers: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Where metrics go: console (progress lines), jsonl (metrics.jsonl, samples.jsonl), tensorboard (tb/)."""
+    """Where metrics go: console (progress lines), jsonl (metrics.jsonl, samples.jsonl), tensorboard
+    (tb/), wandb (pip install wandb; see wandb.*)."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """The wandb logger's project, run name and mode."""
     save_hf: bool = True
     """Write the trained model to output_dir/hf as an HF checkpoint (from_pretrained loads it)."""
 
@@ -110,8 +113,9 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     metric, label = task.headline
     stem = metric.replace("/", "_")
     summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
-    sink = build_sinks(cfg.loggers, SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every,
-                                              progress=task.progress))  # fmt: skip
+    setup = SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every, progress=task.progress,
+                      wandb=cfg.wandb, config=dataclasses.asdict(cfg))  # fmt: skip
+    sink = build_sinks(cfg.loggers, setup)
     start = time.perf_counter()
     step, last_eval_step = 0, -1
     try:

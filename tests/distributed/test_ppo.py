@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,57 @@ def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
     parts = record["actor/pg_loss"] - 0.01 * record["actor/entropy"] + 0.001 * record["actor/kl_loss"]
     assert record["actor/loss"] == pytest.approx(parts, rel=1e-5, abs=1e-7)
     assert "| time gen " in proc.stdout and " update_critic " in proc.stdout  # the progress line reads the phase times
+
+
+def _offline_wandb_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
+    """The config and the history rows (by step) of an offline wandb run, read from its ``.wandb``
+    file. wandb (0.31) has no reader for offline runs, so this follows the file's format: a 7-byte
+    header, then wandb's ``Record`` protobufs in LevelDB-log framing (32 KiB blocks; each fragment
+    is crc32c, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    config: dict = {}
+    history: dict[int, dict] = {}
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a fragment header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(pending)
+            pending = b""
+            which = record.WhichOneof("record_type")
+            if which in ("run", "config"):
+                updates = record.run.config.update if which == "run" else record.config.update
+                config.update({item.key: json.loads(item.value_json) for item in updates})
+            elif which == "history":
+                row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+                history[record.history.step.num] = row
+    return config, history
+
+
+@pytest.mark.distributed
+def test_wandb_offline_history_equals_metrics_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks with loggers=[..., wandb] and WANDB_MODE=offline: one wandb run (rank 0's), holding
+    the resolved config, whose history has every key and value of metrics.jsonl at every step."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb, or the test extra): "
+                                        "no offline wandb run to check")  # fmt: skip
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", "max_steps=3",
+                        "loggers=[console,jsonl,tensorboard,wandb]", "wandb.project=megatron-rlhf-tests")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")  # rank 0 only
+    config, history = _offline_wandb_run(run_dir)
+    assert config["max_steps"] == 3 and config["loggers"] == ["console", "jsonl", "tensorboard", "wandb"]
+    assert config["algorithm"]["advantage_estimator"] == "grpo" and config["wandb"]["project"] == "megatron-rlhf-tests"
+    records = _records(tmp_path)
+    assert sorted(history) == [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        logged = {k: v for k, v in history[record["step"]].items() if k not in ("_step", "_runtime", "_timestamp")}
+        assert logged == {k: v for k, v in record.items() if k not in ("split", "step")}, record["step"]

@@ -3,19 +3,21 @@ and the same key in every destination."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.config.loader import config_errors
-from megatron_rlhf.metrics.sinks import SinkSetup, build_sinks
-from megatron_rlhf.trainer.ppo_config import PPOConfig
+from megatron_rlhf.config.loader import ConfigError, config_errors, load_config
+from megatron_rlhf.metrics.sinks import SinkSetup, WandbConfig, build_sinks
+from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 
 
 def _setup(out_dir: Path, total_steps: int = 3, log_every: int = 2) -> SinkSetup:
     return SinkSetup(out_dir=out_dir, total_steps=total_steps, log_every=log_every,
-                     progress=lambda m: f"loss {m['actor/loss']:.2f}")  # fmt: skip
+                     progress=lambda m: f"loss {m['actor/loss']:.2f}", wandb=WandbConfig(), config={})  # fmt: skip
 
 
 def test_each_logger_writes_its_destination_with_the_same_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -50,13 +52,25 @@ def test_only_the_named_loggers_write(tmp_path: Path, capsys: pytest.CaptureFixt
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
-@pytest.mark.parametrize(("loggers", "message"), [
-    ("[console,mlflow]", "loggers=['console', 'mlflow']: unknown logger 'mlflow'; choose from ['console', 'jsonl', "
-                         "'tensorboard'"),
-    ("[jsonl,jsonl]", "loggers=['jsonl', 'jsonl']: 'jsonl' is listed twice"),
-])  # fmt: skip
-def test_loggers_setting_is_checked(loggers: str, message: str) -> None:
-    from megatron_rlhf.config.loader import load_config
+def _errors(*overrides: str) -> list[str]:
+    return config_errors(load_config("ppo-tiny", list(overrides), schema=PPOConfig))
 
-    errors = config_errors(load_config("ppo-tiny", [f"loggers={loggers}"], schema=PPOConfig))
-    assert any(e.startswith(message) for e in errors), errors
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("loggers=[console,mlflow]", "loggers=['console', 'mlflow']: unknown logger 'mlflow'; choose from ['console', "
+                                 "'jsonl', 'tensorboard', 'wandb']"),
+    ("loggers=[jsonl,jsonl]", "loggers=['jsonl', 'jsonl']: 'jsonl' is listed twice"),
+    ("wandb.mode=cloud", "wandb.mode='cloud' must be one of ['', 'online', 'offline', 'disabled']"),
+])  # fmt: skip
+def test_logger_settings_are_checked(override: str, message: str) -> None:
+    assert message in _errors(override)
+
+
+def test_wandb_without_its_package_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    message = ("loggers=['console', 'wandb'] lists wandb, but the wandb package is not installed: pip install wandb "
+               "(or leave wandb out of loggers)")  # fmt: skip
+    assert message in _errors("loggers=[console,wandb]")
+    with pytest.raises(ConfigError, match=re.escape(message)):  # the trainer's first check, before any model
+        check_ppo_config(load_config("ppo-tiny", ["loggers=[console,wandb]"], schema=PPOConfig), 1)
