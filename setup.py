@@ -25,6 +25,6 @@ setup(
         "jinja2>=3.1.6",  # chat templates; older releases have sandbox escapes (transformers requires it too)
         "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
     ],
-    extras_require={"test": ["pytest", "transformers>=4.56"]},
+    extras_require={"test": ["pytest", "transformers>=4.56", "wandb"]},  # wandb: the optional wandb logger's test
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
 )

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(smoke)
 
-    outputs = "Writes metrics.jsonl, TensorBoard events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under output_dir."
+    outputs = ("Writes metrics.jsonl, TensorBoard events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under "
+               "output_dir; loggers=[console,jsonl,tensorboard,wandb] chooses where metrics go.")  # fmt: skip
     for name, help_text, description, example in (
         (
             "ppo",

@@ -115,6 +115,7 @@ def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig, *, temperature: float) -
             loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip
         metrics = {f"actor/{name}": value for name, value in metrics.items()}
+        metrics["actor/pg_loss"] = numerator / denominator.clamp(min=1)
         if cfg.entropy_coef > 0:
             entropy_numerator, _ = entropy_bonus(
                 entropy, mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import time
 import warnings
@@ -58,6 +59,13 @@ class Progress:
         rate = done / max(now - self.start, 1e-9)
         eta = f", eta {format_eta((self.total - done) / rate)}" if 0 < done < self.total else ""
         log(f"{self.label}: {done}/{self.total} {self.unit} ({rate:,.1f}/s{eta})")
+
+
+def snake_case(text: str) -> str:
+    """A name (a phase, a reward rule's import path) as one part of a metric key: lowercase, each
+    run of other characters than letters and digits one ``_`` (``generation weights (reshard)`` ->
+    ``generation_weights_reshard``)."""
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
 @contextlib.contextmanager

@@ -1,55 +1,197 @@
-"""Where a run's numbers go: ``metrics.jsonl``, TensorBoard events and other JSONL row files.
+"""Where a run's numbers go: one small class per destination behind one interface (``Sink``), made
+by ``build_sinks`` from the names of a run's ``loggers`` setting (``SINKS``).
 
-Global rank 0 writes; on every other rank the sink is a no-op, so callers need no rank checks.
+Global rank 0 writes; every other rank gets an empty ``Sinks``, so callers need no rank checks.
+A metric keeps its key in every destination (metrics.jsonl, TensorBoard, wandb): train metrics
+under the key itself, those of another split (``validation``) under ``<split>/<key>``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import math
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_rlhf.metrics.log import is_rank0
+from megatron_rlhf.config.fields import one_of
+from megatron_rlhf.metrics.log import format_eta, is_rank0, log
 
 
-class MetricsSink:
-    def __init__(self, out_dir: Path) -> None:
-        self.enabled = is_rank0()
-        self.out_dir = out_dir
-        self._jsonl = None
-        self._tb = None
-        self._row_files: dict[str, Any] = {}
-        if self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            out_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = (out_dir / "metrics.jsonl").open("w", encoding="utf-8")
-            self._tb = SummaryWriter(log_dir=str(out_dir / "tb"))
+class Sink:
+    """One destination. ``write`` takes a split's figures (``train``, ``validation``) at a step,
+    ``write_rows`` rows for ``<name>.jsonl`` (samples); a destination ignores what it does not keep."""
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        record = {"split": split, "step": step, **values}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for name, value in values.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(f"{split}/{name}", value, step)
+        pass
 
     def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
-        """Append rows to ``out_dir/<name>.jsonl`` (made on first use)."""
-        if not self.enabled or not rows:
-            return
-        if name not in self._row_files:
-            self._row_files[name] = (self.out_dir / f"{name}.jsonl").open("w", encoding="utf-8")
-        handle = self._row_files[name]
-        handle.write("".join(json.dumps(row) + "\n" for row in rows))
-        handle.flush()
+        pass
 
     def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
-            for handle in self._row_files.values():
-                handle.close()
+        pass
+
+
+def scalar_name(split: str, key: str) -> str:
+    """A metric's name where splits share one namespace (TensorBoard, wandb): train figures keep
+    their key, so they group by its first part (``actor/``, ``timing_s/``); others get ``<split>/``."""
+    return key if split == "train" else f"{split}/{key}"
+
+
+class ConsoleSink(Sink):
+    """The progress lines: a train step's every ``log_every`` steps (and the first and last), with
+    the ETA; every validation's figures."""
+
+    def __init__(self, progress: Callable[[dict[str, float]], str], total_steps: int, log_every: int) -> None:
+        self.progress, self.total_steps, self.log_every = progress, total_steps, log_every
+        self.start = time.perf_counter()
+
+    def write(self, split: str, step: int, values: dict[str, float]) -> None:
+        if split != "train":
+            shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+            log(f"{split} at step {step}: {shown}")
+        elif step % self.log_every == 0 or step in (1, self.total_steps):
+            eta = (time.perf_counter() - self.start) / step * (self.total_steps - step)
+            log(f"step {step}/{self.total_steps} | {self.progress(values)} | eta {format_eta(eta)}")
+
+
+class JsonlSink(Sink):
+    """``metrics.jsonl`` (one line per split and step: ``{"split", "step", **figures}``) and the row
+    files (``samples.jsonl``, made on first use)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self.files = {"metrics": (out_dir / "metrics.jsonl").open("w", encoding="utf-8")}
+
+    def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
+        if name not in self.files:
+            self.files[name] = (self.out_dir / f"{name}.jsonl").open("w", encoding="utf-8")
+        self.files[name].write("".join(json.dumps(row) + "\n" for row in rows))
+        self.files[name].flush()
+
+    def write(self, split: str, step: int, values: dict[str, float]) -> None:
+        self._append("metrics", [{"split": split, "step": step, **values}])
+
+    def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            self._append(name, rows)
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            handle.close()
+
+
+class TensorBoardSink(Sink):
+    """TensorBoard events under ``log_dir``; figures that are not finite numbers are left out."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, split: str, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(scalar_name(split, key), value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+@dataclasses.dataclass(kw_only=True)
+class WandbConfig:
+    """Where the ``wandb`` logger sends a run (read only when ``loggers`` lists wandb)."""
+
+    project: str = "megatron-rlhf"
+    """The wandb project (the entity is wandb's default, or the WANDB_ENTITY environment variable)."""
+    name: str = ""
+    """The run's name; empty: the last part of output_dir."""
+    mode: str = ""
+    """online, offline (files under output_dir/wandb; `wandb sync` uploads them later) or disabled;
+    empty: the WANDB_MODE environment variable, else online."""
+
+    def errors(self) -> list[str]:
+        return one_of(self, "mode", WANDB_MODES)
+
+
+class WandbSink(Sink):
+    """A wandb run under ``out_dir/wandb`` holding the run's resolved config; each step's figures
+    are one row of its history at that step."""
+
+    def __init__(self, settings: WandbConfig, out_dir: Path, config: dict[str, Any]) -> None:
+        import wandb
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=settings.project, name=settings.name or out_dir.resolve().name,
+                              mode=settings.mode or None, dir=str(out_dir), config=config)  # fmt: skip
+
+    def write(self, split: str, step: int, values: dict[str, float]) -> None:
+        self.run.log({scalar_name(split, key): value for key, value in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Sinks(Sink):
+    """Several sinks as one: every call goes to each, in order."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = list(sinks)
+
+    def write(self, split: str, step: int, values: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.write(split, step, values)
+
+    def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        for sink in self.sinks:
+            sink.write_rows(name, rows)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SinkSetup:
+    """What a run's sinks are made from; each takes what it needs."""
+
+    out_dir: Path
+    total_steps: int
+    log_every: int
+    progress: Callable[[dict[str, float]], str]
+    """A train step's figures -> the middle of its console line."""
+    wandb: WandbConfig
+    config: dict[str, Any]
+    """The run's resolved config, recorded with the wandb run."""
+
+
+SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
+    "console": lambda setup: ConsoleSink(setup.progress, setup.total_steps, setup.log_every),
+    "jsonl": lambda setup: JsonlSink(setup.out_dir),
+    "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb"),
+    "wandb": lambda setup: WandbSink(setup.wandb, setup.out_dir, setup.config),
+}
+"""The ``loggers`` a run may name, and how each sink is made."""
+
+
+def logger_errors(field: str, names: Sequence[str]) -> list[str]:
+    """Problems with a ``loggers`` list: unknown or repeated names, and wandb without its package
+    (found here, at start-up, rather than after the models are built)."""
+    errors = [f"{field}={list(names)}: unknown logger {name!r}; choose from {list(SINKS)}" for name in names if name not in SINKS]
+    errors += [f"{field}={list(names)}: {name!r} is listed twice" for name in sorted(set(names)) if names.count(name) > 1]
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        errors.append(f"{field}={list(names)} lists wandb, but the wandb package is not installed: "
+                      "pip install wandb (or leave wandb out of loggers)")  # fmt: skip
+    return errors
+
+
+def build_sinks(names: Sequence[str], setup: SinkSetup) -> Sinks:
+    """The sinks ``names`` (in that order) on global rank 0; none on the other ranks."""
+    return Sinks([SINKS[name](setup) for name in names] if is_rank0() else [])

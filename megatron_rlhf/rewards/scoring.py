@@ -26,6 +26,7 @@ from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.engine.objectives import values_output
 from megatron_rlhf.engine.schedule import Batch
 from megatron_rlhf.engine.train import forward_all_rows
+from megatron_rlhf.metrics.log import snake_case
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 
@@ -89,6 +90,12 @@ def scoring_errors(cfg: ScoringConfig) -> tuple[list[str], dict[str, RewardRule]
             function = load_custom_function(cfg.custom_function.path, cfg.custom_function.name)
         except ValueError as err:
             errors.append(str(err))
+    metric_of: dict[str, str] = {}
+    for name in cfg.rules:
+        other = metric_of.setdefault(snake_case(name), name)
+        if other != name:
+            errors.append(f"scoring.rules: {other!r} and {name!r} would both be logged as reward/rule/{snake_case(name)}; "
+                          "give one of them another name")  # fmt: skip
     parts = cfg.parts()
     if not parts:
         errors.append("nothing scores the responses: set scoring.use_reward_model=true, give scoring.rules=[...] "
@@ -122,7 +129,8 @@ class Scores:
 
     def metrics(self) -> dict[str, float]:
         """The mean of each part: reward/reward_model, reward/rule/<name>, reward/custom_function, ..."""
-        named = {(k if k in (REWARD_MODEL, CUSTOM_FUNCTION, OVERLONG) else f"rule/{k}"): v for k, v in self.parts.items()}
+        named = {(k if k in (REWARD_MODEL, CUSTOM_FUNCTION, OVERLONG) else f"rule/{snake_case(k)}"): v
+                 for k, v in self.parts.items()}  # fmt: skip
         return {f"reward/{k}": float(v.mean()) for k, v in named.items()} | {
             f"reward/custom/{k}": v for k, v in self.custom_metrics.items()}  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""The training loop every trainer runs: steps over epochs of shuffled batches, the progress line
-with its ETA, metrics to every sink, validation, the final export and ``result.json``.
+"""The training loop every trainer runs: steps over epochs of shuffled batches, metrics to the sinks
+the ``loggers`` setting names (progress lines with the ETA, metrics.jsonl, TensorBoard, wandb),
+validation, the final export and ``result.json``.
 
 A trainer supplies a ``Task``: its set-up is done, and the loop calls ``task.step`` with the global
 batch of example indices for each step (the same on every rank; a task takes its own share). The
@@ -23,8 +24,8 @@ from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
-from megatron_rlhf.metrics.log import format_eta, is_rank0, log
-from megatron_rlhf.metrics.sinks import MetricsSink
+from megatron_rlhf.metrics.log import is_rank0, log
+from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors
 from megatron_rlhf.models.roles import RoleModel
 
 StepRows = dict[str, list[dict[str, Any]]]
@@ -43,12 +44,17 @@ class LoopConfig(RunConfig):
     """If > 0: train exactly this many steps, over as many epochs as that takes (num_epochs ignored)."""
     log_every: int = 10
     """Print a progress line every this many steps (and at the first and last)."""
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Where metrics go: console (progress lines), jsonl (metrics.jsonl, samples.jsonl), tensorboard
+    (tb/), wandb (pip install wandb; see wandb.*)."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """The wandb logger's project, run name and mode."""
     save_hf: bool = True
     """Write the trained model to output_dir/hf as an HF checkpoint (from_pretrained loads it)."""
 
     def errors(self) -> list[str]:
         return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every")
-                + at_least(self, 0, "max_steps"))  # fmt: skip
+                + at_least(self, 0, "max_steps") + logger_errors("loggers", self.loggers))  # fmt: skip
 
 
 class Task(Protocol):
@@ -107,7 +113,9 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     metric, label = task.headline
     stem = metric.replace("/", "_")
     summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
-    sink = MetricsSink(out_dir)
+    setup = SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every, progress=task.progress,
+                      wandb=cfg.wandb, config=dataclasses.asdict(cfg))  # fmt: skip
+    sink = build_sinks(cfg.loggers, setup)
     start = time.perf_counter()
     step, last_eval_step = 0, -1
     try:
@@ -122,9 +130,6 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
                     sink.write_rows(name, [{"step": step, **row} for row in file_rows])
                 summary.setdefault(f"first_{stem}", metrics[metric])
                 summary[f"last_{stem}"] = metrics[metric]
-                if step % cfg.log_every == 0 or step in (1, total):
-                    eta = (time.perf_counter() - start) / step * (total - step)
-                    log(f"step {step}/{total} | {task.progress(metrics)} | eta {format_eta(eta)}")
                 if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
                     summary["validation"] = _evaluate(task.evaluate, step, sink)
                     last_eval_step = step
@@ -143,12 +148,11 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     return summary
 
 
-def _evaluate(evaluate: Callable[[], dict[str, float]], step: int, sink: MetricsSink) -> dict[str, float]:
+def _evaluate(evaluate: Callable[[], dict[str, float]], step: int, sink: Sink) -> dict[str, float]:
+    """The validation figures; the sinks also get the time they took."""
     start = time.perf_counter()
     figures = evaluate()
-    sink.write("validation", step, figures)
-    shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
-    log(f"validation at step {step}: {shown} ({time.perf_counter() - start:.1f}s)")
+    sink.write("validation", step, {**figures, "timing_s/validation": time.perf_counter() - start})
     return figures
 
 

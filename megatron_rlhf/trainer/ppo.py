@@ -16,9 +16,10 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
                   right after the actor's, the reference follows it if ``reference.update`` says so
                   (a copy every ``update_every`` steps, or an EMA; ``hybrid/reference.py``).
 
-Each phase is timed. The loop around it (``trainer/loop.py``) writes the metrics to stdout,
-``metrics.jsonl`` and TensorBoard and saves the actor as an HF checkpoint at the end; the settings
-and their checks are in ``trainer/ppo_config.py``.
+Each phase is timed (``timing_s/<phase>``; the metric names are listed in the README's "Metrics").
+The loop around it (``trainer/loop.py``) writes the metrics to the sinks ``loggers`` names and saves
+the actor as an HF checkpoint at the end; the settings and their checks are in
+``trainer/ppo_config.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import forward_all_rows, train_step
 from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
-from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.metrics.log import log, snake_case, timed
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
@@ -176,10 +177,10 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
 
     ref_logprobs = values = None
     if run.reference is not None:
-        with timed("reference log-probs", device, times, quiet=True):
+        with timed("ref", device, times, quiet=True):
             ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature),
                                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
-    with timed("old log-probs", device, times, quiet=True):
+    with timed("old_log_prob", device, times, quiet=True):
         old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
                                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
     if run.critic is not None:
@@ -187,7 +188,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
             values = forward_all_rows(run.critic.role, batch, token_values_output(),
                                       max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
 
-    with timed("advantages", device, times, quiet=True):
+    with timed("adv", device, times, quiet=True):
         token_rewards = torch.zeros_like(old_logprobs)
         token_rewards[torch.arange(len(scores)), batch["lengths"] - 1] = scores
         kl = None
@@ -200,18 +201,18 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
             group_index=batch["prompt_index"], config=algo.advantage,
         )  # fmt: skip
 
-    with timed("actor update", device, times, quiet=True):
+    with timed("update_actor", device, times, quiet=True):
         actor_batch = {**_model_inputs(batch), "old_logprobs": old_logprobs, "advantages": advantages}
         if ref_logprobs is not None:
             actor_batch["ref_logprobs"] = ref_logprobs
         actor_metrics = update(run, run.actor, actor_batch, ppo_actor_loss(run.actor.role, algo.loss, temperature=temperature), step)
     reference_metrics: dict[str, float] = {}
     if run.reference_updater is not None:
-        with timed("refresh reference", device, times, quiet=True):
+        with timed("update_ref", device, times, quiet=True):
             reference_metrics["reference/refreshed"] = float(run.reference_updater.after_step(step))
     critic_metrics: dict[str, float] = {}
     if run.critic is not None:
-        with timed("critic update", device, times, quiet=True):
+        with timed("update_critic", device, times, quiet=True):
             critic_batch = {**_model_inputs(batch), "old_values": values, "returns": returns}
             critic_metrics = update(run, run.critic, critic_batch, critic_loss(algo.loss), step)
 
@@ -224,16 +225,16 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     metrics = {
         "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         **scored.metrics(), **rollout_metrics,
-        "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-        "response/stopped_fraction": sum(c.finish_reason == "stop" for c in completions) / len(completions),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "kl/per_sequence": kl_per_sequence, "kl/coef": kl_coef,
         "advantages/mean": float(masked_mean(advantages, mask)), "returns/mean": float(masked_mean(returns, mask)),
         # The engine's sampling log-probs against the trainer's recomputation: 0 up to numerics.
         "rollout/logprob_max_abs_diff": float(((rollout_logprobs - old_logprobs).abs() * mask).max()),
-        **_prefixed("actor/", actor_metrics), **reference_metrics, **_prefixed("critic/", critic_metrics),
-        **{f"time/{phase}": seconds for phase, seconds in times.items()},
-        **{f"time/rollout: {phase}": seconds for phase, seconds in switch_reports.items()},
-        "throughput/generated_tokens_per_s": float(lengths.sum()) / max(times["rollout"], 1e-9),
+        **_prefixed("actor/", actor_metrics), **reference_metrics, **_prefixed("critic/", critic_metrics, loss="vf_loss"),
+        **{f"timing_s/{phase}": seconds for phase, seconds in times.items()},
+        **{f"timing_s/gen/{snake_case(phase)}": seconds for phase, seconds in switch_reports.items()},
+        "perf/gen_tokens_per_s": float(lengths.sum()) / max(times["gen"], 1e-9),
     }  # fmt: skip
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
@@ -268,12 +269,12 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
         if draws:
             generator = torch.Generator().manual_seed(seed)
             indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
-        with timed("rollout", device, times, quiet=True):
+        with timed("gen", device, times, quiet=True):
             prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
             completions, reports = run.hybrid.generate(prompts, dataclasses.replace(rollout.sampling, seed=seed))
         for report in reports:
             phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
-        with timed("rewards", device, times, quiet=True):
+        with timed("reward", device, times, quiet=True):
             scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions,
                                       [run.prompts[i].extras for i in indices], run.tokenizer.decode)  # fmt: skip
         draws += 1
@@ -317,10 +318,12 @@ def rollout_batch(completions: list[Completion], pad_id: int) -> Batch:
     return batch
 
 
-def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
-    """``train_step``'s own metrics (loss, grad_norm, lr) under the model's prefix; the loss
-    function's carry it already."""
-    return {name if name.startswith(prefix) else prefix + name: value for name, value in metrics.items()}
+def _prefixed(prefix: str, metrics: dict[str, float], *, loss: str = "loss") -> dict[str, float]:
+    """``train_step``'s own metrics (loss, grad_norm, lr) under the model's prefix, its loss named
+    ``loss`` (the critic's is its value loss alone: verl's ``vf_loss``); the loss function's
+    metrics carry the prefix already."""
+    renamed = {loss if name == "loss" else name: value for name, value in metrics.items()}
+    return {name if name.startswith(prefix) else prefix + name: value for name, value in renamed.items()}
 
 
 def _model_inputs(batch: Batch) -> Batch:
@@ -361,14 +364,14 @@ def update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn, step: 
 
 
 def _progress_line(m: dict[str, float]) -> str:
-    parts = [f"reward {m['reward/mean']:.4f}", f"len {m['response/length_mean']:.1f}",
+    parts = [f"reward {m['reward/mean']:.4f}", f"len {m['response_length/mean']:.1f}",
              f"actor loss {m['actor/loss']:.4f}"]  # fmt: skip
-    if "critic/loss" in m:
-        parts.append(f"critic loss {m['critic/loss']:.4f}")
+    if "critic/vf_loss" in m:
+        parts.append(f"critic loss {m['critic/vf_loss']:.4f}")
     if m["kl/per_sequence"]:
         parts.append(f"kl {m['kl/per_sequence']:.4f}")
-    # The step's phases in the order they ran (the rollout's own sub-phases, "rollout: ...", left out).
-    phases = [key.removeprefix("time/") for key in m if key.startswith("time/") and ":" not in key]
-    parts.append("time " + " ".join(f"{p.split()[0]} {m[f'time/{p}']:.2f}s" for p in phases))
-    parts.append(f"{m['throughput/generated_tokens_per_s']:,.0f} gen tok/s")
+    # The step's phases in the order they ran (the generation's own sub-phases, timing_s/gen/..., left out).
+    phases = [key.removeprefix("timing_s/") for key in m if key.startswith("timing_s/") and key.count("/") == 1]
+    parts.append("time " + " ".join(f"{p} {m[f'timing_s/{p}']:.2f}s" for p in phases))
+    parts.append(f"{m['perf/gen_tokens_per_s']:,.0f} gen tok/s")
     return " | ".join(parts)

@@ -84,7 +84,7 @@ def main() -> None:
             save(run.actor.role, out / case / f"actor-{step}")
             save(run.reference, out / case / f"reference-{step}")
             records.append({"refreshed": metrics.get("reference/refreshed"),
-                            "time_keys": sorted(k for k in metrics if k.startswith("time/") and ":" not in k),
+                            "time_keys": sorted(k for k in metrics if k.startswith("timing_s/") and k.count("/") == 1),
                             "replicas_equal": replicas_equal(run.reference)})  # fmt: skip
         padded = {"actor": run.actor.role.padded_vocab_size, "reference": run.reference.padded_vocab_size}
         results[case] = {"padded_vocab": padded, "steps": records}

@@ -8,6 +8,8 @@ exported actor."""
 from __future__ import annotations
 
 import json
+import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 from tests.helpers import REPO, load_all_tensors, run_torchrun, subprocess_env
 
 MAIN = REPO / "megatron_rlhf" / "__main__.py"
-PHASES = ("rollout", "rewards", "reference log-probs", "old log-probs", "advantages", "actor update")
+PHASES = ("gen", "reward", "ref", "old_log_prob", "adv", "update_actor")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -28,6 +30,30 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def _records(out_dir: Path, name: str = "metrics") -> list[dict]:
     return [json.loads(line) for line in (out_dir / f"{name}.jsonl").read_text().splitlines()]
+
+
+KEY = re.compile(r"[a-z][a-z0-9_]*(/[a-z0-9_]+)*")
+"""The metric-key scheme: lowercase snake_case parts joined by '/' (README, "Metrics")."""
+
+
+def _documented_keys() -> list[re.Pattern]:
+    """The keys the README's Metrics section lists (``<rule>`` stands for any one part)."""
+    section = (REPO / "README.md").read_text().split("\n## Metrics\n")[1].split("\n## ")[0]
+    first_cells = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    names = [name for cell in first_cells for name in re.findall(r"`([^`]+)`", cell) if " " not in name]
+    return [re.compile(re.sub(r"<[a-z_]+>", "[a-z0-9_]+", re.escape(name))) for name in names]
+
+
+def _check_keys(records: list[dict]) -> None:
+    """Every metric key has no space, follows the scheme and is documented."""
+    documented = _documented_keys()
+    keys = {key for record in records for key in record} - {"split", "step"}
+    with_space = [key for key in keys if " " in key]
+    assert not with_space, with_space
+    off_scheme = [key for key in keys if not KEY.fullmatch(key)]
+    assert not off_scheme, off_scheme
+    undocumented = [key for key in keys if not any(p.fullmatch(key) for p in documented)]
+    assert not undocumented, f"not in the README's Metrics section: {undocumented}"
 
 
 def _lowercase_fraction(text: str) -> float:
@@ -45,8 +71,9 @@ def test_default_grpo_run_learns_its_rule_reward(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == list(range(1, 31))
     assert records[0]["kl/per_sequence"] == 0.0  # the actor still equals the reference
     assert max(r["rollout/logprob_max_abs_diff"] for r in records) < 1e-5
-    assert all(f"time/{phase}" in r for r in records for phase in PHASES)
-    assert all(r["time/rollout: generation weights (zero copy)"] >= 0 for r in records)
+    assert all(f"timing_s/{phase}" in r for r in records for phase in PHASES)
+    assert all(r["timing_s/gen/generation_weights_zero_copy"] >= 0 for r in records)
+    _check_keys(records)
     first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (records[:5], records[-5:]))
     assert last > first + 0.03, (first, last)
     samples = _records(out, "samples")
@@ -72,8 +99,8 @@ PPO_ARGS = ("max_steps=2", "prompts_per_step=4", "mini_batch_size=8", "algorithm
             "scoring.use_reward_model=true", "algorithm.kl_penalty.coef=0.05", "algorithm.loss.kl_loss_coef=0",
             "rollout.sampling.max_new_tokens=12")  # fmt: skip
 COMPARED = ("reward/mean", "reward/reward_model", "reward/rule/lowercase_fraction", "kl/per_sequence",
-            "advantages/mean", "returns/mean", "values/mean", "actor/loss", "actor/grad_norm", "critic/loss",
-            "critic/grad_norm", "response/length_mean")  # fmt: skip
+            "advantages/mean", "returns/mean", "values/mean", "actor/loss", "actor/grad_norm", "critic/vf_loss",
+            "critic/grad_norm", "response_length/mean")  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -97,6 +124,78 @@ def test_ppo_generates_from_resharded_weights(tmp_path: Path) -> None:
     proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1")
     assert proc.returncode == 0, proc.stderr[-6000:]
     records = _records(tmp_path)
-    assert all("time/rollout: generation weights (reshard)" in r for r in records)
+    assert all("timing_s/gen/generation_weights_reshard" in r for r in records)
+    _check_keys(records)
     assert max(r["rollout/logprob_max_abs_diff"] for r in records) < 1e-5
     assert records[0]["kl/per_sequence"] < 1e-5
+
+
+@pytest.mark.distributed
+def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
+    """A run with every part on (critic, reward model, rule, KL penalty, KL loss, entropy bonus):
+    its metric keys have no spaces, follow the scheme and are listed in the README."""
+    proc = _cli("ppo", f"output_dir={tmp_path}", *PPO_ARGS, "max_steps=1", "algorithm.loss.kl_loss_coef=0.001",
+                "algorithm.loss.entropy_coef=0.01")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    (record,) = _records(tmp_path)
+    assert {"critic/vf_loss", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "reward/reward_model",
+            "reward/rule/lowercase_fraction", "timing_s/update_critic", "values/mean"} <= set(record)  # fmt: skip
+    _check_keys([record])
+    # One micro-batch per optimizer step here, so the parts add up to the actor's objective exactly.
+    parts = record["actor/pg_loss"] - 0.01 * record["actor/entropy"] + 0.001 * record["actor/kl_loss"]
+    assert record["actor/loss"] == pytest.approx(parts, rel=1e-5, abs=1e-7)
+    assert "| time gen " in proc.stdout and " update_critic " in proc.stdout  # the progress line reads the phase times
+
+
+def _offline_wandb_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
+    """The config and the history rows (by step) of an offline wandb run, read from its ``.wandb``
+    file. wandb (0.31) has no reader for offline runs, so this follows the file's format: a 7-byte
+    header, then wandb's ``Record`` protobufs in LevelDB-log framing (32 KiB blocks; each fragment
+    is crc32c, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    config: dict = {}
+    history: dict[int, dict] = {}
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a fragment header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(pending)
+            pending = b""
+            which = record.WhichOneof("record_type")
+            if which in ("run", "config"):
+                updates = record.run.config.update if which == "run" else record.config.update
+                config.update({item.key: json.loads(item.value_json) for item in updates})
+            elif which == "history":
+                row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+                history[record.history.step.num] = row
+    return config, history
+
+
+@pytest.mark.distributed
+def test_wandb_offline_history_equals_metrics_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks with loggers=[..., wandb] and WANDB_MODE=offline: one wandb run (rank 0's), holding
+    the resolved config, whose history has every key and value of metrics.jsonl at every step."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb, or the test extra): "
+                                        "no offline wandb run to check")  # fmt: skip
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", "max_steps=3",
+                        "loggers=[console,jsonl,tensorboard,wandb]", "wandb.project=megatron-rlhf-tests")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")  # rank 0 only
+    config, history = _offline_wandb_run(run_dir)
+    assert config["max_steps"] == 3 and config["loggers"] == ["console", "jsonl", "tensorboard", "wandb"]
+    assert config["algorithm"]["advantage_estimator"] == "grpo" and config["wandb"]["project"] == "megatron-rlhf-tests"
+    records = _records(tmp_path)
+    assert sorted(history) == [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        logged = {k: v for k, v in history[record["step"]].items() if k not in ("_step", "_runtime", "_timestamp")}
+        assert logged == {k: v for k, v in record.items() if k not in ("split", "step")}, record["step"]

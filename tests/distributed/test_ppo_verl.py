@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.test_ppo import _check_keys
 from tests.helpers import make_chat_tokenizer, make_tiny_hf_model, subprocess_env
 
 COMPUTE_SCORE = '''
@@ -74,6 +75,7 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    _check_keys(metrics)
     namespace: dict = {}
     exec(COMPUTE_SCORE, namespace)
     for m in metrics:
@@ -94,6 +96,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal_and_fills_the_batch(tmp_
                 "rollout.max_sample_batches=0", "scoring.rules=[tests.distributed.reward_fixtures:half_uniform]")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
+    _check_keys(metrics)
     assert all(m["rollout/groups_short"] == 0 for m in metrics)
     assert max(m["rollout/sample_batches"] for m in metrics) >= 2  # about half the groups were dropped
     assert all(0.2 < m["rollout/uniform_group_fraction"] < 0.8 for m in metrics)

@@ -57,7 +57,7 @@ def test_ema_reference_follows_the_recurrence(out: Path, case: str) -> None:
         reference = _weights(out, case, f"reference-{step}")
         assert _max_diff(reference, expected) <= 1e-6, (case, step)
         assert _max_diff(reference, actor) > 1e-4, (case, step)  # a mix, not a copy of the actor
-        assert record["refreshed"] == 1.0 and "time/refresh reference" in record["time_keys"]
+        assert record["refreshed"] == 1.0 and "timing_s/update_ref" in record["time_keys"]
         assert record["replicas_equal"]
 
 
@@ -94,4 +94,4 @@ def test_fixed_reference_never_changes(out: Path) -> None:
     for step, record in enumerate(steps, start=1):
         assert _equal(_weights(out, case, f"reference-{step}"), initial), step
         assert _max_diff(_weights(out, case, f"actor-{step}"), initial) > 1e-4, step
-        assert record["refreshed"] is None and "time/refresh reference" not in record["time_keys"]
+        assert record["refreshed"] is None and "timing_s/update_ref" not in record["time_keys"]

@@ -122,3 +122,12 @@ def test_generate_flags_and_ppo_rollout_settings_share_their_defaults(tmp_path):
             assert flags[flag] == expected, (flag, flags[flag], in_yaml)
             compared += 1
     assert compared == len(dataclasses.fields(SamplingParams)) + len(dataclasses.fields(NativeEngineConfig)) - 1
+
+
+def test_rules_logged_under_the_same_metric_name_are_refused():
+    """Rule names are snake_cased into their metric key, reward/rule/<name>: two that meet are refused."""
+    rules = "[megatron_rlhf.rewards.rules:lowercase_fraction,megatron_rlhf.rewards.rules:lowercase.fraction]"
+    with pytest.raises(ConfigError, match=r"scoring.rules: 'megatron_rlhf.rewards.rules:lowercase_fraction' and "
+                                          r"'megatron_rlhf.rewards.rules:lowercase.fraction' would both be logged as "
+                                          r"reward/rule/megatron_rlhf_rewards_rules_lowercase_fraction"):  # fmt: skip
+        check_ppo_config(_ppo(f"scoring.rules={rules}"), 1)

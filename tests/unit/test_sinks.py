@@ -1,0 +1,76 @@
+"""The metric sinks a run's ``loggers`` setting names: each destination, the checks of the setting,
+and the same key in every destination."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config.loader import ConfigError, config_errors, load_config
+from megatron_rlhf.metrics.sinks import SinkSetup, WandbConfig, build_sinks
+from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
+
+
+def _setup(out_dir: Path, total_steps: int = 3, log_every: int = 2) -> SinkSetup:
+    return SinkSetup(out_dir=out_dir, total_steps=total_steps, log_every=log_every,
+                     progress=lambda m: f"loss {m['actor/loss']:.2f}", wandb=WandbConfig(), config={})  # fmt: skip
+
+
+def test_each_logger_writes_its_destination_with_the_same_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sinks = build_sinks(["console", "jsonl", "tensorboard"], _setup(tmp_path))
+    for step in (1, 2, 3):
+        sinks.write("train", step, {"actor/loss": step / 10, "timing_s/gen": 0.5})
+    sinks.write_rows("samples", [{"step": 3, "response": "hi"}])
+    sinks.write("validation", 3, {"accuracy": 0.75, "pairs": 8})
+    sinks.close()
+
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" | eta")[0] for line in lines] == [
+        "step 1/3 | loss 0.10", "step 2/3 | loss 0.20", "step 3/3 | loss 0.30",
+        "validation at step 3: accuracy 0.7500 | pairs 8"]  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"split": "train", "step": 1, "actor/loss": 0.1, "timing_s/gen": 0.5}
+    assert rows[-1] == {"split": "validation", "step": 3, "accuracy": 0.75, "pairs": 8}
+    assert json.loads((tmp_path / "samples.jsonl").read_text()) == {"step": 3, "response": "hi"}
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"actor/loss", "timing_s/gen", "validation/accuracy", "validation/pairs"}
+    assert [e.value for e in events.Scalars("actor/loss")] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_only_the_named_loggers_write(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    sinks = build_sinks(["jsonl"], _setup(tmp_path))
+    sinks.write("train", 1, {"actor/loss": 0.1})
+    sinks.close()
+    assert capsys.readouterr().out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def _errors(*overrides: str) -> list[str]:
+    return config_errors(load_config("ppo-tiny", list(overrides), schema=PPOConfig))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("loggers=[console,mlflow]", "loggers=['console', 'mlflow']: unknown logger 'mlflow'; choose from ['console', "
+                                 "'jsonl', 'tensorboard', 'wandb']"),
+    ("loggers=[jsonl,jsonl]", "loggers=['jsonl', 'jsonl']: 'jsonl' is listed twice"),
+    ("wandb.mode=cloud", "wandb.mode='cloud' must be one of ['', 'online', 'offline', 'disabled']"),
+])  # fmt: skip
+def test_logger_settings_are_checked(override: str, message: str) -> None:
+    assert message in _errors(override)
+
+
+def test_wandb_without_its_package_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    message = ("loggers=['console', 'wandb'] lists wandb, but the wandb package is not installed: pip install wandb "
+               "(or leave wandb out of loggers)")  # fmt: skip
+    assert message in _errors("loggers=[console,wandb]")
+    with pytest.raises(ConfigError, match=re.escape(message)):  # the trainer's first check, before any model
+        check_ppo_config(load_config("ppo-tiny", ["loggers=[console,wandb]"], schema=PPOConfig), 1)
