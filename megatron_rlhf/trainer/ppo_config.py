@@ -121,6 +121,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Archite
     roles = models_used(cfg)
     unused = [role for role in ("critic", "reference", "reward") if role not in roles]
     errors = config_errors(cfg, unused=unused + (["critic_optim"] if "critic" not in roles else []))
+    errors += cfg.output_dir_errors()
     found, archs = role_errors(cfg, roles, world_size)
     errors += found
     algo, rollout, data, sampling = cfg.algorithm, cfg.rollout, cfg.data, cfg.rollout.sampling

@@ -77,7 +77,7 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
             )
     if not cfg.data.train:  # type: ignore[attr-defined]
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
-    raise_if_errors(config_errors(cfg) + errors)
+    raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
     assert arch is not None
     return arch
 

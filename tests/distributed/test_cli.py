@@ -124,3 +124,15 @@ def test_generate_command_names_a_missing_column(tmp_path: Path) -> None:
     proc = _cli("generate", "--model", "builtin:tiny-llama", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"))
     assert proc.returncode == 2
     assert str(prompts) in proc.stderr and "prompt" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["ppo", "sft", "rm"])
+def test_output_dir_under_a_file_is_a_named_error_not_a_traceback(command: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "somefile"
+    blocker.write_text("")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "response": "b", "chosen": "b", "rejected": "c"}\n')
+    proc = _cli(command, f"output_dir={blocker / 'run'}", f"data.train=[{rows}]")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"output_dir='{blocker / 'run'}': {blocker} is a file, not a directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and "build+load" not in proc.stdout

@@ -297,6 +297,12 @@ def test_device_and_dtype_checked():
     assert "device='tpu'" in msg and "dtype='fp8'" in msg
 
 
+def test_output_dir_under_a_file_checked(tmp_path):
+    (tmp_path / "somefile").write_text("")
+    msg = validation_message([f"output_dir={tmp_path / 'somefile' / 'run'}"], 1)
+    assert f"output_dir='{tmp_path / 'somefile' / 'run'}': {tmp_path / 'somefile'} is a file, not a directory" in msg
+
+
 def test_all_errors_reported_together(tmp_path):
     missing = tmp_path / "missing"
     msg = validation_message(
