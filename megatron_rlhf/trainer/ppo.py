@@ -73,7 +73,6 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     archs, rules = check_ppo_config(cfg, env.world_size)
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    write_run_files(cfg, Path(cfg.output_dir))
     log(f"ppo: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
         f"advantages {cfg.algorithm.advantage_estimator}, models: "
         + ", ".join(f"{role} {cfg.role(role).path} (tp {cfg.role(role).tp}, pp {cfg.role(role).pp})" for role in archs))  # fmt: skip
@@ -84,6 +83,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
         on_invalid=data.on_invalid, prompt_key=data.prompt_key, extra_keys=data.extra_keys, add_bos=data.add_bos,
     )  # fmt: skip
     log(f"prompts: {report.summary()}")
+    write_run_files(cfg, Path(cfg.output_dir))  # after the data: a run that fails on its data leaves none
 
     def build(role: str) -> RoleModel:
         with timed(f"{role}: build+load", env.device):

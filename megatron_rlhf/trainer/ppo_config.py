@@ -16,6 +16,7 @@ from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
 from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
+from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.engine.optim import OptimConfig
@@ -139,6 +140,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> tuple[dict[str, Archite
             errors.append(f"scoring.rules: {err}")
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
+    errors += data_path_errors("data.train", data.train)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = data.max_prompt_length + sampling.max_new_tokens

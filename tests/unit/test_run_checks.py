@@ -51,3 +51,38 @@ def test_output_dir_under_a_file_is_named(command: str, tmp_path: Path, data_fil
         assert f"output_dir='{output_dir}': {blocker} is a file, not a directory" in message
     COMMANDS[command]([f"output_dir={tmp_path / 'new' / 'run'}", f"data.train=[{data_file}]"])
     assert not (tmp_path / "new").exists()  # checked, not made
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_missing_data_files_are_named_with_their_setting(command: str, tmp_path: Path, data_file: Path) -> None:
+    (tmp_path / "notes.txt").write_text("")
+    message = _error(command, [f"output_dir={tmp_path / 'run'}", f"data.train=[/nope.jsonl,{data_file},{tmp_path / 'notes.txt'}]"])
+    assert "data.train: dataset path '/nope.jsonl' does not exist" in message
+    assert f"data.train: {tmp_path / 'notes.txt'}: unsupported data file extension '.txt'" in message
+    assert str(data_file) not in message
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_missing_validation_files_are_named(command: str, tmp_path: Path, data_file: Path) -> None:
+    message = _error(command, [f"data.train=[{data_file}]", f"data.validation=[{tmp_path / 'val'}]"])
+    assert f"data.validation: dataset path '{tmp_path / 'val'}' does not exist" in message
+
+
+def test_built_in_prompt_sets_are_checked_by_name(tmp_path: Path) -> None:
+    _check_ppo([f"output_dir={tmp_path}", "data.train=[builtin:lowercase-prompts]"])
+    message = _error("ppo", [f"output_dir={tmp_path}", "data.train=[builtin:uppercase-prompts]"])
+    assert "data.train: unknown built-in dataset 'builtin:uppercase-prompts'; available: ['builtin:lowercase-prompts']" in message
+
+
+def test_unreadable_data_files_are_named(tmp_path: Path, data_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened up front (root reads any file, so the refusal is simulated)."""
+    real_open = Path.open
+
+    def refuse(self: Path, *args, **kwargs):
+        if self == data_file:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    message = _error("sft", [f"data.train=[{tmp_path}]"])
+    assert f"data.train: [Errno 13] Permission denied: '{data_file}'" in message
