@@ -34,7 +34,7 @@ class SmokeConfig(ModelsConfig):
 def check_smoke_config(cfg: SmokeConfig, world_size: int) -> dict[str, Architecture]:
     """Every problem at once (``ConfigError``); returns the four models' architectures."""
     errors, archs = role_errors(cfg, ROLES, world_size)
-    raise_if_errors(config_errors(cfg) + errors)
+    raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
     return archs
 
 

@@ -29,7 +29,5 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path) -> None:
     arch = with_token_ids(role.arch, tokenizer)
     start = time.perf_counter()
     save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
-    copied = side_files_in(role.source)
     log(f"saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
-        + (f"copied {', '.join(copied)} from {role.source}" if copied else
-           "no tokenizer files to copy (the model ships none: byte tokenizer)"))  # fmt: skip
+        f"copied {', '.join(side_files_in(role.source))} from {role.source}")

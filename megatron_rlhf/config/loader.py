@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from megatron_rlhf.config.fields import building_tree
@@ -83,7 +83,25 @@ def _unknown_key_error(full_key: str, origin: str, schema: type) -> ConfigError:
     return ConfigError(f"{origin}: unknown key '{full_key}'{hint} (valid keys here: {valid})")
 
 
+def _check_sections(update: Mapping[Any, Any], cls: type, origin: str, prefix: str = "") -> None:
+    """A value where the schema has a section (``rollout=5``, ``rollout: 5`` in a YAML file) is
+    named here: OmegaConf's merge reports it without its key."""
+    hints = typing.get_type_hints(cls)
+    for key, value in update.items():
+        section = hints.get(key)
+        if not dataclasses.is_dataclass(section):
+            continue  # unknown keys and plain values are the merge's to check
+        if isinstance(value, Mapping):
+            _check_sections(value, section, origin, f"{prefix}{key}.")
+            continue
+        names = [f.name for f in dataclasses.fields(section)]
+        raise ConfigError(f"{origin}: {prefix}{key}={value!r} is not valid: {prefix}{key} is a section (keys {names}), "
+                          f"not a single value; set its keys, e.g. {prefix}{key}.{names[0]}=...")
+
+
 def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
+    if isinstance(update, DictConfig):
+        _check_sections(OmegaConf.to_container(update), schema, origin)
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as err:

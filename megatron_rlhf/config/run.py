@@ -6,6 +6,7 @@ Each command's config derives from it (``SmokeConfig``, ``PPOConfig``, the SFT a
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -35,3 +36,13 @@ class RunConfig:
 
     def errors(self) -> list[str]:
         return one_of(self, "device", DEVICES) + one_of(self, "dtype", ["auto", *DTYPES])
+
+    def output_dir_errors(self) -> list[str]:
+        """Why ``output_dir`` cannot be made: checked by each command's up-front checks, with the
+        other settings, so that a run stops before it builds anything (``errors()`` checks values
+        only, not the file system)."""
+        path = Path(self.output_dir)
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if existing.is_dir():
+            return []
+        return [f"output_dir={self.output_dir!r}: {existing} is a file, not a directory"]

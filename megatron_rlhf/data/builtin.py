@@ -1,4 +1,5 @@
-"""Built-in prompt sets: ``builtin:NAME`` in a data path list, written as JSONL on first use.
+"""Built-in prompt sets: ``builtin:NAME`` in a data path list, written as JSONL on first use; and
+the up-front check of a data path list.
 
 They let the default RL run go with no download. Like the built-in models they are ordinary files
 (under the cache directory) that go through the same loader as a user's data.
@@ -13,6 +14,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from megatron_rlhf.data.records import data_files
 from megatron_rlhf.models.builtin import PREFIX, cache_dir, is_builtin, made_once
 
 
@@ -33,6 +35,13 @@ def _write(name: str, target: Path) -> None:
     os.replace(tmp.name, target)  # atomic: a half-written file is never visible
 
 
+def _builtin_name(path: str) -> str:
+    name = path[len(PREFIX) :]
+    if name not in BUILTIN_DATASETS:
+        raise ValueError(f"unknown built-in dataset {path!r}; available: {[PREFIX + n for n in BUILTIN_DATASETS]}")
+    return name
+
+
 def resolve_data_paths(paths: Sequence[str]) -> list[str]:
     """``paths`` with each ``builtin:NAME`` replaced by its JSONL file (written by rank 0 on first
     use; collective when any path is built-in)."""
@@ -41,9 +50,24 @@ def resolve_data_paths(paths: Sequence[str]) -> list[str]:
         if not is_builtin(path):
             resolved.append(path)
             continue
-        name = path[len(PREFIX) :]
-        if name not in BUILTIN_DATASETS:
-            raise ValueError(f"unknown built-in dataset {path!r}; available: {[PREFIX + n for n in BUILTIN_DATASETS]}")
+        name = _builtin_name(path)
         target = made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target: _write(name, target))
         resolved.append(str(target))
     return resolved
+
+
+def data_path_errors(key: str, paths: Sequence[str]) -> list[str]:
+    """Why the data paths of setting ``key`` cannot be read (missing, not a data file, unreadable,
+    an unknown built-in set), for a command's up-front checks: a run with a wrong path stops
+    before it writes or builds anything, not when its data is loaded."""
+    errors = []
+    for path in paths:
+        try:
+            if is_builtin(path):
+                _builtin_name(path)
+                continue
+            for file in data_files(path):
+                file.open("rb").close()
+        except (OSError, ValueError) as err:  # DataError is a ValueError
+            errors.append(f"{key}: {err}")
+    return errors

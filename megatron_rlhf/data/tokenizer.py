@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.builtin import is_builtin
+from megatron_rlhf.models.builtin import BYTE_SPECIALS
 
 from .chat_template import SPECIAL_TOKEN_VARIABLES, ChatTemplate
 
@@ -248,13 +248,15 @@ class SentencePieceTokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens, for built-in random models that ship no tokenizer files.
+    """UTF-8 bytes as tokens: the built-in models' tokenizer in plain Python, with no files (their
+    ``tokenizer.json``, written by ``models/builtin.py``, gives the same ids and text).
 
     Ids: pad=0, bos=1, eos=2, byte b -> b + 3. Ids 259..vocab_size-1 exist in the model (a random
     model may sample them) but stand for no byte: they decode to U+FFFD so they stay visible.
     """
 
-    PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
+    PAD, BOS, EOS = range(len(BYTE_SPECIALS))
+    OFFSET = len(BYTE_SPECIALS)
 
     def __init__(self, vocab_size: int) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + self.OFFSET:
@@ -290,8 +292,7 @@ class ByteTokenizer:
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer stored with a model: ``tokenizer.json`` first, else ``tokenizer.model``.
 
-    A directory with neither raises FileNotFoundError; a model that ships none (the built-in
-    random models) should use ``ByteTokenizer(vocab_size)`` instead.
+    A directory with neither raises FileNotFoundError.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -304,18 +305,14 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
 
 def resolve_tokenizer(source: Path, arch: Architecture, model_path: str) -> Tokenizer:
-    """The tokenizer of a model directory; built-in models ship none and get bytes as tokens."""
-    if any((source / name).is_file() for name in TOKENIZER_FILES):
-        tokenizer = load_tokenizer(source)
-        log(f"tokenizer: {tokenizer!r} from {source}")
-        if tokenizer.vocab_size > arch.vocab_size:
-            raise ConfigError(
-                f"the tokenizer in {source} has {tokenizer.vocab_size} tokens but the model's "
-                f"vocab_size is {arch.vocab_size}: token ids would fall outside the embedding"
-            )
-        return tokenizer
-    if is_builtin(model_path):
-        log(f"tokenizer: {model_path} ships no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
-            f"using ByteTokenizer(vocab_size={arch.vocab_size}) (UTF-8 bytes as tokens; pad 0, bos 1, eos 2)")
-        return ByteTokenizer(arch.vocab_size)
-    raise ConfigError(f"model path {model_path!r}: no tokenizer in {source} (looked for {', '.join(TOKENIZER_FILES)})")
+    """The tokenizer of a model directory (built-in models ship theirs: bytes as tokens)."""
+    if not any((source / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model path {model_path!r}: no tokenizer in {source} (looked for {', '.join(TOKENIZER_FILES)})")
+    tokenizer = load_tokenizer(source)
+    log(f"tokenizer: {tokenizer!r} from {source}")
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise ConfigError(
+            f"the tokenizer in {source} has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {arch.vocab_size}: token ids would fall outside the embedding"
+        )
+    return tokenizer

@@ -1,15 +1,22 @@
 """Built-in models: HF-format checkpoints with seeded random weights, made on first use.
 
 ``builtin:NAME`` lets every command run with no download (the default run, CI, benchmarks). The
-checkpoint is written once as ordinary HF safetensors + ``config.json`` under the cache directory
-and then goes through exactly the same import path as a user's checkpoint. Weights depend only on
-NAME, never on the parallel layout or the world size.
+checkpoint is written once as ordinary HF safetensors + ``config.json`` + tokenizer files under the
+cache directory and then goes through exactly the same import path as a user's checkpoint. Weights
+depend only on NAME, never on the parallel layout or the world size.
+
+The tokenizer is UTF-8 bytes as tokens (``data.tokenizer.ByteTokenizer`` gives the same ids), written
+as an HF ``tokenizer.json``: ids pad 0, bos 1, eos 2, byte b -> b + 3; the ids from 259 up exist in
+the model (a random model samples them) and decode to U+FFFD. Being an ordinary HF tokenizer, it
+travels with an exported model, and transformers' ``AutoTokenizer`` reads it. Like any HF tokenizer
+it reads its special-token strings (``<|eos|>``) in a text as those tokens.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import zlib
 from collections.abc import Callable
@@ -45,6 +52,9 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
 INIT_STD = 0.02
+BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")
+"""The byte tokenizer's special tokens (pad, bos, eos): their ids are their positions; byte b is id
+b + len(BYTE_SPECIALS)."""
 
 
 def is_builtin(path: str) -> bool:
@@ -53,6 +63,41 @@ def is_builtin(path: str) -> bool:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MEGATRON_RLHF_CACHE", Path.home() / ".cache" / "megatron_rlhf"))
+
+
+def _byte_chars() -> list[str]:
+    """The stand-in character of each byte 0..255 in a byte-level ``tokenizer.json`` (GPT-2's table,
+    the one the ``tokenizers`` ByteLevel pre-tokenizer and decoder use)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def _write_byte_tokenizer(directory: Path, config: dict[str, Any]) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of the byte tokenizer (see the module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    first_unused = len(BYTE_SPECIALS) + 256
+    tokens = [*BYTE_SPECIALS, *_byte_chars(), *(f"<|unused_{i}|>" for i in range(first_unused, config["vocab_size"]))]
+    tokenizer = Tokenizer(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=[]))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)  # no merges: one token a byte
+    # Decoding, token by token: specials carry no text, unused ids show as U+FFFD, then the bytes
+    # (and U+FFFD's own) are read as UTF-8, each invalid sequence as U+FFFD: ByteTokenizer.decode.
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace(Regex("^(" + "|".join(map(re.escape, BYTE_SPECIALS)) + ")$"), ""),
+        decoders.Replace(Regex(r"^<\|unused_\d+\|>$"), "\ufffd"),
+        decoders.ByteLevel(),
+    ])  # fmt: skip
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in BYTE_SPECIALS])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    pad, bos, eos = BYTE_SPECIALS
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "bos_token": bos, "eos_token": eos,
+        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
+    }  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def _write_checkpoint(name: str, target: Path) -> None:
@@ -69,6 +114,7 @@ def _write_checkpoint(name: str, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_byte_tokenizer(tmp, config)
     os.replace(tmp, target)  # atomic: a half-written checkpoint is never visible
 
 
@@ -100,4 +146,5 @@ def builtin_checkpoint(path: str) -> Path:
     """The HF directory for ``builtin:NAME``, written by rank 0 on first use (collective)."""
     builtin_config(path)
     name = path[len(PREFIX):]
-    return made_once(cache_dir() / "builtin" / f"{name}-v1", lambda target: _write_checkpoint(name, target))
+    # v2: with tokenizer files (v1 had none); the weights are the same.
+    return made_once(cache_dir() / "builtin" / f"{name}-v2", lambda target: _write_checkpoint(name, target))

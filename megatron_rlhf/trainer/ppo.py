@@ -80,7 +80,6 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     archs = checked.archs
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    write_run_files(cfg, Path(cfg.output_dir))
     log(f"ppo: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
         f"advantages {cfg.algorithm.advantage_estimator}, models: "
         + ", ".join(f"{role} {cfg.role(role).path} (tp {cfg.role(role).tp}, pp {cfg.role(role).pp})" for role in archs))  # fmt: skip
@@ -92,6 +91,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
         apply_chat_template=data.apply_chat_template,
     )  # fmt: skip
     log(f"prompts: {report.summary()}")
+    write_run_files(cfg, Path(cfg.output_dir))  # after the data: a run that fails on its data leaves none
 
     def build(role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
         with timed(f"{role}: build+load", env.device):

@@ -17,6 +17,7 @@ from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
 from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
+from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.engine.optim import OptimConfig
@@ -137,6 +138,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     roles = models_used(cfg)
     unused = [role for role in ("critic", "reference", "reward") if role not in roles]
     errors = config_errors(cfg, unused=unused + (["critic_optim"] if "critic" not in roles else []))
+    errors += cfg.output_dir_errors()
     found, archs = role_errors(cfg, roles, world_size)
     errors += found + _reference_update_errors(cfg, roles, archs)
     algo, rollout, data, sampling = cfg.algorithm, cfg.rollout, cfg.data, cfg.rollout.sampling
@@ -151,6 +153,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     errors += found
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
+    errors += data_path_errors("data.train", data.train)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = data.max_prompt_length + sampling.max_new_tokens

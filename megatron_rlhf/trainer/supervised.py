@@ -21,6 +21,7 @@ from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import Tokenizer
+from megatron_rlhf.data.builtin import data_path_errors, resolve_data_paths
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.engine.optim import OptimConfig, TrainState, make_train_state
@@ -75,9 +76,11 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
                 f"global_batch_size={cfg.global_batch_size} must be divisible by the data-parallel size "
                 f"dp={dp} (world size {world_size} / (model.tp={model.tp} * model.pp={model.pp}))"
             )
-    if not cfg.data.train:  # type: ignore[attr-defined]
+    data = cfg.data  # type: ignore[attr-defined]
+    if not data.train:
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
-    raise_if_errors(config_errors(cfg) + errors)
+    errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
+    raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
     assert arch is not None
     return arch
 
@@ -120,18 +123,19 @@ def set_up_run(
     cfg: SupervisedConfig, env: DistEnv, *, name: str, role: str, score_head: bool,
     load: Callable[[list[str], Tokenizer, Any, str], Any],
 ) -> SupervisedRun:  # fmt: skip
-    """Check the config, seed, write config.yaml, read the train/validation data with
-    ``load(paths, tokenizer, cfg.data, "train" | "validation")``, build the model and its state."""
+    """Check the config, seed, read the train/validation data with ``load(paths, tokenizer,
+    cfg.data, "train" | "validation")``, write config.yaml (a run that fails on its data leaves
+    none behind), build the model and its state."""
     arch = check_config(cfg, env.world_size, score_head=score_head)
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    write_run_files(cfg, Path(cfg.output_dir))
     log(f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
         f"model {cfg.model.path}")  # fmt: skip
     tokenizer = resolve_tokenizer(local_dir(cfg.model.path), arch, cfg.model.path)
     data = cfg.data  # type: ignore[attr-defined]
-    train = load(data.train, tokenizer, data, "train")
-    validation = load(data.validation, tokenizer, data, "validation") if data.validation else None
+    train = load(resolve_data_paths(data.train), tokenizer, data, "train")
+    validation = load(resolve_data_paths(data.validation), tokenizer, data, "validation") if data.validation else None
+    write_run_files(cfg, Path(cfg.output_dir))
     with timed("build+load model", env.device):
         model = build_role(role, cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
         state = make_train_state(model, cfg.optim)

@@ -90,9 +90,9 @@ def test_default_grpo_run_learns_its_rule_reward(tmp_path: Path) -> None:
 
 
 def _builtin_dir() -> Path:
-    from megatron_rlhf.models.builtin import cache_dir
+    from megatron_rlhf.models.builtin import builtin_checkpoint
 
-    return cache_dir() / "builtin" / "tiny-llama-v1"
+    return builtin_checkpoint("builtin:tiny-llama")
 
 
 PPO_ARGS = ("max_steps=2", "prompts_per_step=4", "mini_batch_size=8", "algorithm.advantage_estimator=gae",

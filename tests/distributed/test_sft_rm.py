@@ -106,18 +106,26 @@ def test_adjacent_pairs_reorders_pack_batch_layout() -> None:
     assert batch["lengths"].tolist() == [3, 2, 4, 2, 5, 2]
 
 
-@pytest.mark.distributed
-def test_sft_loss_drops_and_export_loads_in_transformers(tmp_path: Path) -> None:
-    from transformers import LlamaForCausalLM
-
-    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(256, 0))
-    val_rows = _sft_rows(32, 1)
-    val = _write_jsonl(tmp_path / "val.jsonl", val_rows)
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def sft_single(tmp_path_factory: pytest.TempPathFactory):
+    """The built-in tiny Llama fine-tuned at TP1 in one process: 40 steps, validated at the end."""
+    root = tmp_path_factory.mktemp("sft-single")
+    train = _write_jsonl(root / "train.jsonl", _sft_rows(256, 0))
+    val = _write_jsonl(root / "val.jsonl", _sft_rows(32, 1))
+    out = root / "run"
     proc = _cli("sft", "--config", "sft-tiny", f"data.train=[{train}]", f"data.validation=[{val}]",
                 f"output_dir={out}", "max_steps=40", "log_every=10")  # fmt: skip
+    return out, train, proc
+
+
+@pytest.mark.distributed
+def test_sft_loss_drops_and_export_loads_in_transformers(sft_single) -> None:
+    from transformers import LlamaForCausalLM
+
+    out, _, proc = sft_single
+    val_rows = _sft_rows(32, 1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "using ByteTokenizer(vocab_size=512)" in proc.stdout
+    assert "tokenizer: HFTokenizer(" in proc.stdout and "copied tokenizer.json, tokenizer_config.json" in proc.stdout
     assert "train data: read 256 rows from 1 file(s): kept 256" in proc.stdout
     assert "step 40/40" in proc.stdout and "tokens/s" in proc.stdout
 
@@ -145,6 +153,32 @@ def test_sft_loss_drops_and_export_loads_in_transformers(tmp_path: Path) -> None
     assert tokens == validation["tokens"]
     assert abs(nll / tokens - validation["nll"]) < 1e-4 * validation["nll"], (nll / tokens, validation)
     assert nll / tokens < 0.5 * first
+
+
+@pytest.mark.distributed
+def test_sft_export_is_a_model_path_that_tokenizes_identically(sft_single) -> None:
+    """The exported hf/ dir of a built-in model carries its byte tokenizer: a second run from it
+    reads the same token ids (same batches, same token counts), and transformers reads them too."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data import ByteTokenizer, load_tokenizer
+
+    first_out, train, first = sft_single
+    assert first.returncode == 0, first.stderr[-3000:]
+    hf_dir = first_out / "hf"
+    second_out = first_out.parent / "from-export"
+    proc = _cli("sft", "--config", "sft-tiny", f"model.path={hf_dir}", f"data.train=[{train}]",
+                f"output_dir={second_out}", "max_steps=3", "log_every=1")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert f"tokenizer: HFTokenizer('{hf_dir / 'tokenizer.json'}'" in proc.stdout
+    assert [r["tokens"] for r in _records(second_out, "train")] == [r["tokens"] for r in _records(first_out, "train")[:3]]
+    reference, ours, theirs = ByteTokenizer(512), load_tokenizer(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
+    for row in _sft_rows(32, 0) + [{"prompt": "héllo wörld — 日本語", "response": " 🙂 e\u0301\n"}]:
+        for text in row.values():
+            ids = reference.encode(text)
+            assert ours.encode(text) == theirs.encode(text) == ids == _byte_ids(text)
+            assert ours.decode(ids + [EOS]) == theirs.decode(ids + [EOS]) == text
+    assert (ours.pad_id, ours.bos_id, ours.eos_id) == (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id) == (PAD, BOS, EOS)
 
 
 @pytest.mark.distributed

@@ -115,6 +115,28 @@ def test_scalar_for_a_section_is_a_config_error():
         load_config("smoke", ["actor=5"])
 
 
+@pytest.mark.parametrize("text, origin", [("rollout=5", "override 'rollout=5'"), ("rollout: 5\n", "run.yaml")])
+def test_a_value_where_a_section_belongs_names_the_section(tmp_path, text, origin):
+    from megatron_rlhf.trainer.ppo_config import PPOConfig
+
+    if text.endswith("\n"):
+        (tmp_path / "run.yaml").write_text(text)
+        preset, overrides = str(tmp_path / "run.yaml"), []
+    else:
+        preset, overrides = "ppo-tiny", [text]
+    with pytest.raises(ConfigError) as info:
+        load_any_config(preset, overrides, schema=PPOConfig)
+    assert str(info.value).endswith(f"{origin}: rollout=5 is not valid: rollout is a section (keys ['tp', 'sampling', "
+                                    "'engine']), not a single value; set its keys, e.g. rollout.tp=...")
+
+
+def test_a_value_where_a_nested_section_belongs_names_its_full_key():
+    from megatron_rlhf.trainer.ppo_config import PPOConfig
+
+    with pytest.raises(ConfigError, match=r"rollout\.sampling=3 is not valid: rollout\.sampling is a section"):
+        load_any_config("ppo-tiny", ["rollout={sampling: 3}"], schema=PPOConfig)
+
+
 @pytest.mark.parametrize("override", ["seed", "actor.tp", ""])
 def test_override_without_equals(override):
     with pytest.raises(ConfigError) as info:
@@ -273,6 +295,12 @@ def test_unsupported_hf_directory_reported(tmp_path):
 def test_device_and_dtype_checked():
     msg = validation_message(["device=tpu", "dtype=fp8"], 1)
     assert "device='tpu'" in msg and "dtype='fp8'" in msg
+
+
+def test_output_dir_under_a_file_checked(tmp_path):
+    (tmp_path / "somefile").write_text("")
+    msg = validation_message([f"output_dir={tmp_path / 'somefile' / 'run'}"], 1)
+    assert f"output_dir='{tmp_path / 'somefile' / 'run'}': {tmp_path / 'somefile'} is a file, not a directory" in msg
 
 
 def test_all_errors_reported_together(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 
@@ -185,6 +186,37 @@ def test_byte_tokenizer_round_trip():
         assert tok.decode(ids) == text
     assert tok.decode([1] + tok.encode("日本") + [2, 0, 0]) == "日本"  # specials carry no text
     assert tok.decode([300, ord("x") + 3]) == "\ufffdx"  # ids past the bytes stay visible
+
+
+def _mixed_texts() -> list[str]:
+    """ASCII, Latin, combining marks, CJK, emoji, control characters and whitespace, mixed."""
+    rng = random.Random(0)
+    ranges = [(0x20, 0x7E), (0x00, 0x2FF), (0x3000, 0x9FFF), (0x1F300, 0x1FAFF), (0x0A, 0x0A), (0x0300, 0x036F)]
+    mixed = ["".join(chr(rng.randint(*rng.choice(ranges))) for _ in range(rng.randint(1, 40))) for _ in range(200)]
+    return TEXTS + ["", "\x00\x7f\x80\xff", "e\u0301 \r\n\t  Ġ Ċ"] + mixed
+
+
+def test_built_in_models_ship_the_byte_tokenizer_as_tokenizer_json():
+    """The built-in models' tokenizer.json gives ByteTokenizer's ids, here and in transformers'
+    AutoTokenizer; both decode any ids as ByteTokenizer does (specials no text, ids past the bytes
+    U+FFFD, invalid UTF-8 U+FFFD)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.models.builtin import builtin_checkpoint
+
+    model_dir = builtin_checkpoint("builtin:tiny-llama")
+    reference, ours, theirs = ByteTokenizer(512), load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert isinstance(ours, HFTokenizer)
+    assert (ours.pad_id, ours.bos_id, ours.eos_id, ours.vocab_size, ours.stop_ids) == (0, 1, 2, 512, (2,))
+    assert (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id, len(theirs)) == (0, 1, 2, 512)
+    for text in _mixed_texts():
+        ids = reference.encode(text)
+        assert ours.encode(text) == ids and theirs.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids) == text
+    rng = random.Random(1)
+    for _ in range(2000):
+        ids = [rng.choice([rng.randrange(512), rng.randrange(3), rng.randrange(0x83, 259)]) for _ in range(rng.randrange(30))]
+        assert ours.decode(ids) == theirs.decode(ids) == reference.decode(ids), ids
 
 
 def test_byte_tokenizer_errors():

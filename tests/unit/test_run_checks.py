@@ -1,0 +1,88 @@
+"""The up-front checks of what a trainer's run writes and reads (its output directory, its data
+files): each command names the setting and the path before it writes or builds anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config.loader import ConfigError, load_config
+from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
+from megatron_rlhf.trainer.rm import RMConfig
+from megatron_rlhf.trainer.sft import SFTConfig
+from megatron_rlhf.trainer.supervised import check_config
+
+
+def _check_ppo(overrides: list[str]) -> None:
+    check_ppo_config(load_config("ppo-tiny", overrides, schema=PPOConfig), 1)
+
+
+def _check_supervised(schema: type, score_head: bool) -> Callable[[list[str]], None]:
+    def check(overrides: list[str]) -> None:
+        check_config(load_config(None, overrides, schema=schema), 1, score_head=score_head)
+
+    return check
+
+
+COMMANDS = {"ppo": _check_ppo, "sft": _check_supervised(SFTConfig, False), "rm": _check_supervised(RMConfig, True)}
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "response": "b", "chosen": "b", "rejected": "c"}\n')
+    return path
+
+
+def _error(command: str, overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        COMMANDS[command](overrides)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_output_dir_under_a_file_is_named(command: str, tmp_path: Path, data_file: Path) -> None:
+    blocker = tmp_path / "somefile"
+    blocker.write_text("")
+    for output_dir in (blocker / "run", blocker):
+        message = _error(command, [f"output_dir={output_dir}", f"data.train=[{data_file}]"])
+        assert f"output_dir='{output_dir}': {blocker} is a file, not a directory" in message
+    COMMANDS[command]([f"output_dir={tmp_path / 'new' / 'run'}", f"data.train=[{data_file}]"])
+    assert not (tmp_path / "new").exists()  # checked, not made
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_missing_data_files_are_named_with_their_setting(command: str, tmp_path: Path, data_file: Path) -> None:
+    (tmp_path / "notes.txt").write_text("")
+    message = _error(command, [f"output_dir={tmp_path / 'run'}", f"data.train=[/nope.jsonl,{data_file},{tmp_path / 'notes.txt'}]"])
+    assert "data.train: dataset path '/nope.jsonl' does not exist" in message
+    assert f"data.train: {tmp_path / 'notes.txt'}: unsupported data file extension '.txt'" in message
+    assert str(data_file) not in message
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_missing_validation_files_are_named(command: str, tmp_path: Path, data_file: Path) -> None:
+    message = _error(command, [f"data.train=[{data_file}]", f"data.validation=[{tmp_path / 'val'}]"])
+    assert f"data.validation: dataset path '{tmp_path / 'val'}' does not exist" in message
+
+
+def test_built_in_prompt_sets_are_checked_by_name(tmp_path: Path) -> None:
+    _check_ppo([f"output_dir={tmp_path}", "data.train=[builtin:lowercase-prompts]"])
+    message = _error("ppo", [f"output_dir={tmp_path}", "data.train=[builtin:uppercase-prompts]"])
+    assert "data.train: unknown built-in dataset 'builtin:uppercase-prompts'; available: ['builtin:lowercase-prompts']" in message
+
+
+def test_unreadable_data_files_are_named(tmp_path: Path, data_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened up front (root reads any file, so the refusal is simulated)."""
+    real_open = Path.open
+
+    def refuse(self: Path, *args, **kwargs):
+        if self == data_file:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    message = _error("sft", [f"data.train=[{tmp_path}]"])
+    assert f"data.train: [Errno 13] Permission denied: '{data_file}'" in message
