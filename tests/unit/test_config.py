@@ -127,7 +127,8 @@ def test_a_value_where_a_section_belongs_names_the_section(tmp_path, text, origi
     with pytest.raises(ConfigError) as info:
         load_any_config(preset, overrides, schema=PPOConfig)
     assert str(info.value).endswith(f"{origin}: rollout=5 is not valid: rollout is a section (keys ['tp', 'sampling', "
-                                    "'engine']), not a single value; set its keys, e.g. rollout.tp=...")
+                                    "'engine', 'filter_groups', 'max_sample_batches']), not a single value; set its keys, "
+                                    "e.g. rollout.tp=...")  # fmt: skip
 
 
 def test_a_value_where_a_nested_section_belongs_names_its_full_key():
