@@ -24,8 +24,8 @@ class DataFilesConfig:
     """Prepend the tokenizer's BOS id to every sequence (for text that does not already hold it)."""
     num_workers: int = 0
     """Processes that read and tokenize the rows at start-up (0: this process); the datasets are the
-    same either way. Each costs a Python start (~2 s, importing torch) and every rank starts its own:
-    worth it for sets whose tokenization takes longer, with workers x ranks per node <= its cores."""
+    same either way. Each costs a Python start (~1.5 s of CPU: it imports torch) and every rank
+    starts its own: for sets that take minutes to tokenize, with workers x ranks per node <= cores."""
 
     def errors(self) -> list[str]:
         return (one_of(self, "on_overlong", get_args(OnProblem)) + one_of(self, "on_invalid", get_args(OnProblem))
