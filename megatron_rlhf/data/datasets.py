@@ -51,6 +51,8 @@ import functools
 import multiprocessing
 import pickle
 from array import array
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -508,13 +510,22 @@ class _Loader:
         pieces = self.num_workers * _SPANS_PER_WORKER
         spans = split_files(self.files, pieces)
         # spawn, not fork: a forked child of a process running torch's threads (or CUDA) can hang.
-        context = multiprocessing.get_context("spawn")
-        with context.Pool(min(self.num_workers, len(spans)), initializer=_start_worker, initargs=(loader,)) as pool:
+        # An executor, not a Pool: a worker that dies (out of memory) breaks it instead of hanging it.
+        pool = ProcessPoolExecutor(max_workers=min(self.num_workers, len(spans)), initializer=_start_worker,
+                                   initargs=(loader,), mp_context=multiprocessing.get_context("spawn"))  # fmt: skip
+        try:
             # Many small files make many spans: hand them out a few at a time.
-            parts = pool.imap(_read_span, spans, chunksize=max(len(spans) // pieces, 1))
+            parts = pool.map(_read_span, spans, chunksize=max(len(spans) // pieces, 1))
             whole = next(parts)
             for part in parts:
                 whole.extend(part)
+        except BrokenProcessPool as exc:
+            files = [str(f) for f in self.files]
+            raise RuntimeError(f"a data-loading worker process failed to start or died (out of memory?) while "
+                               f"reading {files[:3]}{' ...' if len(files) > 3 else ''}: lower data.num_workers="
+                               f"{self.num_workers}, or set it to 0") from exc  # fmt: skip
+        finally:
+            pool.shutdown(cancel_futures=True)
         return whole
 
     def problem(self, report: DataReport, rec: Record, p: _RowProblem) -> None:

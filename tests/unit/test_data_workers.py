@@ -4,6 +4,7 @@ process: ids, masks, extras, skip reports, and the message of the first error in
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,20 @@ def test_num_workers_setting():
     assert DataFilesConfig(num_workers=-1).errors() == ["num_workers=-1 must be >= 0"]
     assert config_errors(load_config("sft-tiny", ["data.num_workers=-1"], schema=SFTConfig)) == [
         "data.num_workers=-1 must be >= 0"]
+
+
+class DyingTokenizer(ByteTokenizer):
+    """Kills the worker process that meets the text 'die', as the out-of-memory killer would."""
+
+    def encode(self, text: str) -> list[int]:
+        if text == "die":
+            os._exit(1)
+        return super().encode(text)
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
+    f = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}] * 40
+                    + [{"prompt": "die", "response": "r"}])
+    with pytest.raises(RuntimeError, match=r"a data-loading worker process failed to start or died \(out of memory\?\) "
+                                           r"while reading \['.*a.jsonl'\]: lower data.num_workers=2, or set it to 0"):
+        load_sft_dataset(f, DyingTokenizer(300), max_length=8, num_workers=WORKERS)
