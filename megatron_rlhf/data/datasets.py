@@ -487,6 +487,7 @@ class _Loader:
         return part
 
     def read(self, records: Iterable[Record]) -> _Part:
+        """The examples of ``records``: all rows (in this process) or one span (in a worker)."""
         part = _Part([_TokenStore(with_mask=m) for m in self.masks], [] if self.with_extras else None,
                      DataReport(files=len(self.files)))  # fmt: skip
         for rec in records:
