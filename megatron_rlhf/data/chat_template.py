@@ -76,6 +76,7 @@ class ChatTemplate:
     """A compiled chat template and the special-token strings it is rendered with.
 
     ``source`` names where the template came from (a file, or a field of one), for error messages.
+    It pickles as its text, compiled again on loading (for data-loading worker processes).
     """
 
     def __init__(self, template: str, source: str, special_tokens: Mapping[str, str]) -> None:
@@ -84,8 +85,11 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"{source}: the chat template does not compile: {exc.message} "
                              f"(line {exc.lineno})") from exc
-        self.source = source
+        self.text, self.source = template, source
         self.special_tokens = dict(special_tokens)
+
+    def __reduce__(self) -> tuple[type[ChatTemplate], tuple[str, str, dict[str, str]]]:
+        return ChatTemplate, (self.text, self.source, self.special_tokens)
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The conversation as prompt text, ending with the generation prompt (the assistant's turn)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import get_args
 
-from megatron_rlhf.config.fields import one_of
+from megatron_rlhf.config.fields import at_least, one_of
 from megatron_rlhf.data.datasets import OnProblem
 
 
@@ -22,6 +22,11 @@ class DataFilesConfig:
     """The same for rows with a bad value (null, empty, wrong type, token id out of range)."""
     add_bos: bool = False
     """Prepend the tokenizer's BOS id to every sequence (for text that does not already hold it)."""
+    num_workers: int = 0
+    """Processes that read and tokenize the rows at start-up (0: this process); the datasets are the
+    same either way. Each costs a Python start (~1.5 s of CPU: it imports torch) and every rank
+    starts its own: for sets that take minutes to tokenize, with workers x ranks per node <= cores."""
 
     def errors(self) -> list[str]:
-        return one_of(self, "on_overlong", get_args(OnProblem)) + one_of(self, "on_invalid", get_args(OnProblem))
+        return (one_of(self, "on_overlong", get_args(OnProblem)) + one_of(self, "on_invalid", get_args(OnProblem))
+                + at_least(self, 0, "num_workers"))  # fmt: skip

@@ -28,13 +28,32 @@ returned ``DataReport`` ("skip"). The loaders log nothing; callers print ``repor
 
 Examples are kept in flat int32 storage (about 5 bytes per token, against ~36 for Python int
 lists), so that million-row SFT sets fit in host memory; ``dataset[i]`` returns tensor views.
+
+``num_workers`` (``data.num_workers``) > 0 reads and tokenizes in that many worker processes: the
+files are cut into spans of consecutive rows (``records.split_files``; about four per worker),
+each worker runs the same row code over its spans into flat storage, and the spans are appended in
+order. Rows keep their file and row numbers, so datasets, skip reports and error messages are those
+of one process; a worker's error is raised when its span's turn comes, so the first error in row
+order wins. Workers are spawned, not forked (a fork of a process running torch's threads or CUDA
+can hang), and get the loader pickled, tokenizer included (a chat template is compiled again).
+
+Data is read once, at start-up; nothing is loaded per step. A step's batch is the sampler's indices
+(a function of seed, epoch and step: a run's data position is its step) into this storage, padded
+by ``pack_batch``: about 10 ms on one CPU core for 512 rows of ~1k tokens (docs/benchmarks.md),
+against seconds of GPU work. So there is no DataLoader-style per-step prefetching
+(``prefetch_factor``, ``persistent_workers``): there is no per-step loading for it to overlap.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import multiprocessing
+import pickle
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +62,7 @@ import torch
 from torch import Tensor
 
 from .chat_template import ChatTemplateError
-from .records import DataError, Record, data_files, read_records
+from .records import DataError, Record, Span, data_files, read_records, read_span, split_files
 from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer
 
 __all__ = [
@@ -139,10 +158,19 @@ class _TokenStore:
         self._offsets = array("q", [0])
 
     def append(self, ids: list[int], mask: list[int] | None = None) -> None:
-        self._ids.extend(ids)
+        # fromlist, not extend: half the time per token, a third of a loader's time with byte tokens.
+        self._ids.fromlist(ids)
         if self._mask is not None:
-            self._mask.extend(mask)
+            self._mask.fromlist(mask)
         self._offsets.append(len(self._ids))
+
+    def extend(self, other: _TokenStore) -> None:
+        """Append every sequence of ``other`` (a worker's share, which follows these rows)."""
+        base = len(self._ids)
+        self._ids.extend(other._ids)
+        if self._mask is not None:
+            self._mask.extend(other._mask)
+        self._offsets.frombytes((np.frombuffer(other._offsets, dtype=np.int64)[1:] + base).tobytes())
 
     def freeze(self) -> tuple[Tensor, Tensor | None, Tensor]:
         ids = torch.from_numpy(np.frombuffer(self._ids, dtype=np.int32))
@@ -271,6 +299,16 @@ class DataReport:
         if len(kept) < MAX_SAMPLES:
             kept.append(where)
 
+    def merge(self, other: DataReport) -> None:
+        """Add the counts and samples of ``other``, the report of the rows that follow these."""
+        self.rows += other.rows
+        self.kept += other.kept
+        for reason, n in other.skipped.items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + n
+        for reason, samples in other.samples.items():
+            kept = self.samples.setdefault(reason, [])
+            kept.extend(samples[: MAX_SAMPLES - len(kept)])
+
     def summary(self) -> str:
         """One line for the log, e.g. 'read 10 rows from 2 files: kept 8, skipped 2 (overlong 2: ...)'."""
         text = f"read {self.rows} rows from {self.files} file(s): kept {self.kept}"
@@ -388,14 +426,45 @@ def _response(ids: list[int], eos: int | None) -> list[int]:
 
 # --------------------------------------------------------------------------- loaders
 
+_Sequence = tuple[list[int], list[int] | None]  # ids, and loss mask for stores that keep one
+_SPANS_PER_WORKER = 4  # several spans per worker, so that a slow span does not leave the others idle
+
+
+@dataclasses.dataclass
+class _Part:
+    """The examples of consecutive rows, in row order, and their report: a whole dataset, or one
+    worker's span, appended to the others in order."""
+
+    stores: list[_TokenStore]
+    extras: list[dict[str, Any]] | None
+    report: DataReport
+
+    def add(self, sequences: list[_Sequence], extras: dict[str, Any] | None) -> None:
+        for store, (ids, mask) in zip(self.stores, sequences, strict=True):
+            store.append(ids, mask)
+        if self.extras is not None:
+            self.extras.append(extras)
+        self.report.kept += 1
+
+    def extend(self, other: _Part) -> None:
+        for store, theirs in zip(self.stores, other.stores, strict=True):
+            store.extend(theirs)
+        if self.extras is not None:
+            self.extras.extend(other.extras)
+        self.report.merge(other.report)
+
 
 class _Loader:
-    """The shared loop: read rows, turn problems into errors or counted skips, count the rest."""
+    """One load: its settings, the kind's row function and the shared loop (read rows, turn problems
+    into errors or counted skips). It is what a worker process gets, so it must pickle."""
 
     def __init__(self, paths: str | Path | Sequence[str | Path], tokenizer: Tokenizer, max_length: int,
-                 length_setting: str, on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool) -> None:
+                 length_setting: str, on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool,
+                 num_workers: int, row: _RowFn, masks: tuple[bool, ...], with_extras: bool) -> None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
         for name, value in (("on_overlong", on_overlong), ("on_invalid", on_invalid)):
             if value not in _POLICIES:
                 raise ValueError(f"{name} must be one of {_POLICIES}, got {value!r}")
@@ -405,29 +474,68 @@ class _Loader:
             raise ValueError(f"{tokenizer!r} has no bos_id; pass add_bos=False")
         self.files: list[Path] = data_files(paths)
         self.tokenizer, self.max_length, self.length_setting = tokenizer, max_length, length_setting
-        self.on_overlong, self.on_invalid = on_overlong, on_invalid
+        self.on_overlong, self.on_invalid, self.num_workers = on_overlong, on_invalid, num_workers
         self.eos = tokenizer.eos_id if append_eos else None
         self.bos: list[int] = [tokenizer.bos_id] if add_bos else []
-        self.report = DataReport(files=len(self.files))
+        self.row, self.masks, self.with_extras = row, masks, with_extras
 
-    def rows(self) -> Iterator[Record]:
-        """Every row of every file, counted."""
-        for rec in read_records(self.files):
-            self.report.rows += 1
-            yield rec
+    def load(self) -> _Part:
+        """Every row of every file, in order: here, or in ``num_workers`` processes (same result)."""
+        part = self.read(read_records(self.files)) if self.num_workers == 0 else self._read_in_workers()
+        if part.report.kept == 0:
+            raise DataError(f"no usable examples in {[str(f) for f in self.files]}: {part.report.summary()}")
+        return part
 
-    def problem(self, rec: Record, p: _RowProblem) -> None:
+    def read(self, records: Iterable[Record]) -> _Part:
+        """The examples of ``records``: all rows (in this process) or one span (in a worker)."""
+        part = _Part([_TokenStore(with_mask=m) for m in self.masks], [] if self.with_extras else None,
+                     DataReport(files=len(self.files)))  # fmt: skip
+        for rec in records:
+            part.report.rows += 1
+            try:
+                sequences, extras = self.row(self, rec)
+            except _RowProblem as p:
+                self.problem(part.report, rec, p)
+                continue
+            part.add(sequences, extras)
+        return part
+
+    def _read_in_workers(self) -> _Part:
+        """Spans of the files read in worker processes, appended in order. A worker's error is raised
+        here when its span's turn comes, so the first error in row order wins, as in one process."""
+        try:
+            loader = pickle.dumps(self)
+        except Exception as exc:  # what an object that does not pickle raises varies
+            raise ValueError(f"num_workers={self.num_workers}: {self.tokenizer!r} cannot be sent to worker "
+                             f"processes ({type(exc).__name__}: {exc}); set data.num_workers=0") from exc
+        pieces = self.num_workers * _SPANS_PER_WORKER
+        spans = split_files(self.files, pieces)
+        # spawn, not fork: a forked child of a process running torch's threads (or CUDA) can hang.
+        # An executor, not a Pool: a worker that dies (out of memory) breaks it instead of hanging it.
+        pool = ProcessPoolExecutor(max_workers=min(self.num_workers, len(spans)), initializer=_start_worker,
+                                   initargs=(loader,), mp_context=multiprocessing.get_context("spawn"))  # fmt: skip
+        try:
+            # Many small files make many spans: hand them out a few at a time.
+            parts = pool.map(_read_span, spans, chunksize=max(len(spans) // pieces, 1))
+            whole = next(parts)
+            for part in parts:
+                whole.extend(part)
+        except BrokenProcessPool as exc:
+            files = [str(f) for f in self.files]
+            raise RuntimeError(f"a data-loading worker process failed to start or died (out of memory?) while "
+                               f"reading {files[:3]}{' ...' if len(files) > 3 else ''}: lower data.num_workers="
+                               f"{self.num_workers}, or set it to 0") from exc  # fmt: skip
+        finally:
+            pool.shutdown(cancel_futures=True)
+        return whole
+
+    def problem(self, report: DataReport, rec: Record, p: _RowProblem) -> None:
         """Raise ``p`` as a DataError or count it as a skip, per the loader's policy."""
         where = SkippedRow(str(rec.file), rec.row, p.column, p.detail)
         if (self.on_overlong if p.reason == OVERLONG else self.on_invalid) == "error":
             option = "on_overlong" if p.reason == OVERLONG else "on_invalid"
             raise DataError(f"{where} (pass {option}='skip' to skip and count such rows)")
-        self.report._skip(p.reason, where)
-
-    def finish(self) -> DataReport:
-        if self.report.kept == 0:
-            raise DataError(f"no usable examples in {[str(f) for f in self.files]}: {self.report.summary()}")
-        return self.report
+        report._skip(p.reason, where)
 
     def field(self, rec: Record, key: str) -> list[int]:
         return _field_ids(rec, key, self.tokenizer)
@@ -443,6 +551,55 @@ class _Loader:
                               f"gives {n_tokens} tokens ({parts}) > {self.length_setting}={self.max_length}")
 
 
+# A row -> its sequences (one per store) and extras; raises _RowProblem for a bad value.
+_RowFn = Callable[[_Loader, Record], tuple[list[_Sequence], dict[str, Any] | None]]
+
+_worker_loader: _Loader | None = None  # the loader of this worker process
+
+
+def _start_worker(loader: bytes) -> None:
+    global _worker_loader
+    _worker_loader = pickle.loads(loader)
+
+
+def _read_span(span: Span) -> _Part:
+    assert _worker_loader is not None, "_start_worker runs first in every worker"
+    return _worker_loader.read(read_span(span))
+
+
+def _sft_row(ld: _Loader, rec: Record, prompt_key: str, response_key: str) -> tuple[list[_Sequence], None]:
+    prompt = ld.with_bos(ld.field(rec, prompt_key))
+    response = _response(ld.field(rec, response_key), ld.eos)
+    ld.check_length(len(prompt) + len(response), response_key, f"prompt {len(prompt)} + response {len(response)}")
+    return [(prompt + response, [0] * len(prompt) + [1] * len(response))], None
+
+
+def _preference_row(ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, rejected_key: str
+                    ) -> tuple[list[_Sequence], None]:  # fmt: skip
+    prompt = ld.with_bos(ld.field(rec, prompt_key))
+    chosen = _response(ld.field(rec, chosen_key), ld.eos)
+    rejected = _response(ld.field(rec, rejected_key), ld.eos)
+    for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
+        ld.check_length(len(prompt) + len(resp), key, f"prompt {len(prompt)} + {key} {len(resp)}")
+    prompt_mask = [0] * len(prompt)
+    return [(prompt + chosen, prompt_mask + [1] * len(chosen)),
+            (prompt + rejected, prompt_mask + [1] * len(rejected))], None
+
+
+def _prompt_row(ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], apply_chat_template: bool
+                ) -> tuple[list[_Sequence], dict[str, Any]]:  # fmt: skip
+    missing = [k for k in extra_keys if k not in rec.data]
+    if missing:
+        raise DataError(f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
+                        f"columns present: {_columns(rec)}")
+    value = rec.data.get(prompt_key)
+    ids = (_message_ids(rec, prompt_key, value, ld.tokenizer, apply_chat_template) if isinstance(value, list)
+           else ld.field(rec, prompt_key))  # fmt: skip
+    prompt = ld.with_bos(ids)
+    ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
+    return [(prompt, None)], {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
+
+
 def load_sft_dataset(
     paths: str | Path | Sequence[str | Path],
     tokenizer: Tokenizer,
@@ -454,23 +611,13 @@ def load_sft_dataset(
     response_key: str = "response",
     append_eos: bool = True,
     add_bos: bool = False,
+    num_workers: int = 0,
 ) -> tuple[SFTDataset, DataReport]:
     """SFT sequences from ``.jsonl``/``.parquet`` files or directories (see the module docstring)."""
-    ld = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos)
-    store = _TokenStore(with_mask=True)
-    for rec in ld.rows():
-        try:
-            prompt = ld.with_bos(ld.field(rec, prompt_key))
-            response = _response(ld.field(rec, response_key), ld.eos)
-            ld.check_length(len(prompt) + len(response), response_key,
-                            f"prompt {len(prompt)} + response {len(response)}")
-        except _RowProblem as p:
-            ld.problem(rec, p)
-            continue
-        store.append(prompt + response, [0] * len(prompt) + [1] * len(response))
-        ld.report.kept += 1
-    report = ld.finish()
-    return SFTDataset(store), report
+    row = functools.partial(_sft_row, prompt_key=prompt_key, response_key=response_key)
+    part = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos,
+                   num_workers, row, masks=(True,), with_extras=False).load()  # fmt: skip
+    return SFTDataset(part.stores[0]), part.report
 
 
 def load_preference_dataset(
@@ -485,26 +632,13 @@ def load_preference_dataset(
     rejected_key: str = "rejected",
     append_eos: bool = True,
     add_bos: bool = False,
+    num_workers: int = 0,
 ) -> tuple[PreferenceDataset, DataReport]:
     """Preference pairs for reward models / DPO; a row is over-long if either side is."""
-    ld = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos)
-    chosen_store, rejected_store = _TokenStore(with_mask=True), _TokenStore(with_mask=True)
-    for rec in ld.rows():
-        try:
-            prompt = ld.with_bos(ld.field(rec, prompt_key))
-            chosen = _response(ld.field(rec, chosen_key), ld.eos)
-            rejected = _response(ld.field(rec, rejected_key), ld.eos)
-            for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
-                ld.check_length(len(prompt) + len(resp), key, f"prompt {len(prompt)} + {key} {len(resp)}")
-        except _RowProblem as p:
-            ld.problem(rec, p)
-            continue
-        prompt_mask = [0] * len(prompt)
-        chosen_store.append(prompt + chosen, prompt_mask + [1] * len(chosen))
-        rejected_store.append(prompt + rejected, prompt_mask + [1] * len(rejected))
-        ld.report.kept += 1
-    report = ld.finish()
-    return PreferenceDataset(chosen_store, rejected_store), report
+    row = functools.partial(_preference_row, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)
+    part = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos,
+                   num_workers, row, masks=(True, True), with_extras=False).load()  # fmt: skip
+    return PreferenceDataset(*part.stores), part.report
 
 
 def load_prompt_dataset(
@@ -518,32 +652,15 @@ def load_prompt_dataset(
     extra_keys: Sequence[str] = (),
     add_bos: bool = False,
     apply_chat_template: bool = True,
+    num_workers: int = 0,
 ) -> tuple[PromptDataset, DataReport]:
     """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row. A
     verl row's reward inputs join its extras (and win over extra columns of the same name).
 
     ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template; text and
     pre-tokenized prompts are never templated (they may be chat-formatted already)."""
-    ld = _Loader(paths, tokenizer, max_length, "data.max_prompt_length", on_overlong, on_invalid, False, add_bos)
-    store = _TokenStore(with_mask=False)
-    extras: list[dict[str, Any]] = []
-    for rec in ld.rows():
-        missing = [k for k in extra_keys if k not in rec.data]
-        if missing:
-            raise DataError(f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
-                            f"columns present: {_columns(rec)}")
-        try:
-            value = rec.data.get(prompt_key)
-            ids = (_message_ids(rec, prompt_key, value, tokenizer, apply_chat_template) if isinstance(value, list)
-                   else ld.field(rec, prompt_key))  # fmt: skip
-            prompt = ld.with_bos(ids)
-            ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
-            row_extras = {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
-        except _RowProblem as p:
-            ld.problem(rec, p)
-            continue
-        store.append(prompt)
-        extras.append(row_extras)
-        ld.report.kept += 1
-    report = ld.finish()
-    return PromptDataset(store, extras), report
+    row = functools.partial(_prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys),
+                            apply_chat_template=apply_chat_template)  # fmt: skip
+    part = _Loader(paths, tokenizer, max_length, "data.max_prompt_length", on_overlong, on_invalid, False, add_bos,
+                   num_workers, row, masks=(False,), with_extras=True).load()  # fmt: skip
+    return PromptDataset(part.stores[0], part.extras), part.report

@@ -6,6 +6,9 @@ a line that is not UTF-8 or not a JSON object fails naming its 1-based line numb
 is read in sorted name order; entries whose names start with ``.`` or ``_`` (``_SUCCESS``,
 ``.crc``) are metadata and skipped, anything else that is not a data file is an error rather than
 ignored.
+
+``split_files`` cuts files into ``Span``s of consecutive rows that ``read_span`` reads on its own (in
+a worker process), numbering rows and lines exactly as reading the whole file does.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["DataError", "EXTENSIONS", "Record", "data_files", "read_records"]
+__all__ = ["DataError", "EXTENSIONS", "Record", "Span", "data_files", "read_records", "read_span", "split_files"]
 
 EXTENSIONS = (".jsonl", ".parquet")
 _PARQUET_BATCH_ROWS = 1024
@@ -31,6 +34,17 @@ class Record(NamedTuple):
     file: Path
     row: int
     data: dict[str, Any]
+
+
+class Span(NamedTuple):
+    """Consecutive rows of one file, from row ``row`` on. JSONL: bytes ``start`` to ``stop`` (None:
+    to the end), whose first line is line ``line``; Parquet: rows ``start`` to ``stop``."""
+
+    file: Path
+    row: int = 0
+    start: int = 0
+    stop: int | None = None
+    line: int = 1
 
 
 def _check_extension(path: Path) -> None:
@@ -64,17 +78,26 @@ def data_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def _read_jsonl(path: Path) -> Iterator[Record]:
-    row = 0
+def _blank(line: str) -> bool:
+    """A blank line is no row (the reader and ``split_files`` must agree on it)."""
+    return not line.strip()
+
+
+def _read_jsonl(span: Span) -> Iterator[Record]:
+    path, row, pos = span.file, span.row, span.start
     # Bytes, decoded line by line: a text-mode file decodes in chunks and cannot say which line is bad.
     with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        f.seek(span.start)
+        for line_no, raw in enumerate(f, start=span.line):
+            if span.stop is not None and pos >= span.stop:
+                return
+            pos += len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise DataError(f"{path}: line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start} "
                                 "of the line); JSONL files must be UTF-8") from None
-            if not line.strip():
+            if _blank(line):
                 continue
             try:
                 data = json.loads(line)
@@ -86,23 +109,86 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
             row += 1
 
 
-def _read_parquet(path: Path) -> Iterator[Record]:
+def _read_parquet(span: Span) -> Iterator[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, stop = span.file, span.stop
+    try:
+        pf = pq.ParquetFile(path)
+        # Only the row groups that hold rows of the span; row counts come from the file's metadata.
+        groups, row, first = [], 0, None
+        for i in range(pf.num_row_groups):
+            n = pf.metadata.row_group(i).num_rows
+            if row + n > span.start and (stop is None or row < stop):
+                groups.append(i)
+                first = row if first is None else first
+            row += n
+        row = first or 0
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=groups):
+            lo = max(span.start - row, 0)
+            hi = batch.num_rows if stop is None else min(stop - row, batch.num_rows)
+            for i, data in enumerate(batch.slice(lo, max(hi - lo, 0)).to_pylist()):
+                yield Record(path, row + lo + i, data)
+            row += batch.num_rows
+            if stop is not None and row >= stop:
+                return
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: cannot read parquet file: {exc}") from exc
+
+
+def read_span(span: Span) -> Iterator[Record]:
+    """The rows of ``span``, numbered as in their file."""
+    return _read_jsonl(span) if span.file.suffix == ".jsonl" else _read_parquet(span)
+
+
+def _jsonl_spans(path: Path, pieces: int) -> list[Span]:
+    """Cut at line starts into about ``pieces`` spans of equal bytes, counting lines and rows on the way."""
+    step = max(path.stat().st_size / pieces, 1.0)
+    spans: list[Span] = []
+    start, start_line, start_row = 0, 1, 0
+    pos, line_no, row = 0, 1, 0
+    with path.open("rb") as f:
+        for raw in f:
+            if pos - start >= step:
+                spans.append(Span(path, start_row, start, pos, start_line))
+                start, start_line, start_row = pos, line_no, row
+            try:
+                row += not _blank(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                row += 1  # reading fails at this line: no row after it is ever read
+            pos += len(raw)
+            line_no += 1
+    return spans + [Span(path, start_row, start, None, start_line)]
+
+
+def _parquet_spans(path: Path, pieces: int) -> list[Span]:
+    """About ``pieces`` spans of equal rows; a file whose metadata cannot be read is one span (its
+    reader raises the error)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
-        batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
-        row = 0
-        for batch in batches:
-            for data in batch.to_pylist():
-                yield Record(path, row, data)
-                row += 1
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: cannot read parquet file: {exc}") from exc
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError):
+        return [Span(path)]
+    bounds = sorted({rows * i // pieces for i in range(pieces + 1)})
+    return [Span(path, a, a, b) for a, b in zip(bounds, bounds[1:])] or [Span(path)]
+
+
+def split_files(files: Sequence[Path], parts: int) -> list[Span]:
+    """Spans of about ``parts`` equal shares of ``files``' bytes, in reading order; each file is cut
+    into pieces in proportion to its size (and is at least one span)."""
+    sizes = [f.stat().st_size for f in files]
+    total = max(sum(sizes), 1)
+    spans: list[Span] = []
+    for f, size in zip(files, sizes):
+        pieces = max(round(parts * size / total), 1)
+        spans += _jsonl_spans(f, pieces) if f.suffix == ".jsonl" else _parquet_spans(f, pieces)
+    return spans
 
 
 def read_records(paths: str | Path | Sequence[str | Path]) -> Iterator[Record]:
     """Yield every row of every file, in order (files sorted within a directory)."""
     for path in data_files(paths):
-        yield from (_read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path))
+        yield from read_span(Span(path))

@@ -88,7 +88,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     prompts, report = load_prompt_dataset(
         resolve_data_paths(data.train), tokenizer, max_length=data.max_prompt_length, on_overlong=data.on_overlong,
         on_invalid=data.on_invalid, prompt_key=data.prompt_key, extra_keys=data.extra_keys, add_bos=data.add_bos,
-        apply_chat_template=data.apply_chat_template,
+        apply_chat_template=data.apply_chat_template, num_workers=data.num_workers,
     )  # fmt: skip
     log(f"prompts: {report.summary()}")
     write_run_files(cfg, Path(cfg.output_dir))  # after the data: a run that fails on its data leaves none

@@ -64,7 +64,7 @@ def _load(paths: list[str], tokenizer, data: PreferenceDataConfig, what: str) ->
     dataset, report = load_preference_dataset(
         paths, tokenizer, max_length=data.max_length, on_overlong=data.on_overlong, on_invalid=data.on_invalid,
         prompt_key=data.prompt_key, chosen_key=data.chosen_key, rejected_key=data.rejected_key,
-        add_bos=data.add_bos,
+        add_bos=data.add_bos, num_workers=data.num_workers,
     )  # fmt: skip
     log(f"{what} data: {report.summary()}")
     return dataset

@@ -56,7 +56,7 @@ class SFTConfig(SupervisedConfig):
 def _load(paths: list[str], tokenizer, data: SFTDataConfig, what: str) -> SFTDataset:
     dataset, report = load_sft_dataset(
         paths, tokenizer, max_length=data.max_length, on_overlong=data.on_overlong, on_invalid=data.on_invalid,
-        prompt_key=data.prompt_key, response_key=data.response_key, add_bos=data.add_bos,
+        prompt_key=data.prompt_key, response_key=data.response_key, add_bos=data.add_bos, num_workers=data.num_workers,
     )  # fmt: skip
     log(f"{what} data: {report.summary()}")
     return dataset

@@ -242,9 +242,11 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
 
 
 @pytest.mark.distributed
-def test_missing_response_column_fails_naming_file_and_column(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_missing_response_column_fails_naming_file_and_column(tmp_path: Path, num_workers: int) -> None:
+    """The same message whether the row is read here or in a data-loading worker process."""
     bad = _write_jsonl(tmp_path / "no-response.jsonl", [{"prompt": "a b c =", "answer": " c b a"}])
-    proc = _cli("sft", f"data.train=[{bad}]", f"output_dir={tmp_path / 'run'}")
+    proc = _cli("sft", f"data.train=[{bad}]", f"output_dir={tmp_path / 'run'}", f"data.num_workers={num_workers}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert str(bad) in proc.stderr and "no column 'response'" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr

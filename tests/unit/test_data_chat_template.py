@@ -5,6 +5,7 @@ on tokenizers built here with a Qwen2-style and a Llama-3-style template; and th
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from pathlib import Path
 
@@ -170,3 +171,11 @@ def test_template_file_errors(qwen2_dir, tmp_path):
     config.pop("chat_template")
     (d / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     assert load_tokenizer(d).chat_template is None
+
+
+def test_template_pickles_as_its_text(llama3_dir):
+    """A worker process gets the tokenizer pickled; its chat template is compiled again there."""
+    tok = load_tokenizer(llama3_dir)
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.chat_template is not tok.chat_template and copy.chat_template.source == tok.chat_template.source
+    assert [copy.chat_template.render(c) for c in CONVERSATIONS] == [tok.chat_template.render(c) for c in CONVERSATIONS]

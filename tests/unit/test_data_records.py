@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_rlhf.data import DataError, Record, data_files, read_records
+from megatron_rlhf.data.records import read_span, split_files
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -115,3 +116,36 @@ def test_corrupt_parquet(tmp_path):
     f.write_bytes(b"PAR1 not really parquet")
     with pytest.raises(DataError, match=re.escape(f"{f}: cannot read parquet file")):
         list(read_records(f))
+
+
+# --------------------------------------------------------------------------- spans
+
+
+def test_spans_read_the_rows_of_the_whole_files(tmp_path):
+    """Spans cut within files (JSONL at line starts, Parquet across row groups), read one by one,
+    give every row once with its file, row and data; blank lines (Unicode whitespace too) are no rows."""
+    j = tmp_path / "a.jsonl"
+    lines = [json.dumps({"i": i, "t": "é" * (i % 5)}) for i in range(40)]
+    for i, blank in ((0, ""), (7, "  "), (8, "\u3000\x1c"), (25, "\t")):
+        lines.insert(i, blank)
+    j.write_text("\n".join(lines), encoding="utf-8")  # no newline after the last line
+    p = tmp_path / "b.parquet"
+    pq.write_table(pa.Table.from_pylist([{"i": i} for i in range(2100)]), p, row_group_size=700)
+    files = [j, p]
+    whole = list(read_records(files))
+    for parts in (1, 3, 8, 50):
+        spans = split_files(files, parts)
+        assert [r for s in spans for r in read_span(s)] == whole, parts
+    assert len(split_files(files, 8)) > len(files)
+    assert [s.row for s in split_files([p], 3)] == [0, 700, 1400]
+
+
+def test_a_bad_line_in_a_span_fails_as_in_the_whole_file(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes("".join(f'{{"a": "{i}"}}\n' for i in range(30)).encode() + '{"a": "é"}\n'.encode("latin-1")
+                  + b'{"a": "after"}\n' * 10)  # fmt: skip
+    with pytest.raises(DataError) as whole:
+        list(read_records(f))
+    with pytest.raises(DataError) as spans:
+        [r for s in split_files([f], 8) for r in read_span(s)]
+    assert str(spans.value) == str(whole.value) and "line 31: not UTF-8" in str(whole.value)

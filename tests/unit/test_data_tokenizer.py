@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import re
 from pathlib import Path
@@ -225,3 +226,13 @@ def test_byte_tokenizer_errors():
         ByteTokenizer(258)
     with pytest.raises(ValueError, match="token id 512 out of range"):
         ByteTokenizer(512).decode([512])
+
+
+def test_tokenizers_pickle_for_worker_processes(hf_dir, sp_dir):
+    """data.num_workers sends the tokenizer to each worker process: every backend pickles whole."""
+    for tok in (load_tokenizer(hf_dir), load_tokenizer(sp_dir), ByteTokenizer(300)):
+        copy = pickle.loads(pickle.dumps(tok))
+        assert type(copy) is type(tok) and repr(copy) == repr(tok)
+        specials = ("bos_id", "eos_id", "pad_id", "stop_ids")
+        assert [getattr(copy, name) for name in specials] == [getattr(tok, name) for name in specials]
+        assert [copy.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
