@@ -178,3 +178,9 @@ def test_reference_settings_check_themselves_when_built_in_code() -> None:
 
     with pytest.raises(ValueError, match=r"^update_every=0 must be >= 1; ema_decay=-0.5 must be in \[0, 1\)"):
         ReferenceConfig(update="periodic", update_every=0, ema_decay=-0.5)
+
+
+def test_a_generation_tp_error_names_only_rollout_tp() -> None:
+    """Generation has no pipeline setting: the world-size rule names rollout.tp alone (no rollout.pp)."""
+    text = _errors(2, "rollout.tp=3")
+    assert "rollout.tp=3 must divide the world size 2" in text and "rollout.pp" not in text
