@@ -31,6 +31,14 @@ _TINY = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
     "rope_theta": 10000.0,
 }  # fmt: skip
+# The arithmetic task's model: its SentencePiece vocabulary (32 pieces, data/arithmetic.py), small
+# enough to learn 2-digit addition and subtraction from scratch on one CPU core in minutes.
+_ARITH = {
+    **_LLAMA,
+    "vocab_size": 32, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
+    "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}  # fmt: skip
 # Qwen2.5-1.5B dimensions with Llama layers: the benchmark shape.
 _LLAMA_1_5B = {
     **_LLAMA,
@@ -42,9 +50,13 @@ _LLAMA_1_5B = {
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-llama": {**_TINY, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
     "tiny-llama-rm": {**_TINY, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
+    "arith-llama": {**_ARITH, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
+    "arith-llama-rm": {**_ARITH, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
 INIT_STD = 0.02
+ARITHMETIC_MODELS = ("arith-llama", "arith-llama-rm")
+"""Built-in models that ship the arithmetic task's tokenizer files; the others use bytes as tokens."""
 
 
 def is_builtin(path: str) -> bool:
@@ -69,6 +81,10 @@ def _write_checkpoint(name: str, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if name in ARITHMETIC_MODELS:
+        from megatron_rlhf.data.arithmetic import write_tokenizer  # lazy: data imports this module
+
+        write_tokenizer(tmp)
     os.replace(tmp, target)  # atomic: a half-written checkpoint is never visible
 
 

@@ -19,6 +19,7 @@ from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.data import load_prompt_dataset
+from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
 from megatron_rlhf.models.builder import resolve_dtype
@@ -46,7 +47,7 @@ def run_generate(
     role = build_role("actor", ModelConfig(path=model, tp=tp), arch, world_size=env.world_size, dtype=torch_dtype,
                       device=env.device)  # fmt: skip
     tokenizer = resolve_tokenizer(local_dir(model), arch, model)
-    dataset, report = load_prompt_dataset(input_path, tokenizer, max_length=UNBOUNDED_PROMPT)
+    dataset, report = load_prompt_dataset(resolve_data_paths([input_path]), tokenizer, max_length=UNBOUNDED_PROMPT)
     log(report.summary())
     if not engine_cfg.eos_token_ids and tokenizer.eos_id is not None:
         engine_cfg = NativeEngineConfig(**{**engine_cfg.__dict__, "eos_token_ids": (tokenizer.eos_id,)})

@@ -26,6 +26,7 @@ from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.schema import ModelConfig
 from megatron_rlhf.config.validate import layout_errors
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
+from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.engine.optim import OptimConfig, TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
@@ -49,7 +50,8 @@ class DataConfigBase:
     """Dataset files and how rows become token sequences (fields shared by SFT and RM)."""
 
     train: list[str] = dataclasses.field(default_factory=list)
-    """Training data: .jsonl / .parquet files or directories of them (e.g. data.train=[a.jsonl])."""
+    """Training data: .jsonl / .parquet files or directories of them (e.g. data.train=[a.jsonl]),
+    or built-in sets (builtin:arithmetic-sft)."""
     validation: list[str] = dataclasses.field(default_factory=list)
     """Validation data, same formats; empty: no validation."""
     max_length: int = 1024
@@ -362,8 +364,9 @@ def set_up_run(
     log(f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
         f"model {cfg.model.path}")  # fmt: skip
     tokenizer = resolve_tokenizer(local_dir(cfg.model.path), arch, cfg.model.path)
-    train = load(cfg.data.train, tokenizer, cfg.data, "train")
-    validation = load(cfg.data.validation, tokenizer, cfg.data, "validation") if cfg.data.validation else None
+    train = load(resolve_data_paths(cfg.data.train), tokenizer, cfg.data, "train")
+    validation = (load(resolve_data_paths(cfg.data.validation), tokenizer, cfg.data, "validation")
+                  if cfg.data.validation else None)  # fmt: skip
     with timed("build+load model", env.device):
         model = build_role(role, cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
         state = make_train_state(model, cfg.optim)

@@ -1,6 +1,6 @@
 """The built-in arithmetic task: problems and worked steps, disjoint seeded splits, the response
 format, the task tokenizer (our ids == transformers' ids), preference pairs
-from a policy's own samples."""
+from a policy's own samples, and the built-in data sets and models that carry it."""
 
 from __future__ import annotations
 
@@ -246,3 +246,34 @@ def test_completion_verdicts_and_rates() -> None:
         completion_verdicts(prompts, [{"prompt_index": 2, "text": " 1", "finish_reason": "stop"}])
     with pytest.raises(ValueError, match=r"completion 0: no \['finish_reason'\]"):
         completion_verdicts(prompts, [{"prompt_index": 0, "text": " 1"}])
+
+
+# --------------------------------------------------------------------------- built-in data and models
+
+
+def test_builtin_arithmetic_sets_are_disjoint_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_rlhf.data.builtin import resolve_data_paths
+    from megatron_rlhf.data.records import read_records
+
+    monkeypatch.setenv("MEGATRON_RLHF_CACHE", str(tmp_path))
+    names = ["arithmetic-sft", "arithmetic-sft-validation", "arithmetic-prompts", "arithmetic-test"]
+    rows = {n: [r.data for r in read_records(p)] for n, p in zip(names, resolve_data_paths([f"builtin:{n}" for n in names]))}
+    test = {r["prompt"] for r in rows["arithmetic-test"]}
+    assert all(set(r) == {"prompt", "answer"} for r in rows["arithmetic-test"])
+    assert all(set(r) == {"prompt", "response"} and " #### " in r["response"] for r in rows["arithmetic-sft"])
+    assert not test & {r["prompt"] for n in ("arithmetic-sft", "arithmetic-sft-validation", "arithmetic-prompts")
+                       for r in rows[n]}  # fmt: skip
+    assert {r["prompt"] for r in rows["arithmetic-prompts"]} <= {r["prompt"] for r in rows["arithmetic-sft"]}
+
+
+def test_builtin_arithmetic_models_ship_the_task_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_rlhf.data.tokenizer import SentencePieceTokenizer, resolve_tokenizer
+    from megatron_rlhf.models.builtin import builtin_checkpoint
+    from megatron_rlhf.models.sources import architecture_of
+
+    monkeypatch.setenv("MEGATRON_RLHF_CACHE", str(tmp_path))
+    for name in ("builtin:arith-llama", "builtin:arith-llama-rm"):
+        arch = architecture_of(name)
+        tok = resolve_tokenizer(builtin_checkpoint(name), arch, name)
+        assert isinstance(tok, SentencePieceTokenizer) and tok.vocab_size == arch.vocab_size == TOKENIZER_VOCAB_SIZE
+        assert (tok.bos_id, tok.eos_id, tok.pad_id) == tuple(arch.hf_config[f"{r}_token_id"] for r in ("bos", "eos", "pad"))
