@@ -252,7 +252,8 @@ def preference_pairs(
     """Reward-model rows ``prompt``/``chosen``/``rejected`` from a policy's own samples: chosen is
     a right response, rejected a wrong or malformed one of the same prompt.
 
-    Only prompts with at least one right and one other response give pairs; each gives up to
+    A blank response (EOS at once) is never used: the trainers' loaders refuse empty text. Only
+    prompts with at least one right and one other response give pairs; each gives up to
     ``pairs_per_prompt`` distinct (chosen, rejected) texts, drawn by a generator seeded with
     (seed, prompt index), so the rows depend only on the inputs and the seed.
     """
@@ -269,7 +270,7 @@ def preference_pairs(
         if unknown is not None:
             raise ValueError(f"prompt {index}: verdict {unknown!r}, expected right, wrong or malformed")
         right = sorted({t for t, v in zip(texts, marks) if v == "right"})
-        other = sorted({t for t, v in zip(texts, marks) if v != "right"})
+        other = sorted({t for t, v in zip(texts, marks) if v != "right" and t.strip()})
         combos = [(c, r) for c in right for r in other]
         rng = random.Random(f"{seed}:{index}")
         for chosen, rejected in rng.sample(combos, min(pairs_per_prompt, len(combos))):

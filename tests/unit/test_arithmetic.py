@@ -203,11 +203,12 @@ def test_rows_load_with_the_trainers_loaders(tok_dir: Path, tmp_path: Path) -> N
 
 def test_preference_pairs_from_hand_made_samples() -> None:
     prompts = ["Q: 1+1=? A:", "Q: 2+2=? A:", "Q: 3+3=? A:", "Q: 4+4=? A:"]
-    responses = [[" 2", " 3", " 2", "x"], [" 4", " 4"], [" 5", " 7"], [" 9", " 8", " 1"]]
-    verdicts = [["right", "wrong", "right", "malformed"], ["right", "right"], ["wrong", "wrong"],
+    responses = [[" 2", " 3", " 2", "x"], [" 4", " 4", ""], [" 5", " 7"], [" 9", " 8", " 1"]]
+    verdicts = [["right", "wrong", "right", "malformed"], ["right", "right", "malformed"], ["wrong", "wrong"],
                 ["wrong", "right", "wrong"]]  # fmt: skip
     rows = preference_pairs(prompts, responses, verdicts, seed=0)
-    assert [r["prompt"] for r in rows] == ["Q: 1+1=? A:", "Q: 4+4=? A:"]  # only prompts with both kinds
+    # only prompts with a right and a non-blank other response (the loaders refuse empty text)
+    assert [r["prompt"] for r in rows] == ["Q: 1+1=? A:", "Q: 4+4=? A:"]
     assert all(r["chosen"] in (" 2", " 8") and r["rejected"] in (" 3", "x", " 9", " 1") for r in rows)
     assert preference_pairs(prompts, responses, verdicts, seed=0) == rows
     every = preference_pairs(prompts, responses, verdicts, seed=0, pairs_per_prompt=10)
