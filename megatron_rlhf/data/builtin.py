@@ -59,6 +59,7 @@ def resolve_data_paths(paths: Sequence[str]) -> list[str]:
         if name not in BUILTIN_DATASETS:
             raise ValueError(f"unknown built-in dataset {path!r}; available: {[PREFIX + n for n in BUILTIN_DATASETS]}")
         rows = BUILTIN_DATASETS[name]
-        target = made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target: write_jsonl(rows(), target))
+        target = made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl",
+                           lambda target: write_jsonl(rows(), target))  # fmt: skip
         resolved.append(str(target))
     return resolved

@@ -111,7 +111,8 @@ def write_jsonl(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     is never visible to a reader or to a job that checks whether it exists."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}-", delete=False) as tmp:
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}-",
+                                     delete=False) as tmp:  # fmt: skip
         tmp.write("".join(json.dumps(row) + "\n" for row in rows))
     os.replace(tmp.name, path)
     return path

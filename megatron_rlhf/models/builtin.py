@@ -52,7 +52,8 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-llama": {**_TINY, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
     "tiny-llama-rm": {**_TINY, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
     "arith-llama": {**_ARITH, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
-    "arith-llama-rm": {**_ARITH, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
+    "arith-llama-rm": {**_ARITH, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
+                       "dtype": "float32"},
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
 INIT_STD = 0.02

@@ -212,7 +212,8 @@ def test_preference_pairs_from_hand_made_samples() -> None:
     assert all(r["chosen"] in (" 2", " 8") and r["rejected"] in (" 3", "x", " 9", " 1") for r in rows)
     assert preference_pairs(prompts, responses, verdicts, seed=0) == rows
     every = preference_pairs(prompts, responses, verdicts, seed=0, pairs_per_prompt=10)
-    assert sorted((r["chosen"], r["rejected"]) for r in every) == [(" 2", " 3"), (" 2", "x"), (" 8", " 1"), (" 8", " 9")]
+    pairs = sorted((r["chosen"], r["rejected"]) for r in every)
+    assert pairs == [(" 2", " 3"), (" 2", "x"), (" 8", " 1"), (" 8", " 9")]
     seeds = {json.dumps(preference_pairs(prompts, responses, verdicts, seed=s)) for s in range(20)}
     assert len(seeds) > 1  # the seed picks which pair
 
@@ -258,7 +259,8 @@ def test_builtin_arithmetic_sets_are_disjoint_files(tmp_path: Path, monkeypatch:
 
     monkeypatch.setenv("MEGATRON_RLHF_CACHE", str(tmp_path))
     names = ["arithmetic-sft", "arithmetic-sft-validation", "arithmetic-prompts", "arithmetic-test"]
-    rows = {n: [r.data for r in read_records(p)] for n, p in zip(names, resolve_data_paths([f"builtin:{n}" for n in names]))}
+    paths = resolve_data_paths([f"builtin:{n}" for n in names])
+    rows = {n: [r.data for r in read_records(p)] for n, p in zip(names, paths)}
     test = {r["prompt"] for r in rows["arithmetic-test"]}
     assert all(set(r) == {"prompt", "answer"} for r in rows["arithmetic-test"])
     assert all(set(r) == {"prompt", "response"} and " #### " in r["response"] for r in rows["arithmetic-sft"])
@@ -277,4 +279,5 @@ def test_builtin_arithmetic_models_ship_the_task_tokenizer(tmp_path: Path, monke
         arch = architecture_of(name)
         tok = resolve_tokenizer(builtin_checkpoint(name), arch, name)
         assert isinstance(tok, SentencePieceTokenizer) and tok.vocab_size == arch.vocab_size == TOKENIZER_VOCAB_SIZE
-        assert (tok.bos_id, tok.eos_id, tok.pad_id) == tuple(arch.hf_config[f"{r}_token_id"] for r in ("bos", "eos", "pad"))
+        ids = tuple(arch.hf_config[f"{role}_token_id"] for role in ("bos", "eos", "pad"))
+        assert (tok.bos_id, tok.eos_id, tok.pad_id) == ids
