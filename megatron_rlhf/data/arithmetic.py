@@ -206,10 +206,14 @@ def parse_answer(response: str) -> int | None:
 def judge(response: str, answer: int | str, *, finished: bool = True) -> Verdict:
     """right / wrong (well formed, another number) / malformed; a response that did not finish
     (cut at max_new_tokens: no EOS) is malformed whatever its text."""
+    try:
+        expected = int(answer)
+    except ValueError:
+        raise ValueError(f"answer={answer!r}: expected an integer (the 'answer' column of prompt_rows)") from None
     value = parse_answer(response) if finished else None
     if value is None:
         return "malformed"
-    return "right" if value == int(answer) else "wrong"
+    return "right" if value == expected else "wrong"
 
 
 def completion_verdicts(
@@ -281,7 +285,7 @@ def preference_pairs(
 # --------------------------------------------------------------------------- tokenizer
 
 TOKENIZER_VOCAB_SIZE = 32
-"""Pieces of the task tokenizer: 4 specials, the 24 characters of the task text, 4 merges."""
+"""Pieces of the task tokenizer: 4 specials, the 23 characters of the task text, 5 merges."""
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 

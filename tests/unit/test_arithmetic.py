@@ -143,6 +143,11 @@ def test_an_unfinished_response_is_malformed() -> None:
     assert judge(" 85", "85", finished=False) == "malformed"
 
 
+def test_an_answer_that_is_no_integer_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"answer='eighty': expected an integer"):
+        judge(" 80", "eighty")
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 
