@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         "logprobs and finish_reason. Under torchrun the world is split into groups of --tp ranks.",
     )
     generate.add_argument("--model", required=True, help="HF model dir, megatron-rlhf checkpoint, or builtin:NAME")
-    generate.add_argument("--input", required=True, help="prompts file (.jsonl or .parquet)")
+    generate.add_argument(
+        "--input", required=True, help="prompts file (.jsonl or .parquet) or a built-in set (builtin:arithmetic-test)"
+    )
     generate.add_argument("--output", required=True, help="output .jsonl")
     generate.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the generation layout")
     generate.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])

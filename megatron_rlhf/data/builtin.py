@@ -1,21 +1,19 @@
-"""Built-in prompt sets: ``builtin:NAME`` in a data path list, written as JSONL on first use; and
+"""Built-in data sets: ``builtin:NAME`` in a data path list, written as JSONL on first use; and
 the up-front check of a data path list.
 
-They let the default RL run go with no download. Like the built-in models they are ordinary files
-(under the cache directory) that go through the same loader as a user's data.
+They let the default RL run, and the arithmetic task's SFT and RL runs, go with no download. Like
+the built-in models they are ordinary files (under the cache directory) that go through the same
+loader as a user's data.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from megatron_rlhf.data.records import data_files
+from megatron_rlhf.data.records import data_files, write_jsonl
 from megatron_rlhf.models.builtin import PREFIX, cache_dir, is_builtin, made_once
+from megatron_rlhf.tasks import arithmetic
 
 
 def _lowercase_prompts() -> list[dict[str, str]]:
@@ -26,13 +24,27 @@ def _lowercase_prompts() -> list[dict[str, str]]:
     return [{"prompt": f"Say something about {rng.choice(words)} and {rng.choice(words)}:"} for _ in range(256)]
 
 
-BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, str]]]] = {"lowercase-prompts": _lowercase_prompts}
+# The arithmetic task's level for the built-in pipeline (SFT -> RM -> RL): 2-digit + and -, SFT
+# demonstrations with worked steps (the answer alone is far slower to learn from scratch). The RL
+# prompts are train-split problems; the test prompts share no problem with any train row.
+ARITHMETIC = arithmetic.ArithmeticSpec(ops=("+", "-"), digits=2, seed=0)
 
 
-def _write(name: str, target: Path) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}-", delete=False) as tmp:
-        tmp.write("".join(json.dumps(row) + "\n" for row in BUILTIN_DATASETS[name]()))
-    os.replace(tmp.name, target)  # atomic: a half-written file is never visible
+def _arithmetic_sft(split: str, count: int) -> Callable[[], list[dict[str, str]]]:
+    return lambda: arithmetic.sft_rows(arithmetic.make_problems(ARITHMETIC, split, count), steps=True)
+
+
+def _arithmetic_prompts(split: str, count: int) -> Callable[[], list[dict[str, str]]]:
+    return lambda: arithmetic.prompt_rows(arithmetic.make_problems(ARITHMETIC, split, count))
+
+
+BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, str]]]] = {
+    "lowercase-prompts": _lowercase_prompts,
+    "arithmetic-sft": _arithmetic_sft("train", 8000),
+    "arithmetic-sft-validation": _arithmetic_sft("validation", 500),
+    "arithmetic-prompts": _arithmetic_prompts("train", 8000),
+    "arithmetic-test": _arithmetic_prompts("test", 500),
+}
 
 
 def _builtin_name(path: str) -> str:
@@ -51,7 +63,9 @@ def resolve_data_paths(paths: Sequence[str]) -> list[str]:
             resolved.append(path)
             continue
         name = _builtin_name(path)
-        target = made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target: _write(name, target))
+        rows = BUILTIN_DATASETS[name]
+        target = made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl",
+                           lambda target: write_jsonl(rows(), target))  # fmt: skip
         resolved.append(str(target))
     return resolved
 

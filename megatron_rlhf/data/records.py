@@ -14,11 +14,14 @@ a worker process), numbering rows and lines exactly as reading the whole file do
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["DataError", "EXTENSIONS", "Record", "Span", "data_files", "read_records", "read_span", "split_files"]
+__all__ = ["DataError", "EXTENSIONS", "Record", "Span", "data_files", "read_records", "read_span", "split_files",
+           "write_jsonl"]
 
 EXTENSIONS = (".jsonl", ".parquet")
 _PARQUET_BATCH_ROWS = 1024
@@ -192,3 +195,15 @@ def read_records(paths: str | Path | Sequence[str | Path]) -> Iterator[Record]:
     """Yield every row of every file, in order (files sorted within a directory)."""
     for path in data_files(paths):
         yield from read_span(Span(path))
+
+
+def write_jsonl(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Write ``rows`` as a JSONL file (parent directories made), atomically: a half-written file
+    is never visible to a reader or to a job that checks whether it exists."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}-",
+                                     delete=False) as tmp:  # fmt: skip
+        tmp.write("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp.name, path)
+    return path

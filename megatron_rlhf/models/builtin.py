@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from megatron_rlhf.models.architecture import architecture_from_hf_config
 from megatron_rlhf.models.hf_weights import hf_tensor_shapes
+from megatron_rlhf.tasks.arithmetic import write_tokenizer
 
 PREFIX = "builtin:"
 _LLAMA = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
@@ -37,6 +38,15 @@ _TINY = {
     "vocab_size": 512, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
     "rope_theta": 10000.0,
+}  # fmt: skip
+# The arithmetic task's model: its SentencePiece vocabulary (32 pieces, tasks/arithmetic.py), 0.8M
+# parameters: it learns 2-digit addition and subtraction with worked steps from scratch on one CPU
+# core, about 57% greedy test accuracy after 300 SFT steps (~100 CPU seconds), 97% after 600.
+_ARITH = {
+    **_LLAMA,
+    "vocab_size": 32, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
+    "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }  # fmt: skip
 # Qwen2.5-1.5B dimensions with Llama layers: the benchmark shape.
 _LLAMA_1_5B = {
@@ -49,12 +59,17 @@ _LLAMA_1_5B = {
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-llama": {**_TINY, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
     "tiny-llama-rm": {**_TINY, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
+    "arith-llama": {**_ARITH, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
+    "arith-llama-rm": {**_ARITH, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
+                       "dtype": "float32"},
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
 INIT_STD = 0.02
 BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")
 """The byte tokenizer's special tokens (pad, bos, eos): their ids are their positions; byte b is id
 b + len(BYTE_SPECIALS)."""
+ARITHMETIC_MODELS = ("arith-llama", "arith-llama-rm")
+"""Built-in models that ship the arithmetic task's tokenizer files; the others ship the byte tokenizer."""
 
 
 def is_builtin(path: str) -> bool:
@@ -114,7 +129,10 @@ def _write_checkpoint(name: str, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_byte_tokenizer(tmp, config)
+    if name in ARITHMETIC_MODELS:
+        write_tokenizer(tmp)
+    else:
+        _write_byte_tokenizer(tmp, config)
     os.replace(tmp, target)  # atomic: a half-written checkpoint is never visible
 
 

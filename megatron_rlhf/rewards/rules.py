@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from megatron_rlhf.algorithms.registry import Registry
+from megatron_rlhf.tasks.arithmetic import Verdict, judge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,26 @@ def exact_answer(sample: Sample) -> float:
     if "answer" not in sample.extras:
         raise ValueError("reward rule 'exact_answer' needs the prompt rows' 'answer' column: add data.extra_keys=[answer]")
     return float(sample.response_text.strip() == str(sample.extras["answer"]).strip())
+
+
+def _arithmetic_verdict(sample: Sample, rule: str) -> Verdict:
+    if "answer" not in sample.extras:
+        raise ValueError(f"reward rule {rule!r} needs the prompt rows' 'answer' column: add data.extra_keys=[answer]")
+    return judge(sample.response_text, sample.extras["answer"], finished=sample.finish_reason == "stop")
+
+
+@REWARD_RULES.register("arithmetic_answer")
+def arithmetic_answer(sample: Sample) -> float:
+    """The arithmetic task (``tasks/arithmetic.py``): 1 if the response is well formed, ended with
+    EOS and its final answer equals the row's ``answer``, else 0; its batch mean is the accuracy."""
+    return float(_arithmetic_verdict(sample, "arithmetic_answer") == "right")
+
+
+@REWARD_RULES.register("arithmetic_format")
+def arithmetic_format(sample: Sample) -> float:
+    """The arithmetic task's format check: 1 if the response is well formed and ended with EOS,
+    right or wrong, else 0. Add it to ``arithmetic_answer`` to reward the format on its own."""
+    return float(_arithmetic_verdict(sample, "arithmetic_format") != "malformed")
 
 
 @REWARD_RULES.register("lowercase_fraction")

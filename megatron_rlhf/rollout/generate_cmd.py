@@ -20,6 +20,7 @@ from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import load_prompt_dataset
+from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
 from megatron_rlhf.parallel.distributed import init_distributed
@@ -45,7 +46,7 @@ def run_generate(
     role = build_role("actor", ModelConfig(path=model, tp=tp), arch, world_size=env.world_size, dtype=torch_dtype,
                       device=env.device)  # fmt: skip
     tokenizer = resolve_tokenizer(local_dir(model), arch, model)
-    dataset, report = load_prompt_dataset(input_path, tokenizer, max_length=UNBOUNDED_PROMPT)
+    dataset, report = load_prompt_dataset(resolve_data_paths([input_path]), tokenizer, max_length=UNBOUNDED_PROMPT)
     log(report.summary())
     engine_cfg = engine_cfg.with_eos_of(tokenizer.stop_ids)
     start = time.perf_counter()

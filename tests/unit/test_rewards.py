@@ -29,9 +29,9 @@ from megatron_rlhf.rewards import (
 )
 
 
-def _sample(response: str, **extras) -> Sample:
-    return Sample(prompt_ids=[5], response_ids=[6], prompt_text="p", response_text=response, finish_reason="stop",
-                  extras=extras)  # fmt: skip
+def _sample(response: str, finish_reason: str = "stop", **extras) -> Sample:
+    return Sample(prompt_ids=[5], response_ids=[6], prompt_text="p", response_text=response,
+                  finish_reason=finish_reason, extras=extras)  # fmt: skip
 
 
 def test_lowercase_fraction_hand_values() -> None:
@@ -48,6 +48,21 @@ def test_exact_answer_strips_whitespace_and_needs_the_column() -> None:
     assert rule(_sample("41", answer="42")) == 0.0
     with pytest.raises(ValueError, match=r"'answer' column.*data.extra_keys=\[answer\]"):
         rule(_sample("42"))
+
+
+def test_arithmetic_rules_right_wrong_malformed() -> None:
+    answer, fmt = resolve_rule("arithmetic_answer"), resolve_rule("arithmetic_format")
+    cases = [(_sample(" 85", answer="85"), 1.0, 1.0), (_sample(" 7+8=15, 3+4+1=8 #### 85", answer="85"), 1.0, 1.0),
+             (_sample(" 84", answer="85"), 0.0, 1.0), (_sample(" 85 86", answer="85"), 0.0, 0.0),
+             (_sample("", answer="85"), 0.0, 0.0), (_sample(" 85", "length", answer="85"), 0.0, 0.0)]  # fmt: skip
+    for sample, right, well_formed in cases:
+        assert (answer(sample), fmt(sample)) == (right, well_formed), sample.response_text
+
+
+@pytest.mark.parametrize("name", ["arithmetic_answer", "arithmetic_format"])
+def test_arithmetic_rules_need_the_answer_column(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"'{name}' needs the prompt rows' 'answer' column.*extra_keys=\[answer\]"):
+        resolve_rule(name)(_sample(" 85"))
 
 
 def test_rule_by_import_path(monkeypatch: pytest.MonkeyPatch) -> None:

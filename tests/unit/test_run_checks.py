@@ -71,7 +71,7 @@ def test_missing_validation_files_are_named(command: str, tmp_path: Path, data_f
 def test_built_in_prompt_sets_are_checked_by_name(tmp_path: Path) -> None:
     _check_ppo([f"output_dir={tmp_path}", "data.train=[builtin:lowercase-prompts]"])
     message = _error("ppo", [f"output_dir={tmp_path}", "data.train=[builtin:uppercase-prompts]"])
-    assert "data.train: unknown built-in dataset 'builtin:uppercase-prompts'; available: ['builtin:lowercase-prompts']" in message
+    assert "data.train: unknown built-in dataset 'builtin:uppercase-prompts'; available: ['builtin:lowercase-prompts', " in message
 
 
 def test_unreadable_data_files_are_named(tmp_path: Path, data_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
