@@ -68,10 +68,13 @@ class Task(Protocol):
     """How a step's batch is made up, for the plan line (e.g. ``prompts, 8 per step x 4 samples``)."""
     headline: tuple[str, str]
     """The metric whose first and last values the summary keeps, and its name in the final line."""
-    evaluate: Callable[[], dict[str, float]] | None
-    """Validation figures (identical on every rank), or None without validation."""
+    evaluate: Callable[[], tuple[dict[str, float], StepRows]] | None
+    """Validation figures (identical on every rank) and rows for other files (validation samples),
+    or None without validation."""
     eval_every: int
     """Evaluate every this many steps (0: only at the end), when ``evaluate`` is set."""
+    eval_before_train: bool
+    """Also evaluate before the first step (logged as step 0): the starting point of the curve."""
     export_role: RoleModel
     """The model written to ``hf/`` at the end (with the tokenizer's files)."""
     tokenizer: Tokenizer
@@ -119,6 +122,8 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     start = time.perf_counter()
     step, last_eval_step = 0, -1
     try:
+        if task.evaluate is not None and task.eval_before_train:
+            _evaluate(task.evaluate, 0, sink)
         for epoch in range(-(-total // per_epoch)):
             for indices in epoch_batches(task.num_examples, task.batch_size, 0, 1, cfg.seed, epoch, True):
                 if step == total:
@@ -148,11 +153,13 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     return summary
 
 
-def _evaluate(evaluate: Callable[[], dict[str, float]], step: int, sink: Sink) -> dict[str, float]:
-    """The validation figures; the sinks also get the time they took."""
+def _evaluate(evaluate: Callable[[], tuple[dict[str, float], StepRows]], step: int, sink: Sink) -> dict[str, float]:
+    """The validation figures; the sinks also get the time they took, and the rows it made."""
     start = time.perf_counter()
-    figures = evaluate()
+    figures, rows = evaluate()
     sink.write("validation", step, {**figures, "timing_s/validation": time.perf_counter() - start})
+    for name, file_rows in rows.items():
+        sink.write_rows(name, [{"step": step, "split": "validation", **row} for row in file_rows])
     return figures
 
 

@@ -25,6 +25,7 @@ the actor as an HF checkpoint at the end; the settings and their checks are in
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ class PPORun:
     device: torch.device
     tokenizer: Tokenizer
     prompts: PromptDataset
+    validation: PromptDataset | None
     actor: TrainState
     critic: TrainState | None
     reference: RoleModel | None
@@ -85,12 +87,18 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
         + ", ".join(f"{role} {cfg.role(role).path} (tp {cfg.role(role).tp}, pp {cfg.role(role).pp})" for role in archs))  # fmt: skip
     tokenizer = resolve_tokenizer(local_dir(cfg.actor.path), archs["actor"], cfg.actor.path)
     data = cfg.data
-    prompts, report = load_prompt_dataset(
-        resolve_data_paths(data.train), tokenizer, max_length=data.max_prompt_length, on_overlong=data.on_overlong,
-        on_invalid=data.on_invalid, prompt_key=data.prompt_key, extra_keys=data.extra_keys, add_bos=data.add_bos,
-        apply_chat_template=data.apply_chat_template, num_workers=data.num_workers,
-    )  # fmt: skip
-    log(f"prompts: {report.summary()}")
+
+    def load(paths: list[str], what: str) -> PromptDataset:
+        dataset, report = load_prompt_dataset(
+            resolve_data_paths(paths), tokenizer, max_length=data.max_prompt_length, on_overlong=data.on_overlong,
+            on_invalid=data.on_invalid, prompt_key=data.prompt_key, extra_keys=data.extra_keys, add_bos=data.add_bos,
+            apply_chat_template=data.apply_chat_template, num_workers=data.num_workers,
+        )  # fmt: skip
+        log(f"{what}: {report.summary()}")
+        return dataset
+
+    prompts = load(data.train, "prompts")
+    validation = load(data.validation, "validation prompts") if data.validation else None
     write_run_files(cfg, Path(cfg.output_dir))  # after the data: a run that fails on its data leaves none
 
     def build(role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
@@ -116,7 +124,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg)
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
                     max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
-    return PPORun(cfg, env.device, tokenizer, prompts, actor, critic, reference, updater, reward_model, scorer, hybrid,
+    return PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer, hybrid,
                   build_kl_controller(cfg.algorithm.kl_penalty))  # fmt: skip
 
 
@@ -127,8 +135,18 @@ class PPOTask:
     run: PPORun
     name: str = "ppo"
     headline: tuple[str, str] = ("reward/mean", "mean reward")
-    evaluate: None = None
-    eval_every: int = 0
+
+    @property
+    def evaluate(self) -> Callable[[], tuple[dict[str, float], StepRows]] | None:
+        return None if self.run.validation is None else lambda: validate(self.run)
+
+    @property
+    def eval_every(self) -> int:
+        return self.run.cfg.eval_every
+
+    @property
+    def eval_before_train(self) -> bool:
+        return self.run.cfg.eval_before_train
 
     @property
     def num_examples(self) -> int:
@@ -238,12 +256,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     }  # fmt: skip
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
-    # The response as the reward functions read it (no trailing EOS), and the reward they led to.
-    samples = [{"group": c.prompt_index, "prompt": run.tokenizer.decode(c.prompt_ids),
-                "response": run.scorer.sample(c, {}, run.tokenizer.decode).response_text,
-                "finish_reason": c.finish_reason, "reward": float(score)}
-               for c, score in zip(completions[: cfg.samples_per_step], scores)]  # fmt: skip
-    return metrics, samples
+    return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores)
 
 
 def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float]
@@ -297,7 +310,47 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
     return completions, phase_seconds, Scores.cat([s for _, s in chosen]), metrics
 
 
+def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
+    """The policy on ``data.validation``: a greedy response per prompt (``greedy_accuracy``,
+    ``greedy_reward``), and with ``eval.n`` samples at ``eval.temperature`` their mean reward and
+    ``pass_at_<n>`` (a prompt counts when one of its samples is correct); each also per
+    ``data_source`` when the rows carry one. Scored by the run's scorer (raw score)."""
+    cfg, ev, prompts = run.cfg, run.cfg.eval, run.validation
+    assert prompts is not None
+    ids = [p.prompt_ids.tolist() for p in prompts]
+    extras = [p.extras for p in prompts]
+    sources = [str(e.get("data_source", "")) for e in extras]
+
+    def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor]:
+        params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
+        completions, _ = run.hybrid.generate(ids, params)
+        scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.tokenizer.decode)
+        return completions, scores.raw.view(len(ids), n)
+
+    greedy, greedy_raw = scored(0.0, 1)
+    figures: dict[str, torch.Tensor] = {"greedy_accuracy": (greedy_raw[:, 0] >= ev.correct_score).float(),
+                                        "greedy_reward": greedy_raw[:, 0]}  # fmt: skip
+    if ev.n:
+        _, sampled_raw = scored(ev.temperature, ev.n)
+        figures["sampled_reward"] = sampled_raw.mean(1)
+        figures[f"pass_at_{ev.n}"] = (sampled_raw >= ev.correct_score).any(1).float()
+    out = {name: float(per_prompt.mean()) for name, per_prompt in figures.items()}
+    if any(sources):
+        for source in sorted(set(sources)):
+            rows = torch.tensor([s == source for s in sources])
+            out |= {f"{snake_case(source)}/{name}": float(v[rows].mean()) for name, v in figures.items()}
+    return out, {"samples": sample_rows(run, greedy[: ev.samples], greedy_raw[:, 0])}
+
+
 # --------------------------------------------------------------------------- step helpers
+
+
+def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor) -> list[dict[str, Any]]:
+    """samples.jsonl rows: each response as the reward functions read it (no trailing EOS), and the
+    reward it got."""
+    decode = run.tokenizer.decode
+    return [{"group": c.prompt_index, "prompt": decode(c.prompt_ids), "response": run.scorer.sample(c, {}, decode).response_text,
+             "finish_reason": c.finish_reason, "reward": float(score)} for c, score in zip(completions, scores)]  # fmt: skip
 
 
 def _step_seed(cfg: PPOConfig, step: int) -> int:

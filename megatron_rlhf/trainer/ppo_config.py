@@ -38,6 +38,8 @@ from megatron_rlhf.trainer.loop import LoopConfig
 class PromptDataConfig(DataFilesConfig):
     """RL prompts (``train`` may also name built-in sets, e.g. builtin:lowercase-prompts)."""
 
+    validation: list[str] = dataclasses.field(default_factory=list)
+    """Validation prompts, same formats (e.g. [builtin:arithmetic-test]); empty: no validation."""
     extra_keys: list[str] = dataclasses.field(default_factory=list)
     """Columns passed to reward rules with each sample (e.g. [answer])."""
     max_prompt_length: int = 256
@@ -89,6 +91,25 @@ class AlgorithmConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class EvalConfig:
+    """Validation of the policy on ``data.validation``: a greedy response per prompt, and optionally
+    ``n`` samples at ``temperature`` for pass@n, all scored as in training (raw score)."""
+
+    n: int = 0
+    """Samples per prompt for pass@n and the sampled mean reward; 0: greedy only."""
+    temperature: float = 1.0
+    """Sampling temperature of those samples."""
+    correct_score: float = 1.0
+    """A response counts as correct when its raw score reaches this (1.0: a 0/1 rule's right answer)."""
+    samples: int = 4
+    """Validation responses written to samples.jsonl (split validation) at each evaluation."""
+
+    def errors(self) -> list[str]:
+        errors = at_least(self, 0, "n", "samples")
+        return errors + ([f"temperature={self.temperature} must be > 0"] if not self.temperature > 0 else [])
+
+
+@dataclasses.dataclass(kw_only=True)
 class PPOConfig(LoopConfig, ModelsConfig):
     """``megatron-rlhf ppo``: the four models, the loop, and data, rollout, scoring and algorithm."""
 
@@ -108,10 +129,15 @@ class PPOConfig(LoopConfig, ModelsConfig):
     """Passes over each rollout."""
     samples_per_step: int = 4
     """Rollouts written to output_dir/samples.jsonl each step (prompt, response, reward); 0: none."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    eval_every: int = 0
+    """With data.validation: evaluate every this many steps (and always at the end)."""
+    eval_before_train: bool = True
+    """With data.validation: also evaluate before the first step (logged as step 0)."""
 
     def errors(self) -> list[str]:
         return super().errors() + at_least(self, 1, "prompts_per_step", "ppo_epochs") + at_least(
-            self, 0, "mini_batch_size", "samples_per_step")  # fmt: skip
+            self, 0, "mini_batch_size", "samples_per_step", "eval_every")  # fmt: skip
 
 
 def models_used(cfg: PPOConfig) -> list[str]:
@@ -153,7 +179,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     errors += found
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
-    errors += data_path_errors("data.train", data.train)
+    errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = data.max_prompt_length + sampling.max_new_tokens

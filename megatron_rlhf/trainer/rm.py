@@ -125,7 +125,7 @@ def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
         make_batch=lambda idx: adjacent_pairs(pack_batch([train[i] for i in idx], pad_id)),
         loss_fn=bradley_terry_loss(),
         group_size=2,
-        evaluate=evaluate if validation is not None else None,
+        figures=evaluate if validation is not None else None,
         extra_headline=("accuracy", "margin"),
     )
     return run_loop(cfg, task)

@@ -105,6 +105,6 @@ def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
         make_batch=lambda idx: pack_batch([train[i] for i in idx], pad_id),
         loss_fn=sft_loss(role),
         group_size=1,
-        evaluate=evaluate if validation is not None else None,
+        figures=evaluate if validation is not None else None,
     )
     return run_loop(cfg, task)

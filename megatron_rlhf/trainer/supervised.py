@@ -60,6 +60,8 @@ class SupervisedConfig(LoopConfig):
     multiple of the data-parallel size."""
     eval_every: int = 0
     """If > 0 and validation data is given: evaluate every this many steps (always at the end)."""
+    eval_before_train: bool = False
+    """With validation data: also evaluate before the first step (logged as step 0)."""
 
     def errors(self) -> list[str]:
         return super().errors() + at_least(self, 1, "global_batch_size") + at_least(self, 0, "eval_every")
@@ -156,7 +158,8 @@ class SupervisedTask:
     make_batch: Callable[[Sequence[int]], Batch]
     loss_fn: LossFn
     group_size: int
-    evaluate: Callable[[], dict[str, float]] | None
+    figures: Callable[[], dict[str, float]] | None
+    """Validation figures (identical on every rank), or None without validation data."""
     extra_headline: tuple[str, ...] = ()
     """Loss-function metrics shown on the progress line, besides loss/lr/grad_norm."""
     headline: tuple[str, str] = ("loss", "loss")
@@ -178,8 +181,17 @@ class SupervisedTask:
         return f"training examples, global batch {self.batch_size} ({self.batch_size // dp} per DP rank x {dp})"
 
     @property
+    def evaluate(self) -> Callable[[], tuple[dict[str, float], StepRows]] | None:
+        figures = self.figures
+        return None if figures is None else lambda: (figures(), {})
+
+    @property
     def eval_every(self) -> int:
         return self.cfg.eval_every
+
+    @property
+    def eval_before_train(self) -> bool:
+        return self.cfg.eval_before_train
 
     @property
     def export_role(self) -> RoleModel:

@@ -276,7 +276,6 @@ def test_builtin_arithmetic_sets_are_disjoint_files(tmp_path: Path, monkeypatch:
 
 def test_builtin_arithmetic_models_ship_the_task_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_rlhf.checkpoint.sources import architecture_of
-
     from megatron_rlhf.data.tokenizer import SentencePieceTokenizer, resolve_tokenizer
     from megatron_rlhf.models.builtin import builtin_checkpoint
 

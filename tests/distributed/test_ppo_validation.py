@@ -1,0 +1,45 @@
+"""Validation during RL (``data.validation``, ``eval_every``, ``eval_before_train``, ``eval.n``):
+the figures recomputed from the validation samples the run wrote, at the steps asked for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_ppo import _check_keys, _lowercase_fraction
+from tests.helpers import subprocess_env
+
+
+@pytest.mark.distributed
+def test_validation_figures_match_the_samples_and_run_at_the_asked_steps(tmp_path: Path) -> None:
+    # A data_source column (kept as an extra) splits the figures per source.
+    train, prompts = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"Tell me about thing {i}:", "data_source": "alpha"}) + "\n"
+                             for i in range(32)))  # fmt: skip
+    prompts.write_text("".join(json.dumps({"prompt": f"Say something about item {i}:", "data_source": src}) + "\n"
+                               for i, src in enumerate(["alpha"] * 3 + ["beta"] * 3)))  # fmt: skip
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", f"output_dir={out}", "max_steps=4", "eval_every=2",
+                           f"data.train=[{train}]", f"data.validation=[{prompts}]", "eval.n=3", "eval.correct_score=0.5", "eval.samples=6",
+                           "data.extra_keys=[data_source]"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    validations = [r for r in records if r["split"] == "validation"]
+    assert [r["step"] for r in validations] == [0, 2, 4]
+    _check_keys(records)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for v in validations:
+        rows = [s for s in samples if s.get("split") == "validation" and s["step"] == v["step"]]
+        assert len(rows) == 6
+        rewards = [_lowercase_fraction(s["response"]) for s in rows]
+        assert [s["reward"] for s in rows] == pytest.approx(rewards, abs=1e-6)
+        assert v["greedy_reward"] == pytest.approx(sum(rewards) / 6, abs=1e-6)
+        assert v["greedy_accuracy"] == pytest.approx(sum(r >= 0.5 for r in rewards) / 6)
+        assert v["alpha/greedy_reward"] == pytest.approx(sum(rewards[:3]) / 3, abs=1e-6)
+        assert v["beta/greedy_accuracy"] == pytest.approx(sum(r >= 0.5 for r in rewards[3:]) / 3)
+        assert 0.0 <= v["sampled_reward"] <= 1.0 and 0.0 <= v["pass_at_3"] <= 1.0
