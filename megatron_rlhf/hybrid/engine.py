@@ -1,11 +1,11 @@
 """The hybrid engine: the actor's train -> generate -> train switch, in one object made once.
 
-``generate`` runs, in order: release the training memory (grad buffers freed once the model has
-taken an optimizer step, optimizer state to pinned CPU), bring the generation weights up to date
-(zero copy when the layouts match, else a resharding copy into the generation layout, allocated
-in the memory just freed), generate with
-the native engine on this rank's share of the prompts (data parallel over the generation layout),
-free the KV cache and the generation copy, restore the training memory. Every rank gets all
+``generate`` runs, in order: release the training memory when offloading (``hybrid.offload``: grad
+buffers freed once the model has taken an optimizer step, optimizer state to pinned CPU), bring the
+generation weights up to date (zero copy when the layouts match, else a resharding copy into the
+generation layout, allocated in the memory just freed), generate with the native engine on this
+rank's share of the prompts (data parallel over the generation layout), free the KV cache and the
+generation copy, restore the training memory. Every rank gets all
 completions. Each phase is timed and reports GPU memory. No process group is created after
 construction.
 """
@@ -18,13 +18,28 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_rlhf.config.fields import check_on_init, one_of
 from megatron_rlhf.engine.optim import TrainState
-from megatron_rlhf.hybrid.memory import TrainingMemory
+from megatron_rlhf.hybrid.memory import OFFLOAD_MODES, TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.log import memory_summary
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(kw_only=True)
+class HybridConfig:
+    offload: str = "auto"
+    """Move the actor's optimizer state and gradient buffers off the GPU while generating: always,
+    never, or auto (only when generation's KV cache and weights would not fit beside them; the
+    decision and its figures are printed at start-up)."""
+
+    def __post_init__(self) -> None:
+        check_on_init(self)
+
+    def errors(self) -> list[str]:
+        return one_of(self, "offload", OFFLOAD_MODES)
 
 
 @dataclasses.dataclass
@@ -35,9 +50,10 @@ class PhaseReport:
 
 
 class HybridEngine:
-    def __init__(self, actor: TrainState, generation_tp: int, engine_cfg: NativeEngineConfig) -> None:
+    def __init__(self, actor: TrainState, generation_tp: int, engine_cfg: NativeEngineConfig, *,
+                 offload: bool = True) -> None:  # fmt: skip
         self.actor = actor
-        self.memory = TrainingMemory(actor)
+        self.memory = TrainingMemory(actor) if offload else None
         self.resharder = WeightResharder(actor.role, generation_tp)
         self.engine_cfg = engine_cfg
         self.device = next(actor.role.model.parameters()).device
@@ -51,9 +67,10 @@ class HybridEngine:
                 torch.cuda.synchronize(self.device)
             reports.append(PhaseReport(name, time.perf_counter() - start, memory_summary(self.device)))
 
-        start = time.perf_counter()
-        self.memory.to_generation()
-        phase("release training memory", start)
+        if self.memory is not None:
+            start = time.perf_counter()
+            self.memory.to_generation()
+            phase("release training memory", start)
 
         start = time.perf_counter()
         role = self.resharder.refresh()
@@ -69,7 +86,8 @@ class HybridEngine:
             torch.cuda.empty_cache()  # the KV cache went with the engine
         phase("free generation memory", start)
 
-        start = time.perf_counter()
-        self.memory.to_training()
-        phase("restore training memory", start)
+        if self.memory is not None:
+            start = time.perf_counter()
+            self.memory.to_training()
+            phase("restore training memory", start)
         return completions, reports

@@ -24,6 +24,45 @@ import time
 import torch
 
 from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.models.architecture import Architecture
+
+GIB = 1024**3
+OFFLOAD_MODES = ("auto", "always", "never")
+HEADROOM_FRACTION = 0.10
+"""Device memory kept free beyond the estimate in ``auto`` (allocator fragmentation, CUDA graph pools,
+sampling workspaces)."""
+
+
+def kv_cache_bytes(arch: Architecture, *, generation_tp: int, slots: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of the engine's KV cache (rollout/kv_cache.py) on one rank of the generation layout."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * slots * (arch.num_query_groups // generation_tp) * max_len * 2 * arch.head_dim * element
+
+
+def optimizer_bytes_to_come(state: TrainState) -> int:
+    """Adam moments (2 x fp32 of each main-parameter shard) that torch's Adam has not allocated yet:
+    it does so at the first step, so memory measured before it understates the training peak."""
+    allocated = sum(len(s) > 0 for inner in getattr(state.optimizer, "chained_optimizers", [state.optimizer])
+                    for s in inner.optimizer.state.values())  # fmt: skip
+    if allocated:
+        return 0
+    local = sum(p.numel() for p in state.role.model.parameters())
+    return 8 * local // state.role.groups.layout.dp
+
+
+def decide_offload(mode: str, *, generation_needs: int, free: int, total: int) -> tuple[bool, str]:
+    """Whether the training memory leaves the device while generating, and why.
+
+    ``auto`` offloads only when what generation allocates (KV cache, generation weights) does not fit
+    in the memory free at the training peak, less a headroom of ``HEADROOM_FRACTION`` of the device.
+    """
+    if mode != "auto":
+        return mode == "always", f"hybrid.offload={mode}"
+    room = free - int(HEADROOM_FRACTION * total)
+    fits = generation_needs <= room
+    return (not fits), (f"hybrid.offload=auto: generation needs {generation_needs / GIB:.2f} GiB, "
+                        f"{room / GIB:.2f} GiB free at the training peak (after a {HEADROOM_FRACTION:.0%} headroom): "
+                        + ("keep the optimizer state on the device" if fits else "offload it while generating"))
 
 
 @dataclasses.dataclass

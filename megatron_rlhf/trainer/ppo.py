@@ -44,6 +44,7 @@ from megatron_rlhf.engine.optim import TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import forward_all_rows, train_step
 from megatron_rlhf.hybrid.engine import HybridEngine
+from megatron_rlhf.hybrid.memory import decide_offload, kv_cache_bytes, optimizer_bytes_to_come
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
 from megatron_rlhf.metrics.log import log, snake_case, timed
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
@@ -51,6 +52,7 @@ from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.rewards.scoring import Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.rollout.native import NativeEngineConfig
 from megatron_rlhf.trainer.loop import StepRows, run_loop, write_run_files
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 
@@ -121,7 +123,8 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     longest = data.max_prompt_length + rollout.sampling.max_new_tokens
     engine_cfg = dataclasses.replace(rollout.engine.with_eos_of(tokenizer.stop_ids),
                                      max_seq_len=min(rollout.engine.max_seq_len, longest))  # fmt: skip
-    hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg)
+    hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg,
+                          offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env))  # fmt: skip
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
                     max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
     return PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer, hybrid,
@@ -343,6 +346,31 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
 
 
 # --------------------------------------------------------------------------- step helpers
+
+
+def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState], engine_cfg: NativeEngineConfig,
+                    env: DistEnv) -> bool:  # fmt: skip
+    """``hybrid.offload``, decided once from the device's memory at the training peak (what is
+    allocated now plus the Adam moments still to come) against what generation allocates (the KV
+    cache, and the generation copy when it reshards); the decision and its figures are logged."""
+    if env.device.type != "cuda":
+        log(f"hybrid.offload={cfg.hybrid.offload}: CPU mode, nothing to move")
+        return False
+    generation_tp = cfg.rollout.tp or cfg.actor.tp
+    dtype = next(actor.role.model.parameters()).dtype
+    needs = kv_cache_bytes(actor.role.arch, generation_tp=generation_tp, slots=engine_cfg.max_batch_size,
+                           max_len=engine_cfg.max_seq_len, dtype=dtype)  # fmt: skip
+    layout = actor.role.groups.layout
+    if not (generation_tp == layout.tp and layout.pp == 1):  # a resharded generation copy
+        params = sum(p.numel() * p.element_size() for p in actor.role.model.parameters())
+        needs += params * layout.tp * layout.pp // generation_tp
+    free, total = torch.cuda.mem_get_info(env.device)
+    free -= sum(optimizer_bytes_to_come(state) for state in (actor, *others))
+    offload, reason = decide_offload(cfg.hybrid.offload, generation_needs=needs, free=free, total=total)
+    log(reason)
+    return offload
+
+
 
 
 def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor) -> list[dict[str, Any]]:

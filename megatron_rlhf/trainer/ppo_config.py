@@ -21,6 +21,7 @@ from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.engine.optim import OptimConfig
+from megatron_rlhf.hybrid.engine import HybridConfig
 from megatron_rlhf.hybrid.reference import ReferenceConfig
 from megatron_rlhf.hybrid.reshard import matching_vocab_pad_multiple
 from megatron_rlhf.models.architecture import Architecture
@@ -117,6 +118,7 @@ class PPOConfig(LoopConfig, ModelsConfig):
     """The reference model, and whether it follows the actor (``update``)."""
     data: PromptDataConfig = dataclasses.field(default_factory=PromptDataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    hybrid: HybridConfig = dataclasses.field(default_factory=HybridConfig)
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     actor_optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6))
