@@ -8,6 +8,12 @@ loop is one SPMD program: every rank runs it, only global rank 0 prints and writ
 
 Batches are drawn with ``drop_last``: an epoch is ``num_examples // batch_size`` steps and the few
 examples left over by each epoch's shuffle wait for another epoch (the count is logged).
+
+Checkpoints (``checkpoint/run_checkpoint.py``): the loop decides when (``save_every``, and at the
+end) and where (``output_dir/checkpoints``); the task says what (its trained models, weights that
+change without an optimizer, and its own small state). The data order is a pure function of
+(seed, epoch, step), so the step is the data position: a resumed run skips the batches of the
+steps it has done and continues bit for bit.
 """
 
 from __future__ import annotations
@@ -20,10 +26,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megatron_rlhf.checkpoint.export import export_hf
+from megatron_rlhf.checkpoint.run_checkpoint import (
+    checkpoints_root,
+    load_run_checkpoint,
+    newest_checkpoint,
+    remove_partial,
+    save_run_checkpoint,
+)
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
+from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors
 from megatron_rlhf.models.roles import RoleModel
@@ -51,10 +65,27 @@ class LoopConfig(RunConfig):
     """The wandb logger's project, run name and mode."""
     save_hf: bool = True
     """Write the trained model to output_dir/hf as an HF checkpoint (from_pretrained loads it)."""
+    save_every: int = 0
+    """Save a resumable checkpoint under output_dir/checkpoints/step_N every this many steps; 0: only
+    at the end (a checkpoint is always written when the run completes)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
+    never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
 
     def errors(self) -> list[str]:
-        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every")
-                + at_least(self, 0, "max_steps") + logger_errors("loggers", self.loggers))  # fmt: skip
+        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last")
+                + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers)
+                + ([] if self.resume.strip() else ["resume='' must be auto, never or a checkpoint directory"]))  # fmt: skip
+
+    def resume_from(self) -> Path | None:
+        """The checkpoint this run continues from (None: a fresh run)."""
+        if self.resume == "never":
+            return None
+        if self.resume == "auto":
+            return newest_checkpoint(checkpoints_root(self.output_dir))
+        return Path(self.resume)
 
 
 class Task(Protocol):
@@ -85,6 +116,23 @@ class Task(Protocol):
         """The middle of the progress line (between ``step s/t`` and the ETA)."""
         ...
 
+    def train_states(self) -> dict[str, TrainState]:
+        """The trained models by name, saved with their optimizer and LR schedule."""
+        ...
+
+    def changing_weights(self) -> dict[str, RoleModel]:
+        """Models whose weights change during the run without an optimizer (a reference that
+        follows the actor), saved as weights."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The task's own state beyond its models (JSON), e.g. an adaptive KL coefficient."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        ...
+
 
 def write_run_files(cfg: Any, out_dir: Path) -> None:
     if is_rank0():
@@ -103,7 +151,8 @@ def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
 
 
 def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
-    """Train for the configured steps, export, write ``result.json``; returns the summary."""
+    """Train for the configured steps (continuing a checkpoint when ``resume`` finds one), saving
+    checkpoints; export, write ``result.json``; returns the summary."""
     out_dir = Path(cfg.output_dir)
     per_epoch, total = plan_steps(cfg, task)
     left_over = task.num_examples - per_epoch * task.batch_size
@@ -113,17 +162,31 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     metric, label = task.headline
     stem = metric.replace("/", "_")
     summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
+    loop_state = {"last_eval_step": -1, "train_seconds": 0.0}
+    resumed_step = _resume(cfg, task, summary, loop_state)
+    summary.update(steps=total, steps_per_epoch=per_epoch)
     setup = SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every, progress=task.progress,
-                      wandb=cfg.wandb, config=dataclasses.asdict(cfg))  # fmt: skip
+                      wandb=cfg.wandb, config=dataclasses.asdict(cfg), resumed_step=resumed_step)  # fmt: skip
     sink = build_sinks(cfg.loggers, setup)
     start = time.perf_counter()
-    step, last_eval_step = 0, -1
+
+    def save(step: int) -> None:
+        run_state = {"summary": summary, "loop": {**loop_state, "train_seconds": loop_state["train_seconds"]
+                                                  + time.perf_counter() - start}, "task": task.state_dict()}  # fmt: skip
+        ckpt = save_run_checkpoint(checkpoints_root(out_dir), step, train_states=task.train_states(),
+                                   weights=task.changing_weights(), run_state=run_state, config_yaml=to_yaml(cfg),
+                                   keep_last=cfg.keep_last)  # fmt: skip
+        log(f"step {step}: saved checkpoint {ckpt}")
+
+    step = 0
     try:
         for epoch in range(-(-total // per_epoch)):
             for indices in epoch_batches(task.num_examples, task.batch_size, 0, 1, cfg.seed, epoch, True):
                 if step == total:
                     break
                 step += 1
+                if step <= (resumed_step or 0):
+                    continue
                 metrics, rows = task.step(step, epoch, indices)
                 sink.write("train", step, {"epoch": epoch, **metrics})
                 for name, file_rows in rows.items():
@@ -132,12 +195,17 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
                 summary[f"last_{stem}"] = metrics[metric]
                 if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
                     summary["validation"] = _evaluate(task.evaluate, step, sink)
-                    last_eval_step = step
-        if task.evaluate is not None and last_eval_step != total:
+                    loop_state["last_eval_step"] = step
+                if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                    save(step)
+        if task.evaluate is not None and loop_state["last_eval_step"] != total:
             summary["validation"] = _evaluate(task.evaluate, total, sink)
+            loop_state["last_eval_step"] = total
+        if resumed_step != total:
+            save(total)
     finally:
         sink.close()
-    summary["train_seconds"] = time.perf_counter() - start
+    summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
     if cfg.save_hf:
         export_hf(task.export_role, task.tokenizer, out_dir / "hf")
         summary["hf_dir"] = str(out_dir / "hf")
@@ -146,6 +214,27 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
         f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
     return summary
+
+
+def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: dict[str, Any]) -> int | None:
+    """Load the checkpoint ``cfg.resume`` names into the task, the summary and the loop's state;
+    returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first."""
+    if is_rank0():
+        for partial in remove_partial(checkpoints_root(cfg.output_dir)):
+            log(f"removed {partial}: an interrupted save")
+    ckpt = cfg.resume_from()
+    if ckpt is None:
+        log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
+        return None
+    try:
+        run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
+    except FileNotFoundError as err:
+        raise ConfigError(f"resume={cfg.resume!r}: {err}") from err
+    task.load_state_dict(run_state["task"])
+    summary.update(run_state["summary"])
+    loop_state.update(run_state["loop"])
+    log(f"resumed from {ckpt} at step {run_state['step']}")
+    return int(run_state["step"])
 
 
 def _evaluate(evaluate: Callable[[], dict[str, float]], step: int, sink: Sink) -> dict[str, float]:

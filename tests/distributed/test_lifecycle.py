@@ -1,0 +1,124 @@
+"""Run lifecycle as a user meets it (CPU mode, CLI subprocesses): a run killed with SIGKILL and
+started again with the same command continues from its newest checkpoint, and ends with the
+metrics and the exported weights of a run that was never interrupted, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
+from tests.helpers import REPO, load_all_tensors, subprocess_env
+
+MAIN = REPO / "megatron_rlhf" / "__main__.py"
+
+
+def _command(nproc: int, args: tuple[str, ...]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_rlhf", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(MAIN), *args]
+
+
+def _run(nproc: int, args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(nproc, args), env=subprocess_env(), capture_output=True, text=True, timeout=600)
+
+
+def _run_killed_after_first_checkpoint(nproc: int, args: tuple[str, ...], out: Path) -> None:
+    """Start the run; SIGKILL it and every process under it (torchrun starts its workers in their
+    own sessions) as soon as a checkpoint is complete (``checkpoints/latest`` exists)."""
+    proc = subprocess.Popen(_command(nproc, args), env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert latest.exists(), "the run ended before its first checkpoint"
+
+
+def _kill_tree(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to ``pid`` and all its descendants (found before any of them dies)."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for process in [*parent.children(recursive=True), parent]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(sig)
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _deterministic(record: dict) -> dict:
+    """A metrics line without wall-clock figures."""
+    return {key: value for key, value in record.items() if not key.startswith(("timing_s/", "perf/")) and "per_s" not in key}
+
+
+def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int) -> None:
+    straight, resumed = root / "straight", root / "resumed"
+    first = _run(nproc, (*args, f"output_dir={straight}"))
+    assert first.returncode == 0, first.stderr[-6000:]
+    _run_killed_after_first_checkpoint(nproc, (*args, f"output_dir={resumed}"), resumed)
+    again = _run(nproc, (*args, f"output_dir={resumed}"))
+    assert again.returncode == 0, again.stderr[-6000:]
+    step = int(again.stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
+    assert 0 < step < total, again.stdout[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, total + 1))
+    expected = [_deterministic(r) for r in _records(straight)]
+    assert [_deterministic(r) for r in records] == expected
+    a, b = load_all_tensors(straight / "hf"), load_all_tensors(resumed / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert _result(resumed) == _result(straight)
+
+
+def _result(out: Path) -> dict:
+    """result.json without its wall-clock time and its own path."""
+    result = json.loads((out / "result.json").read_text())
+    return {key: value for key, value in result.items() if key not in ("train_seconds", "hf_dir")}
+
+
+PPO_ARGS = ("ppo", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
+            "algorithm.advantage_estimator=gae", "scoring.use_reward_model=true", "algorithm.kl_penalty.type=adaptive",
+            "algorithm.kl_penalty.coef=0.05", "algorithm.kl_penalty.horizon=10", "algorithm.loss.kl_loss_coef=0",
+            "reference.update=ema", "reference.ema_decay=0.5", "rollout.sampling.max_new_tokens=12")  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_ppo_with_critic_resumes_exactly_over_two_ranks(tmp_path: Path) -> None:
+    """PPO with a critic (GAE, PP2), a reward model, an adaptive KL penalty and an EMA reference,
+    actor TP2: the KL coefficient, the reference and both optimizers come back exactly."""
+    args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
+    _check_resume_matches(2, args, tmp_path, 6)
+
+
+@pytest.mark.distributed
+def test_grpo_resumes_exactly(tmp_path: Path) -> None:
+    _check_resume_matches(1, ("ppo", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
+                              "rollout.sampling.max_new_tokens=12"), tmp_path, 6)  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_sft_resumes_exactly(tmp_path: Path) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
+    val = _write_jsonl(tmp_path / "val.jsonl", _sft_rows(16, 1))
+    _check_resume_matches(1, ("sft", "--config", "sft-tiny", f"data.train=[{train}]", f"data.validation=[{val}]",
+                              "max_steps=12", "save_every=2", "eval_every=4", "keep_last=1"), tmp_path, 12)  # fmt: skip
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] in (["latest", "step_12"], ["step_12", "latest"])
+
+
+@pytest.mark.distributed
+def test_rm_resumes_exactly(tmp_path: Path) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", _preference_rows(128, 2))
+    _check_resume_matches(1, ("rm", "--config", "rm-tiny", f"data.train=[{train}]", "global_batch_size=16",
+                              "optim.lr=1e-3", "max_steps=12", "save_every=2"), tmp_path, 12)  # fmt: skip
