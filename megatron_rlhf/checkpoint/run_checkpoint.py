@@ -14,6 +14,12 @@ Layout under ``<output_dir>/checkpoints/``::
 A crash at any point leaves the previous checkpoint and ``latest`` intact: a ``.tmp`` directory is
 never read, and older checkpoints are deleted only after a newer one is complete and ``latest``
 names it.
+
+Saves are synchronous. megatron-core 0.19.2's async save (``async_sharded_save=True``, the "mcore"
+strategy; "nvrx" is not installed) was tried on CPU/gloo: one model at 2 ranks round-tripped, but a
+run checkpoint (actor TP2 + critic PP2, two requests in flight) wrote a ``common_state`` object
+that does not unpickle (``UnpicklingError: invalid load key``; ``load`` then fails with "Duplicate
+non-dict and non-list values: None and {}"). An unloadable checkpoint is worse than a slower one.
 """
 
 from __future__ import annotations
