@@ -122,3 +122,23 @@ def test_rm_resumes_exactly(tmp_path: Path) -> None:
     train = _write_jsonl(tmp_path / "train.jsonl", _preference_rows(128, 2))
     _check_resume_matches(1, ("rm", "--config", "rm-tiny", f"data.train=[{train}]", "global_batch_size=16",
                               "optim.lr=1e-3", "max_steps=12", "save_every=2"), tmp_path, 12)  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("saved_layout", ["model.tp=2", "model.pp=2"])
+def test_checkpoint_resumes_in_another_layout(tmp_path: Path, saved_layout: str) -> None:
+    """A checkpoint saved by 2 ranks at TP2 (or PP2) continues in one process at TP1xPP1 with the
+    uninterrupted run's per-step losses (to 1e-5: only the summation order changes)."""
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
+    args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "max_steps=6", "save_every=3")
+    sharded = _run(2, (*args, saved_layout, f"output_dir={tmp_path / 'sharded'}"))
+    assert sharded.returncode == 0, sharded.stderr[-6000:]
+    checkpoint = tmp_path / "sharded" / "checkpoints" / "step_3"
+    single = _run(1, (*args, f"resume={checkpoint}/", f"output_dir={tmp_path / 'single'}/"))  # trailing slashes
+    assert single.returncode == 0, single.stderr[-6000:]
+    assert f"resumed from {checkpoint} at step 3" in single.stdout
+    expected = {r["step"]: r["loss"] for r in _records(tmp_path / "sharded") if r["step"] > 3}
+    got = {r["step"]: r["loss"] for r in _records(tmp_path / "single")}
+    assert got.keys() == expected.keys() == {4, 5, 6}
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), step
