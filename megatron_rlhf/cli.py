@@ -191,8 +191,12 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
         print(_checked_yaml(cfg), end="")
         return 0
     from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.trainer.stop import StopRequested
 
-    run(cfg, init_distributed(cfg.device))
+    try:
+        run(cfg, init_distributed(cfg.device))
+    except StopRequested as stop:  # a signal asked for it; the checkpoint is written
+        return stop.code
     return 0
 
 

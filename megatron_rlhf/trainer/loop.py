@@ -41,6 +41,7 @@ from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.trainer.stop import StopRequested, StopSignals
 
 StepRows = dict[str, list[dict[str, Any]]]
 """Rows a step writes beside its metrics, by file: ``{"samples": [...]}`` -> ``samples.jsonl``."""
@@ -178,33 +179,11 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
                                    keep_last=cfg.keep_last)  # fmt: skip
         log(f"step {step}: saved checkpoint {ckpt}")
 
-    step = 0
-    try:
-        for epoch in range(-(-total // per_epoch)):
-            for indices in epoch_batches(task.num_examples, task.batch_size, 0, 1, cfg.seed, epoch, True):
-                if step == total:
-                    break
-                step += 1
-                if step <= (resumed_step or 0):
-                    continue
-                metrics, rows = task.step(step, epoch, indices)
-                sink.write("train", step, {"epoch": epoch, **metrics})
-                for name, file_rows in rows.items():
-                    sink.write_rows(name, [{"step": step, **row} for row in file_rows])
-                summary.setdefault(f"first_{stem}", metrics[metric])
-                summary[f"last_{stem}"] = metrics[metric]
-                if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
-                    summary["validation"] = _evaluate(task.evaluate, step, sink)
-                    loop_state["last_eval_step"] = step
-                if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                    save(step)
-        if task.evaluate is not None and loop_state["last_eval_step"] != total:
-            summary["validation"] = _evaluate(task.evaluate, total, sink)
-            loop_state["last_eval_step"] = total
-        if resumed_step != total:
-            save(total)
-    finally:
-        sink.close()
+    with StopSignals() as signals:
+        try:
+            _train(cfg, task, total, per_epoch, resumed_step, summary, loop_state, sink, save, signals)
+        finally:
+            sink.close()
     summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
     if cfg.save_hf:
         export_hf(task.export_role, task.tokenizer, out_dir / "hf")
@@ -214,6 +193,41 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
         f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
     return summary
+
+
+def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step: int | None, summary: dict[str, Any],
+           loop_state: dict[str, Any], sink: Sink, save: Callable[[int], None], signals: StopSignals) -> None:  # fmt: skip
+    """The steps after ``resumed_step``, the final validation and the final checkpoint; a stop
+    request saves a checkpoint at the step boundary and raises ``StopRequested``."""
+    metric = task.headline[0]
+    stem = metric.replace("/", "_")
+    step = 0
+    for epoch in range(-(-total // per_epoch)):
+        for indices in epoch_batches(task.num_examples, task.batch_size, 0, 1, cfg.seed, epoch, True):
+            if step == total:
+                break
+            step += 1
+            if step <= (resumed_step or 0):
+                continue
+            metrics, rows = task.step(step, epoch, indices)
+            sink.write("train", step, {"epoch": epoch, **metrics})
+            for name, file_rows in rows.items():
+                sink.write_rows(name, [{"step": step, **row} for row in file_rows])
+            summary.setdefault(f"first_{stem}", metrics[metric])
+            summary[f"last_{stem}"] = metrics[metric]
+            if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
+                summary["validation"] = _evaluate(task.evaluate, step, sink)
+                loop_state["last_eval_step"] = step
+            stop = signals.agreed()
+            if step < total and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
+                save(step)
+            if stop is not None and step < total:
+                raise StopRequested(stop, step)
+    if task.evaluate is not None and loop_state["last_eval_step"] != total:
+        summary["validation"] = _evaluate(task.evaluate, total, sink)
+        loop_state["last_eval_step"] = total
+    if resumed_step != total:
+        save(total)
 
 
 def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: dict[str, Any]) -> int | None:

@@ -142,3 +142,29 @@ def test_checkpoint_resumes_in_another_layout(tmp_path: Path, saved_layout: str)
     assert got.keys() == expected.keys() == {4, 5, 6}
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, abs=1e-5), step
+
+
+@pytest.mark.distributed
+def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -> None:
+    """SIGTERM mid-run: a checkpoint at the next step boundary, exit 0 (no export yet); the same
+    command again continues from it and exports the uninterrupted run's weights."""
+    args = ("ppo", "max_steps=8", "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=12")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert _run(1, (*args, f"output_dir={straight}")).returncode == 0
+    proc = subprocess.Popen(_command(1, (*args, f"output_dir={stopped}")), env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = stopped / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-6000:]
+    assert "SIGTERM received" in out and not (stopped / "hf").exists()
+    step = int((stopped / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert 1 <= step < 8
+    again = _run(1, (*args, f"output_dir={stopped}"))
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert f"at step {step}" in again.stdout
+    assert [_deterministic(r) for r in _records(stopped)] == [_deterministic(r) for r in _records(straight)]
+    a, b = load_all_tensors(straight / "hf"), load_all_tensors(stopped / "hf")
+    assert all(torch.equal(a[name], b[name]) for name in a)
