@@ -191,11 +191,13 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
         print(_checked_yaml(cfg), end="")
         return 0
     from megatron_rlhf.parallel.distributed import init_distributed
-    from megatron_rlhf.trainer.stop import StopRequested
+    from megatron_rlhf.trainer.stop import RunStopped
 
     try:
         run(cfg, init_distributed(cfg.device))
-    except StopRequested as stop:  # a signal asked for it; the checkpoint is written
+    except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
+        if stop.code and os.environ.get("RANK", "0") == "0":
+            print(f"megatron-rlhf: {stop}", file=sys.stderr)
         return stop.code
     return 0
 

@@ -76,6 +76,9 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
     with _tolerate_missing_step():
         state.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(state.optimizer)
+    # megatron's scheduler adds the saved step count to its own: start from 0 so that loading into a
+    # state that has stepped (a rollback within a run) does not count those steps twice.
+    state.scheduler.num_steps = 0
     state.scheduler.load_state_dict(meta["scheduler"])
     state.step = meta["step"]
     rng_file = ckpt / "rng" / f"rank{dist.get_rank():05d}.pt"

@@ -21,6 +21,23 @@ from megatron_rlhf.config.fields import one_of
 from megatron_rlhf.metrics.log import format_eta, is_rank0, log
 
 
+def strict_json(row: dict[str, Any], indent: int | None = None) -> str:
+    """``row`` as strict JSON: a non-finite number becomes null and its key (dotted inside nested
+    dicts) is listed under ``nonfinite`` (NaN/Infinity literals are not JSON; other readers fail)."""
+    bad: list[str] = []
+
+    def clean(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else k) for k, v in value.items()}
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(key)
+            return None
+        return value
+
+    cleaned = clean(row, "")
+    return json.dumps({**cleaned, "nonfinite": bad} if bad else cleaned, indent=indent, allow_nan=False)
+
+
 class Sink:
     """One destination. ``write`` takes a split's figures (``train``, ``validation``) at a step,
     ``write_rows`` rows for ``<name>.jsonl`` (samples); a destination ignores what it does not keep."""
@@ -82,7 +99,7 @@ class JsonlSink(Sink):
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
         if name not in self.files:
             self.files[name] = self._open(name)
-        self.files[name].write("".join(json.dumps(row) + "\n" for row in rows))
+        self.files[name].write("".join(strict_json(row) + "\n" for row in rows))
         self.files[name].flush()
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:

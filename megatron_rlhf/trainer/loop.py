@@ -19,7 +19,7 @@ steps it has done and continues bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +39,9 @@ from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.metrics.log import is_rank0, log
-from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors
+from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
 from megatron_rlhf.models.roles import RoleModel
-from megatron_rlhf.trainer.stop import StopRequested, StopSignals
+from megatron_rlhf.trainer.stop import RunStopped, StopSignals
 
 StepRows = dict[str, list[dict[str, Any]]]
 """Rows a step writes beside its metrics, by file: ``{"samples": [...]}`` -> ``samples.jsonl``."""
@@ -74,9 +74,14 @@ class LoopConfig(RunConfig):
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
     never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
+    max_bad_steps: int = 3
+    """After this many steps in a row whose update was skipped (non-finite loss or gradients), roll
+    back to the newest checkpoint and redo the steps since with another data order; a second
+    rollback over the same steps (or none to roll back to) stops the run with exit code 3."""
 
     def errors(self) -> list[str]:
-        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last")
+        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last",
+                                                 "max_bad_steps")
                 + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers)
                 + ([] if self.resume.strip() else ["resume='' must be auto, never or a checkpoint directory"]))  # fmt: skip
 
@@ -163,7 +168,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     metric, label = task.headline
     stem = metric.replace("/", "_")
     summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
-    loop_state = {"last_eval_step": -1, "train_seconds": 0.0}
+    loop_state: dict[str, Any] = {"last_eval_step": -1, "train_seconds": 0.0, "reseeded": []}
     resumed_step = _resume(cfg, task, summary, loop_state)
     summary.update(steps=total, steps_per_epoch=per_epoch)
     setup = SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every, progress=task.progress,
@@ -189,7 +194,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
         export_hf(task.export_role, task.tokenizer, out_dir / "hf")
         summary["hf_dir"] = str(out_dir / "hf")
     if is_rank0():
-        (out_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
     log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
         f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
     return summary
@@ -197,37 +202,81 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
 
 def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step: int | None, summary: dict[str, Any],
            loop_state: dict[str, Any], sink: Sink, save: Callable[[int], None], signals: StopSignals) -> None:  # fmt: skip
-    """The steps after ``resumed_step``, the final validation and the final checkpoint; a stop
-    request saves a checkpoint at the step boundary and raises ``StopRequested``."""
+    """The steps after ``resumed_step``, the final validation and the final checkpoint. A stop
+    request saves a checkpoint at the step boundary and raises ``RunStopped``; ``max_bad_steps``
+    skipped updates in a row roll back (``_roll_back``)."""
     metric = task.headline[0]
     stem = metric.replace("/", "_")
-    step = 0
-    for epoch in range(-(-total // per_epoch)):
-        for indices in epoch_batches(task.num_examples, task.batch_size, 0, 1, cfg.seed, epoch, True):
-            if step == total:
-                break
-            step += 1
-            if step <= (resumed_step or 0):
-                continue
-            metrics, rows = task.step(step, epoch, indices)
-            sink.write("train", step, {"epoch": epoch, **metrics})
-            for name, file_rows in rows.items():
-                sink.write_rows(name, [{"step": step, **row} for row in file_rows])
-            summary.setdefault(f"first_{stem}", metrics[metric])
-            summary[f"last_{stem}"] = metrics[metric]
-            if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
-                summary["validation"] = _evaluate(task.evaluate, step, sink)
-                loop_state["last_eval_step"] = step
-            stop = signals.agreed()
-            if step < total and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
-                save(step)
-            if stop is not None and step < total:
-                raise StopRequested(stop, step)
+    step, bad_steps = resumed_step or 0, 0
+    while step < total:
+        step += 1
+        epoch, indices = _batch(cfg, task, per_epoch, step, loop_state["reseeded"])
+        metrics, rows = task.step(step, epoch, indices)
+        sink.write("train", step, {"epoch": epoch, **metrics})
+        for name, file_rows in rows.items():
+            sink.write_rows(name, [{"step": step, **row} for row in file_rows])
+        summary.setdefault(f"first_{stem}", metrics[metric])
+        summary[f"last_{stem}"] = metrics[metric]
+        bad_steps = bad_steps + 1 if any(k.endswith("update_skipped") and v for k, v in metrics.items()) else 0
+        if bad_steps == cfg.max_bad_steps:
+            step, bad_steps = _roll_back(cfg, task, step, summary, loop_state, sink), 0
+            continue
+        if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
+            summary["validation"] = _evaluate(task.evaluate, step, sink)
+            loop_state["last_eval_step"] = step
+        stop = signals.agreed()
+        # Not in a run of skipped updates: a rollback goes back to before its first step.
+        if step < total and not bad_steps and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
+            save(step)
+        if stop is not None and step < total:
+            raise RunStopped(f"stopped on request after step {step}; the same command continues from there", stop)
     if task.evaluate is not None and loop_state["last_eval_step"] != total:
         summary["validation"] = _evaluate(task.evaluate, total, sink)
         loop_state["last_eval_step"] = total
     if resumed_step != total:
         save(total)
+
+
+@functools.cache
+def _epoch_order(num_examples: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    return list(epoch_batches(num_examples, batch_size, 0, 1, seed, epoch, True))
+
+
+def _batch(cfg: LoopConfig, task: Task, per_epoch: int, step: int, reseeded: list[list[int]]) -> tuple[int, list[int]]:
+    """(epoch, global batch) of ``step``: a pure function of (seed, epoch, step), with another
+    seed inside each window of steps redone after a rollback (the latest window wins)."""
+    epoch, position = divmod(step - 1, per_epoch)
+    seed = cfg.seed
+    for number, (first, last) in enumerate(reseeded, 1):
+        if first <= step <= last:
+            seed = cfg.seed + 1_000_003 * number
+    return epoch, _epoch_order(task.num_examples, task.batch_size, seed, epoch)[position]
+
+
+def _roll_back(cfg: LoopConfig, task: Task, step: int, summary: dict[str, Any], loop_state: dict[str, Any],
+               sink: Sink) -> int:  # fmt: skip
+    """Load the newest checkpoint after ``max_bad_steps`` skipped updates ending at ``step``; the
+    steps after it are redone with another data order. Returns the checkpoint's step. Raises
+    ``RunStopped`` (exit 3) with no checkpoint, or when these steps were redone once already."""
+    first_bad = step - cfg.max_bad_steps + 1
+    what = (f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
+            f"gradients (max_bad_steps={cfg.max_bad_steps})")  # fmt: skip
+    ckpt = newest_checkpoint(checkpoints_root(cfg.output_dir))
+    if ckpt is None:
+        raise RunStopped(f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "
+                         "lower the learning rate or check the data", 3)  # fmt: skip
+    run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
+    good = int(run_state["step"])
+    reseeded = loop_state["reseeded"]
+    if any(first == good + 1 for first, _ in reseeded):
+        raise RunStopped(f"{what}, again after a rollback to {ckpt} with another data order: stopping", 3)
+    task.load_state_dict(run_state["task"])
+    summary.clear()
+    summary.update(run_state["summary"])
+    loop_state.update(run_state["loop"], reseeded=[*reseeded, [good + 1, step]])
+    sink.write("rollback", step, {"to_step": good})
+    log(f"{what}: rolled back to {ckpt}; redoing steps {good + 1}-{step} with another data order")
+    return good
 
 
 def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: dict[str, Any]) -> int | None:

@@ -1,4 +1,4 @@
-"""Stopping a run on request: a scheduler's SIGTERM (or SIGUSR1 sent ahead of a preemption) and
+"""Stopping a run early. On request: a scheduler's SIGTERM (or SIGUSR1 sent ahead of a preemption) and
 Ctrl-C (SIGINT) end the run at the next step boundary, after a checkpoint, so that the same command
 started again continues where it stopped. A second signal ends the process at once.
 
@@ -22,11 +22,12 @@ EXIT_CODES = {signal.SIGTERM: 0, signal.SIGUSR1: 0, signal.SIGINT: 130}
 """The exit code of a run stopped by each signal after its checkpoint (130: interrupted, as shells report Ctrl-C)."""
 
 
-class StopRequested(Exception):
-    """Raised at a step boundary after the checkpoint of a requested stop; ``code`` is the exit code."""
+class RunStopped(Exception):
+    """A run ending early on purpose: after a requested stop's checkpoint, or when training
+    diverged beyond repair (exit 3). ``code`` is the process's exit code."""
 
-    def __init__(self, code: int, step: int) -> None:
-        super().__init__(f"stopped on request after step {step}")
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
         self.code = code
 
 

@@ -27,8 +27,9 @@ def _command(nproc: int, args: tuple[str, ...]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(MAIN), *args]
 
 
-def _run(nproc: int, args: tuple[str, ...]) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(nproc, args), env=subprocess_env(), capture_output=True, text=True, timeout=600)
+def _run(nproc: int, args: tuple[str, ...], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(nproc, args), env={**subprocess_env(), **env}, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
 
 
 def _run_killed_after_first_checkpoint(nproc: int, args: tuple[str, ...], out: Path) -> None:
@@ -168,3 +169,68 @@ def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -
     assert [_deterministic(r) for r in _records(stopped)] == [_deterministic(r) for r in _records(straight)]
     a, b = load_all_tensors(straight / "hf"), load_all_tensors(stopped / "hf")
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def _strict_records(out: Path) -> list[dict]:
+    """metrics.jsonl read as strict JSON (NaN/Infinity literals refused)."""
+
+    def refuse(literal: str) -> None:
+        raise ValueError(f"not JSON: {literal}")
+
+    return [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def sft_train(tmp_path: Path) -> Path:
+    return _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
+
+
+SFT = ("sft", "--config", "sft-tiny", "log_every=1")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("save_every", [0, 1])
+def test_diverging_sft_stops_with_exit_3_and_exports_nothing(tmp_path: Path, sft_train: Path, save_every: int) -> None:
+    """optim.lr=1e12: the loss turns NaN at step 3. Without a checkpoint the run stops at once; with
+    one it rolls back, redoes steps 3-5 with another data order, diverges again and stops."""
+    out = tmp_path / "run"
+    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "optim.lr=1e12", "max_steps=8", f"save_every={save_every}",
+                    f"output_dir={out}"))  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-6000:]
+    assert "steps 3-5: 3 updates in a row skipped" in proc.stderr
+    assert ("no checkpoint to roll back to" if save_every == 0 else "again after a rollback") in proc.stderr
+    assert not (out / "hf").exists() and not (out / "result.json").exists()
+    records = _strict_records(out)
+    bad = [r for r in records if r["split"] == "train" and r["update_skipped"]]
+    assert bad and all(r["loss"] is None and "loss" in r["nonfinite"] for r in bad)
+    assert [r["to_step"] for r in records if r["split"] == "rollback"] == ([] if save_every == 0 else [2])
+
+
+@pytest.mark.distributed
+def test_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path: Path, sft_train: Path) -> None:
+    """NaN gradients on rank 1 only (data-parallel over 2 ranks), once: step 3's update is skipped
+    on both ranks (the LR schedule waits too) and the run ends normally with finite weights."""
+    out = tmp_path / "run"
+    proc = _run(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=5", f"output_dir={out}"),
+                MEGATRON_RLHF_TEST_NAN="1:2:1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    train = [r for r in _strict_records(out) if r["split"] == "train"]
+    assert [r["update_skipped"] for r in train] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert train[2]["grad_norm"] is None and train[3]["lr"] == train[2]["lr"]
+    assert all(torch.isfinite(t).all() for t in load_all_tensors(out / "hf").values())
+
+
+@pytest.mark.distributed
+def test_rollback_with_another_data_order_recovers(tmp_path: Path, sft_train: Path) -> None:
+    """Three NaN updates in a row after a checkpoint at step 2: back to step 2, steps 3-5 again with
+    other batches (the NaNs are spent), and the run completes."""
+    out = tmp_path / "run"
+    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=6", "save_every=2", f"output_dir={out}"),
+                MEGATRON_RLHF_TEST_NAN="0:2:3")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    records = _strict_records(out)
+    assert [(r["split"], r["step"]) for r in records if r["split"] != "train" or r["step"] > 2] == [
+        ("train", 3), ("train", 4), ("train", 5), ("rollback", 5), ("train", 3), ("train", 4), ("train", 5), ("train", 6)]
+    first, again = records[2], records[6]
+    assert first["update_skipped"] == 1.0 and again["update_skipped"] == 0.0
+    assert first["tokens"] != again["tokens"]  # another batch
