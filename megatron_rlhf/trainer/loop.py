@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch.distributed as dist
+
 from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.run_checkpoint import (
     checkpoints_root,
@@ -74,6 +76,9 @@ class LoopConfig(RunConfig):
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
     never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
+    overwrite: bool = False
+    """Allow an output_dir that holds another run's files (and no checkpoint to resume) to be
+    written over; without it such a run is refused before anything is built."""
     max_bad_steps: int = 3
     """After this many steps in a row whose update was skipped (non-finite loss or gradients), roll
     back to the newest checkpoint and redo the steps since with another data order; a second
@@ -140,10 +145,29 @@ class Task(Protocol):
         ...
 
 
-def write_run_files(cfg: Any, out_dir: Path) -> None:
+RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "hf")
+"""What a run leaves in its output_dir (besides checkpoints/)."""
+
+
+def write_run_files(cfg: LoopConfig, out_dir: Path) -> None:
+    """Collective: refuse an output_dir that holds another run's files and nothing to resume (one
+    decision, made by rank 0, so that no rank sees files another rank has just written), then write
+    config.yaml."""
+    problem = [_output_dir_problem(cfg, out_dir) if is_rank0() else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ConfigError(problem[0])
     if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+
+def _output_dir_problem(cfg: LoopConfig, out_dir: Path) -> str | None:
+    found = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if not found or cfg.overwrite or (cfg.resume != "never" and cfg.resume_from() is not None):
+        return None
+    return (f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and no checkpoint to "
+            f"resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another output_dir")
 
 
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
