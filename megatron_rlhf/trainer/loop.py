@@ -40,7 +40,7 @@ from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
 from megatron_rlhf.engine.optim import TrainState
-from megatron_rlhf.metrics.log import is_rank0, log
+from megatron_rlhf.metrics.log import environment_report, is_rank0, log
 from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.trainer.stop import RunStopped, StopSignals
@@ -189,6 +189,9 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     log(f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} steps per epoch"
         + (f" ({left_over} examples of each epoch's shuffle left for later epochs)" if left_over else "")
         + f"; {total} steps ({total / per_epoch:.2f} epochs)")  # fmt: skip
+    log(environment_report())
+    log("layouts: " + ", ".join(f"{name} {role.groups.layout}" for name, role in
+                                [*((n, s.role) for n, s in task.train_states().items()), *task.changing_weights().items()]))  # fmt: skip
     metric, label = task.headline
     stem = metric.replace("/", "_")
     summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
