@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides, schema=SmokeConfig)
 
-            run_smoke(cfg, init_distributed(cfg.device))
+            run_smoke(cfg, init_distributed(cfg.device, cfg.dist_timeout_s))
             return 0
         if args.command in ("ppo", "sft", "rm"):
             return _run_trainer(args.command, args.config, args.overrides, args.print_config)
@@ -194,7 +194,7 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
     from megatron_rlhf.trainer.stop import RunStopped
 
     try:
-        run(cfg, init_distributed(cfg.device))
+        run(cfg, init_distributed(cfg.device, cfg.dist_timeout_s))
     except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
         if stop.code and os.environ.get("RANK", "0") == "0":
             print(f"megatron-rlhf: {stop}", file=sys.stderr)

@@ -50,10 +50,11 @@ def _kill_tree(pid: int, sig: signal.Signals) -> None:
     """Send ``sig`` to ``pid`` and all its descendants (found before any of them dies)."""
     import psutil
 
-    parent = psutil.Process(pid)
-    for process in [*parent.children(recursive=True), parent]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(sig)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        parent = psutil.Process(pid)
+        for process in [*parent.children(recursive=True), parent]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(sig)
 
 
 def _records(out: Path) -> list[dict]:
@@ -234,3 +235,30 @@ def test_rollback_with_another_data_order_recovers(tmp_path: Path, sft_train: Pa
     first, again = records[2], records[6]
     assert first["update_skipped"] == 1.0 and again["update_skipped"] == 0.0
     assert first["tokens"] != again["tokens"]  # another batch
+
+
+@pytest.mark.distributed
+def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sft_train: Path) -> None:
+    """SIGSTOP one rank of a 2-rank run with dist_timeout_s=20: the other's next collective times
+    out and the job ends non-zero, instead of hanging."""
+    import psutil
+
+    out = tmp_path / "run"
+    log = (tmp_path / "log").open("w")
+    proc = subprocess.Popen(_command(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=20",
+                                         f"output_dir={out}")),
+                            env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, (tmp_path / "log").read_text()[-5000:]
+    (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+    rank1.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        returncode = proc.wait(timeout=90)
+    finally:
+        _kill_tree(proc.pid, signal.SIGKILL)
+    assert returncode != 0
+    assert time.monotonic() - stopped_at < 60
+    assert "timed out" in (tmp_path / "log").read_text().lower()
