@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint
@@ -120,16 +121,25 @@ def save_run_checkpoint(
     return final
 
 
+class UnusableCheckpoint(Exception):
+    """A complete checkpoint that cannot be read: changed bytes (its integrity manifest names the
+    file), a missing file, unreadable JSON. Raised on every rank alike (the checks are made by one
+    rank and shared, or read the same files)."""
+
+
 def load_run_checkpoint(ckpt: Path, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel]) -> dict[str, Any]:
     """Collective. Fills the models (any layout) and restores this rank's RNG states when the
     checkpoint has them (same world size); returns the saved ``run_state`` (with ``step``)."""
     if not is_complete(ckpt):
         raise FileNotFoundError(f"{ckpt / RUN_STATE_FILE}: missing; {ckpt} is not a complete run checkpoint")
-    run_state = json.loads((ckpt / RUN_STATE_FILE).read_text())
-    for name, state in train_states.items():
-        load_train_state(state, ckpt / "models" / name)
-    for name, role in weights.items():
-        load_mcore_checkpoint(role.model, role.groups, ckpt / "weights" / name)
+    try:
+        run_state = json.loads((ckpt / RUN_STATE_FILE).read_text())
+        for name, state in train_states.items():
+            load_train_state(state, ckpt / "models" / name)
+        for name, role in weights.items():
+            load_mcore_checkpoint(role.model, role.groups, ckpt / "weights" / name)
+    except (CheckpointingException, FileNotFoundError, json.JSONDecodeError) as err:
+        raise UnusableCheckpoint(f"checkpoint {ckpt} is unusable: {err}") from err
     rng_file = ckpt / "rng" / f"rank{dist.get_rank():05d}.pt"
     if rng_file.is_file():
         _set_rng_states(torch.load(rng_file, weights_only=False))

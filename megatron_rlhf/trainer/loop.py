@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.run_checkpoint import (
+    UnusableCheckpoint,
     checkpoints_root,
+    complete_checkpoints,
     load_run_checkpoint,
     newest_checkpoint,
     remove_partial,
@@ -308,18 +310,29 @@ def _roll_back(cfg: LoopConfig, task: Task, step: int, summary: dict[str, Any], 
 
 def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: dict[str, Any]) -> int | None:
     """Load the checkpoint ``cfg.resume`` names into the task, the summary and the loop's state;
-    returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first."""
+    returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first. With
+    resume=auto an unusable newest checkpoint (changed bytes, missing files) is reported and the
+    previous complete one is used."""
+    root = checkpoints_root(cfg.output_dir)
     if is_rank0():
-        for partial in remove_partial(checkpoints_root(cfg.output_dir)):
+        for partial in remove_partial(root):
             log(f"removed {partial}: an interrupted save")
-    ckpt = cfg.resume_from()
-    if ckpt is None:
+    newest = cfg.resume_from()
+    if newest is None:
         log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
         return None
-    try:
-        run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
-    except FileNotFoundError as err:
-        raise ConfigError(f"resume={cfg.resume!r}: {err}") from err
+    older = [ckpt for ckpt in reversed(complete_checkpoints(root)) if ckpt != newest]
+    candidates = [newest, *older] if cfg.resume == "auto" else [newest]
+    for ckpt in candidates:
+        try:
+            run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
+            break
+        except FileNotFoundError as err:
+            raise ConfigError(f"resume={cfg.resume!r}: {err}") from err
+        except UnusableCheckpoint as err:
+            if ckpt is candidates[-1]:
+                raise ConfigError(f"resume={cfg.resume!r}: {err}" + ("; no older one is usable" if older else "")) from err
+            log(f"{err}; trying the previous checkpoint")
     task.load_state_dict(run_state["task"])
     summary.update(run_state["summary"])
     loop_state.update(run_state["loop"])

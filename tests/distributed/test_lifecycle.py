@@ -262,3 +262,41 @@ def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sf
     assert returncode != 0
     assert time.monotonic() - stopped_at < 60
     assert "timed out" in (tmp_path / "log").read_text().lower()
+
+
+@pytest.mark.distributed
+def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(tmp_path: Path, sft_train: Path) -> None:
+    """The newest checkpoint has a flipped byte in a shard, and an interrupted save left step_8.tmp/
+    and latest.tmp (what a SIGKILL mid-save leaves): the run names the changed file, resumes from
+    the previous checkpoint, deletes the leftovers, and redoes the steps with the same losses."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", "save_every=2", "keep_last=3", f"output_dir={out}")
+    first = _run(1, (*args, "max_steps=6"))
+    assert first.returncode == 0, first.stderr[-6000:]
+    losses = {r["step"]: r["loss"] for r in _records(out)}
+    shard = out / "checkpoints" / "step_6" / "models" / "actor" / "dist" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (out / "checkpoints" / "step_8.tmp" / "models").mkdir(parents=True)
+    (out / "checkpoints" / "latest.tmp").write_text("step_8\n")
+    again = _run(1, (*args, "max_steps=8"))
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert "step_6 is unusable" in again.stdout and "__0_0.distcp" in again.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_4'} at step 4" in again.stdout
+    assert f"removed {out / 'checkpoints' / 'step_8.tmp'}: an interrupted save" in again.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6", "step_8"]
+    redone = {r["step"]: r["loss"] for r in _records(out)}
+    assert list(redone) == list(range(1, 9)) and all(redone[step] == losses[step] for step in range(1, 7))
+
+
+@pytest.mark.distributed
+def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_path: Path, sft_train: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"split": "train", "step": 1}\n')
+    args = (*SFT, f"data.train=[{sft_train}]", "max_steps=1", f"output_dir={out}")
+    refused = _run(1, args)
+    assert refused.returncode == 2 and "holds another run's files (metrics.jsonl)" in refused.stderr
+    assert "overwrite=true" in refused.stderr
+    assert _run(1, (*args, "overwrite=true")).returncode == 0
