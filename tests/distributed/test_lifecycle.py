@@ -300,3 +300,28 @@ def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_pat
     assert refused.returncode == 2 and "holds another run's files (metrics.jsonl)" in refused.stderr
     assert "overwrite=true" in refused.stderr
     assert _run(1, (*args, "overwrite=true")).returncode == 0
+
+
+@pytest.mark.distributed
+def test_sigint_saves_and_exits_130_and_a_second_signal_exits_at_once(tmp_path: Path, sft_train: Path) -> None:
+    def started(out: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(_command(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}")),
+                                env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n")) and proc.poll() is None:
+            time.sleep(0.01)
+        return proc
+
+    once = started(tmp_path / "once")
+    once.send_signal(signal.SIGINT)
+    once.communicate(timeout=300)
+    assert once.returncode == 130
+    assert (tmp_path / "once" / "checkpoints" / "latest").is_file()
+
+    twice = started(tmp_path / "twice")
+    twice.send_signal(signal.SIGUSR1)
+    assert twice.stdout is not None
+    while "SIGUSR1 received" not in twice.stdout.readline():  # the first is handled: the second is not merged with it
+        pass
+    twice.send_signal(signal.SIGUSR1)
+    twice.communicate(timeout=300)
+    assert twice.returncode == 128 + signal.SIGUSR1
