@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides, schema=SmokeConfig)
 
-            run_smoke(cfg, init_distributed(cfg.device))
+            run_smoke(cfg, init_distributed(cfg.device, cfg.dist_timeout_s))
             return 0
         if args.command in ("ppo", "sft", "rm"):
             return _run_trainer(args.command, args.config, args.overrides, args.print_config)
@@ -193,8 +193,14 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
         print(_checked_yaml(cfg), end="")
         return 0
     from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.trainer.stop import RunStopped
 
-    run(cfg, init_distributed(cfg.device))
+    try:
+        run(cfg, init_distributed(cfg.device, cfg.dist_timeout_s))
+    except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
+        if stop.code and os.environ.get("RANK", "0") == "0":
+            print(f"megatron-rlhf: {stop}", file=sys.stderr)
+        return stop.code
     return 0
 
 

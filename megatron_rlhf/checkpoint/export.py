@@ -6,6 +6,9 @@ import dataclasses
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from megatron_rlhf.checkpoint.hf import save_hf_checkpoint, side_files_in
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.metrics.log import log
@@ -25,7 +28,13 @@ def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
 
 
 def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path) -> None:
-    """Write ``role``'s model to ``hf_dir`` with its tokenizer files (collective)."""
+    """Write ``role``'s model to ``hf_dir`` with its tokenizer files (collective). A model with a
+    non-finite weight on any rank is refused: it would load and produce garbage."""
+    local_ok = all(bool(torch.isfinite(param).all()) for param in role.model.parameters())
+    bad = torch.tensor([0.0 if local_ok else 1.0], device=next(role.model.parameters()).device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise ValueError(f"the {role.role} has non-finite weights: not exported to {hf_dir}")
     arch = with_token_ids(role.arch, tokenizer)
     start = time.perf_counter()
     save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)

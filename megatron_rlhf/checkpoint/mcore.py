@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 
 from megatron_rlhf.checkpoint.hf import copy_side_files
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
@@ -57,6 +58,13 @@ def global_dp_rank_of(groups: ParallelGroups) -> Iterator[None]:
         parallel_state.get_data_parallel_rank = original
 
 
+def has_integrity_manifest(dist_dir: str | Path) -> bool:
+    """Whether a dist_checkpointing directory lists its files' SHA-256 hashes (saved with
+    ``verify_integrity=True``): loading then re-hashes them and names a file whose bytes changed.
+    Checkpoints written before the manifest was kept load unverified."""
+    return (Path(dist_dir) / INTEGRITY_FNAME).is_file()
+
+
 def _sharded_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict:
     # Pass the model's own data-parallel group: megatron otherwise reads its global parallel_state.
     with global_dp_rank_of(groups):
@@ -76,7 +84,7 @@ def save_mcore_checkpoint(
     if dist.get_rank() == 0:
         (ckpt / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model, groups), str(ckpt / WEIGHTS_DIR))
+    dist_checkpointing.save(_sharded_state_dict(model, groups), str(ckpt / WEIGHTS_DIR), verify_integrity=True)
     if dist.get_rank() == 0:
         meta = {"format_version": FORMAT_VERSION, "hf_config": arch.hf_config, "saved_layout": str(groups.layout)}
         (ckpt / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -90,5 +98,6 @@ def load_mcore_checkpoint(model: torch.nn.Module, groups: ParallelGroups, ckpt_d
     weights = Path(ckpt_dir) / WEIGHTS_DIR
     if not weights.is_dir():
         raise FileNotFoundError(f"{weights}: missing; {ckpt_dir} is not a megatron-rlhf model checkpoint")
-    state = dist_checkpointing.load(_sharded_state_dict(model, groups), str(weights))
+    state = dist_checkpointing.load(_sharded_state_dict(model, groups), str(weights),
+                                    verify_integrity=has_integrity_manifest(weights))  # fmt: skip
     model.load_state_dict(state, strict=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron_rlhf.checkpoint.mcore import global_dp_rank_of
+from megatron_rlhf.checkpoint.mcore import global_dp_rank_of, has_integrity_manifest
 from megatron_rlhf.engine.optim import TrainState
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -51,7 +51,7 @@ def save_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
         (ckpt / "dist").mkdir(parents=True, exist_ok=True)
         (ckpt / "rng").mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(state, is_loading=False), str(ckpt / "dist"))
+    dist_checkpointing.save(_sharded(state, is_loading=False), str(ckpt / "dist"), verify_integrity=True)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -71,11 +71,15 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
         raise FileNotFoundError(f"{meta_path}: missing; {ckpt} is not a complete training checkpoint")
     meta = json.loads(meta_path.read_text())
     _allocate_adam_state(state.optimizer)
-    loaded = dist_checkpointing.load(_sharded(state, is_loading=True), str(ckpt / "dist"))
+    loaded = dist_checkpointing.load(_sharded(state, is_loading=True), str(ckpt / "dist"),
+                                     verify_integrity=has_integrity_manifest(ckpt / "dist"))  # fmt: skip
     state.role.model.load_state_dict(loaded["model"], strict=True)
     with _tolerate_missing_step():
         state.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(state.optimizer)
+    # megatron's scheduler adds the saved step count to its own: start from 0 so that loading into a
+    # state that has stepped (a rollback within a run) does not count those steps twice.
+    state.scheduler.num_steps = 0
     state.scheduler.load_state_dict(meta["scheduler"])
     state.step = meta["step"]
     rng_file = ckpt / "rng" / f"rank{dist.get_rank():05d}.pt"

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.config.fields import one_of
-from megatron_rlhf.parallel.distributed import DEVICES
+from megatron_rlhf.parallel.distributed import DEFAULT_TIMEOUT_S, DEVICES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,9 +33,13 @@ class RunConfig:
     """Seeds the data order, sampling and everything random."""
     output_dir: str = "runs/default"
     """Where config.yaml, metrics.jsonl, result.json, tb/ (TensorBoard) and the models go."""
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S
+    """Seconds a rank waits in a collective for the others before failing: a hung or stopped rank
+    then ends the job non-zero instead of hanging it."""
 
     def errors(self) -> list[str]:
-        return one_of(self, "device", DEVICES) + one_of(self, "dtype", ["auto", *DTYPES])
+        errors = one_of(self, "device", DEVICES) + one_of(self, "dtype", ["auto", *DTYPES])
+        return errors + ([] if self.dist_timeout_s > 0 else [f"dist_timeout_s={self.dist_timeout_s} must be > 0"])
 
     def output_dir_errors(self) -> list[str]:
         """Why ``output_dir`` cannot be made: checked by each command's up-front checks, with the

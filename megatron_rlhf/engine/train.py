@@ -1,6 +1,14 @@
-"""One optimizer step of a model on a batch, and forward-only passes, through the pipeline schedule."""
+"""One optimizer step of a model on a batch, and forward-only passes, through the pipeline schedule.
+
+Divergence guard: a step whose loss or gradients are not finite on any rank of the job is not
+applied on any rank (``update_skipped`` = 1; the LR schedule and the step count do not move), so a
+NaN never reaches the weights or the optimizer's moments.
+"""
 
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -32,14 +40,47 @@ def train_step(
     state.optimizer.zero_grad()
     per_micro_batch = run_schedule(model, role.groups, pieces, _loss_step(loss_fn), forward_only=False)
     lr = state.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it next)
-    update_ok, grad_norm, _ = state.optimizer.step()
-    state.scheduler.step(increment=1)
-    state.step += 1
     metrics = _reduce_metrics(per_micro_batch, role, device)
+    _inject_nan_for_test(model, state.step)
+    grad_norm: float | None = float("nan")
+    update_ok = math.isfinite(metrics["loss"]) and _grads_finite_everywhere(model, device)
+    if update_ok:
+        update_ok, grad_norm, _ = state.optimizer.step()
+    if update_ok:
+        state.scheduler.step(increment=1)
+        state.step += 1
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["lr"] = lr
     metrics["update_skipped"] = 0.0 if update_ok else 1.0
     return metrics
+
+
+def _grads_finite_everywhere(model: torch.nn.Module, device: torch.device) -> bool:
+    """Collective over the whole job: no rank holds a non-finite value in its gradient buffers
+    (checked before the optimizer reads them; a NaN in any rank's local gradients reaches the
+    reduced gradients of some rank)."""
+    local = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in model.buffers + model.expert_parallel_buffers)
+    bad = torch.tensor([0.0 if local else 1.0], device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
+TEST_NAN_ENV = "MEGATRON_RLHF_TEST_NAN"
+"""Test hook, ``RANK:UPDATES:TIMES``: global rank RANK fills its gradients with NaN in TIMES train
+steps (counted per process), each taken when the model has made UPDATES successful updates."""
+_nan_injected = 0
+
+
+def _inject_nan_for_test(model: torch.nn.Module, updates_done: int) -> None:
+    global _nan_injected
+    spec = os.environ.get(TEST_NAN_ENV)
+    if not spec:
+        return
+    rank, updates, times = (int(part) for part in spec.split(":"))
+    if dist.get_rank() == rank and updates_done == updates and _nan_injected < times:
+        _nan_injected += 1
+        for buffer in model.buffers + model.expert_parallel_buffers:
+            buffer.grad_data.fill_(float("nan"))
 
 
 def _loss_step(loss_fn: LossFn):

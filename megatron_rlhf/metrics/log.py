@@ -7,11 +7,15 @@ hits them. Memory figures come from the CUDA allocator on GPU and from the proce
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import logging
 import re
+import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Iterator
 
 import psutil
@@ -26,6 +30,31 @@ def is_rank0() -> bool:
 def log(message: str) -> None:
     if is_rank0():
         print(message, file=sys.stdout, flush=True)
+
+
+def environment_report() -> str:
+    """One line for a run's log saying what it ran on: package and git commit, torch, CUDA,
+    megatron-core, and whether apex and Transformer Engine are importable (without them megatron
+    falls back to torch kernels: slower, and other numerics)."""
+    import megatron_rlhf
+
+    def version(module: str) -> str:
+        try:
+            return importlib.metadata.version(module)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    here = Path(megatron_rlhf.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    present = {name: importlib.util.find_spec(module) is not None
+               for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))}  # fmt: skip
+    return (f"megatron-rlhf {megatron_rlhf.__version__} (git {commit or 'unknown'}), torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda or 'none'}, megatron-core {version('megatron-core')}, "
+            + ", ".join(f"{name} {'present' if ok else 'absent'}" for name, ok in present.items()))
 
 
 def memory_summary(device: torch.device) -> str:

@@ -21,6 +21,23 @@ from megatron_rlhf.config.fields import one_of
 from megatron_rlhf.metrics.log import format_eta, is_rank0, log
 
 
+def strict_json(row: dict[str, Any], indent: int | None = None) -> str:
+    """``row`` as strict JSON: a non-finite number becomes null and its key (dotted inside nested
+    dicts) is listed under ``nonfinite`` (NaN/Infinity literals are not JSON; other readers fail)."""
+    bad: list[str] = []
+
+    def clean(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else k) for k, v in value.items()}
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(key)
+            return None
+        return value
+
+    cleaned = clean(row, "")
+    return json.dumps({**cleaned, "nonfinite": bad} if bad else cleaned, indent=indent, allow_nan=False)
+
+
 class Sink:
     """One destination. ``write`` takes a split's figures (``train``, ``validation``) at a step,
     ``write_rows`` rows for ``<name>.jsonl`` (samples); a destination ignores what it does not keep."""
@@ -45,32 +62,44 @@ class ConsoleSink(Sink):
     """The progress lines: a train step's every ``log_every`` steps (and the first and last), with
     the ETA; every validation's figures."""
 
-    def __init__(self, progress: Callable[[dict[str, float]], str], total_steps: int, log_every: int) -> None:
+    def __init__(self, progress: Callable[[dict[str, float]], str], total_steps: int, log_every: int,
+                 resumed_step: int | None) -> None:  # fmt: skip
         self.progress, self.total_steps, self.log_every = progress, total_steps, log_every
+        self.first_step = (resumed_step or 0) + 1
         self.start = time.perf_counter()
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         if split != "train":
             shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
             log(f"{split} at step {step}: {shown}")
-        elif step % self.log_every == 0 or step in (1, self.total_steps):
-            eta = (time.perf_counter() - self.start) / step * (self.total_steps - step)
+        elif step % self.log_every == 0 or step in (self.first_step, self.total_steps):
+            eta = (time.perf_counter() - self.start) / (step - self.first_step + 1) * (self.total_steps - step)
             log(f"step {step}/{self.total_steps} | {self.progress(values)} | eta {format_eta(eta)}")
 
 
 class JsonlSink(Sink):
     """``metrics.jsonl`` (one line per split and step: ``{"split", "step", **figures}``) and the row
-    files (``samples.jsonl``, made on first use)."""
+    files (``samples.jsonl``, made on first use). A resumed run continues each file after the lines
+    of the steps up to ``resumed_step`` (later lines, written after that checkpoint, are dropped)."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, resumed_step: int | None) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir = out_dir
-        self.files = {"metrics": (out_dir / "metrics.jsonl").open("w", encoding="utf-8")}
+        self.out_dir, self.resumed_step = out_dir, resumed_step
+        self.files = {"metrics": self._open("metrics")}
+
+    def _open(self, name: str) -> Any:
+        path = self.out_dir / f"{name}.jsonl"
+        if self.resumed_step is None or not path.is_file():
+            return path.open("w", encoding="utf-8")
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                if line.endswith("\n") and json.loads(line)["step"] <= self.resumed_step]  # fmt: skip
+        path.write_text("".join(kept), encoding="utf-8")
+        return path.open("a", encoding="utf-8")
 
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
         if name not in self.files:
-            self.files[name] = (self.out_dir / f"{name}.jsonl").open("w", encoding="utf-8")
-        self.files[name].write("".join(json.dumps(row) + "\n" for row in rows))
+            self.files[name] = self._open(name)
+        self.files[name].write("".join(strict_json(row) + "\n" for row in rows))
         self.files[name].flush()
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
@@ -86,12 +115,14 @@ class JsonlSink(Sink):
 
 
 class TensorBoardSink(Sink):
-    """TensorBoard events under ``log_dir``; figures that are not finite numbers are left out."""
+    """TensorBoard events under ``log_dir``; figures that are not finite numbers are left out. A
+    resumed run purges the events written after its checkpoint's step."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, resumed_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        purge = None if resumed_step is None else resumed_step + 1
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -170,12 +201,14 @@ class SinkSetup:
     wandb: WandbConfig
     config: dict[str, Any]
     """The run's resolved config, recorded with the wandb run."""
+    resumed_step: int | None = None
+    """The checkpoint step a resumed run continues from; None: a fresh run (files start empty)."""
 
 
 SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
-    "console": lambda setup: ConsoleSink(setup.progress, setup.total_steps, setup.log_every),
-    "jsonl": lambda setup: JsonlSink(setup.out_dir),
-    "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb"),
+    "console": lambda setup: ConsoleSink(setup.progress, setup.total_steps, setup.log_every, setup.resumed_step),
+    "jsonl": lambda setup: JsonlSink(setup.out_dir, setup.resumed_step),
+    "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb", setup.resumed_step),
     "wandb": lambda setup: WandbSink(setup.wandb, setup.out_dir, setup.config),
 }
 """The ``loggers`` a run may name, and how each sink is made."""

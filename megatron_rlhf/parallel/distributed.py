@@ -50,8 +50,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv:
-    """Initialise torch.distributed once per process (idempotent)."""
+DEFAULT_TIMEOUT_S = 600.0
+_TIMEOUT = [datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)]
+
+
+def dist_timeout() -> datetime.timedelta:
+    """The collective timeout ``init_distributed`` was given: every process group made later must
+    use it too (torch gives a new group its own 30-minute default otherwise)."""
+    return _TIMEOUT[0]
+
+
+def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
+    """Initialise torch.distributed once per process (idempotent). A collective that waits longer
+    than ``timeout_s`` for another rank (hung, stopped, dead) fails, so the job ends non-zero
+    instead of hanging."""
     kind = resolve_device(device)
     if kind == "cpu":
         enable_cpu_mode()
@@ -65,6 +77,7 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv
     else:
         torch_device = torch.device("cpu")
     if not dist.is_initialized():
+        _TIMEOUT[0] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend="nccl" if kind == "cuda" else "gloo",
             # Not under torchrun: a world of one on a private port. The environment is left alone
@@ -72,7 +85,7 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv
             init_method="env://" if under_torchrun else f"tcp://127.0.0.1:{_free_port()}",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=dist_timeout(),
             device_id=torch_device if kind == "cuda" else None,
         )
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=torch_device)

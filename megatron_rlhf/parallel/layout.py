@@ -11,12 +11,15 @@ phases never creates new ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_rlhf.parallel.distributed import dist_timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +118,8 @@ _SINGLETON: list[dist.ProcessGroup] = []
 def _singleton_group() -> dist.ProcessGroup:
     """This rank alone (created once, collectively, on first use)."""
     if not _SINGLETON:
-        group, _ = dist.new_subgroups_by_enumeration([[rank] for rank in range(dist.get_world_size())])
+        group, _ = dist.new_subgroups_by_enumeration([[rank] for rank in range(dist.get_world_size())],
+                                                    timeout=dist_timeout())
         _SINGLETON.append(group)
     return _SINGLETON[0]
 
@@ -124,9 +128,9 @@ def _embedding_groups(grid: HyperCommGrid) -> tuple[dist.ProcessGroup, dist.Proc
     """Groups of the first and last pipeline stage (tied embeddings) and of the first stage."""
     pp_rank_lists = grid.get_rank_enum("pp")
     embd, _ = dist.new_subgroups_by_enumeration(
-        [sorted({ranks[0], ranks[-1]}) for ranks in pp_rank_lists]
+        [sorted({ranks[0], ranks[-1]}) for ranks in pp_rank_lists], timeout=dist_timeout()
     )
-    pos_embd, _ = dist.new_subgroups_by_enumeration([[ranks[0]] for ranks in pp_rank_lists])
+    pos_embd, _ = dist.new_subgroups_by_enumeration([[ranks[0]] for ranks in pp_rank_lists], timeout=dist_timeout())
     return embd, pos_embd
 
 
@@ -140,15 +144,16 @@ def parallel_groups(layout: Layout) -> ParallelGroups:
     if dist.get_world_size() != layout.tp * layout.pp * layout.dp:
         raise ValueError(f"layout {layout} does not match the world size {dist.get_world_size()}")
     grid = HyperCommGrid([layout.tp, 1, layout.dp, layout.pp], ["tp", "cp", "dp", "pp"])
+    create = functools.partial(grid.create_pg, timeout=dist_timeout())
     groups = {
-        "tp": grid.create_pg("tp"),
-        "cp": grid.create_pg("cp"),
-        "dp": grid.create_pg("dp"),
-        "pp": grid.create_pg("pp"),
-        "mp": grid.create_pg(["tp", "pp"]),
-        "tp_cp": grid.create_pg(["tp", "cp"]),
-        "dp_cp": grid.create_pg(["cp", "dp"]),
-        "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"]),
+        "tp": create("tp"),
+        "cp": create("cp"),
+        "dp": create("dp"),
+        "pp": create("pp"),
+        "mp": create(["tp", "pp"]),
+        "tp_cp": create(["tp", "cp"]),
+        "dp_cp": create(["cp", "dp"]),
+        "tp_dp_cp": create(["tp", "cp", "dp"]),
     }
     groups["embd"], groups["pos_embd"] = _embedding_groups(grid)
     # Dense models have no experts: expert parallelism is 1, and the expert groups megatron's DDP and
@@ -160,7 +165,7 @@ def parallel_groups(layout: Layout) -> ParallelGroups:
     groups["intra_dp_cp"] = groups["dp_cp"]
     # The distributed optimizer's gradient-norm group spans every rank of the (single) optimizer
     # instance: all of tp x cp x dp x pp.
-    groups["intra_dist_opt"] = grid.create_pg(["tp", "cp", "dp", "pp"])
+    groups["intra_dist_opt"] = create(["tp", "cp", "dp", "pp"])
     pg_collection = ProcessGroupCollection(**groups)
     result = ParallelGroups(layout=layout, pg_collection=pg_collection, grid=grid)
     _GROUPS_BY_LAYOUT[layout] = result

@@ -8,25 +8,44 @@ loop is one SPMD program: every rank runs it, only global rank 0 prints and writ
 
 Batches are drawn with ``drop_last``: an epoch is ``num_examples // batch_size`` steps and the few
 examples left over by each epoch's shuffle wait for another epoch (the count is logged).
+
+Checkpoints (``checkpoint/run_checkpoint.py``): the loop decides when (``save_every``, and at the
+end) and where (``output_dir/checkpoints``); the task says what (its trained models, weights that
+change without an optimizer, and its own small state). The data order is a pure function of
+(seed, epoch, step), so the step is the data position: a resumed run skips the batches of the
+steps it has done and continues bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch.distributed as dist
+
 from megatron_rlhf.checkpoint.export import export_hf
+from megatron_rlhf.checkpoint.run_checkpoint import (
+    UnusableCheckpoint,
+    checkpoints_root,
+    complete_checkpoints,
+    load_run_checkpoint,
+    newest_checkpoint,
+    remove_partial,
+    save_run_checkpoint,
+)
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
-from megatron_rlhf.metrics.log import is_rank0, log
-from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors
+from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.metrics.log import environment_report, is_rank0, log
+from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.trainer.stop import RunStopped, StopSignals
 
 StepRows = dict[str, list[dict[str, Any]]]
 """Rows a step writes beside its metrics, by file: ``{"samples": [...]}`` -> ``samples.jsonl``."""
@@ -51,10 +70,35 @@ class LoopConfig(RunConfig):
     """The wandb logger's project, run name and mode."""
     save_hf: bool = True
     """Write the trained model to output_dir/hf as an HF checkpoint (from_pretrained loads it)."""
+    save_every: int = 0
+    """Save a resumable checkpoint under output_dir/checkpoints/step_N every this many steps; 0: only
+    at the end (a checkpoint is always written when the run completes)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
+    never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
+    overwrite: bool = False
+    """Allow an output_dir that holds another run's files (and no checkpoint to resume) to be
+    written over; without it such a run is refused before anything is built."""
+    max_bad_steps: int = 3
+    """After this many steps in a row whose update was skipped (non-finite loss or gradients), roll
+    back to the newest checkpoint and redo the steps since with another data order; a second
+    rollback over the same steps (or none to roll back to) stops the run with exit code 3."""
 
     def errors(self) -> list[str]:
-        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every")
-                + at_least(self, 0, "max_steps") + logger_errors("loggers", self.loggers))  # fmt: skip
+        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last",
+                                                 "max_bad_steps")
+                + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers)
+                + ([] if self.resume.strip() else ["resume='' must be auto, never or a checkpoint directory"]))  # fmt: skip
+
+    def resume_from(self) -> Path | None:
+        """The checkpoint this run continues from (None: a fresh run)."""
+        if self.resume == "never":
+            return None
+        if self.resume == "auto":
+            return newest_checkpoint(checkpoints_root(self.output_dir))
+        return Path(self.resume)
 
 
 class Task(Protocol):
@@ -88,11 +132,47 @@ class Task(Protocol):
         """The middle of the progress line (between ``step s/t`` and the ETA)."""
         ...
 
+    def train_states(self) -> dict[str, TrainState]:
+        """The trained models by name, saved with their optimizer and LR schedule."""
+        ...
 
-def write_run_files(cfg: Any, out_dir: Path) -> None:
+    def changing_weights(self) -> dict[str, RoleModel]:
+        """Models whose weights change during the run without an optimizer (a reference that
+        follows the actor), saved as weights."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The task's own state beyond its models (JSON), e.g. an adaptive KL coefficient."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        ...
+
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "hf")
+"""What a run leaves in its output_dir (besides checkpoints/)."""
+
+
+def write_run_files(cfg: LoopConfig, out_dir: Path) -> None:
+    """Collective: refuse an output_dir that holds another run's files and nothing to resume (one
+    decision, made by rank 0, so that no rank sees files another rank has just written), then write
+    config.yaml."""
+    problem = [_output_dir_problem(cfg, out_dir) if is_rank0() else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ConfigError(problem[0])
     if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+
+def _output_dir_problem(cfg: LoopConfig, out_dir: Path) -> str | None:
+    found = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if not found or cfg.overwrite or (cfg.resume != "never" and cfg.resume_from() is not None):
+        return None
+    return (f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and no checkpoint to "
+            f"resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another output_dir")
 
 
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
@@ -106,51 +186,163 @@ def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
 
 
 def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
-    """Train for the configured steps, export, write ``result.json``; returns the summary."""
+    """Train for the configured steps (continuing a checkpoint when ``resume`` finds one), saving
+    checkpoints; export, write ``result.json``; returns the summary."""
     out_dir = Path(cfg.output_dir)
     per_epoch, total = plan_steps(cfg, task)
     left_over = task.num_examples - per_epoch * task.batch_size
     log(f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} steps per epoch"
         + (f" ({left_over} examples of each epoch's shuffle left for later epochs)" if left_over else "")
         + f"; {total} steps ({total / per_epoch:.2f} epochs)")  # fmt: skip
+    log(environment_report())
+    log("layouts: " + ", ".join(f"{name} {role.groups.layout}" for name, role in
+                                [*((n, s.role) for n, s in task.train_states().items()), *task.changing_weights().items()]))  # fmt: skip
     metric, label = task.headline
     stem = metric.replace("/", "_")
     summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
+    loop_state: dict[str, Any] = {"last_eval_step": -1, "train_seconds": 0.0, "reseeded": []}
+    resumed_step = _resume(cfg, task, summary, loop_state)
+    summary.update(steps=total, steps_per_epoch=per_epoch)
     setup = SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every, progress=task.progress,
-                      wandb=cfg.wandb, config=dataclasses.asdict(cfg))  # fmt: skip
+                      wandb=cfg.wandb, config=dataclasses.asdict(cfg), resumed_step=resumed_step)  # fmt: skip
     sink = build_sinks(cfg.loggers, setup)
     start = time.perf_counter()
-    step, last_eval_step = 0, -1
-    try:
-        if task.evaluate is not None and task.eval_before_train:
-            _evaluate(task.evaluate, 0, sink)
-        for epoch in range(-(-total // per_epoch)):
-            for indices in epoch_batches(task.num_examples, task.batch_size, 0, 1, cfg.seed, epoch, True):
-                if step == total:
-                    break
-                step += 1
-                metrics, rows = task.step(step, epoch, indices)
-                sink.write("train", step, {"epoch": epoch, **metrics})
-                for name, file_rows in rows.items():
-                    sink.write_rows(name, [{"step": step, **row} for row in file_rows])
-                summary.setdefault(f"first_{stem}", metrics[metric])
-                summary[f"last_{stem}"] = metrics[metric]
-                if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
-                    summary["validation"] = _evaluate(task.evaluate, step, sink)
-                    last_eval_step = step
-        if task.evaluate is not None and last_eval_step != total:
-            summary["validation"] = _evaluate(task.evaluate, total, sink)
-    finally:
-        sink.close()
-    summary["train_seconds"] = time.perf_counter() - start
+
+    def save(step: int) -> None:
+        run_state = {"summary": summary, "loop": {**loop_state, "train_seconds": loop_state["train_seconds"]
+                                                  + time.perf_counter() - start}, "task": task.state_dict()}  # fmt: skip
+        ckpt = save_run_checkpoint(checkpoints_root(out_dir), step, train_states=task.train_states(),
+                                   weights=task.changing_weights(), run_state=run_state, config_yaml=to_yaml(cfg),
+                                   keep_last=cfg.keep_last)  # fmt: skip
+        log(f"step {step}: saved checkpoint {ckpt}")
+
+    with StopSignals() as signals:
+        try:
+            _train(cfg, task, total, per_epoch, resumed_step, summary, loop_state, sink, save, signals)
+        finally:
+            sink.close()
+    summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
     if cfg.save_hf:
         export_hf(task.export_role, task.tokenizer, out_dir / "hf")
         summary["hf_dir"] = str(out_dir / "hf")
     if is_rank0():
-        (out_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
     log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
         f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
     return summary
+
+
+def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step: int | None, summary: dict[str, Any],
+           loop_state: dict[str, Any], sink: Sink, save: Callable[[int], None], signals: StopSignals) -> None:  # fmt: skip
+    """The steps after ``resumed_step``, the final validation and the final checkpoint. A stop
+    request saves a checkpoint at the step boundary and raises ``RunStopped``; ``max_bad_steps``
+    skipped updates in a row roll back (``_roll_back``)."""
+    metric = task.headline[0]
+    stem = metric.replace("/", "_")
+    step, bad_steps = resumed_step or 0, 0
+    if task.evaluate is not None and task.eval_before_train and resumed_step is None:
+        _evaluate(task.evaluate, 0, sink)
+    while step < total:
+        step += 1
+        epoch, indices = _batch(cfg, task, per_epoch, step, loop_state["reseeded"])
+        metrics, rows = task.step(step, epoch, indices)
+        sink.write("train", step, {"epoch": epoch, **metrics})
+        for name, file_rows in rows.items():
+            sink.write_rows(name, [{"step": step, **row} for row in file_rows])
+        summary.setdefault(f"first_{stem}", metrics[metric])
+        summary[f"last_{stem}"] = metrics[metric]
+        bad_steps = bad_steps + 1 if any(k.endswith("update_skipped") and v for k, v in metrics.items()) else 0
+        if bad_steps == cfg.max_bad_steps:
+            step, bad_steps = _roll_back(cfg, task, step, summary, loop_state, sink), 0
+            continue
+        if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
+            summary["validation"] = _evaluate(task.evaluate, step, sink)
+            loop_state["last_eval_step"] = step
+        stop = signals.agreed()
+        # Not in a run of skipped updates: a rollback goes back to before its first step.
+        if step < total and not bad_steps and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
+            save(step)
+        if stop is not None and step < total:
+            raise RunStopped(f"stopped on request after step {step}; the same command continues from there", stop)
+    if task.evaluate is not None and loop_state["last_eval_step"] != total:
+        summary["validation"] = _evaluate(task.evaluate, total, sink)
+        loop_state["last_eval_step"] = total
+    if resumed_step != total:
+        save(total)
+
+
+@functools.cache
+def _epoch_order(num_examples: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    return list(epoch_batches(num_examples, batch_size, 0, 1, seed, epoch, True))
+
+
+def _batch(cfg: LoopConfig, task: Task, per_epoch: int, step: int, reseeded: list[list[int]]) -> tuple[int, list[int]]:
+    """(epoch, global batch) of ``step``: a pure function of (seed, epoch, step), with another
+    seed inside each window of steps redone after a rollback (the latest window wins)."""
+    epoch, position = divmod(step - 1, per_epoch)
+    seed = cfg.seed
+    for number, (first, last) in enumerate(reseeded, 1):
+        if first <= step <= last:
+            seed = cfg.seed + 1_000_003 * number
+    return epoch, _epoch_order(task.num_examples, task.batch_size, seed, epoch)[position]
+
+
+def _roll_back(cfg: LoopConfig, task: Task, step: int, summary: dict[str, Any], loop_state: dict[str, Any],
+               sink: Sink) -> int:  # fmt: skip
+    """Load the newest checkpoint after ``max_bad_steps`` skipped updates ending at ``step``; the
+    steps after it are redone with another data order. Returns the checkpoint's step. Raises
+    ``RunStopped`` (exit 3) with no checkpoint, or when these steps were redone once already."""
+    first_bad = step - cfg.max_bad_steps + 1
+    what = (f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
+            f"gradients (max_bad_steps={cfg.max_bad_steps})")  # fmt: skip
+    ckpt = newest_checkpoint(checkpoints_root(cfg.output_dir))
+    if ckpt is None:
+        raise RunStopped(f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "
+                         "lower the learning rate or check the data", 3)  # fmt: skip
+    run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
+    good = int(run_state["step"])
+    reseeded = loop_state["reseeded"]
+    if any(first == good + 1 for first, _ in reseeded):
+        raise RunStopped(f"{what}, again after a rollback to {ckpt} with another data order: stopping", 3)
+    task.load_state_dict(run_state["task"])
+    summary.clear()
+    summary.update(run_state["summary"])
+    loop_state.update(run_state["loop"], reseeded=[*reseeded, [good + 1, step]])
+    sink.write("rollback", step, {"to_step": good})
+    log(f"{what}: rolled back to {ckpt}; redoing steps {good + 1}-{step} with another data order")
+    return good
+
+
+def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: dict[str, Any]) -> int | None:
+    """Load the checkpoint ``cfg.resume`` names into the task, the summary and the loop's state;
+    returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first. With
+    resume=auto an unusable newest checkpoint (changed bytes, missing files) is reported and the
+    previous complete one is used."""
+    root = checkpoints_root(cfg.output_dir)
+    if is_rank0():
+        for partial in remove_partial(root):
+            log(f"removed {partial}: an interrupted save")
+    newest = cfg.resume_from()
+    if newest is None:
+        log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
+        return None
+    older = [ckpt for ckpt in reversed(complete_checkpoints(root)) if ckpt != newest]
+    candidates = [newest, *older] if cfg.resume == "auto" else [newest]
+    for ckpt in candidates:
+        try:
+            run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
+            break
+        except FileNotFoundError as err:
+            raise ConfigError(f"resume={cfg.resume!r}: {err}") from err
+        except UnusableCheckpoint as err:
+            if ckpt is candidates[-1]:
+                raise ConfigError(f"resume={cfg.resume!r}: {err}" + ("; no older one is usable" if older else "")) from err
+            log(f"{err}; trying the previous checkpoint")
+    task.load_state_dict(run_state["task"])
+    summary.update(run_state["summary"])
+    loop_state.update(run_state["loop"])
+    log(f"resumed from {ckpt} at step {run_state['step']}")
+    return int(run_state["step"])
 
 
 def _evaluate(evaluate: Callable[[], tuple[dict[str, float], StepRows]], step: int, sink: Sink) -> dict[str, float]:

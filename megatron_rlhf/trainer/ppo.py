@@ -178,6 +178,21 @@ class PPOTask:
     def progress(self, metrics: dict[str, float]) -> str:
         return _progress_line(metrics)
 
+    def train_states(self) -> dict[str, TrainState]:
+        run = self.run
+        return {"actor": run.actor, **({"critic": run.critic} if run.critic is not None else {})}
+
+    def changing_weights(self) -> dict[str, RoleModel]:
+        run = self.run
+        return {"reference": run.reference} if run.reference_updater is not None and run.reference is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The KL controller's coefficient (an adaptive one moves every step; its only state)."""
+        return {"kl_coef": self.run.kl_controller.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run.kl_controller.value = state["kl_coef"]
+
 
 def run_ppo(cfg: PPOConfig, env: DistEnv) -> dict[str, Any]:
     """Train for the configured steps; returns a summary (first and last mean reward, timings)."""

@@ -214,6 +214,19 @@ class SupervisedTask:
         self._epoch = epoch
         return {**metrics, "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}, {}
 
+    def train_states(self) -> dict[str, TrainState]:
+        return {self.run.role.role: self.run.state}
+
+    def changing_weights(self) -> dict[str, RoleModel]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing beyond the model: the step (kept by the loop) is the data position."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def progress(self, metrics: dict[str, float]) -> str:
         """Loss, the loss function's headline figures, lr, gradient norm and the tokens/s since the
         previous progress line."""

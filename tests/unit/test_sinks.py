@@ -74,3 +74,32 @@ def test_wandb_without_its_package_is_refused_before_anything_is_built(monkeypat
     assert message in _errors("loggers=[console,wandb]")
     with pytest.raises(ConfigError, match=re.escape(message)):  # the trainer's first check, before any model
         check_ppo_config(load_config("ppo-tiny", ["loggers=[console,wandb]"], schema=PPOConfig), 1)
+
+
+def test_a_resumed_run_appends_after_the_checkpoint_step(tmp_path: Path) -> None:
+    """Lines written after the checkpoint (steps 3-4 of the killed run) are dropped; the resumed
+    run's lines follow; a partly written last line is dropped too."""
+    import dataclasses
+
+    first = build_sinks(["jsonl"], _setup(tmp_path))
+    for step in (1, 2, 3, 4):
+        first.write("train", step, {"actor/loss": step / 10})
+        first.write_rows("samples", [{"step": step, "response": "x"}])
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"split": "train", "st')
+    resumed = build_sinks(["jsonl"], dataclasses.replace(_setup(tmp_path), resumed_step=2))
+    resumed.write("train", 3, {"actor/loss": 0.5})
+    resumed.write_rows("samples", [{"step": 3, "response": "y"}])
+    resumed.close()
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["actor/loss"]) for r in metrics] == [(1, 0.1), (2, 0.2), (3, 0.5)]
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["response"]) for r in samples] == [(1, "x"), (2, "x"), (3, "y")]
+
+
+def test_non_finite_figures_are_written_as_null_and_listed() -> None:
+    from megatron_rlhf.metrics.sinks import strict_json
+
+    row = json.loads(strict_json({"step": 3, "loss": float("nan"), "lr": 1.0, "validation": {"nll": float("inf")}}))
+    assert row == {"step": 3, "loss": None, "lr": 1.0, "validation": {"nll": None}, "nonfinite": ["loss", "validation.nll"]}

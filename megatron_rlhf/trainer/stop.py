@@ -1,0 +1,65 @@
+"""Stopping a run early. On request: a scheduler's SIGTERM (or SIGUSR1 sent ahead of a preemption) and
+Ctrl-C (SIGINT) end the run at the next step boundary, after a checkpoint, so that the same command
+started again continues where it stopped. A second signal ends the process at once.
+
+Signals reach ranks at different times (or only one rank): at every step boundary the ranks agree
+(one small all-reduce) so that all of them stop after the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.metrics.log import log
+
+EXIT_CODES = {signal.SIGTERM: 0, signal.SIGUSR1: 0, signal.SIGINT: 130}
+"""The exit code of a run stopped by each signal after its checkpoint (130: interrupted, as shells report Ctrl-C)."""
+
+
+class RunStopped(Exception):
+    """A run ending early on purpose: after a requested stop's checkpoint, or when training
+    diverged beyond repair (exit 3). ``code`` is the process's exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StopSignals:
+    """A context manager: while it is active the signals of ``EXIT_CODES`` are recorded instead of
+    ending the process (the first one) or end it at once (a second one, exit 128 + signal number)."""
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in EXIT_CODES:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self.code is not None:
+            log(f"{sig.name} again: exiting now, without a checkpoint")
+            os._exit(128 + signum)
+        self.code = EXIT_CODES[sig]
+        log(f"{sig.name} received: saving a checkpoint after this step, then exiting ({sig.name} again: exit now)")
+
+    def agreed(self) -> int | None:
+        """Collective: the exit code if any rank was asked to stop (the highest code), else None."""
+        flag = torch.tensor([-1 if self.code is None else self.code], dtype=torch.int64,
+                            device="cuda" if dist.get_backend() == "nccl" else "cpu")  # fmt: skip
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code = int(flag.item())
+        return None if code < 0 else code

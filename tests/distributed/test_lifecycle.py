@@ -1,0 +1,327 @@
+"""Run lifecycle as a user meets it (CPU mode, CLI subprocesses): a run killed with SIGKILL and
+started again with the same command continues from its newest checkpoint, and ends with the
+metrics and the exported weights of a run that was never interrupted, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
+from tests.helpers import REPO, load_all_tensors, subprocess_env
+
+MAIN = REPO / "megatron_rlhf" / "__main__.py"
+
+
+def _command(nproc: int, args: tuple[str, ...]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_rlhf", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(MAIN), *args]
+
+
+def _run(nproc: int, args: tuple[str, ...], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(nproc, args), env={**subprocess_env(), **env}, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def _run_killed_after_first_checkpoint(nproc: int, args: tuple[str, ...], out: Path) -> None:
+    """Start the run; SIGKILL it and every process under it (torchrun starts its workers in their
+    own sessions) as soon as a checkpoint is complete (``checkpoints/latest`` exists)."""
+    proc = subprocess.Popen(_command(nproc, args), env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert latest.exists(), "the run ended before its first checkpoint"
+
+
+def _kill_tree(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to ``pid`` and all its descendants (found before any of them dies)."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        parent = psutil.Process(pid)
+        for process in [*parent.children(recursive=True), parent]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(sig)
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _deterministic(record: dict) -> dict:
+    """A metrics line without wall-clock figures."""
+    return {key: value for key, value in record.items() if not key.startswith(("timing_s/", "perf/")) and "per_s" not in key}
+
+
+def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int) -> None:
+    straight, resumed = root / "straight", root / "resumed"
+    first = _run(nproc, (*args, f"output_dir={straight}"))
+    assert first.returncode == 0, first.stderr[-6000:]
+    _run_killed_after_first_checkpoint(nproc, (*args, f"output_dir={resumed}"), resumed)
+    again = _run(nproc, (*args, f"output_dir={resumed}"))
+    assert again.returncode == 0, again.stderr[-6000:]
+    step = int(again.stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
+    assert 0 < step < total, again.stdout[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, total + 1))
+    expected = [_deterministic(r) for r in _records(straight)]
+    assert [_deterministic(r) for r in records] == expected
+    a, b = load_all_tensors(straight / "hf"), load_all_tensors(resumed / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert _result(resumed) == _result(straight)
+
+
+def _result(out: Path) -> dict:
+    """result.json without its wall-clock time and its own path."""
+    result = json.loads((out / "result.json").read_text())
+    return {key: value for key, value in result.items() if key not in ("train_seconds", "hf_dir")}
+
+
+PPO_ARGS = ("ppo", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
+            "algorithm.advantage_estimator=gae", "scoring.use_reward_model=true", "algorithm.kl_penalty.type=adaptive",
+            "algorithm.kl_penalty.coef=0.05", "algorithm.kl_penalty.horizon=10", "algorithm.loss.kl_loss_coef=0",
+            "reference.update=ema", "reference.ema_decay=0.5", "rollout.sampling.max_new_tokens=12")  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_ppo_with_critic_resumes_exactly_over_two_ranks(tmp_path: Path) -> None:
+    """PPO with a critic (GAE, PP2), a reward model, an adaptive KL penalty and an EMA reference,
+    actor TP2: the KL coefficient, the reference and both optimizers come back exactly."""
+    args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
+    _check_resume_matches(2, args, tmp_path, 6)
+
+
+@pytest.mark.distributed
+def test_grpo_resumes_exactly(tmp_path: Path) -> None:
+    _check_resume_matches(1, ("ppo", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
+                              "rollout.sampling.max_new_tokens=12"), tmp_path, 6)  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_sft_resumes_exactly(tmp_path: Path) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
+    val = _write_jsonl(tmp_path / "val.jsonl", _sft_rows(16, 1))
+    _check_resume_matches(1, ("sft", "--config", "sft-tiny", f"data.train=[{train}]", f"data.validation=[{val}]",
+                              "max_steps=12", "save_every=2", "eval_every=4", "keep_last=1"), tmp_path, 12)  # fmt: skip
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] in (["latest", "step_12"], ["step_12", "latest"])
+
+
+@pytest.mark.distributed
+def test_rm_resumes_exactly(tmp_path: Path) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", _preference_rows(128, 2))
+    _check_resume_matches(1, ("rm", "--config", "rm-tiny", f"data.train=[{train}]", "global_batch_size=16",
+                              "optim.lr=1e-3", "max_steps=12", "save_every=2"), tmp_path, 12)  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("saved_layout", ["model.tp=2", "model.pp=2"])
+def test_checkpoint_resumes_in_another_layout(tmp_path: Path, saved_layout: str) -> None:
+    """A checkpoint saved by 2 ranks at TP2 (or PP2) continues in one process at TP1xPP1 with the
+    uninterrupted run's per-step losses (to 1e-5: only the summation order changes)."""
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
+    args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "max_steps=6", "save_every=3")
+    sharded = _run(2, (*args, saved_layout, f"output_dir={tmp_path / 'sharded'}"))
+    assert sharded.returncode == 0, sharded.stderr[-6000:]
+    checkpoint = tmp_path / "sharded" / "checkpoints" / "step_3"
+    single = _run(1, (*args, f"resume={checkpoint}/", f"output_dir={tmp_path / 'single'}/"))  # trailing slashes
+    assert single.returncode == 0, single.stderr[-6000:]
+    assert f"resumed from {checkpoint} at step 3" in single.stdout
+    expected = {r["step"]: r["loss"] for r in _records(tmp_path / "sharded") if r["step"] > 3}
+    got = {r["step"]: r["loss"] for r in _records(tmp_path / "single")}
+    assert got.keys() == expected.keys() == {4, 5, 6}
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), step
+
+
+@pytest.mark.distributed
+def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -> None:
+    """SIGTERM mid-run: a checkpoint at the next step boundary, exit 0 (no export yet); the same
+    command again continues from it and exports the uninterrupted run's weights."""
+    args = ("ppo", "max_steps=8", "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=12")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert _run(1, (*args, f"output_dir={straight}")).returncode == 0
+    proc = subprocess.Popen(_command(1, (*args, f"output_dir={stopped}")), env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = stopped / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-6000:]
+    assert "SIGTERM received" in out and not (stopped / "hf").exists()
+    step = int((stopped / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert 1 <= step < 8
+    again = _run(1, (*args, f"output_dir={stopped}"))
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert f"at step {step}" in again.stdout
+    assert [_deterministic(r) for r in _records(stopped)] == [_deterministic(r) for r in _records(straight)]
+    a, b = load_all_tensors(straight / "hf"), load_all_tensors(stopped / "hf")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def _strict_records(out: Path) -> list[dict]:
+    """metrics.jsonl read as strict JSON (NaN/Infinity literals refused)."""
+
+    def refuse(literal: str) -> None:
+        raise ValueError(f"not JSON: {literal}")
+
+    return [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def sft_train(tmp_path: Path) -> Path:
+    return _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
+
+
+SFT = ("sft", "--config", "sft-tiny", "log_every=1")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("save_every", [0, 1])
+def test_diverging_sft_stops_with_exit_3_and_exports_nothing(tmp_path: Path, sft_train: Path, save_every: int) -> None:
+    """optim.lr=1e12: the loss turns NaN at step 3. Without a checkpoint the run stops at once; with
+    one it rolls back, redoes steps 3-5 with another data order, diverges again and stops."""
+    out = tmp_path / "run"
+    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "optim.lr=1e12", "max_steps=8", f"save_every={save_every}",
+                    f"output_dir={out}"))  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-6000:]
+    assert "steps 3-5: 3 updates in a row skipped" in proc.stderr
+    assert ("no checkpoint to roll back to" if save_every == 0 else "again after a rollback") in proc.stderr
+    assert not (out / "hf").exists() and not (out / "result.json").exists()
+    records = _strict_records(out)
+    bad = [r for r in records if r["split"] == "train" and r["update_skipped"]]
+    assert bad and all(r["loss"] is None and "loss" in r["nonfinite"] for r in bad)
+    assert [r["to_step"] for r in records if r["split"] == "rollback"] == ([] if save_every == 0 else [2])
+
+
+@pytest.mark.distributed
+def test_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path: Path, sft_train: Path) -> None:
+    """NaN gradients on rank 1 only (data-parallel over 2 ranks), once: step 3's update is skipped
+    on both ranks (the LR schedule waits too) and the run ends normally with finite weights."""
+    out = tmp_path / "run"
+    proc = _run(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=5", f"output_dir={out}"),
+                MEGATRON_RLHF_TEST_NAN="1:2:1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    train = [r for r in _strict_records(out) if r["split"] == "train"]
+    assert [r["update_skipped"] for r in train] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert train[2]["grad_norm"] is None and train[3]["lr"] == train[2]["lr"]
+    assert all(torch.isfinite(t).all() for t in load_all_tensors(out / "hf").values())
+
+
+@pytest.mark.distributed
+def test_rollback_with_another_data_order_recovers(tmp_path: Path, sft_train: Path) -> None:
+    """Three NaN updates in a row after a checkpoint at step 2: back to step 2, steps 3-5 again with
+    other batches (the NaNs are spent), and the run completes."""
+    out = tmp_path / "run"
+    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=6", "save_every=2", f"output_dir={out}"),
+                MEGATRON_RLHF_TEST_NAN="0:2:3")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    records = _strict_records(out)
+    assert [(r["split"], r["step"]) for r in records if r["split"] != "train" or r["step"] > 2] == [
+        ("train", 3), ("train", 4), ("train", 5), ("rollback", 5), ("train", 3), ("train", 4), ("train", 5), ("train", 6)]
+    first, again = records[2], records[6]
+    assert first["update_skipped"] == 1.0 and again["update_skipped"] == 0.0
+    assert first["tokens"] != again["tokens"]  # another batch
+
+
+@pytest.mark.distributed
+def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sft_train: Path) -> None:
+    """SIGSTOP one rank of a 2-rank run with dist_timeout_s=20: the other's next collective times
+    out and the job ends non-zero, instead of hanging."""
+    import psutil
+
+    out = tmp_path / "run"
+    log = (tmp_path / "log").open("w")
+    proc = subprocess.Popen(_command(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=20",
+                                         f"output_dir={out}")),
+                            env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, (tmp_path / "log").read_text()[-5000:]
+    (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+    rank1.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        returncode = proc.wait(timeout=90)
+    finally:
+        _kill_tree(proc.pid, signal.SIGKILL)
+    assert returncode != 0
+    assert time.monotonic() - stopped_at < 60
+    assert "timed out" in (tmp_path / "log").read_text().lower()
+
+
+@pytest.mark.distributed
+def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(tmp_path: Path, sft_train: Path) -> None:
+    """The newest checkpoint has a flipped byte in a shard, and an interrupted save left step_8.tmp/
+    and latest.tmp (what a SIGKILL mid-save leaves): the run names the changed file, resumes from
+    the previous checkpoint, deletes the leftovers, and redoes the steps with the same losses."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", "save_every=2", "keep_last=3", f"output_dir={out}")
+    first = _run(1, (*args, "max_steps=6"))
+    assert first.returncode == 0, first.stderr[-6000:]
+    losses = {r["step"]: r["loss"] for r in _records(out)}
+    shard = out / "checkpoints" / "step_6" / "models" / "actor" / "dist" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (out / "checkpoints" / "step_8.tmp" / "models").mkdir(parents=True)
+    (out / "checkpoints" / "latest.tmp").write_text("step_8\n")
+    again = _run(1, (*args, "max_steps=8"))
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert "step_6 is unusable" in again.stdout and "__0_0.distcp" in again.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_4'} at step 4" in again.stdout
+    assert f"removed {out / 'checkpoints' / 'step_8.tmp'}: an interrupted save" in again.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6", "step_8"]
+    redone = {r["step"]: r["loss"] for r in _records(out)}
+    assert list(redone) == list(range(1, 9)) and all(redone[step] == losses[step] for step in range(1, 7))
+
+
+@pytest.mark.distributed
+def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_path: Path, sft_train: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"split": "train", "step": 1}\n')
+    args = (*SFT, f"data.train=[{sft_train}]", "max_steps=1", f"output_dir={out}")
+    refused = _run(1, args)
+    assert refused.returncode == 2 and "holds another run's files (metrics.jsonl)" in refused.stderr
+    assert "overwrite=true" in refused.stderr
+    assert _run(1, (*args, "overwrite=true")).returncode == 0
+
+
+@pytest.mark.distributed
+def test_sigint_saves_and_exits_130_and_a_second_signal_exits_at_once(tmp_path: Path, sft_train: Path) -> None:
+    def started(out: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(_command(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}")),
+                                env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n")) and proc.poll() is None:
+            time.sleep(0.01)
+        return proc
+
+    once = started(tmp_path / "once")
+    once.send_signal(signal.SIGINT)
+    once.communicate(timeout=300)
+    assert once.returncode == 130
+    assert (tmp_path / "once" / "checkpoints" / "latest").is_file()
+
+    twice = started(tmp_path / "twice")
+    twice.send_signal(signal.SIGUSR1)
+    assert twice.stdout is not None
+    while "SIGUSR1 received" not in twice.stdout.readline():  # the first is handled: the second is not merged with it
+        pass
+    twice.send_signal(signal.SIGUSR1)
+    twice.communicate(timeout=300)
+    assert twice.returncode == 128 + signal.SIGUSR1
