@@ -225,6 +225,8 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     if cfg.save_hf:
         export_hf(task.export_role, task.tokenizer, out_dir / "hf")
         summary["hf_dir"] = str(out_dir / "hf")
+    if resumed_step != total:  # after the export: a save that fails cannot cost the trained model
+        save(total)
     if is_rank0():
         (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
     log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
@@ -234,7 +236,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
 
 def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step: int | None, summary: dict[str, Any],
            loop_state: dict[str, Any], sink: Sink, save: Callable[[int], None], signals: StopSignals) -> None:  # fmt: skip
-    """The steps after ``resumed_step``, the final validation and the final checkpoint. A stop
+    """The steps after ``resumed_step`` and the final validation. A stop
     request saves a checkpoint at the step boundary and raises ``RunStopped``; ``max_bad_steps``
     skipped updates in a row roll back (``_roll_back``)."""
     metric = task.headline[0]
@@ -267,8 +269,6 @@ def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step
     if task.evaluate is not None and loop_state["last_eval_step"] != total:
         summary["validation"] = _evaluate(task.evaluate, total, sink)
         loop_state["last_eval_step"] = total
-    if resumed_step != total:
-        save(total)
 
 
 @functools.cache
