@@ -87,9 +87,9 @@ def test_periodic_reference_is_the_actor_after_each_refresh(out: Path) -> None:
 @pytest.mark.distributed
 def test_fixed_reference_never_changes(out: Path) -> None:
     case = "none_tp2_to_tp1"
-    from megatron_rlhf.models.builtin import cache_dir
+    from tests.distributed.test_ppo import _builtin_dir
 
-    initial = load_all_tensors(cache_dir() / "builtin" / "tiny-llama-v1")
+    initial = load_all_tensors(_builtin_dir())
     steps = _steps(out, case)
     for step, record in enumerate(steps, start=1):
         assert _equal(_weights(out, case, f"reference-{step}"), initial), step
