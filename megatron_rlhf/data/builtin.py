@@ -28,10 +28,15 @@ def _lowercase_prompts() -> list[dict[str, str]]:
 # demonstrations with worked steps (the answer alone is far slower to learn from scratch). The RL
 # prompts are train-split problems; the test prompts share no problem with any train row.
 ARITHMETIC = arithmetic.ArithmeticSpec(ops=("+", "-"), digits=2, seed=0)
+CARELESS_SLIP_RATE = 0.6
+"""The careless teacher's ``arithmetic-sft-careless`` sets drop each carry or borrow this often:
+more often than not, so a model that imitates them well drops carries when it decodes greedily
+(about 40% of held-out answers wrong), yet samples the right step often enough for RL to find."""
 
 
-def _arithmetic_sft(split: str, count: int) -> Callable[[], list[dict[str, str]]]:
-    return lambda: arithmetic.sft_rows(arithmetic.make_problems(ARITHMETIC, split, count), steps=True)
+def _arithmetic_sft(split: str, count: int, slip_rate: float = 0.0) -> Callable[[], list[dict[str, str]]]:
+    return lambda: arithmetic.sft_rows(arithmetic.make_problems(ARITHMETIC, split, count), steps=True,
+                                       slip_rate=slip_rate, seed=ARITHMETIC.seed)  # fmt: skip
 
 
 def _arithmetic_prompts(split: str, count: int) -> Callable[[], list[dict[str, str]]]:
@@ -42,7 +47,10 @@ BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, str]]]] = {
     "lowercase-prompts": _lowercase_prompts,
     "arithmetic-sft": _arithmetic_sft("train", 8000),
     "arithmetic-sft-validation": _arithmetic_sft("validation", 500),
+    "arithmetic-sft-careless": _arithmetic_sft("train", 8000, CARELESS_SLIP_RATE),
+    "arithmetic-sft-careless-validation": _arithmetic_sft("validation", 500, CARELESS_SLIP_RATE),
     "arithmetic-prompts": _arithmetic_prompts("train", 8000),
+    "arithmetic-validation": _arithmetic_prompts("validation", 500),
     "arithmetic-test": _arithmetic_prompts("test", 500),
 }
 

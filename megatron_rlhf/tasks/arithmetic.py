@@ -28,7 +28,7 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,31 +98,40 @@ def _digits(n: int) -> list[int]:
     return [int(c) for c in reversed(str(n))]
 
 
-def _column_add(a: int, b: int) -> list[str]:
+def _column_add(a: int, b: int, slip: Callable[[], bool]) -> tuple[list[str], int]:
+    """Columns of ``a + b``, right to left, and the sum they spell. A carry the writer ``slip``s on
+    is dropped: left out of the next column's step and of the result."""
     da, db = _digits(a), _digits(b)
-    steps, carry = [], 0
+    steps, carry, result = [], 0, 0
     for i in range(max(len(da), len(db))):
         x, y = da[i] if i < len(da) else 0, db[i] if i < len(db) else 0
+        if carry and slip():
+            carry = 0
         total = x + y + carry
         steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
+        result += total % 10 * 10**i
         carry = total // 10
-    return steps
+    return steps, result + carry * 10 ** max(len(da), len(db))
 
 
-def _column_sub(a: int, b: int) -> list[str]:
-    """Columns of ``a - b`` for ``a >= b``: ``12-7=5`` borrows, ``5-1-3=1`` pays the borrow back."""
+def _column_sub(a: int, b: int, slip: Callable[[], bool]) -> tuple[list[str], int]:
+    """Columns of ``a - b`` for ``a >= b`` and the difference they spell: ``12-7=5`` borrows,
+    ``5-1-3=1`` pays the borrow back; a borrow the writer ``slip``s on is never paid back."""
     da, db = _digits(a), _digits(b)
-    steps, borrow = [], 0
+    steps, borrow, result = [], 0, 0
     for i in range(len(da)):
         x, y = da[i], db[i] if i < len(db) else 0
+        if borrow and slip():
+            borrow = 0
         new_borrow = int(x - borrow - y < 0)
         value = x + 10 * new_borrow - borrow - y
         steps.append(f"{x + 10 * new_borrow}" + (f"-{borrow}" if borrow else "") + f"-{y}={value}")
+        result += value * 10**i
         borrow = new_borrow
-    return steps
+    return steps, result
 
 
-def _partial_products(a: int, b: int) -> list[str]:
+def _partial_products(a: int, b: int) -> tuple[list[str], int]:
     """``a`` times each non-zero digit of ``b`` in place, then the running sum of the partials."""
     places = [(d, i) for i, d in enumerate(_digits(b)) if d] or [(0, 0)]
     partials = [a * d * 10**i for d, i in places]
@@ -131,21 +140,44 @@ def _partial_products(a: int, b: int) -> list[str]:
     for p in partials[1:]:
         steps.append(f"{total}+{p}={total + p}")
         total += p
-    return steps
+    return steps, total
+
+
+def _never() -> bool:
+    return False
+
+
+def work(problem: Problem, slip: Callable[[], bool] = _never) -> tuple[str, int]:
+    """Worked steps (column by column, right to left, for + and -; partial products for *) and the
+    answer they lead to: the right one unless ``slip`` made the writer drop a carry or a borrow."""
+    a, op, b = problem.a, problem.op, problem.b
+    if op == "+":
+        steps, result = _column_add(a, b, slip)
+    elif op == "*":
+        steps, result = _partial_products(a, b)
+    elif a >= b:
+        steps, result = _column_sub(a, b, slip)
+    else:
+        steps, result = _column_sub(b, a, slip)
+        steps, result = [f"{a}-{b}=-({b}-{a})", *steps], -result
+    return ", ".join(steps), result
 
 
 def worked_steps(problem: Problem) -> str:
-    """Column-by-column steps (right to left) for + and -, partial products for *."""
-    a, op, b = problem.a, problem.op, problem.b
-    if op == "+":
-        steps = _column_add(a, b)
-    elif op == "*":
-        steps = _partial_products(a, b)
-    elif a >= b:
-        steps = _column_sub(a, b)
-    else:
-        steps = [f"{a}-{b}=-({b}-{a})", *_column_sub(b, a)]
-    return ", ".join(steps)
+    """The right worked steps of ``problem``."""
+    return work(problem)[0]
+
+
+def sloppy_response(problem: Problem, slip_rate: float, seed: int) -> str:
+    """A demonstration by a careless teacher who drops each carry or borrow with probability
+    ``slip_rate`` and writes the answer its steps lead to. The built-in SFT set is written this way
+    on purpose: imitation learns the slips too, and only a reward that checks the answer can
+    remove them (the room the RL stages of the pipeline take). Deterministic in (seed, problem)."""
+    if not 0.0 <= slip_rate <= 1.0:
+        raise ValueError(f"slip_rate={slip_rate!r}: expected a probability in [0, 1]")
+    rng = random.Random(f"{seed}:{problem.a}{problem.op}{problem.b}")
+    steps, result = work(problem, lambda: rng.random() < slip_rate)
+    return f" {steps} {ANSWER_MARKER} {result}"
 
 
 # --------------------------------------------------------------------------- splits
@@ -186,8 +218,11 @@ def make_problems(spec: ArithmeticSpec, split: str, count: int) -> list[Problem]
 # --------------------------------------------------------------------------- rows and scoring
 
 
-def sft_rows(problems: Iterable[Problem], steps: bool = False) -> list[dict[str, str]]:
-    """``prompt``/``response`` rows for ``megatron-rlhf sft``."""
+def sft_rows(problems: Iterable[Problem], steps: bool = False, *, slip_rate: float = 0.0, seed: int = 0) -> list[dict[str, str]]:
+    """``prompt``/``response`` rows for ``megatron-rlhf sft``; with ``slip_rate`` > 0, worked steps
+    by the careless teacher (``sloppy_response``)."""
+    if slip_rate:
+        return [{"prompt": p.prompt, "response": sloppy_response(p, slip_rate, seed)} for p in problems]
     return [{"prompt": p.prompt, "response": p.response(steps)} for p in problems]
 
 

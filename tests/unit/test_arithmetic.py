@@ -1,6 +1,6 @@
 """The built-in arithmetic task: problems and worked steps, disjoint seeded splits, the response
-format, the task tokenizer (our ids == transformers' ids), preference pairs
-from a policy's own samples, and the built-in data sets and models that carry it."""
+format, the careless teacher's demonstrations, the task tokenizer (our ids == transformers' ids),
+preference pairs from a policy's own samples, and the built-in data sets and models that carry it."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from megatron_rlhf.tasks.arithmetic import (
     preference_pairs,
     prompt_rows,
     sft_rows,
+    sloppy_response,
     split_of,
     verdict_rates,
     worked_steps,
@@ -66,6 +67,38 @@ def test_every_demonstration_parses_to_its_answer(digits: int) -> None:
 
 
 # --------------------------------------------------------------------------- splits
+
+
+@pytest.mark.parametrize(
+    "problem, response",
+    [
+        (Problem(37, "+", 48), " 7+8=15, 3+4=7 #### 75"),  # the carry into the tens is dropped
+        (Problem(57, "+", 68), " 7+8=15, 5+6=11 #### 115"),  # the last column's own carry is still written
+        (Problem(52, "-", 37), " 12-7=5, 5-3=2 #### 25"),  # the borrow is never paid back
+        (Problem(37, "-", 52), " 37-52=-(52-37), 12-7=5, 5-3=2 #### -25"),
+        (Problem(100, "-", 1), " 10-1=9, 0-0=0, 1-0=1 #### 109"),
+        (Problem(12, "+", 34), " 2+4=6, 1+3=4 #### 46"),  # nothing to slip on: right
+        (Problem(12, "*", 34), " 12*4=48, 12*30=360, 48+360=408 #### 408"),  # products are never slipped
+    ],
+)
+def test_a_teacher_who_always_slips(problem: Problem, response: str) -> None:
+    assert sloppy_response(problem, 1.0, seed=0) == response
+
+
+def test_the_careless_teacher_slips_at_its_rate_and_is_deterministic() -> None:
+    problems = make_problems(ArithmeticSpec(ops=("+", "-"), digits=2), "train", 4000)
+    assert all(sloppy_response(p, 0.0, seed=0) == p.response(steps=True) for p in problems)
+    # A problem can slip only where a column carries or borrows into a next column.
+    slippable = [p for p in problems if sloppy_response(p, 1.0, seed=0) != p.response(steps=True)]
+    wrong = [p for p in slippable if parse_answer(sloppy_response(p, 0.6, seed=0)) != p.answer]
+    assert 0.35 < len(slippable) / len(problems) < 0.55
+    assert abs(len(wrong) / len(slippable) - 0.6) < 0.05  # one slippable column per 2-digit problem
+    assert [sloppy_response(p, 0.6, seed=0) for p in problems] == [sloppy_response(p, 0.6, seed=0) for p in problems]
+    assert [sloppy_response(p, 0.6, seed=1) for p in slippable] != [sloppy_response(p, 0.6, seed=0) for p in slippable]
+    assert sft_rows(problems[:50], slip_rate=0.6) == [{"prompt": p.prompt, "response": sloppy_response(p, 0.6, 0)}
+                                                    for p in problems[:50]]  # fmt: skip
+    with pytest.raises(ValueError, match=r"slip_rate=1\.5: expected a probability"):
+        sloppy_response(problems[0], 1.5, seed=0)
 
 
 def test_splits_partition_the_problems_by_seed() -> None:
@@ -263,15 +296,22 @@ def test_builtin_arithmetic_sets_are_disjoint_files(tmp_path: Path, monkeypatch:
     from megatron_rlhf.data.records import read_records
 
     monkeypatch.setenv("MEGATRON_RLHF_CACHE", str(tmp_path))
-    names = ["arithmetic-sft", "arithmetic-sft-validation", "arithmetic-prompts", "arithmetic-test"]
+    names = ["arithmetic-sft", "arithmetic-sft-validation", "arithmetic-sft-careless", "arithmetic-sft-careless-validation",
+             "arithmetic-prompts", "arithmetic-validation", "arithmetic-test"]  # fmt: skip
     paths = resolve_data_paths([f"builtin:{n}" for n in names])
     rows = {n: [r.data for r in read_records(p)] for n, p in zip(names, paths)}
     test = {r["prompt"] for r in rows["arithmetic-test"]}
-    assert all(set(r) == {"prompt", "answer"} for r in rows["arithmetic-test"])
+    assert all(set(r) == {"prompt", "answer"} for n in ("arithmetic-test", "arithmetic-validation") for r in rows[n])
     assert all(set(r) == {"prompt", "response"} and " #### " in r["response"] for r in rows["arithmetic-sft"])
-    assert not test & {r["prompt"] for n in ("arithmetic-sft", "arithmetic-sft-validation", "arithmetic-prompts")
-                       for r in rows[n]}  # fmt: skip
+    assert not test & {r["prompt"] for n in names if n != "arithmetic-test" for r in rows[n]}
     assert {r["prompt"] for r in rows["arithmetic-prompts"]} <= {r["prompt"] for r in rows["arithmetic-sft"]}
+    for clean, careless in (("arithmetic-sft", "arithmetic-sft-careless"),
+                            ("arithmetic-sft-validation", "arithmetic-sft-careless-validation")):  # fmt: skip
+        pairs = list(zip(rows[clean], rows[careless]))
+        assert all(a["prompt"] == b["prompt"] for a, b in pairs)  # the same problems, another teacher
+        assert 0.2 < sum(a["response"] != b["response"] for a, b in pairs) / len(pairs) < 0.35
+    validation_sft = {r["prompt"] for r in rows["arithmetic-sft-validation"]}
+    assert {r["prompt"] for r in rows["arithmetic-validation"]} == validation_sft
 
 
 def test_builtin_arithmetic_models_ship_the_task_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
