@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.hf_weights import (
     ALL,
+    LM_HEAD_TENSOR,
+    SCORE_HEAD_TENSOR,
     exported_maps,
     hf_from_shards,
     hf_tensor_shapes,
@@ -88,15 +90,28 @@ class SafetensorsCheckpoint:
         return tensor_slice[rows, cols]
 
 
-def load_hf_weights(model: torch.nn.Module, arch: Architecture, groups: ParallelGroups, model_dir: str | Path) -> None:
-    """Fill this rank's shard of ``model`` from the HF checkpoint in ``model_dir``."""
+def load_hf_weights(
+    model: torch.nn.Module, arch: Architecture, groups: ParallelGroups, model_dir: str | Path, *, new_head: bool = False
+) -> None:
+    """Fill this rank's shard of ``model`` from the HF checkpoint in ``model_dir``.
+
+    ``new_head``: ``model`` has a score head and ``model_dir`` holds a causal LM (a critic or a
+    reward model started from a policy): the backbone is loaded, the LM head is left out and the
+    score head starts at zero (every score 0 at first, the same on every rank; the head's gradient
+    is not zero, so it learns from the first step).
+    """
     source = SafetensorsCheckpoint(model_dir)
     layout = groups.layout
-    _check_no_unexpected_tensors(source, arch)
+    _check_no_unexpected_tensors(source, arch, also_expected=(LM_HEAD_TENSOR,) if new_head else ())
     params = dict(model.named_parameters())
     padded_vocab = model.vocab_size  # as built: the padding depends on the run, not the checkpoint
     loaded = set()
     for tmap in tensor_maps(arch, layout.pp, groups.pp_rank):
+        if new_head and tmap.hf == (SCORE_HEAD_TENSOR,):
+            with torch.no_grad():
+                params[tmap.mcore].zero_()
+            loaded.add(tmap.mcore)
+            continue
         param = params[tmap.mcore]
         for name, shape in zip(tmap.hf, tmap.hf_shapes):
             got = source.shape(name)
@@ -114,11 +129,9 @@ def load_hf_weights(model: torch.nn.Module, arch: Architecture, groups: Parallel
         raise RuntimeError(f"internal error: no HF tensor maps to parameters {sorted(unfilled)}")
 
 
-def _check_no_unexpected_tensors(source: SafetensorsCheckpoint, arch: Architecture) -> None:
-    expected = hf_tensor_shapes(arch)
-    unexpected = sorted(
-        name for name in source.names() - expected.keys() if not name.endswith(_IGNORED_HF_TENSORS)
-    )
+def _check_no_unexpected_tensors(source: SafetensorsCheckpoint, arch: Architecture, also_expected: tuple[str, ...] = ()) -> None:
+    expected = hf_tensor_shapes(arch).keys() | set(also_expected)
+    unexpected = sorted(name for name in source.names() - expected if not name.endswith(_IGNORED_HF_TENSORS))
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
         raise CheckpointError(

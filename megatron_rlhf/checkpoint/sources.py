@@ -18,7 +18,7 @@ from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE, build_model
 from megatron_rlhf.models.builtin import builtin_checkpoint, builtin_config, is_builtin
-from megatron_rlhf.models.roles import NEEDS_SCORE_HEAD, RoleModel
+from megatron_rlhf.models.roles import HEAD_FROM_LM, NEEDS_SCORE_HEAD, RoleModel
 from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
 
 
@@ -62,17 +62,30 @@ def architecture_of(path: str) -> Architecture:
     return load_architecture(path)
 
 
-def model_errors(key: str, model: ModelConfig, world_size: int, *, score_head: bool) -> tuple[list[str], Architecture | None]:
+def model_errors(
+    key: str, model: ModelConfig, world_size: int, *, score_head: bool, head_from_lm: bool = False
+) -> tuple[list[str], Architecture | None]:
     """The problems of the model configured at ``key`` (path, head type, layout in this world) and
-    its architecture (None when the path cannot be read)."""
+    its architecture (None when the path cannot be read).
+
+    ``head_from_lm``: a model that needs a score head may start from a causal LM in HF format (its
+    backbone, and a new score head; see ``load_weights``), as critics and reward models usually
+    start from the SFT policy. The returned architecture is then the score-head one.
+    """
     try:
         arch = architecture_of(model.path)
     except (ValueError, FileNotFoundError) as err:
         return [f"{key}.path={model.path!r}: {err}"], None
     errors = [f"{e} (model {model.path})" for e in layout_errors(key, model.tp, model.pp, arch, world_size)]
+    if score_head and not arch.score_head and head_from_lm:
+        if not is_builtin(model.path) and is_mcore_checkpoint(model.path):
+            errors.append(f"{key}.path={model.path!r} is a megatron-rlhf checkpoint of a {arch.hf_class_name}; "
+                          f"a new score head starts from an HF model dir only (megatron-rlhf convert mcore-to-hf)")  # fmt: skip
+        return errors, arch.with_score_head()
     if arch.score_head != score_head:
         need = "a *ForSequenceClassification (score head)" if score_head else "a *ForCausalLM"
-        errors.append(f"{key}.path={model.path!r} is a {arch.hf_class_name}; the {key} needs {need} model")
+        hint = " (or a *ForCausalLM HF dir, which gets a new score head)" if head_from_lm else ""
+        errors.append(f"{key}.path={model.path!r} is a {arch.hf_class_name}; the {key} needs {need} model{hint}")
     return errors, arch
 
 
@@ -81,7 +94,8 @@ def role_errors(cfg: ModelsConfig, roles: tuple[str, ...] | list[str], world_siz
     errors: list[str] = []
     archs: dict[str, Architecture] = {}
     for role in roles:
-        found, arch = model_errors(role, cfg.role(role), world_size, score_head=NEEDS_SCORE_HEAD[role])
+        found, arch = model_errors(role, cfg.role(role), world_size, score_head=NEEDS_SCORE_HEAD[role],
+                                   head_from_lm=role in HEAD_FROM_LM)  # fmt: skip
         errors += found
         if arch is not None:
             archs[role] = arch
@@ -94,12 +108,13 @@ def local_dir(path: str) -> Path:
 
 
 def load_weights(model: torch.nn.Module, arch: Architecture, groups: ParallelGroups, path: str) -> Path:
-    """Fill ``model`` from ``path``; returns the local directory the weights came from (collective)."""
+    """Fill ``model`` from ``path``; returns the local directory the weights came from (collective).
+    A score-head ``arch`` with a causal LM at ``path`` loads the backbone and keeps its new head."""
     local = local_dir(path)
     if is_mcore_checkpoint(local):
         load_mcore_checkpoint(model, groups, local)
     else:
-        load_hf_weights(model, arch, groups, local)
+        load_hf_weights(model, arch, groups, local, new_head=arch.score_head and not architecture_of(path).score_head)
     return local
 
 

@@ -25,6 +25,8 @@ from megatron_rlhf.models.architecture import Architecture
 KINDS = ("replicated", "row", "vocab", "qkv", "gate_up")
 
 ALL = slice(None)
+SCORE_HEAD_TENSOR = "score.weight"
+LM_HEAD_TENSOR = "lm_head.weight"
 
 
 class TensorSource(Protocol):
@@ -92,9 +94,9 @@ def tensor_maps(arch: Architecture, pp: int, pp_rank: int) -> list[TensorMap]:
     if last:
         add("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", (h,))
         if arch.score_head:
-            add("output_layer.weight", ("score.weight",), "replicated", (arch.num_labels, h))
+            add("output_layer.weight", (SCORE_HEAD_TENSOR,), "replicated", (arch.num_labels, h))
         elif not arch.tie_word_embeddings:
-            add("output_layer.weight", ("lm_head.weight",), "vocab", (arch.vocab_size, h))
+            add("output_layer.weight", (LM_HEAD_TENSOR,), "vocab", (arch.vocab_size, h))
         elif not first:
             # Tied embeddings across stages: the last stage keeps its own copy of the embedding.
             add("output_layer.weight", ("model.embed_tokens.weight",), "vocab", (arch.vocab_size, h))

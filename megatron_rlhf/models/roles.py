@@ -18,6 +18,9 @@ from megatron_rlhf.parallel.layout import ParallelGroups
 ROLES = ("actor", "critic", "reference", "reward")
 NEEDS_SCORE_HEAD = {"actor": False, "reference": False, "critic": True, "reward": True}
 """Which head each role needs: the policy-like roles generate tokens, the others score them."""
+HEAD_FROM_LM = frozenset({"critic"})
+"""Roles that may start from a causal LM with a new score head (the critic from the SFT policy, as
+usual); the reward model may not: an untrained head would score at random."""
 
 
 @dataclasses.dataclass

@@ -69,7 +69,7 @@ class SupervisedConfig(LoopConfig):
 
 def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) -> Architecture:
     """Raise ``ConfigError`` listing every problem at once; returns the model's architecture."""
-    errors, arch = model_errors("model", cfg.model, world_size, score_head=score_head)
+    errors, arch = model_errors("model", cfg.model, world_size, score_head=score_head, head_from_lm=score_head)
     model = cfg.model
     if model.tp >= 1 and model.pp >= 1 and world_size % (model.tp * model.pp) == 0 and cfg.global_batch_size >= 1:
         dp = world_size // (model.tp * model.pp)

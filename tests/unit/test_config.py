@@ -156,6 +156,30 @@ def test_yaml_file_path(tmp_path):
     assert cfg.reward.path == "builtin:tiny-llama-rm"  # schema default for what the file omits
 
 
+def test_a_file_overrides_its_base(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("seed: 5\noutput_dir: out/base\nactor: {tp: 2, pp: 2}\ncritic: {path: \"${output_dir}/critic\"}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text(f"_base_: {base}\noutput_dir: out/child\nactor: {{pp: 1}}\n")
+    cfg = load_config(str(child), ["seed=7"])
+    assert (cfg.seed, cfg.output_dir, cfg.actor.tp, cfg.actor.pp) == (7, "out/child", 2, 1)
+    assert cfg.critic.path == "out/child/critic"  # the base's interpolation sees the child's value
+    assert load_config("smoke").actor == load_config(str(_write(tmp_path / "s.yaml", "_base_: smoke\n"))).actor
+
+
+def test_a_base_loop_is_named(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(f"_base_: {b}\n")
+    b.write_text(f"_base_: {a}\n")
+    with pytest.raises(ConfigError, match=r"a.yaml: _base_ loops back to a file already loaded"):
+        load_config(str(a))
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
 def test_yml_extension(tmp_path):
     path = tmp_path / "run.yml"
     path.write_text("seed: 11\n")
@@ -247,10 +271,15 @@ def test_non_positive_parallel_sizes():
     assert "actor.tp=0" in msg and ">= 1" in msg
 
 
-def test_critic_pointing_at_causal_lm_refused():
-    msg = validation_message(["critic.path=builtin:tiny-llama"], 1)
-    assert "critic.path='builtin:tiny-llama'" in msg
+def test_reward_pointing_at_causal_lm_refused():
+    msg = validation_message(["reward.path=builtin:tiny-llama"], 1)
+    assert "reward.path='builtin:tiny-llama'" in msg
     assert "LlamaForCausalLM" in msg and "ForSequenceClassification" in msg
+
+
+def test_critic_may_start_from_a_causal_lm():
+    archs = validate(load_config(None, ["critic.path=builtin:tiny-llama"]), 1)
+    assert archs["critic"].score_head and archs["critic"].hf_class_name == "LlamaForSequenceClassification"
 
 
 def test_actor_pointing_at_reward_model_refused():
@@ -307,8 +336,8 @@ def test_output_dir_under_a_file_checked(tmp_path):
 def test_all_errors_reported_together(tmp_path):
     missing = tmp_path / "missing"
     msg = validation_message(
-        ["actor.tp=3", "critic.path=builtin:tiny-llama", "reward.path=builtin:nope",
-         f"reference.path={missing}", "critic.pp=3"],
+        ["actor.tp=3", "critic.path=builtin:tiny-llama-rm", "reward.path=builtin:nope",
+         f"reference.path={missing}", "critic.pp=3", "actor.path=builtin:tiny-llama-rm"],
         4,
     )  # fmt: skip
     expected = [
@@ -317,7 +346,7 @@ def test_all_errors_reported_together(tmp_path):
         "actor.tp=3 must divide num_key_value_heads=2",
         "critic.pp=3 must divide num_hidden_layers=4",
         "critic.tp*critic.pp=3 must divide the world size 4",
-        "critic.path='builtin:tiny-llama' is a LlamaForCausalLM",
+        "actor.path='builtin:tiny-llama-rm' is a LlamaForSequenceClassification",
         "reward.path='builtin:nope'",
         f"reference.path='{missing}'",
     ]
