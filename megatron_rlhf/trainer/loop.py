@@ -42,6 +42,7 @@ from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
 from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.metrics.curves import read_metrics, validation_table, write_curves
 from megatron_rlhf.metrics.log import environment_report, is_rank0, log
 from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
 from megatron_rlhf.models.roles import RoleModel
@@ -229,6 +230,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
         save(total)
     if is_rank0():
         (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
+        _report_curves(out_dir, task)
     log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
         f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
     return summary
@@ -353,6 +355,18 @@ def _evaluate(evaluate: Callable[[], tuple[dict[str, float], StepRows]], step: i
     for name, file_rows in rows.items():
         sink.write_rows(name, [{"step": step, "split": "validation", **row} for row in file_rows])
     return figures
+
+
+def _report_curves(out_dir: Path, task: Task) -> None:
+    """``curves.png`` and the validation curve as a table, from the run's ``metrics.jsonl``."""
+    metrics = out_dir / "metrics.jsonl"
+    if not metrics.is_file():  # loggers without jsonl
+        return
+    png = write_curves(metrics, out_dir / "curves.png", task.headline[0], f"{task.name}: {out_dir}")
+    log(f"curves: {png}" if png else "curves.png not drawn: matplotlib is not installed")
+    table = validation_table(read_metrics(metrics)[1])
+    if table:
+        log("validation curve:\n" + table)
 
 
 def _validation_headline(summary: dict[str, Any]) -> str:

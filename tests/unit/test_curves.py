@@ -1,0 +1,56 @@
+"""A run's curves read back from its metrics.jsonl: the validation table (hand-checked text) and
+the PNG (a real image with one panel per figure)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.metrics.curves import read_metrics, validation_keys, validation_table, write_curves
+
+
+def _metrics(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+ROWS = [
+    {"split": "validation", "step": 0, "greedy_accuracy": 0.5, "greedy_reward": 0.25, "timing_s/validation": 1.0},
+    {"split": "train", "step": 1, "reward/mean": 0.1, "kl/per_sequence": 0.0},
+    {"split": "train", "step": 2, "reward/mean": 0.3, "kl/per_sequence": 0.2},
+    {"split": "validation", "step": 2, "greedy_accuracy": 0.75, "greedy_reward": None},
+    {"split": "rollback", "step": 2, "to_step": 0},
+]
+
+
+def test_rows_by_split_and_the_table(tmp_path: Path) -> None:
+    train, validation = read_metrics(_metrics(tmp_path / "metrics.jsonl", ROWS))
+    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in validation] == [0, 2]
+    assert validation_keys(validation) == ["greedy_accuracy", "greedy_reward"]  # no timings, no step
+    assert validation_table(validation) == (
+        "step  greedy_accuracy  greedy_reward\n"
+        "   0           0.5000         0.2500\n"
+        "   2           0.7500              -"
+    )
+    assert validation_table([]) == ""
+
+
+def test_a_long_curve_is_thinned_keeping_both_ends() -> None:
+    rows = [{"split": "validation", "step": s, "accuracy": s / 100} for s in range(0, 101, 5)]
+    lines = validation_table(rows, max_rows=5).splitlines()
+    assert [line.split()[0] for line in lines] == ["step", "0", "25", "50", "75", "100"]
+
+
+def test_the_png_has_a_panel_per_figure(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    metrics = _metrics(tmp_path / "metrics.jsonl", ROWS)
+    png = write_curves(metrics, tmp_path / "curves.png", "reward/mean", "ppo: test")
+    assert png == tmp_path / "curves.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tall = imread(png).shape[0]
+    two = write_curves(_metrics(tmp_path / "two.jsonl", ROWS[1:3]), tmp_path / "two.png", "reward/mean", "t")
+    assert imread(two).shape[0] < tall  # 2 panels (reward, KL) against 4 (+ two validation figures)
+    assert write_curves(_metrics(tmp_path / "none.jsonl", [ROWS[-1]]), tmp_path / "none.png", "reward/mean", "t") is None
