@@ -146,9 +146,8 @@ class Scorer:
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     def sample(self, c: Completion, extras: dict[str, Any], decode) -> Sample:
-        ends_with_eos = c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in self.stop_ids
-        text_ids = c.token_ids[:-1] if ends_with_eos else c.token_ids
-        return Sample(c.prompt_ids, c.token_ids, decode(c.prompt_ids), decode(text_ids), c.finish_reason, extras)
+        return Sample(c.prompt_ids, c.token_ids, decode(c.prompt_ids), decode(c.text_ids(self.stop_ids)), c.finish_reason,
+                      extras)  # fmt: skip
 
     def score(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]], decode) -> Scores:
         """Every part of every row (``extras[c.prompt_index]`` is the prompt row of completion c)."""

@@ -31,6 +31,12 @@ class Completion:
     prompt_tokens_dropped: int = 0
     """Tokens cut from the front of an over-long prompt (on_long_prompt=truncate), else 0."""
 
+    def text_ids(self, stop_ids: Sequence[int]) -> list[int]:
+        """The response's ids without its final stop token: what its text is decoded from (verl
+        decodes responses with special tokens skipped)."""
+        ends_with_stop = self.finish_reason == "stop" and self.token_ids and self.token_ids[-1] in stop_ids
+        return self.token_ids[:-1] if ends_with_stop else self.token_ids
+
 
 class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:

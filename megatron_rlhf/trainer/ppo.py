@@ -332,26 +332,28 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     """The policy on ``data.validation``: a greedy response per prompt (``greedy_accuracy``,
     ``greedy_reward``), and with ``eval.n`` samples at ``eval.temperature`` their mean reward and
     ``pass_at_<n>`` (a prompt counts when one of its samples is correct); each also per
-    ``data_source`` when the rows carry one. Scored by the run's scorer (raw score)."""
+    ``data_source`` when the rows carry one. Scored by the run's scorer: rewards are raw scores,
+    correctness is ``eval.judged_by``'s score (or the raw one) reaching ``eval.correct_score``."""
     cfg, ev, prompts = run.cfg, run.cfg.eval, run.validation
     assert prompts is not None
     ids = [p.prompt_ids.tolist() for p in prompts]
     extras = [p.extras for p in prompts]
     sources = [str(e.get("data_source", "")) for e in extras]
 
-    def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor]:
+    def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor, torch.Tensor]:
+        """Completions, their raw scores and whether each is correct, (prompts, n)."""
         params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
         completions, _ = run.hybrid.generate(ids, params)
         scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.tokenizer.decode)
-        return completions, scores.raw.view(len(ids), n)
+        judged = scores.parts[ev.judged_by] if ev.judged_by else scores.raw
+        return completions, scores.raw.view(len(ids), n), (judged >= ev.correct_score).view(len(ids), n)
 
-    greedy, greedy_raw = scored(0.0, 1)
-    figures: dict[str, torch.Tensor] = {"greedy_accuracy": (greedy_raw[:, 0] >= ev.correct_score).float(),
-                                        "greedy_reward": greedy_raw[:, 0]}  # fmt: skip
+    greedy, greedy_raw, greedy_correct = scored(0.0, 1)
+    figures: dict[str, torch.Tensor] = {"greedy_accuracy": greedy_correct[:, 0].float(), "greedy_reward": greedy_raw[:, 0]}
     if ev.n:
-        _, sampled_raw = scored(ev.temperature, ev.n)
+        _, sampled_raw, sampled_correct = scored(ev.temperature, ev.n)
         figures["sampled_reward"] = sampled_raw.mean(1)
-        figures[f"pass_at_{ev.n}"] = (sampled_raw >= ev.correct_score).any(1).float()
+        figures[f"pass_at_{ev.n}"] = sampled_correct.any(1).float()
     out = {name: float(per_prompt.mean()) for name, per_prompt in figures.items()}
     if any(sources):
         for source in sorted(set(sources)):

@@ -101,7 +101,11 @@ class EvalConfig:
     temperature: float = 1.0
     """Sampling temperature of those samples."""
     correct_score: float = 1.0
-    """A response counts as correct when its raw score reaches this (1.0: a 0/1 rule's right answer)."""
+    """A response counts as correct when its score reaches this (1.0: a 0/1 rule's right answer)."""
+    judged_by: str = ""
+    """The scoring part whose own (unweighted) score decides correctness: a rule's name,
+    reward_model or custom_function; empty: the raw score (all parts, weighted). Name the rule when
+    a reward model's score is mixed in: accuracy should not move with the reward model."""
     samples: int = 4
     """Validation responses written to samples.jsonl (split validation) at each evaluation."""
 
@@ -179,6 +183,8 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
                       f"(got {sampling.n})")  # fmt: skip
     found, rules, function = scoring_errors(cfg.scoring)
     errors += found
+    if cfg.eval.judged_by and cfg.eval.judged_by not in cfg.scoring.parts():
+        errors.append(f"eval.judged_by={cfg.eval.judged_by!r} is not a scoring part; the parts are {cfg.scoring.parts()}")
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
