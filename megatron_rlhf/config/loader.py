@@ -113,6 +113,27 @@ def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
         raise ConfigError(f"{origin}: {str(err).splitlines()[0]}") from None
 
 
+BASE_KEY = "_base_"
+"""A preset or YAML file may name another one under this key: that one is loaded first, and this
+file's values override it (a GPU-sized preset that changes the sizes of a CPU one)."""
+
+
+def _preset_chain(name_or_path: str) -> list[tuple[Path, DictConfig]]:
+    """The files to merge, the furthest base first, each without its ``_base_`` key."""
+    chain: list[tuple[Path, DictConfig]] = []
+    while name_or_path is not None:
+        path = _resolve_preset(name_or_path)
+        if any(path == seen for seen, _ in chain):
+            raise ConfigError(f"{path}: {BASE_KEY} loops back to a file already loaded ({[str(p) for p, _ in chain]})")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as err:  # yaml errors come in several types
+            raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        name_or_path = file_cfg.pop(BASE_KEY, None) if isinstance(file_cfg, DictConfig) else None
+        chain.append((path, file_cfg))
+    return chain[::-1]
+
+
 def load_config(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]) -> T:
     """Schema defaults <- preset or YAML file <- dotlist overrides, in that order.
 
@@ -122,12 +143,8 @@ def load_config(preset: str | None, overrides: list[str] | tuple[str, ...] = (),
     """
     merged = OmegaConf.structured(schema)
     if preset is not None:
-        path = _resolve_preset(preset)
-        try:
-            file_cfg = OmegaConf.load(path)
-        except Exception as err:  # yaml errors come in several types
-            raise ConfigError(f"{path}: not valid YAML ({err})") from None
-        merged = _merge(merged, file_cfg, str(path), schema)
+        for path, file_cfg in _preset_chain(preset):
+            merged = _merge(merged, file_cfg, str(path), schema)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
