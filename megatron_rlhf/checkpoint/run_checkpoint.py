@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,10 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
+
+TEST_SLOW_SAVE_ENV = "MEGATRON_RLHF_TEST_SLOW_SAVE"
+"""Test hook, ``STEP:SECONDS``: the save of step STEP sleeps SECONDS after the models' files are
+written, so that a test's SIGKILL lands inside a save. Never set outside tests."""
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -104,6 +109,7 @@ def save_run_checkpoint(
     dist.barrier()
     for name, state in train_states.items():
         save_train_state(state, tmp / "models" / name)
+    _pause_for_test(step)
     for name, role in weights.items():
         save_mcore_checkpoint(role.model, role.arch, role.groups, tmp / "weights" / name)
     torch.save(_rng_states(), tmp / "rng" / f"rank{rank:05d}.pt")
@@ -161,6 +167,14 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(states["tracker"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
+
+
+def _pause_for_test(step: int) -> None:
+    spec = os.environ.get(TEST_SLOW_SAVE_ENV)
+    if spec:
+        slow_step, seconds = spec.split(":")
+        if int(slow_step) == step:
+            time.sleep(float(seconds))
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rlhf.checkpoint.run_checkpoint import TEST_SLOW_SAVE_ENV
 from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
 from tests.helpers import REPO, load_all_tensors, subprocess_env
 
@@ -288,6 +289,32 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6", "step_8"]
     redone = {r["step"]: r["loss"] for r in _records(out)}
     assert list(redone) == list(range(1, 9)) and all(redone[step] == losses[step] for step in range(1, 7))
+
+
+@pytest.mark.distributed
+def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path: Path, sft_train: Path) -> None:
+    """2 ranks at TP2: the save of step 4 is slowed by the test hook and every process is SIGKILLed
+    once its first shard file is written. The same command started again deletes the partial
+    step_4.tmp, resumes from step_2 and finishes with every step logged once."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", "model.tp=2", "max_steps=6", "save_every=2", f"output_dir={out}")
+    log = (tmp_path / "killed.log").open("w")
+    proc = subprocess.Popen(_command(2, args), env={**subprocess_env(), TEST_SLOW_SAVE_ENV: "4:600"}, stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    partial = out / "checkpoints" / "step_4.tmp"
+    deadline = time.monotonic() + 600
+    while not (partial.is_dir() and any(partial.rglob("*.distcp"))) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any(partial.rglob("*.distcp")), (tmp_path / "killed.log").read_text()[-5000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    again = _run(2, args)
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert f"removed {partial}: an interrupted save" in again.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6"]
+    assert [r["step"] for r in _records(out) if r["split"] == "train"] == list(range(1, 7))
 
 
 @pytest.mark.distributed
