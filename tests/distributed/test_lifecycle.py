@@ -5,6 +5,8 @@ metrics and the exported weights of a run that was never interrupted, bit for bi
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import signal
 import subprocess
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_rlhf
 from megatron_rlhf.checkpoint.run_checkpoint import TEST_SLOW_SAVE_ENV
 from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
 from tests.helpers import REPO, load_all_tensors, subprocess_env
@@ -315,6 +318,32 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path: Path, s
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6"]
     assert [r["step"] for r in _records(out) if r["split"] == "train"] == list(range(1, 7))
+
+
+@pytest.mark.distributed
+def test_start_up_report_names_versions_layouts_and_the_resumed_step(tmp_path: Path, sft_train: Path) -> None:
+    """The report a run starts with, fresh and resumed: this package's version and git commit,
+    torch, CUDA, megatron-core, apex and Transformer Engine (looked up here), each checkpointed
+    model's layout, and the checkpoint step a resumed run continues from."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", f"output_dir={out}")
+    fresh = _run(1, (*args, "max_steps=2"))
+    assert fresh.returncode == 0, fresh.stderr[-6000:]
+    resumed = _run(1, (*args, "max_steps=3"))
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()  # fmt: skip
+    present = {name: "present" if importlib.util.find_spec(module) else "absent"
+               for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))}  # fmt: skip
+    versions = (f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda or 'none'}, megatron-core {importlib.metadata.version('megatron-core')}, "
+                f"apex {present['apex']}, transformer-engine {present['transformer-engine']}")  # fmt: skip
+    for proc in (fresh, resumed):
+        assert versions in proc.stdout.splitlines(), proc.stdout[-3000:]
+        assert "layouts: actor TP1xPP1xDP1" in proc.stdout.splitlines()
+    assert "starting fresh" in fresh.stdout and "resumed from" not in fresh.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in resumed.stdout.splitlines()
+    assert "starting fresh" not in resumed.stdout
 
 
 @pytest.mark.distributed
