@@ -70,12 +70,15 @@ def _deterministic(record: dict) -> dict:
     return {key: value for key, value in record.items() if not key.startswith(("timing_s/", "perf/")) and "per_s" not in key}
 
 
-def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int) -> None:
+def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int,
+                          resumed_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
+    """An uninterrupted run of ``args`` is the reference for one killed after its first checkpoint
+    and started again (both with ``resumed_args`` added); returns the second start's process."""
     straight, resumed = root / "straight", root / "resumed"
     first = _run(nproc, (*args, f"output_dir={straight}"))
     assert first.returncode == 0, first.stderr[-6000:]
-    _run_killed_after_first_checkpoint(nproc, (*args, f"output_dir={resumed}"), resumed)
-    again = _run(nproc, (*args, f"output_dir={resumed}"))
+    _run_killed_after_first_checkpoint(nproc, (*args, *resumed_args, f"output_dir={resumed}"), resumed)
+    again = _run(nproc, (*args, *resumed_args, f"output_dir={resumed}"))
     assert again.returncode == 0, again.stderr[-6000:]
     step = int(again.stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
     assert 0 < step < total, again.stdout[-3000:]
@@ -86,6 +89,7 @@ def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: 
     a, b = load_all_tensors(straight / "hf"), load_all_tensors(resumed / "hf")
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
     assert _result(resumed) == _result(straight)
+    return again
 
 
 def _result(out: Path) -> dict:
@@ -106,6 +110,16 @@ def test_ppo_with_critic_resumes_exactly_over_two_ranks(tmp_path: Path) -> None:
     actor TP2: the KL coefficient, the reference and both optimizers come back exactly."""
     args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
     _check_resume_matches(2, args, tmp_path, 6)
+
+
+@pytest.mark.distributed
+def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(tmp_path: Path) -> None:
+    """As above, the interrupted run saving with async_save=true (actor TP2 and critic PP2 written
+    by one background process per checkpoint), the uninterrupted one synchronously: same metrics,
+    weights and result."""
+    args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
+    again = _check_resume_matches(2, args, tmp_path, 6, resumed_args=("async_save=true",))
+    assert "step 6: saved checkpoint" in again.stdout and "written in the background" in again.stdout
 
 
 @pytest.mark.distributed
@@ -295,12 +309,15 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
 
 
 @pytest.mark.distributed
-def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path: Path, sft_train: Path) -> None:
-    """2 ranks at TP2: the save of step 4 is slowed by the test hook and every process is SIGKILLed
-    once its first shard file is written. The same command started again deletes the partial
-    step_4.tmp, resumes from step_2 and finishes with every step logged once."""
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path: Path, sft_train: Path, async_save: str) -> None:
+    """2 ranks at TP2: the save of step 4 is slowed by the test hook (in the training process, or
+    in the background writer while training goes on) and every process is SIGKILLed once its first
+    shard file is written. The same command started again deletes the partial step_4.tmp, resumes
+    from step_2 and finishes with every step logged once."""
     out = tmp_path / "run"
-    args = (*SFT, f"data.train=[{sft_train}]", "model.tp=2", "max_steps=6", "save_every=2", f"output_dir={out}")
+    args = (*SFT, f"data.train=[{sft_train}]", "model.tp=2", "max_steps=6", "save_every=2", f"async_save={async_save}",
+            f"output_dir={out}")  # fmt: skip
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(_command(2, args), env={**subprocess_env(), TEST_SLOW_SAVE_ENV: "4:600"}, stdout=log,
                             stderr=subprocess.STDOUT)  # fmt: skip
