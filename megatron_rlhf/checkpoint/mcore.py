@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 
 from megatron_rlhf.checkpoint.hf import copy_side_files
@@ -71,6 +72,43 @@ def _sharded_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict:
         return model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
 
 
+def dist_save_request(sharded_state_dict: dict, dist_dir: Path) -> AsyncRequest:
+    """Collective. Plans a dist_checkpointing save into the existing ``dist_dir`` (with an integrity
+    manifest) and returns it as megatron's ``AsyncRequest``: ``execute_sync()`` writes it here and
+    now (what ``dist_checkpointing.save`` does), or ``run_checkpoint`` writes it in a background
+    process. Its finalize functions write ``.metadata``, ``metadata.json`` and the manifest."""
+    return dist_checkpointing.save(sharded_state_dict, str(dist_dir), verify_integrity=True, async_sharded_save=True,
+                                   async_strategy="mcore")  # fmt: skip
+
+
+def mcore_save_request(
+    model: torch.nn.Module,
+    arch: Architecture,
+    groups: ParallelGroups,
+    ckpt_dir: str | Path,
+    *,
+    side_files_from: str | Path | None = None,
+) -> AsyncRequest:
+    """Collective: every rank calls it with its shard. Plans the save (``dist_save_request``); its
+    last finalize function writes ``megatron_rlhf.json`` and the side files."""
+    ckpt = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        (ckpt / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    request = dist_save_request(_sharded_state_dict(model, groups), ckpt / WEIGHTS_DIR)
+
+    def write_meta() -> None:
+        if dist.get_rank() == 0:
+            meta = {"format_version": FORMAT_VERSION, "hf_config": arch.hf_config, "saved_layout": str(groups.layout)}
+            (ckpt / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            if side_files_from is not None:
+                copy_side_files(side_files_from, ckpt)
+        dist.barrier()
+
+    request.add_finalize_fn(write_meta)
+    return request
+
+
 def save_mcore_checkpoint(
     model: torch.nn.Module,
     arch: Architecture,
@@ -80,17 +118,7 @@ def save_mcore_checkpoint(
     side_files_from: str | Path | None = None,
 ) -> None:
     """Collective: every rank calls it with its shard."""
-    ckpt = Path(ckpt_dir)
-    if dist.get_rank() == 0:
-        (ckpt / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model, groups), str(ckpt / WEIGHTS_DIR), verify_integrity=True)
-    if dist.get_rank() == 0:
-        meta = {"format_version": FORMAT_VERSION, "hf_config": arch.hf_config, "saved_layout": str(groups.layout)}
-        (ckpt / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if side_files_from is not None:
-            copy_side_files(side_files_from, ckpt)
-    dist.barrier()
+    mcore_save_request(model, arch, groups, ckpt_dir, side_files_from=side_files_from).execute_sync()
 
 
 def load_mcore_checkpoint(model: torch.nn.Module, groups: ParallelGroups, ckpt_dir: str | Path) -> None:

@@ -15,20 +15,21 @@ A crash at any point leaves the previous checkpoint and ``latest`` intact: a ``.
 never read, and older checkpoints are deleted only after a newer one is complete and ``latest``
 names it.
 
-Saves are synchronous. megatron-core 0.19.2's async save (``async_sharded_save=True``, the "mcore"
-strategy; "nvrx" is not installed) was tried on CPU/gloo: one model at 2 ranks round-tripped, but a
-run checkpoint (actor TP2 + critic PP2, two requests in flight) wrote a ``common_state`` object
-that does not unpickle (``UnpicklingError: invalid load key``; ``load`` then fails with "Duplicate
-non-dict and non-list values: None and {}"). An unloadable checkpoint is worse than a slower one.
+Saves are synchronous, or written in the background by a forked process while training continues
+(``RunCheckpointWriter``, ``async_save``); either way ``step_N.tmp`` is renamed only after every
+rank's files are complete.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import re
 import shutil
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +37,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint
-from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
+from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, mcore_save_request
+from megatron_rlhf.checkpoint.train_state import load_train_state, train_state_save_request
 from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
+
+TEST_SLOW_SAVE_ENV = "MEGATRON_RLHF_TEST_SLOW_SAVE"
+"""Test hook, ``STEP:SECONDS``: the save of step STEP sleeps SECONDS after the models' files are
+written (in the training process, or in the background writer), so that a test's SIGKILL lands
+inside a save. Never set outside tests."""
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -88,37 +96,117 @@ def remove_partial(root: Path) -> list[Path]:
     return partial
 
 
-def save_run_checkpoint(
-    root: Path, step: int, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel],
-    run_state: dict[str, Any], config_yaml: str, keep_last: int,
-) -> Path:  # fmt: skip
-    """Collective. Writes ``root/step_<step>`` atomically, points ``latest`` at it, then deletes all
-    but the newest ``keep_last`` complete checkpoints. Returns the checkpoint's directory."""
-    final = root / f"step_{step}"
-    tmp = root / f"step_{step}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
+class RunCheckpointWriter:
+    """Collective, every method: writes a run's checkpoints under ``root``.
+
+    Synchronous (``background=False``): ``save`` returns when the checkpoint is complete.
+    In the background: ``save`` stages every model's shards in host memory (megatron's preload),
+    forks one process that writes them, model after model, and returns; training continues. Once
+    every rank's writer is done, ``poll`` (non-blocking, at each step boundary) or ``wait``
+    completes the checkpoint in the training process: each model's ``.metadata`` and manifest,
+    the run's small files, the rename of ``step_N.tmp`` and ``latest``. One checkpoint is in flight
+    at most: ``save`` first waits for the previous one.
+
+    One writer process per checkpoint, writing in order, is what makes this correct: megatron-core
+    0.19.2 returns every save's write results through ONE process-wide queue
+    (``filesystem_async.get_write_results_queue``), and a request's finalize takes the first result
+    in it (``FileSystemWriterAsync.retrieve_write_results``: ``get_nowait()``), not its own. With
+    two requests in flight (one per model) a finalize can take the other model's results, and its
+    ``.metadata`` then points into the wrong files: ``common_state`` does not unpickle ("invalid
+    load key"), a shard does not load. Seen at one rank with a large and a small save (the small
+    one finished first), and in a 2-rank run (actor TP2 + critic PP2, one request per model: resume
+    failed with "Duplicate non-dict and non-list values"); with one writer, both resume bit-exactly."""
+
+    def __init__(self, root: Path, *, keep_last: int, background: bool) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self._in_flight = AsyncCallsQueue(persistent=False) if background else None
+
+    def save(
+        self, step: int, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel],
+        run_state: dict[str, Any], config_yaml: str,
+    ) -> None:  # fmt: skip
+        """Writes ``root/step_<step>`` (through ``step_<step>.tmp``), points ``latest`` at it, then
+        deletes all but the newest ``keep_last`` complete checkpoints; in the background, returns once
+        the writer has started."""
+        self.wait()
+        tmp = self.root / f"step_{step}.tmp"
+        rank = dist.get_rank()
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        dist.barrier()
+        torch.save(_rng_states(), tmp / "rng" / f"rank{rank:05d}.pt")
+        # As JSON now: the caller's objects change while a background save is written.
+        run_state_json = json.dumps({"step": step, **run_state}, indent=2) + "\n"
+        requests = _save_requests(tmp, train_states, weights)
+        if self._in_flight is None:
+            for request in requests:
+                request.execute_sync()
+            _pause_for_test(step)
+            self._complete(step, run_state_json, config_yaml, started=None)
+            return
+        started = time.perf_counter()
+        complete = functools.partial(self._complete, step, run_state_json, config_yaml, started)
+        self._in_flight.schedule_async_request(_one_writer(list(requests), complete, step))
+        log(f"step {step}: writing checkpoint {tmp} in the background")
+
+    def poll(self) -> None:
+        """Completes the checkpoint in flight if every rank's writer is done; never waits."""
+        if self._in_flight is not None:
+            self._in_flight.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Waits for the checkpoint in flight and completes it."""
+        if self._in_flight is not None:
+            self._in_flight.maybe_finalize_async_calls(blocking=True)
+
+    def _complete(self, step: int, run_state_json: str, config_yaml: str, started: float | None) -> None:
+        """After every model's files are complete on every rank. ``started``: when a background
+        write began."""
+        tmp, final = self.root / f"step_{step}.tmp", self.root / f"step_{step}"
+        if dist.get_rank() == 0:
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / RUN_STATE_FILE).write_text(run_state_json)
+            if final.exists():  # a checkpoint of the same step from an earlier run (resume=never)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomically(self.root / LATEST_FILE, final.name + "\n")
+            for old in complete_checkpoints(self.root)[:-self.keep_last]:
+                shutil.rmtree(old)
+        dist.barrier()
+        background = "" if started is None else f" (written in the background in {time.perf_counter() - started:.1f} s)"
+        log(f"step {step}: saved checkpoint {final}{background}")
+
+
+def _save_requests(tmp: Path, train_states: dict[str, TrainState], weights: dict[str, RoleModel]) -> Iterator[AsyncRequest]:
+    """Every model's save, planned one at a time (collective), so that a synchronous save writes
+    each before the next is planned and staged."""
     for name, state in train_states.items():
-        save_train_state(state, tmp / "models" / name)
+        yield train_state_save_request(state, tmp / "models" / name)
     for name, role in weights.items():
-        save_mcore_checkpoint(role.model, role.arch, role.groups, tmp / "weights" / name)
-    torch.save(_rng_states(), tmp / "rng" / f"rank{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / RUN_STATE_FILE).write_text(json.dumps({"step": step, **run_state}, indent=2) + "\n")
-        if final.exists():  # a checkpoint of the same step from an earlier run (resume=never)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomically(root / LATEST_FILE, final.name + "\n")
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old)
-    dist.barrier()
-    return final
+        yield mcore_save_request(role.model, role.arch, role.groups, tmp / "weights" / name)
+
+
+def _one_writer(requests: list[AsyncRequest], complete: Callable[[], None], step: int) -> AsyncRequest:
+    """One request for one background process that writes the requests' files in their order;
+    their finalize functions run in the same order, then ``complete``. The shards are staged in
+    host memory here, before the fork (on CPU the fork's copy-on-write memory is the snapshot)."""
+    writes = []
+    for request in requests:
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:
+            args[1] = request.preload_fn()  # the (path, key, (bytes, tensors)) buckets, staged on the host
+        if request.async_fn is not None:
+            writes.append(functools.partial(request.async_fn, *args, **request.async_fn_kwargs))
+
+    def write_all() -> None:
+        for write in writes:
+            write()
+        _pause_for_test(step)
+
+    return AsyncRequest(write_all, (), [fn for request in requests for fn in request.finalize_fns] + [complete])
 
 
 class UnusableCheckpoint(Exception):
@@ -161,6 +249,14 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(states["tracker"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
+
+
+def _pause_for_test(step: int) -> None:
+    spec = os.environ.get(TEST_SLOW_SAVE_ENV)
+    if spec:
+        slow_step, seconds = spec.split(":")
+        if int(slow_step) == step:
+            time.sleep(float(seconds))
 
 
 def _write_atomically(path: Path, text: str) -> None:

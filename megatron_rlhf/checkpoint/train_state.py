@@ -26,9 +26,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron_rlhf.checkpoint.mcore import global_dp_rank_of, has_integrity_manifest
+from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest
 from megatron_rlhf.engine.optim import TrainState
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -44,23 +45,34 @@ def _sharded(state: TrainState, is_loading: bool) -> dict:
     return {"model": model_sd, "optimizer": optimizer_sd}
 
 
-def save_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
-    """Collective. Writes ``ckpt_dir/{dist,rng}`` and ``train_state.json`` (written last)."""
+def train_state_save_request(state: TrainState, ckpt_dir: str | Path) -> AsyncRequest:
+    """Collective. Writes each rank's RNG file and plans the save of the weights and optimizer
+    (``dist_save_request``); its last finalize function writes ``train_state.json`` with the step
+    and LR schedule as they are now, when the request was made."""
     ckpt = Path(ckpt_dir)
     if dist.get_rank() == 0:
         (ckpt / "dist").mkdir(parents=True, exist_ok=True)
         (ckpt / "rng").mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(state, is_loading=False), str(ckpt / "dist"), verify_integrity=True)
+    request = dist_save_request(_sharded(state, is_loading=False), ckpt / "dist")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, ckpt / "rng" / f"rank{dist.get_rank():05d}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        meta = {"step": state.step, "scheduler": state.scheduler.state_dict(), "layout": str(state.role.groups.layout)}
-        (ckpt / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    dist.barrier()
+    meta = {"step": state.step, "scheduler": state.scheduler.state_dict(), "layout": str(state.role.groups.layout)}
+
+    def write_meta() -> None:
+        if dist.get_rank() == 0:
+            (ckpt / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        dist.barrier()
+
+    request.add_finalize_fn(write_meta)
+    return request
+
+
+def save_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
+    """Collective. Writes ``ckpt_dir/{dist,rng}`` and ``train_state.json`` (written last)."""
+    train_state_save_request(state, ckpt_dir).execute_sync()
 
 
 def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:

@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.run_checkpoint import (
+    RunCheckpointWriter,
     UnusableCheckpoint,
     checkpoints_root,
     complete_checkpoints,
     load_run_checkpoint,
     newest_checkpoint,
     remove_partial,
-    save_run_checkpoint,
 )
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import ConfigError, to_yaml
@@ -76,6 +76,13 @@ class LoopConfig(RunConfig):
     at the end (a checkpoint is always written when the run completes)."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    async_save: bool = False
+    """Write checkpoints in the background (a forked process per checkpoint) while training
+    continues; a checkpoint is completed (renamed, named by ``latest``) at the first step boundary
+    after every rank's files are written, the next save waits for it, and the run waits for the last.
+    Off by default: it holds a host copy of every saved model's weights and optimizer state while
+    it writes, and it forks a process that has CUDA and NCCL state (megatron's own async save does
+    the same; measured here on CPU only)."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
     never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
@@ -209,17 +216,20 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     sink = build_sinks(cfg.loggers, setup)
     start = time.perf_counter()
 
+    writer = RunCheckpointWriter(checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save)
+
     def save(step: int) -> None:
         run_state = {"summary": summary, "loop": {**loop_state, "train_seconds": loop_state["train_seconds"]
                                                   + time.perf_counter() - start}, "task": task.state_dict()}  # fmt: skip
-        ckpt = save_run_checkpoint(checkpoints_root(out_dir), step, train_states=task.train_states(),
-                                   weights=task.changing_weights(), run_state=run_state, config_yaml=to_yaml(cfg),
-                                   keep_last=cfg.keep_last)  # fmt: skip
-        log(f"step {step}: saved checkpoint {ckpt}")
+        writer.save(step, train_states=task.train_states(), weights=task.changing_weights(), run_state=run_state,
+                    config_yaml=to_yaml(cfg))  # fmt: skip
 
     with StopSignals() as signals:
         try:
-            _train(cfg, task, total, per_epoch, resumed_step, summary, loop_state, sink, save, signals)
+            _train(cfg, task, total, per_epoch, resumed_step, summary, loop_state, sink, save, writer, signals)
+        except RunStopped:
+            writer.wait()  # the stop's checkpoint is complete before the process exits
+            raise
         finally:
             sink.close()
     summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
@@ -228,6 +238,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
         summary["hf_dir"] = str(out_dir / "hf")
     if resumed_step != total:  # after the export: a save that fails cannot cost the trained model
         save(total)
+    writer.wait()
     if is_rank0():
         (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
         _report_curves(out_dir, task)
@@ -237,8 +248,10 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
 
 
 def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step: int | None, summary: dict[str, Any],
-           loop_state: dict[str, Any], sink: Sink, save: Callable[[int], None], signals: StopSignals) -> None:  # fmt: skip
-    """The steps after ``resumed_step`` and the final validation. A stop
+           loop_state: dict[str, Any], sink: Sink, save: Callable[[int], None], writer: RunCheckpointWriter,
+           signals: StopSignals) -> None:  # fmt: skip
+    """The steps after ``resumed_step`` and the final validation; a background save is completed at
+    the first step boundary after its files are written. A stop
     request saves a checkpoint at the step boundary and raises ``RunStopped``; ``max_bad_steps``
     skipped updates in a row roll back (``_roll_back``)."""
     metric = task.headline[0]
@@ -257,11 +270,12 @@ def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step
         summary[f"last_{stem}"] = metrics[metric]
         bad_steps = bad_steps + 1 if any(k.endswith("update_skipped") and v for k, v in metrics.items()) else 0
         if bad_steps == cfg.max_bad_steps:
-            step, bad_steps = _roll_back(cfg, task, step, summary, loop_state, sink), 0
+            step, bad_steps = _roll_back(cfg, task, step, summary, loop_state, sink, writer), 0
             continue
         if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
             summary["validation"] = _evaluate(task.evaluate, step, sink)
             loop_state["last_eval_step"] = step
+        writer.poll()
         stop = signals.agreed()
         # Not in a run of skipped updates: a rollback goes back to before its first step.
         if step < total and not bad_steps and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
@@ -290,13 +304,14 @@ def _batch(cfg: LoopConfig, task: Task, per_epoch: int, step: int, reseeded: lis
 
 
 def _roll_back(cfg: LoopConfig, task: Task, step: int, summary: dict[str, Any], loop_state: dict[str, Any],
-               sink: Sink) -> int:  # fmt: skip
+               sink: Sink, writer: RunCheckpointWriter) -> int:  # fmt: skip
     """Load the newest checkpoint after ``max_bad_steps`` skipped updates ending at ``step``; the
     steps after it are redone with another data order. Returns the checkpoint's step. Raises
     ``RunStopped`` (exit 3) with no checkpoint, or when these steps were redone once already."""
     first_bad = step - cfg.max_bad_steps + 1
     what = (f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
             f"gradients (max_bad_steps={cfg.max_bad_steps})")  # fmt: skip
+    writer.wait()  # a checkpoint still being written is older than these steps: the one to go back to
     ckpt = newest_checkpoint(checkpoints_root(cfg.output_dir))
     if ckpt is None:
         raise RunStopped(f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "

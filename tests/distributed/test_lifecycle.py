@@ -5,6 +5,8 @@ metrics and the exported weights of a run that was never interrupted, bit for bi
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import signal
 import subprocess
@@ -15,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_rlhf
+from megatron_rlhf.checkpoint.run_checkpoint import TEST_SLOW_SAVE_ENV
 from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
 from tests.helpers import REPO, load_all_tensors, subprocess_env
 
@@ -66,12 +70,15 @@ def _deterministic(record: dict) -> dict:
     return {key: value for key, value in record.items() if not key.startswith(("timing_s/", "perf/")) and "per_s" not in key}
 
 
-def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int) -> None:
+def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int,
+                          resumed_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
+    """An uninterrupted run of ``args`` is the reference for one killed after its first checkpoint
+    and started again (both with ``resumed_args`` added); returns the second start's process."""
     straight, resumed = root / "straight", root / "resumed"
     first = _run(nproc, (*args, f"output_dir={straight}"))
     assert first.returncode == 0, first.stderr[-6000:]
-    _run_killed_after_first_checkpoint(nproc, (*args, f"output_dir={resumed}"), resumed)
-    again = _run(nproc, (*args, f"output_dir={resumed}"))
+    _run_killed_after_first_checkpoint(nproc, (*args, *resumed_args, f"output_dir={resumed}"), resumed)
+    again = _run(nproc, (*args, *resumed_args, f"output_dir={resumed}"))
     assert again.returncode == 0, again.stderr[-6000:]
     step = int(again.stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
     assert 0 < step < total, again.stdout[-3000:]
@@ -82,6 +89,7 @@ def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: 
     a, b = load_all_tensors(straight / "hf"), load_all_tensors(resumed / "hf")
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
     assert _result(resumed) == _result(straight)
+    return again
 
 
 def _result(out: Path) -> dict:
@@ -102,6 +110,16 @@ def test_ppo_with_critic_resumes_exactly_over_two_ranks(tmp_path: Path) -> None:
     actor TP2: the KL coefficient, the reference and both optimizers come back exactly."""
     args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
     _check_resume_matches(2, args, tmp_path, 6)
+
+
+@pytest.mark.distributed
+def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(tmp_path: Path) -> None:
+    """As above, the interrupted run saving with async_save=true (actor TP2 and critic PP2 written
+    by one background process per checkpoint), the uninterrupted one synchronously: same metrics,
+    weights and result."""
+    args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
+    again = _check_resume_matches(2, args, tmp_path, 6, resumed_args=("async_save=true",))
+    assert "step 6: saved checkpoint" in again.stdout and "written in the background" in again.stdout
 
 
 @pytest.mark.distributed
@@ -288,6 +306,61 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6", "step_8"]
     redone = {r["step"]: r["loss"] for r in _records(out)}
     assert list(redone) == list(range(1, 9)) and all(redone[step] == losses[step] for step in range(1, 7))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path: Path, sft_train: Path, async_save: str) -> None:
+    """2 ranks at TP2: the save of step 4 is slowed by the test hook (in the training process, or
+    in the background writer while training goes on) and every process is SIGKILLed once its first
+    shard file is written. The same command started again deletes the partial step_4.tmp, resumes
+    from step_2 and finishes with every step logged once."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", "model.tp=2", "max_steps=6", "save_every=2", f"async_save={async_save}",
+            f"output_dir={out}")  # fmt: skip
+    log = (tmp_path / "killed.log").open("w")
+    proc = subprocess.Popen(_command(2, args), env={**subprocess_env(), TEST_SLOW_SAVE_ENV: "4:600"}, stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    partial = out / "checkpoints" / "step_4.tmp"
+    deadline = time.monotonic() + 600
+    while not (partial.is_dir() and any(partial.rglob("*.distcp"))) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _kill_tree(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any(partial.rglob("*.distcp")), (tmp_path / "killed.log").read_text()[-5000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    again = _run(2, args)
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert f"removed {partial}: an interrupted save" in again.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6"]
+    assert [r["step"] for r in _records(out) if r["split"] == "train"] == list(range(1, 7))
+
+
+@pytest.mark.distributed
+def test_start_up_report_names_versions_layouts_and_the_resumed_step(tmp_path: Path, sft_train: Path) -> None:
+    """The report a run starts with, fresh and resumed: this package's version and git commit,
+    torch, CUDA, megatron-core, apex and Transformer Engine (looked up here), each checkpointed
+    model's layout, and the checkpoint step a resumed run continues from."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", f"output_dir={out}")
+    fresh = _run(1, (*args, "max_steps=2"))
+    assert fresh.returncode == 0, fresh.stderr[-6000:]
+    resumed = _run(1, (*args, "max_steps=3"))
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()  # fmt: skip
+    present = {name: "present" if importlib.util.find_spec(module) else "absent"
+               for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))}  # fmt: skip
+    versions = (f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda or 'none'}, megatron-core {importlib.metadata.version('megatron-core')}, "
+                f"apex {present['apex']}, transformer-engine {present['transformer-engine']}")  # fmt: skip
+    for proc in (fresh, resumed):
+        assert versions in proc.stdout.splitlines(), proc.stdout[-3000:]
+        assert "layouts: actor TP1xPP1xDP1" in proc.stdout.splitlines()
+    assert "starting fresh" in fresh.stdout and "resumed from" not in fresh.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in resumed.stdout.splitlines()
+    assert "starting fresh" not in resumed.stdout
 
 
 @pytest.mark.distributed
