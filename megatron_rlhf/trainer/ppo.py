@@ -213,8 +213,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     times: dict[str, float] = {}
     temperature = cfg.rollout.sampling.temperature
 
-    completions, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times)
-    batch = rollout_batch(completions, run.tokenizer.pad_id)
+    completions, batch, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times)
     mask = batch["response_mask"]
     scores = scored.rewards
 
@@ -300,9 +299,10 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
 
 
 def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float]
-                   ) -> tuple[list[Completion], dict[str, float], Scores, dict[str, float]]:  # fmt: skip
+                   ) -> tuple[list[Completion], Batch, dict[str, float], Scores, dict[str, float]]:  # fmt: skip
     """``rollout.sampling.n`` scored responses for each prompt of ``indices`` (completions ordered by
-    group), the hybrid engine's phase times, the scores and the sampling metrics.
+    group), their ``rollout_batch`` (the one the scorer read, unless groups were filtered), the
+    hybrid engine's phase times, the scores and the sampling metrics.
 
     With ``rollout.filter_groups`` (DAPO's dynamic sampling) a group whose raw scores all match
     carries no signal for a group-relative advantage: it is dropped and more prompts are drawn (a
@@ -328,11 +328,11 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
         for report in reports:
             phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
         with timed("reward", device, times, quiet=True):
-            scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions,
-                                      [run.prompts[i].extras for i in indices], run.tokenizer.decode)  # fmt: skip
+            batch = rollout_batch(completions, run.tokenizer.pad_id)
+            scores = run.scorer.score(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode)
         draws += 1
         if not rollout.filter_groups:
-            return completions, phase_seconds, scores, {}
+            return completions, batch, phase_seconds, scores, {}
         raw = scores.raw.view(len(indices), n)
         for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
             rows = torch.arange(group * n, (group + 1) * n)
@@ -347,7 +347,8 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
     completions = [dataclasses.replace(c, prompt_index=group) for group, (cs, _) in enumerate(chosen) for c in cs]
     metrics = {"rollout/sample_batches": float(draws), "rollout/groups_short": float(short),
                "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped))}  # fmt: skip
-    return completions, phase_seconds, Scores.cat([s for _, s in chosen]), metrics
+    batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
+    return completions, batch, phase_seconds, Scores.cat([s for _, s in chosen]), metrics
 
 
 def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
