@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rlhf.algorithms import AGG_MODES, KL_ESTIMATORS, aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
@@ -99,18 +100,53 @@ class PPOLossConfig:
         return errors
 
 
-def ppo_actor_loss(role: RoleModel, cfg: PPOLossConfig, *, temperature: float) -> LossFn:
+class UpdateLogprobs:
+    """The token-aligned (rows, width) log-probs an actor update's forward computes, kept for every
+    row of a batch: when a rollout feeds exactly one optimizer step they are the log-probs before
+    the update, so this replaces a separate forward pass. Each row is trained on one data-parallel
+    rank (the batch's ``row_index`` names it) and recorded on the last pipeline stage;
+    ``all_rows`` gathers them. Positions past a row's micro-batch width stay 0."""
+
+    def __init__(self, role: RoleModel, rows: int, width: int) -> None:
+        self.role = role
+        self.values = torch.zeros(rows, width, device=next(role.model.parameters()).device)
+
+    def record(self, row_index: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """``logprobs`` (b, s-1): tokens 1..s-1 of the rows ``row_index`` (b,)."""
+        self.values[row_index, 1 : logprobs.shape[1] + 1] = logprobs.detach().float()
+
+    def all_rows(self) -> torch.Tensor:
+        """(rows, width) float32 on the CPU, identical on every rank. Collective over the model's ranks."""
+        groups, pg = self.role.groups, self.role.groups.pg_collection
+        dist.all_reduce(self.values, group=pg.dp)  # every row was recorded by one DP rank, 0 elsewhere
+        dist.broadcast(self.values, src=dist.get_global_rank(pg.pp, groups.layout.pp - 1), group=pg.pp)
+        return self.values.cpu()
+
+
+def ppo_actor_loss(
+    role: RoleModel, cfg: PPOLossConfig, *, temperature: float, on_policy: UpdateLogprobs | None = None
+) -> LossFn:  # fmt: skip
     """Clipped policy loss - entropy bonus + KL loss; all three share one aggregation and mask,
     hence one denominator. Log-probs are recomputed at the sampling ``temperature``, as the
-    sampler produced them."""
+    sampler produced them.
+
+    With ``on_policy`` (the rollout feeds exactly one optimizer step, so the policy being updated
+    is the one the old log-probs would be computed from) the batch has no ``old_logprobs``: this
+    forward's own log-probs, detached, stand in for them (ratio exactly 1, the same gradient) and
+    are recorded into ``on_policy``."""
 
     def loss(piece: Batch, logits: torch.Tensor):
         logprobs, entropy = next_token_logprobs(
             role, piece, logits, temperature=temperature, with_entropy=cfg.entropy_coef > 0
         )
         mask = piece["response_mask"][:, 1:].float()
+        if on_policy is None:
+            old_logprobs = piece["old_logprobs"][:, 1:]
+        else:
+            old_logprobs = logprobs.detach()
+            on_policy.record(piece["row_index"], old_logprobs)
         numerator, denominator, metrics = ppo_policy_loss(
-            logprobs, piece["old_logprobs"][:, 1:], piece["advantages"][:, 1:], mask,
+            logprobs, old_logprobs, piece["advantages"][:, 1:], mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.agg_mode,
             loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip

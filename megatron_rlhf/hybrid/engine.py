@@ -2,12 +2,21 @@
 
 ``generate`` runs, in order: release the training memory when offloading (``hybrid.offload``: grad
 buffers freed once the model has taken an optimizer step, optimizer state to pinned CPU), bring the
-generation weights up to date (zero copy when the layouts match, else a resharding copy into the
-generation layout, allocated in the memory just freed), generate with the native engine on this
-rank's share of the prompts (data parallel over the generation layout), free the KV cache and the
-generation copy, restore the training memory. Every rank gets all
+generation weights up to date (zero copy when the layouts match, else a resharding copy written in
+place into the generation layout), generate with the run's one native engine on this rank's share
+of the prompts (data parallel over the generation layout), and when offloading free the KV cache,
+the CUDA graphs and the generation copy and restore the training memory. Every rank gets all
 completions. Each phase is timed and reports GPU memory. No process group is created after
 construction.
+
+What stays allocated between rollouts follows the offload decision. Without offloading (the
+generation memory fits beside the training memory; always on CPU) the engine keeps its KV cache,
+its CUDA graphs and the generation copy from one rollout to the next and the weights are refreshed
+into the same storage: graphs are captured once per run (again only for a rollout with another
+slot count, e.g. validation, or a KV-length bucket not reached before). With offloading that memory
+is what the optimizer state comes back into, so it is freed after each rollout and the next one
+allocates and captures again: a graph records raw addresses, and the allocator gives no way to get
+the same addresses back (the engine recaptures whenever the weights it read have moved).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from megatron_rlhf.hybrid.memory import OFFLOAD_MODES, TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.log import memory_summary
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.rollout.native import NativeEngineConfig, generate_data_parallel
+from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 
@@ -33,7 +42,9 @@ class HybridConfig:
     offload: str = "auto"
     """Move the actor's optimizer state and gradient buffers off the GPU while generating: always,
     never, or auto (only when generation's KV cache and weights would not fit beside them; the
-    decision and its figures are printed at start-up)."""
+    decision and its figures are printed at start-up). Without offloading, generation's memory (KV
+    cache, CUDA graphs, a resharded copy) stays allocated through training, so that the run
+    captures its graphs once; with it, that memory is freed after every rollout."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
@@ -55,7 +66,7 @@ class HybridEngine:
         self.actor = actor
         self.memory = TrainingMemory(actor) if offload else None
         self.resharder = WeightResharder(actor.role, generation_tp)
-        self.engine_cfg = engine_cfg
+        self.engine = NativeEngine(self.resharder.target, engine_cfg)
         self.device = next(actor.role.model.parameters()).device
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[list[Completion], list[PhaseReport]]:
@@ -73,20 +84,25 @@ class HybridEngine:
             phase("release training memory", start)
 
         start = time.perf_counter()
-        role = self.resharder.refresh()
+        self.resharder.refresh()
         phase("generation weights" + (" (zero copy)" if self.resharder.zero_copy else " (reshard)"), start)
 
         start = time.perf_counter()
-        completions = generate_data_parallel(role, self.engine_cfg, prompts, params)
+        captured = self.engine.graph_capture_seconds
+        completions = generate_data_parallel(self.engine, prompts, params)
         phase("generate", start)
-
-        start = time.perf_counter()
-        self.resharder.release()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the KV cache went with the engine
-        phase("free generation memory", start)
+        if self.device.type == "cuda" and self.engine.cfg.cuda_graphs:  # part of generate
+            reports.append(PhaseReport("cuda graph capture", self.engine.graph_capture_seconds - captured,
+                                       memory_summary(self.device)))
 
         if self.memory is not None:
+            start = time.perf_counter()
+            self.engine.release()  # KV cache and graphs (emptying the allocator's cache)
+            self.resharder.release()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            phase("free generation memory", start)
+
             start = time.perf_counter()
             self.memory.to_training()
             phase("restore training memory", start)

@@ -62,7 +62,8 @@ def decide_offload(mode: str, *, generation_needs: int, free: int, total: int) -
     fits = generation_needs <= room
     return (not fits), (f"hybrid.offload=auto: generation needs {generation_needs / GIB:.2f} GiB, "
                         f"{room / GIB:.2f} GiB free at the training peak (after a {HEADROOM_FRACTION:.0%} headroom): "
-                        + ("keep the optimizer state on the device" if fits else "offload it while generating"))
+                        + ("keep the optimizer state on the device and generation's memory allocated between rollouts"
+                           if fits else "offload it while generating"))
 
 
 @dataclasses.dataclass

@@ -27,12 +27,13 @@ trains in its own layout (say TP2, or PP2) and generates in another: TP = the ge
   of the actor, each rebuild their plan on every refresh). Anything else in the process that
   calls ``swap_model_weights`` directly must call ``refit.clear_plan_cache()`` itself.
 * Memory: the destination's parameters are views into one flat buffer whose storage exists only
-  between ``refresh()`` (which allocates it, then copies) and ``release()`` (which frees it). The
-  hybrid engine calls ``refresh()`` after the optimizer state has left the GPU and ``release()``
-  before it comes back, so the generation copy lives in the memory the offload freed. Parameter
-  objects (and megatron's cached name -> tensor maps of them) stay valid across the cycle: only the
-  storage under them is freed and reallocated. megatron 0.19.2 does no bucketing: all the
-  temporaries of one refresh exist at once.
+  between ``refresh()`` (which allocates it if it is not there, then copies) and ``release()``
+  (which frees it). When offloading, the hybrid engine calls ``refresh()`` after the optimizer state
+  has left the GPU and ``release()`` before it comes back, so the generation copy lives in the
+  memory the offload freed; otherwise it never releases it, and every refresh writes into the same
+  storage (the addresses the engine's CUDA graphs read). Parameter objects (and megatron's cached
+  name -> tensor maps of them) stay valid across the cycle: only the storage under them is freed and
+  reallocated. megatron 0.19.2 does no bucketing: all the temporaries of one refresh exist at once.
 """
 
 from __future__ import annotations

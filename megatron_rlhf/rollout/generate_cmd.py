@@ -25,7 +25,7 @@ from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
 from megatron_rlhf.parallel.distributed import init_distributed
 from megatron_rlhf.parallel.layout import layout_errors
-from megatron_rlhf.rollout.native import NativeEngineConfig, generate_data_parallel
+from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 UNBOUNDED_PROMPT = 1 << 30  # the engine, not the loader, applies the prompt-length policy
@@ -52,7 +52,8 @@ def run_generate(
     start = time.perf_counter()
     group_share = -(-len(dataset) // role.groups.layout.dp) * params.n  # rank 0's data-parallel group
     progress = Progress("generate (data-parallel group 0)", group_share, "completions")
-    rows = generate_data_parallel(role, engine_cfg, [example.prompt_ids.tolist() for example in dataset], params, progress)
+    rows = generate_data_parallel(NativeEngine(role, engine_cfg), [example.prompt_ids.tolist() for example in dataset], params,
+                                  progress)  # fmt: skip
     elapsed = time.perf_counter() - start
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)

@@ -12,7 +12,9 @@ there, stop tokens and budgets included, so step t+1 is launched before the host
 The host reads every step one step late into a history, with per-step work that does not grow with
 the number of slots, and learns of finished slots then. New prompts are admitted into free slots
 after draining the step in flight. The engine keeps its KV cache and CUDA graphs for the next call
-(``release()`` frees them).
+with as many slots (``release()`` frees them): the hybrid engine keeps one engine per run, so a
+run captures its graphs once. A graph holds the addresses of the weights it read: when a weight's
+storage has moved since the capture, the next call captures again.
 
 Shapes: prefill input (b, W) right-padded; decode input (slots, 1): every cache slot decodes
 (a static shape, as CUDA graphs need), idle slots a dummy token whose result is dropped.
@@ -112,8 +114,8 @@ class _Slots:
     step's input, at ``positions`` (slots, 1); ``remaining`` (slots,), tokens it may still generate;
     ``live`` (slots,), whether it is generating), pinned staging buffers for the host (two sets,
     alternating, so that filling one never races the copy out of the other), and the CUDA graphs
-    that read them. Capturing costs a few eager steps per KV-length bucket: paid once per engine
-    and slot count, not per call."""
+    that read them. Capturing costs a few eager steps per KV-length bucket: paid once per engine,
+    slot count and weight storage, not per call."""
 
     def __init__(self, engine: "NativeEngine", count: int) -> None:
         arch, device = engine.role.arch, engine.device
@@ -135,6 +137,12 @@ class _Slots:
             for _ in range(2)
         ]  # fmt: skip
         self.graphs = _DecodeGraphs(engine, self) if engine.cfg.cuda_graphs and pin else None
+
+    def use_weights(self, engine: "NativeEngine") -> None:
+        """Drop the graphs if the weights they read have moved (a freed and reallocated
+        generation copy, weights loaded by replacing the tensors)."""
+        if self.graphs is not None and self.graphs.weights != _weight_addresses(engine.model):
+            self.graphs = _DecodeGraphs(engine, self)
 
 
 class _DecodeState:
@@ -171,15 +179,18 @@ class NativeEngine:
         self.tp_group = tp_group
         self.tp_src = dist.get_global_rank(tp_group, 0)
         self._slots: _Slots | None = None
+        self.graph_captures = 0
+        """CUDA graphs captured over the engine's life (one per KV-length bucket a call reaches,
+        again after ``release()``, a change of slot count or moved weights); 0 without graphs."""
+        self.graph_capture_seconds = 0.0
+        """What those captures cost, warm-up steps included."""
 
     # ------------------------------------------------------------------ public
 
     @property
-    def graph_capture_seconds(self) -> float:
-        """What capturing the current CUDA graphs cost (0 without graphs): paid once per engine and
-        slot count, by the first ``generate`` calls that reach each KV-length bucket."""
-        slots = self._slots
-        return slots.graphs.capture_seconds if slots is not None and slots.graphs is not None else 0.0
+    def kv_cache(self) -> KVCache | None:
+        """The KV cache kept for the next call (None after ``release()``)."""
+        return self._slots.cache if self._slots is not None else None
 
     def release(self) -> None:
         """Free the KV cache and the CUDA graphs (the next ``generate`` rebuilds them)."""
@@ -201,6 +212,7 @@ class NativeEngine:
         if self._slots is None or self._slots.count != count:
             self.release()
             self._slots = _Slots(self, count)
+        self._slots.use_weights(self)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
         state = _DecodeState(self._slots, stop_ids)
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -391,15 +403,16 @@ class NativeEngine:
 
 
 def generate_data_parallel(
-    role: RoleModel, cfg: NativeEngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
+    engine: NativeEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
     on_finished: Callable[[int], None] | None = None,
 ) -> list[Completion]:  # fmt: skip
-    """Generate over the role's data-parallel groups: each takes every dp-th prompt; every rank of
-    the world returns all completions, ordered by (prompt_index, sample_index). Collective.
+    """Generate over the engine's data-parallel groups: each takes every dp-th prompt; every rank
+    of the world returns all completions, ordered by (prompt_index, sample_index). Collective.
     ``on_finished`` follows this rank's group (see ``NativeEngine.generate``)."""
+    role = engine.role
     dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
     mine = list(range(dp_rank, len(prompts), dp))
-    completions = NativeEngine(role, cfg).generate([list(prompts[i]) for i in mine], params, on_finished)
+    completions = engine.generate([list(prompts[i]) for i in mine], params, on_finished)
     for completion in completions:
         completion.prompt_index = mine[completion.prompt_index]
     gathered: list = [None] * dist.get_world_size()
@@ -410,16 +423,16 @@ def generate_data_parallel(
 class _DecodeGraphs:
     """CUDA graphs of the decode step over every cache slot, one per KV-length bucket.
 
-    A graph reads the slots' input buffers and writes static logits. Captured lazily, sharing one
-    memory pool; ``capture_seconds`` adds up what capturing (warm-up steps included) cost. Sampling
-    stays outside the graph.
+    A graph reads the slots' input buffers and the weights at ``weights`` (their addresses when
+    this set was made) and writes static logits. Captured lazily, sharing one memory pool; each
+    capture is counted on the engine. Sampling stays outside the graph.
     """
 
     def __init__(self, engine: NativeEngine, slots: _Slots) -> None:
         self.engine, self.slots = engine, slots
+        self.weights = _weight_addresses(engine.model)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.capture_seconds = 0.0
 
     def _bucket(self, kv_len: int) -> int:
         step = self.engine.cfg.graph_kv_bucket
@@ -444,7 +457,12 @@ class _DecodeGraphs:
                 out = self._run(bucket)
             self.graphs[bucket] = (graph, out)
             torch.cuda.current_stream().synchronize()
-            self.capture_seconds += time.perf_counter() - start
+            self.engine.graph_captures += 1
+            self.engine.graph_capture_seconds += time.perf_counter() - start
         graph, out = self.graphs[bucket]
         graph.replay()
         return out
+
+
+def _weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in model.parameters())

@@ -8,7 +8,9 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
                   and restores training memory; every rank gets every completion;
   2. rewards      rule functions (split over ranks) plus the reward model's score at the last token;
   3. reference    reference log-probs (when a KL term is on), the actor's own log-probs before the
-     / old / values  update (the exact quantity the loss recomputes), the critic's values (GAE);
+     / old / values  update (the exact quantity the loss recomputes; no pass of their own when the
+                  rollout feeds exactly one optimizer step: the update's forward supplies them,
+                  ``old_logprob_pass``), the critic's values (GAE);
   4. advantages   sequence score at the last response token, minus the KL penalty per token, then
                   the configured estimator (GAE, GRPO, RLOO, ...);
   5. updates      ``ppo_epochs`` passes of the actor (clipped policy loss) and the critic (clipped
@@ -39,7 +41,7 @@ from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import PromptDataset, SFTExample, load_prompt_dataset, pack_batch
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
-from megatron_rlhf.engine.objectives import critic_loss, logprobs_output, ppo_actor_loss, token_values_output
+from megatron_rlhf.engine.objectives import UpdateLogprobs, critic_loss, logprobs_output, ppo_actor_loss, token_values_output
 from megatron_rlhf.engine.optim import TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import forward_all_rows, train_step
@@ -54,7 +56,7 @@ from megatron_rlhf.rewards.scoring import Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngineConfig
 from megatron_rlhf.trainer.loop import StepRows, run_loop, write_run_files
-from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
+from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, old_logprob_pass
 
 # --------------------------------------------------------------------------- the run
 
@@ -77,6 +79,9 @@ class PPORun:
     scorer: Scorer
     hybrid: HybridEngine
     kl_controller: KLController
+    old_logprob_pass: bool
+    """Whether the actor's log-probs before the update get a forward pass of their own (else the
+    update's forward supplies them; ``ppo_config.old_logprob_pass``)."""
 
 
 def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
@@ -127,8 +132,10 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
                           offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env))  # fmt: skip
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
                     max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+    recompute, reason = old_logprob_pass(cfg)
+    log(reason)
     return PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer, hybrid,
-                  build_kl_controller(cfg.algorithm.kl_penalty))  # fmt: skip
+                  build_kl_controller(cfg.algorithm.kl_penalty), recompute)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -206,31 +213,34 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     times: dict[str, float] = {}
     temperature = cfg.rollout.sampling.temperature
 
-    completions, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times)
-    batch = rollout_batch(completions, run.tokenizer.pad_id)
+    completions, batch, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times)
     mask = batch["response_mask"]
     scores = scored.rewards
 
-    ref_logprobs = values = None
+    ref_logprobs = values = old_logprobs = None
     if run.reference is not None:
         with timed("ref", device, times, quiet=True):
             ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature),
                                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
-    with timed("old_log_prob", device, times, quiet=True):
-        old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
-                                        max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+    if run.old_logprob_pass:
+        with timed("old_log_prob", device, times, quiet=True):
+            old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
+                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
     if run.critic is not None:
         with timed("values", device, times, quiet=True):
             values = forward_all_rows(run.critic.role, batch, token_values_output(),
                                       max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
 
+    def kl_to_reference(logprobs: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(logprobs, ref_logprobs), 0.0)
+
     with timed("adv", device, times, quiet=True):
-        token_rewards = torch.zeros_like(old_logprobs)
+        token_rewards = torch.zeros(mask.shape)
         token_rewards[torch.arange(len(scores)), batch["lengths"] - 1] = scores
         kl = None
-        if ref_logprobs is not None:
-            kl = torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(old_logprobs, ref_logprobs), 0.0)
-            if algo.kl_penalty.coef > 0:
+        if ref_logprobs is not None and old_logprobs is not None:
+            kl = kl_to_reference(old_logprobs)
+            if algo.kl_penalty.coef > 0:  # (never without the old-log-prob pass)
                 token_rewards = apply_kl_penalty(token_rewards, kl, run.kl_controller.value, mask)
         advantages, returns = compute_advantages(
             algo.advantage_estimator, token_rewards=token_rewards, response_mask=mask, values=values,
@@ -238,10 +248,21 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         )  # fmt: skip
 
     with timed("update_actor", device, times, quiet=True):
-        actor_batch = {**_model_inputs(batch), "old_logprobs": old_logprobs, "advantages": advantages}
+        actor_batch = {**_model_inputs(batch), "advantages": advantages}
         if ref_logprobs is not None:
             actor_batch["ref_logprobs"] = ref_logprobs
-        actor_metrics = update(run, run.actor, actor_batch, ppo_actor_loss(run.actor.role, algo.loss, temperature=temperature), step)
+        on_policy = None
+        if old_logprobs is None:
+            on_policy = UpdateLogprobs(run.actor.role, *mask.shape)
+            actor_batch["row_index"] = torch.arange(len(mask))
+        else:
+            actor_batch["old_logprobs"] = old_logprobs
+        actor_loss = ppo_actor_loss(run.actor.role, algo.loss, temperature=temperature, on_policy=on_policy)
+        actor_metrics = update(run, run.actor, actor_batch, actor_loss, step)
+        if on_policy is not None:
+            old_logprobs = on_policy.all_rows()
+            if ref_logprobs is not None:
+                kl = kl_to_reference(old_logprobs)
     reference_metrics: dict[str, float] = {}
     if run.reference_updater is not None:
         with timed("update_ref", device, times, quiet=True):
@@ -265,7 +286,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "kl/per_sequence": kl_per_sequence, "kl/coef": kl_coef,
         "advantages/mean": float(masked_mean(advantages, mask)), "returns/mean": float(masked_mean(returns, mask)),
-        # The engine's sampling log-probs against the trainer's recomputation: 0 up to numerics.
+        # The engine's sampling log-probs against the trainer's (before the update): 0 up to numerics.
         "rollout/logprob_max_abs_diff": float(((rollout_logprobs - old_logprobs).abs() * mask).max()),
         **_prefixed("actor/", actor_metrics), **reference_metrics, **_prefixed("critic/", critic_metrics, loss="vf_loss"),
         **{f"timing_s/{phase}": seconds for phase, seconds in times.items()},
@@ -278,9 +299,10 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
 
 
 def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float]
-                   ) -> tuple[list[Completion], dict[str, float], Scores, dict[str, float]]:  # fmt: skip
+                   ) -> tuple[list[Completion], Batch, dict[str, float], Scores, dict[str, float]]:  # fmt: skip
     """``rollout.sampling.n`` scored responses for each prompt of ``indices`` (completions ordered by
-    group), the hybrid engine's phase times, the scores and the sampling metrics.
+    group), their ``rollout_batch`` (the one the scorer read, unless groups were filtered), the
+    hybrid engine's phase times, the scores and the sampling metrics.
 
     With ``rollout.filter_groups`` (DAPO's dynamic sampling) a group whose raw scores all match
     carries no signal for a group-relative advantage: it is dropped and more prompts are drawn (a
@@ -306,11 +328,11 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
         for report in reports:
             phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
         with timed("reward", device, times, quiet=True):
-            scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions,
-                                      [run.prompts[i].extras for i in indices], run.tokenizer.decode)  # fmt: skip
+            batch = rollout_batch(completions, run.tokenizer.pad_id)
+            scores = run.scorer.score(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode)
         draws += 1
         if not rollout.filter_groups:
-            return completions, phase_seconds, scores, {}
+            return completions, batch, phase_seconds, scores, {}
         raw = scores.raw.view(len(indices), n)
         for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
             rows = torch.arange(group * n, (group + 1) * n)
@@ -325,7 +347,8 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
     completions = [dataclasses.replace(c, prompt_index=group) for group, (cs, _) in enumerate(chosen) for c in cs]
     metrics = {"rollout/sample_batches": float(draws), "rollout/groups_short": float(short),
                "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped))}  # fmt: skip
-    return completions, phase_seconds, Scores.cat([s for _, s in chosen]), metrics
+    batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
+    return completions, batch, phase_seconds, Scores.cat([s for _, s in chosen]), metrics
 
 
 def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:

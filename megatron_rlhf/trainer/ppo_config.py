@@ -15,7 +15,7 @@ import dataclasses
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
 from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
-from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.fields import at_least, one_of
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.config import DataFilesConfig
@@ -74,6 +74,9 @@ class RolloutConfig:
         return at_least(self, 0, "tp", "max_sample_batches")
 
 
+RECOMPUTE_OLD_LOGPROBS = ("auto", "always")
+
+
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
     advantage_estimator: str = "gae"
@@ -85,10 +88,17 @@ class AlgorithmConfig:
     """KL estimator of the reward penalty."""
     loss: PPOLossConfig = dataclasses.field(default_factory=PPOLossConfig)
     """Actor and critic losses (clip ranges, entropy bonus, KL loss, aggregation)."""
+    recompute_old_logprobs: str = "auto"
+    """The actor's log-probs before its update (the PPO ratio's denominator): always, a forward pass
+    of their own (timing_s/old_log_prob); auto, that pass only where the update's own forward cannot
+    supply them, i.e. unless the rollout feeds exactly one optimizer step (ppo_epochs=1, one
+    mini-batch) with no KL penalty in the reward (it reads them before the advantages). Printed at
+    start-up."""
 
     def errors(self) -> list[str]:
         return (ADVANTAGE_ESTIMATORS.field_errors("advantage_estimator", self.advantage_estimator)
-                + KL_ESTIMATORS.field_errors("kl_penalty_estimator", self.kl_penalty_estimator))  # fmt: skip
+                + KL_ESTIMATORS.field_errors("kl_penalty_estimator", self.kl_penalty_estimator)
+                + one_of(self, "recompute_old_logprobs", RECOMPUTE_OLD_LOGPROBS))  # fmt: skip
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -154,6 +164,28 @@ def models_used(cfg: PPOConfig) -> list[str]:
     reference = algo.kl_penalty.coef > 0 or algo.loss.kl_loss_coef > 0
     return ["actor"] + [role for role, used in (("critic", critic), ("reference", reference),
                                                 ("reward", cfg.scoring.use_reward_model)) if used]  # fmt: skip
+
+
+def old_logprob_pass(cfg: PPOConfig) -> tuple[bool, str]:
+    """Whether a step runs the actor's log-probs before the update as a pass of their own, and why.
+
+    Skipped only where it is provably redundant: a rollout that feeds exactly one optimizer step
+    (one epoch, one mini-batch; the weights do not change between its micro-batches) is trained by
+    the policy that would recompute them, so the update's forward computes the same quantity, and
+    nothing reads them before the update (a KL penalty in the reward does, for the advantages).
+    """
+    rows = cfg.prompts_per_step * cfg.rollout.sampling.n
+    why_not = [reason for reason, holds in (
+        (f"ppo_epochs={cfg.ppo_epochs}", cfg.ppo_epochs > 1),
+        (f"mini_batch_size={cfg.mini_batch_size} < {rows} rollout sequences", 0 < cfg.mini_batch_size < rows),
+        (f"algorithm.kl_penalty.coef={cfg.algorithm.kl_penalty.coef} reads them before the advantages",
+         cfg.algorithm.kl_penalty.coef > 0),
+        ("algorithm.recompute_old_logprobs=always", cfg.algorithm.recompute_old_logprobs == "always"),
+    ) if holds]  # fmt: skip
+    if why_not:
+        return True, "old log-probs: a forward pass of their own (" + "; ".join(why_not) + ")"
+    return False, ("old log-probs: no pass of their own; one optimizer step per rollout, so the update's forward "
+                   "supplies them (algorithm.recompute_old_logprobs=auto)")
 
 
 @dataclasses.dataclass

@@ -2,7 +2,9 @@
 
 Greedy completions from the hybrid engine equal those of a TP1 model built independently from the
 same weights, before and after an optimizer step (the step's weights are exported to HF and
-reloaded), and every rank receives all completions in order.
+reloaded), and every rank receives all completions in order. Argument 2, ``offload`` or ``keep``:
+the hybrid engine's offload setting; the generation copy and KV cache are freed after each
+rollout, or kept (the same storage every rollout).
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ def main() -> None:
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     env = init_distributed("cpu")
-    out = Path(sys.argv[1])
+    out, mode = Path(sys.argv[1]), sys.argv[2]
     path = "builtin:tiny-llama"
     arch = architecture_of(path)
     actor = build_role("actor", ModelConfig(path=path, tp=2), arch, world_size=2, dtype=torch.float32, device=env.device)
     state = make_train_state(actor, OptimConfig(lr=1e-2))
     engine_cfg = NativeEngineConfig(max_batch_size=3, max_seq_len=48)
-    hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg)
+    hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg, offload=mode == "offload")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (4, 7, 2, 9, 5)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -55,10 +57,12 @@ def main() -> None:
         expected = reference(path if round_ == 0 else str(out / "after-step"))
         results[f"round{round_}_mismatches"] = sum(c.token_ids != e for c, e in zip(completions, expected))
         results[f"round{round_}_phases"] = [r.phase for r in reports]
-        # The generation copy exists only while generating: its memory is freed before training.
-        results[f"round{round_}_copy_bytes_after"] = sum(
-            p.untyped_storage().nbytes() for p in hybrid.resharder.target.model.parameters()
-        )  # fmt: skip
+        # What the generation copy and the KV cache hold once the rollout is over (freed, or kept).
+        copy = list(hybrid.resharder.target.model.parameters())
+        results[f"round{round_}_copy_bytes_after"] = sum(p.untyped_storage().nbytes() for p in copy)
+        results[f"round{round_}_copy_pointer"] = copy[0].data_ptr()
+        cache = hybrid.engine.kv_cache
+        results[f"round{round_}_kv_pointer"] = None if cache is None else cache.data.data_ptr()
         ids = torch.randint(3, 512, (4, 24), generator=torch.Generator().manual_seed(round_))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
         train_step(state, batch, sft_loss(actor), max_tokens_per_micro_batch=64)

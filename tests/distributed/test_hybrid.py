@@ -1,4 +1,5 @@
-"""The hybrid engine: TP2 training -> TP1 x DP2 generation, equal to an independently built model."""
+"""The hybrid engine: TP2 training -> TP1 x DP2 generation, equal to an independently built model;
+one generation engine per run, its memory freed after each rollout or kept."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import run_torchrun
 
@@ -13,11 +15,63 @@ WORKER = Path(__file__).with_name("hybrid_worker.py")
 
 
 @pytest.mark.distributed
-def test_hybrid_generation_follows_training(tmp_path: Path) -> None:
-    proc = run_torchrun(WORKER, 2, str(tmp_path))
+@pytest.mark.parametrize("mode", ["offload", "keep"])
+def test_hybrid_generation_follows_training(mode: str, tmp_path: Path) -> None:
+    proc = run_torchrun(WORKER, 2, str(tmp_path), mode)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["round0_mismatches"] == 0 and results["round1_mismatches"] == 0
     assert results["tokens_changed_by_step"]
-    assert results["round1_phases"][1] == "generation weights (reshard)"
-    assert results["round0_copy_bytes_after"] == 0 and results["round1_copy_bytes_after"] == 0
+    assert "generation weights (reshard)" in results["round1_phases"]
+    if mode == "offload":  # the generation copy and the KV cache exist only while generating
+        assert results["round0_copy_bytes_after"] == 0 and results["round1_copy_bytes_after"] == 0
+        assert results["round0_kv_pointer"] is None and results["round1_kv_pointer"] is None
+    else:  # kept, and refreshed in place: the addresses a CUDA graph would read stay valid
+        assert results["round0_copy_bytes_after"] > 0 and "free generation memory" not in results["round1_phases"]
+        assert results["round0_copy_pointer"] == results["round1_copy_pointer"]
+        assert results["round0_kv_pointer"] == results["round1_kv_pointer"] is not None
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
+    """Rollouts with an optimizer step between them, in one process (zero copy): every rollout uses
+    the run's one engine, whose KV cache stays in the same storage without offloading and is freed
+    with it; each rollout's sampled tokens and log-probs equal those of an engine built afresh on
+    the same weights with the same seed."""
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
+    from megatron_rlhf.engine.objectives import sft_loss
+    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+    from megatron_rlhf.engine.train import train_step
+    from megatron_rlhf.hybrid.engine import HybridEngine
+    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
+                      world_size=1, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    state = make_train_state(role, OptimConfig(lr=1e-2))
+    engine_cfg = NativeEngineConfig(max_batch_size=4, max_seq_len=32)  # fewer slots than samples: slots are reused
+    hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg, offload=offload)
+    engine = hybrid.engine
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (4, 7, 2)]
+    caches, kv_pointers, tokens = [], set(), []
+    for rollout in range(3):
+        params = SamplingParams(temperature=1.0, n=2, max_new_tokens=10, ignore_eos=True, seed=rollout)
+        completions, reports = hybrid.generate(prompts, params)
+        assert hybrid.engine is engine
+        if offload:
+            assert engine.kv_cache is None and "free generation memory" in [r.phase for r in reports]
+        else:
+            caches.append(engine.kv_cache)
+            kv_pointers.add(engine.kv_cache.data.data_ptr())
+        fresh = NativeEngine(role, engine_cfg).generate(prompts, params)
+        assert [c.token_ids for c in completions] == [c.token_ids for c in fresh]
+        assert [c.logprobs for c in completions] == [c.logprobs for c in fresh]
+        tokens.append([c.token_ids for c in completions])
+        ids = torch.randint(3, 512, (4, 24), generator=g)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+        train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=64)
+    assert len(kv_pointers) == (0 if offload else 1) and all(cache is caches[0] for cache in caches)
+    # Generating again with the first rollout's seed gives other tokens: the steps changed the weights.
+    again, _ = hybrid.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, ignore_eos=True, seed=0))
+    assert [c.token_ids for c in again] != tokens[0]

@@ -130,6 +130,31 @@ def test_ppo_generates_from_resharded_weights(tmp_path: Path) -> None:
     assert records[0]["kl/per_sequence"] < 1e-5
 
 
+ONE_STEP_PER_ROLLOUT = ("max_steps=2", "prompts_per_step=4", "mini_batch_size=0", "rollout.sampling.max_new_tokens=8",
+                        "max_tokens_per_micro_batch=64")  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [("actor.tp=1",), ("actor.pp=2",)], ids=["dp2", "pp2"])
+def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ...], tmp_path: Path) -> None:
+    """Over two ranks (the actor data-parallel, or pipelined): a rollout that feeds one optimizer step
+    skips the old-log-prob pass, gathering the update's log-probs from the rank and stage that
+    computed each row; the figures and the exported actor equal those of the run that recomputes."""
+    runs = {}
+    for mode in ("auto", "always"):
+        proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path / mode}", *ONE_STEP_PER_ROLLOUT, *layout,
+                            f"algorithm.recompute_old_logprobs={mode}")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        runs[mode] = _records(tmp_path / mode)
+    for skipped, recomputed in zip(runs["auto"], runs["always"], strict=True):
+        assert "timing_s/old_log_prob" not in skipped and "timing_s/old_log_prob" in recomputed
+        figures = [key for key in skipped if not key.startswith(("timing_s/", "perf/"))]
+        assert {k: skipped[k] for k in figures} == {k: recomputed[k] for k in figures}
+    weights = [load_all_tensors(tmp_path / mode / "hf") for mode in ("auto", "always")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
 @pytest.mark.distributed
 def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
     """A run with every part on (critic, reward model, rule, KL penalty, KL loss, entropy bonus):

@@ -1,6 +1,7 @@
 """GPU tier: ``megatron-rlhf ppo`` on GPUs, fp32 so the engine's log-probs can be held to the
 trainer's recomputation; one GPU (zero-copy generation), and two (TP2 training, TP1 x DP2
-generation from resharded weights) when present."""
+generation from resharded weights) when present. The hybrid engine's one native engine keeps its
+CUDA graphs across steps (captured once) unless it offloads."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ from tests.helpers import REPO, run_torchrun
 MAIN = REPO / "megatron_rlhf" / "__main__.py"
 ARGS = ("device=cuda", "dtype=fp32", "max_steps=3", "algorithm.advantage_estimator=gae", "scoring.use_reward_model=true",
         "algorithm.kl_penalty.coef=0.05")  # fmt: skip
+ONE_BUCKET = ("rollout.engine.graph_kv_bucket=4096", "rollout.sampling.ignore_eos=true")
+"""Every decode step in one KV-length bucket (the bucket is capped at max_seq_len): one graph per capture."""
 
 
-def _check(out: Path, generation: str) -> None:
+def _check(out: Path, generation: str, *, captured_once: bool = False) -> None:
+    """The engine's log-probs against the trainer's at every step (a graph reading stale weights
+    would break it from step 2 on) and, with ``captured_once``, graphs captured at step 1 only."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print(json.dumps({k: v for k, v in records[-1].items() if k.startswith(("timing_s/", "rollout/", "reward/"))}, indent=1))
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -25,18 +30,49 @@ def _check(out: Path, generation: str) -> None:
     assert records[0]["kl/per_sequence"] < 1e-5
     assert all(f"timing_s/gen/generation_weights_{generation}" in r for r in records)
     assert all(r["critic/vf_loss"] > 0 and r["actor/grad_norm"] > 0 for r in records)
+    if captured_once:
+        captures = [r["timing_s/gen/cuda_graph_capture"] for r in records]
+        assert captures[0] > 0 and captures[1:] == [0.0] * (len(records) - 1), captures
 
 
 @pytest.mark.gpu
 def test_ppo_on_one_gpu(tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 1, "ppo", f"output_dir={tmp_path}", *ARGS)
+    proc = run_torchrun(MAIN, 1, "ppo", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _check(tmp_path, "zero_copy", captured_once=True)
+
+
+@pytest.mark.gpu
+def test_ppo_offloading_frees_and_recaptures_the_graphs(tmp_path: Path) -> None:
+    proc = run_torchrun(MAIN, 1, "ppo", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=always")
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "zero_copy")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["timing_s/gen/cuda_graph_capture"] > 0 and "timing_s/gen/free_generation_memory" in r for r in records)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["keep", "offload"])
+def test_hybrid_engine_captures_once_and_matches_a_fresh_engine(mode: str, tmp_path: Path) -> None:
+    """The hybrid engine's one native engine over three rollouts with optimizer steps between them:
+    kept, it captures its graph once and keeps its KV cache; offloading, it captures every rollout.
+    Either way each rollout equals an engine built afresh on the same weights and seed."""
+    proc = run_torchrun(Path(__file__).with_name("engine_reuse_worker.py"), 1, str(tmp_path), mode)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["mismatches"] == [0, 0, 0] and results["weights_changed_tokens"]
+    if mode == "keep":
+        assert results["captures"] == [1, 1, 1], results["captures"]
+        assert results["capture_report_s"][0] > 0 and results["capture_report_s"][1:] == [0.0, 0.0]
+        assert len(set(results["kv_pointer"])) == 1 and results["kv_pointer"][0] is not None
+    else:
+        assert results["captures"] == [1, 2, 3] and results["kv_pointer"] == [None, None, None], results
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ppo_on_two_gpus_with_resharded_generation(tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", *ARGS, "actor.tp=2", "rollout.tp=1", "critic.pp=2")
+    proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never", "actor.tp=2",
+                        "rollout.tp=1", "critic.pp=2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
-    _check(tmp_path, "reshard")
+    _check(tmp_path, "reshard", captured_once=True)
