@@ -24,6 +24,7 @@ setup(
         "tokenizers",  # HF tokenizer.json files
         "jinja2>=3.1.6",  # chat templates; older releases have sandbox escapes (transformers requires it too)
         "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
+        "matplotlib",  # curves.png at the end of every run
     ],
     extras_require={"test": ["pytest", "transformers>=4.56", "wandb"]},  # wandb: the optional wandb logger's test
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},

@@ -100,11 +100,9 @@ def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path |
 
 
 def measure_reshard(args: argparse.Namespace, env) -> None:
-    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.reshard import WeightResharder
     from megatron_rlhf.metrics.log import log
-    from megatron_rlhf.checkpoint.sources import build_role
-    from megatron_rlhf.checkpoint.sources import architecture_of
 
     arch = architecture_of(args.model)
     actor = build_role("actor", ModelConfig(path=args.model, tp=env.world_size), arch, world_size=env.world_size,
@@ -142,14 +140,12 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
     from megatron_rlhf.engine.objectives import sft_loss
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.memory import TrainingMemory
     from megatron_rlhf.metrics.log import log
-    from megatron_rlhf.checkpoint.sources import build_role
-    from megatron_rlhf.checkpoint.sources import architecture_of, local_dir
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams

@@ -49,13 +49,11 @@ def main() -> None:
 
     from megatron.core import tensor_parallel
 
-    from megatron_rlhf.checkpoint.sources import ModelConfig
+    from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.engine.objectives import PPOLossConfig, ppo_actor_loss
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.metrics.log import log
-    from megatron_rlhf.checkpoint.sources import build_role
-    from megatron_rlhf.checkpoint.sources import architecture_of
     from megatron_rlhf.parallel.distributed import init_distributed
 
     env = init_distributed(args.device)

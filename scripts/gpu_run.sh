@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: install carried wheels, run the GPU test tier, run benchmarks.
 # Results (logs, JSON) go to $OUT (the device tool's output folder), or ./gpu-out elsewhere.
-#   device run, carry [.whl]:  bash scripts/gpu_run.sh [all|tests|bench]
-# All of it takes about 10 minutes on nvidia-h200-x2: more than one device call may run, so
-# "tests" and "bench" split it in two.
+#   device run, carry [.whl]:  bash scripts/gpu_run.sh [all|tests|bench|pipeline|seeds]
+# All of it takes more than one device call (10 minutes at most), so it splits: "tests" (the GPU
+# tier), "bench" (benchmarks), "pipeline" (the GPU preset of `megatron-rlhf pipeline`, seed 1) and
+# "seeds" (its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model).
 set -uo pipefail
 stage=${1:-all}
-case $stage in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench] (got '$stage')" >&2; exit 2;; esac
+case $stage in all|tests|bench|pipeline|seeds) ;; *) echo "usage: $0 [all|tests|bench|pipeline|seeds] (got '$stage')" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -20,6 +21,23 @@ fi
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 status=0
+RUNS=${RUNS:-/tmp/pipeline-runs}  # checkpoints and exports stay on the machine; figures go to $OUT
+pipeline() {  # seed, extra overrides...
+  local seed=$1; shift
+  python3 -m megatron_rlhf pipeline --config pipeline-arith-gpu seed="$seed" output_dir="$RUNS/seed$seed" "$@" \
+    2>&1 | grep -v "Warning\|warn" | tee "$OUT/pipeline_seed$seed.log" | grep -E "^(pipeline|test|  |step [0-9]+/[0-9]+ \|)" || status=1
+  (cd "$RUNS" && find "seed$seed" \( -name metrics.jsonl -o -name curves.png -o -name result.json -o -name pipeline.json \
+    -o -name summary.json -o -path "*/test/*.jsonl" \) -print0 | xargs -0 tar cf - | tar xf - -C "$OUT")
+}
+if [ "$stage" = pipeline ] || [ "$stage" = all ]; then
+  pipeline 1
+fi
+if [ "$stage" = seeds ] || [ "$stage" = all ]; then
+  for seed in 2 3; do
+    pipeline "$seed" "stages=[grpo,ppo,test]" sft.output_dir="$RUNS/seed1/sft" rm.output_dir="$RUNS/seed1/rm"
+  done
+fi
+case $stage in pipeline|seeds) exit $status;; esac
 if [ "$stage" != bench ]; then
   python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 fi
@@ -28,6 +46,7 @@ bench() { python3 -m torch.distributed.run --standalone --nproc-per-node="$1" "$
 bench 1 scripts/bench_load.py --model builtin:llama-1.5b --tp 1 --out "$OUT/bench_load_tp1.json" 2>&1 | tail -25 | tee "$OUT/bench_load_tp1.log" || status=1
 bench 1 scripts/bench_update.py --model builtin:llama-1.5b --out "$OUT/bench_update.json" 2>&1 | tail -30 | tee "$OUT/bench_update.log" || status=1
 bench 1 scripts/bench_rollout.py --model builtin:llama-1.5b --profile --out "$OUT/bench_rollout.json" 2>&1 | tail -40 | tee "$OUT/bench_rollout.log" || status=1
+python3 scripts/bench_checkpoint.py --model builtin:llama-1.5b --dir /tmp/bench_checkpoint 2>&1 | tail -5 | tee "$OUT/bench_checkpoint.log" || status=1
 if [ "$ngpu" -ge 2 ]; then
   bench 2 scripts/bench_load.py --model builtin:llama-1.5b --tp 2 --out "$OUT/bench_load_tp2.json" 2>&1 | tail -25 | tee "$OUT/bench_load_tp2.log" || status=1
   bench 2 scripts/bench_rollout.py --model builtin:llama-1.5b --out "$OUT/bench_reshard.json" 2>&1 | tail -25 | tee "$OUT/bench_reshard.log" || status=1

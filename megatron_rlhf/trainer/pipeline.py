@@ -1,0 +1,234 @@
+"""``megatron-rlhf pipeline``: a model made from scratch here, then improved by RL, one stage after
+the other in one process (or one torchrun job):
+
+    sft     imitate the task's demonstrations (``megatron-rlhf sft``)
+    pairs   sample the SFT policy, judge each sample by the task's answer check, and pair a right
+            response (chosen) with a wrong or malformed one (rejected) of the same prompt
+    rm      train a reward model on those pairs, starting from the SFT weights (``megatron-rlhf rm``)
+    grpo    GRPO with the rule reward: no critic, no reward model (``megatron-rlhf ppo``)
+    ppo     PPO with a critic (GAE, started from the SFT weights), the reward model and the rule
+            mixed, and a KL penalty (``megatron-rlhf ppo``)
+    test    greedy exact-match accuracy on held-out problems of the SFT model and of each RL
+            stage's final model: the pipeline's result
+
+Each stage's section is that command's whole config; the presets chain them by interpolation
+(``grpo.actor.path: ${sft.output_dir}/hf``), so every setting is one dotlist key away
+(``grpo.actor_optim.lr=1e-4``, ``stages=[grpo,test]``). The sections' own checks run up front;
+the checks that read a model (layouts against its heads and layers) run when the stage starts,
+as its model may be one an earlier stage writes. A stage is a normal run in its own output_dir:
+re-running the pipeline resumes each stage from its checkpoints (a finished stage is not redone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
+from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.loader import ConfigError, config_errors, raise_if_errors
+from megatron_rlhf.config.run import RunConfig, resolve_dtype
+from megatron_rlhf.data import load_prompt_dataset
+from megatron_rlhf.data.builtin import resolve_data_paths
+from megatron_rlhf.data.records import write_jsonl
+from megatron_rlhf.data.tokenizer import resolve_tokenizer
+from megatron_rlhf.metrics.log import is_rank0, log
+from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
+from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
+from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.tasks.arithmetic import judge, preference_pairs, verdict_rates
+from megatron_rlhf.trainer.ppo import run_ppo
+from megatron_rlhf.trainer.ppo_config import PPOConfig
+from megatron_rlhf.trainer.rm import RMConfig, run_rm
+from megatron_rlhf.trainer.sft import SFTConfig, run_sft
+
+STAGES = ("sft", "pairs", "rm", "grpo", "ppo", "test")
+
+
+@dataclasses.dataclass(kw_only=True)
+class PairsConfig:
+    """The reward model's data, from the SFT policy's own samples (``pairs`` stage)."""
+
+    policy: str = ""
+    """The model sampled (the SFT stage's ``hf/``)."""
+    train_prompts: list[str] = dataclasses.field(default_factory=list)
+    """Prompt files with an ``answer`` column (``builtin:arithmetic-prompts``)."""
+    validation_prompts: list[str] = dataclasses.field(default_factory=list)
+    """The same for the reward model's validation pairs."""
+    num_train_prompts: int = 1000
+    """The first this many train prompts are sampled."""
+    num_validation_prompts: int = 300
+    """The first this many validation prompts are sampled."""
+    pairs_per_prompt: int = 2
+    """Distinct (chosen, rejected) pairs taken from each prompt's samples, at most."""
+    sampling: SamplingParams = dataclasses.field(default_factory=lambda: SamplingParams(n=8, max_new_tokens=40))
+    """How the policy is sampled: ``n`` responses per prompt at ``temperature``."""
+    engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
+    output_dir: str = "runs/pipeline/pairs"
+    """Where ``train.jsonl``, ``validation.jsonl`` and ``summary.json`` are written."""
+
+    def errors(self) -> list[str]:
+        return at_least(self, 1, "num_train_prompts", "num_validation_prompts", "pairs_per_prompt")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TestConfig:
+    """Held-out accuracy of the SFT model and of each RL stage's model (``test`` stage)."""
+
+    prompts: list[str] = dataclasses.field(default_factory=lambda: ["builtin:arithmetic-test"])
+    """Prompt files with an ``answer`` column, sharing no problem with any train row."""
+    max_new_tokens: int = 64
+    """A response not finished (EOS) within this many tokens counts as malformed."""
+    engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
+    output_dir: str = "runs/pipeline/test"
+    """Where each model's greedy responses and verdicts are written (``<model>.jsonl``)."""
+
+    def errors(self) -> list[str]:
+        return at_least(self, 1, "max_new_tokens")
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelineConfig(RunConfig):
+    """``megatron-rlhf pipeline``: the stages to run and each stage's config (module docstring).
+    The top-level run fields (device, dtype, seed, output_dir) reach the stages through the
+    preset's interpolations."""
+
+    stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
+    """Stages to run, in this order (a subset of sft, pairs, rm, grpo, ppo, test)."""
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    pairs: PairsConfig = dataclasses.field(default_factory=PairsConfig)
+    rm: RMConfig = dataclasses.field(default_factory=RMConfig)
+    grpo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    test: TestConfig = dataclasses.field(default_factory=TestConfig)
+
+    def errors(self) -> list[str]:
+        unknown = [stage for stage in self.stages if stage not in STAGES]
+        if unknown:
+            return [f"stages={self.stages}: unknown {unknown}; expected some of {list(STAGES)}"]
+        order = [s for s in STAGES if s in self.stages]
+        return [] if self.stages == order else [f"stages={self.stages}: expected pipeline order, each once: {order}"]
+
+
+def run_pipeline(cfg: PipelineConfig, env: DistEnv) -> dict[str, Any]:
+    """Run ``cfg.stages`` in order; returns (and writes to ``output_dir/pipeline.json``) each
+    stage's time and summary and the held-out accuracies."""
+    raise_if_errors(config_errors(cfg, unused=[s for s in STAGES if s not in cfg.stages]))
+    stages: dict[str, Callable[[], dict[str, Any]]] = {
+        "sft": lambda: run_sft(cfg.sft, env),
+        "pairs": lambda: make_pairs(cfg.pairs, cfg.sft.dtype, cfg.seed, env),
+        "rm": lambda: run_rm(cfg.rm, env),
+        "grpo": lambda: run_ppo(cfg.grpo, env),
+        "ppo": lambda: run_ppo(cfg.ppo, env),
+        "test": lambda: held_out_accuracy(cfg, env),
+    }
+    result: dict[str, Any] = {"stages": {}}
+    for stage in cfg.stages:
+        log(f"pipeline: stage {stage}")
+        start = time.perf_counter()
+        summary = stages[stage]()
+        result["stages"][stage] = {"seconds": time.perf_counter() - start, "summary": summary}
+    if "test" in result["stages"]:
+        result["test_accuracy"] = result["stages"]["test"]["summary"]
+    if is_rank0():
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pipeline.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        log("pipeline done:\n" + _stage_table(result))
+    return result
+
+
+def _stage_table(result: dict[str, Any]) -> str:
+    lines = [f"  {'stage':<6} {'seconds':>8}  result"]
+    for stage, entry in result["stages"].items():
+        summary = entry["summary"]
+        if stage == "test":
+            shown = ", ".join(f"{model} {acc:.1%}" for model, acc in summary.items())
+        elif stage == "pairs":
+            shown = f"{summary['train_pairs']} train / {summary['validation_pairs']} validation pairs"
+        else:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in (summary.get("validation") or {}).items())
+        lines.append(f"  {stage:<6} {entry['seconds']:>8.1f}  {shown}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- sampling and judging
+
+
+def sample_and_judge(
+    model: str, prompt_paths: list[str], count: int, params: SamplingParams, engine_cfg: NativeEngineConfig,
+    dtype: str, env: DistEnv,
+) -> tuple[list[str], list[list[str]], list[list[str]]]:  # fmt: skip
+    """Sample ``params.n`` responses of ``model`` to each of the first ``count`` prompts (all of
+    them if fewer) and judge each against the prompt's ``answer``: (prompt texts, responses per
+    prompt, verdicts per prompt), identical on every rank. Collective."""
+    arch = architecture_of(model)
+    role = build_role("actor", ModelConfig(path=model), arch, world_size=env.world_size,
+                      dtype=resolve_dtype(dtype, env.device), device=env.device)  # fmt: skip
+    tokenizer = resolve_tokenizer(local_dir(model), arch, model)
+    dataset, _ = load_prompt_dataset(resolve_data_paths(prompt_paths), tokenizer, max_length=engine_cfg.max_seq_len,
+                                     extra_keys=("prompt", "answer"))  # fmt: skip
+    examples = dataset[: min(count, len(dataset))]
+    engine = NativeEngine(role, engine_cfg.with_eos_of(tokenizer.stop_ids))
+    completions: list[Completion] = generate_data_parallel(engine, [e.prompt_ids.tolist() for e in examples], params)
+    responses: list[list[str]] = [[] for _ in examples]
+    verdicts: list[list[str]] = [[] for _ in examples]
+    for c in completions:
+        text = tokenizer.decode(c.text_ids(tokenizer.stop_ids))
+        responses[c.prompt_index].append(text)
+        verdicts[c.prompt_index].append(judge(text, examples[c.prompt_index].extras["answer"],
+                                              finished=c.finish_reason == "stop"))  # fmt: skip
+    return [e.extras["prompt"] for e in examples], responses, verdicts
+
+
+def make_pairs(cfg: PairsConfig, dtype: str, seed: int, env: DistEnv) -> dict[str, Any]:
+    """The ``pairs`` stage: write the reward model's train and validation pairs; returns counts
+    and the sampled policy's verdict rates."""
+    seed_everything(seed)
+    summary: dict[str, Any] = {}
+    out = Path(cfg.output_dir)
+    for split, paths, count in (("train", cfg.train_prompts, cfg.num_train_prompts),
+                                ("validation", cfg.validation_prompts, cfg.num_validation_prompts)):  # fmt: skip
+        prompts, responses, verdicts = sample_and_judge(cfg.policy, paths, count, cfg.sampling, cfg.engine, dtype, env)
+        rows = preference_pairs(prompts, responses, verdicts, seed=seed, pairs_per_prompt=cfg.pairs_per_prompt)
+        if not rows:
+            raise ValueError(f"pairs: no {split} prompt of {paths} got both a right and a wrong sample from "
+                             f"{cfg.policy} ({verdict_rates(verdicts)}); sample more (pairs.sampling.n)")  # fmt: skip
+        if is_rank0():
+            write_jsonl(rows, out / f"{split}.jsonl")
+        summary[f"{split}_pairs"] = len(rows)
+        summary[f"{split}_policy"] = verdict_rates(verdicts)
+    if is_rank0():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    dist.barrier()
+    log(f"pairs: {summary['train_pairs']} train and {summary['validation_pairs']} validation pairs -> {out}; "
+        f"the policy's samples were right {summary['train_policy']['right']:.1%} of the time")  # fmt: skip
+    return summary
+
+
+def held_out_accuracy(cfg: PipelineConfig, env: DistEnv) -> dict[str, float]:
+    """The ``test`` stage: greedy exact-match accuracy on ``test.prompts`` of the SFT model and of
+    every RL stage's exported model that exists."""
+    models = {"sft": Path(cfg.sft.output_dir) / "hf", "grpo": Path(cfg.grpo.output_dir) / "hf",
+              "ppo": Path(cfg.ppo.output_dir) / "hf"}  # fmt: skip
+    found = {name: path for name, path in models.items() if (path / "config.json").is_file()}
+    if not found:
+        raise ConfigError(f"test: none of {[str(p) for p in models.values()]} holds a model; run the sft stage first")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.test.max_new_tokens)
+    accuracy = {}
+    for name, path in found.items():
+        prompts, responses, verdicts = sample_and_judge(str(path), cfg.test.prompts, 1 << 30, greedy, cfg.test.engine,
+                                                        cfg.dtype, env)  # fmt: skip
+        accuracy[name] = verdict_rates(verdicts)["right"]
+        if is_rank0():
+            write_jsonl([{"prompt": p, "response": r[0], "verdict": v[0]} for p, r, v in zip(prompts, responses, verdicts)],
+                        Path(cfg.test.output_dir) / f"{name}.jsonl")  # fmt: skip
+        log(f"test: {name} ({path}) greedy accuracy {accuracy[name]:.1%} on {len(verdicts)} held-out problems")
+    return accuracy
