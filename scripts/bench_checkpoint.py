@@ -6,7 +6,8 @@ LR schedule), written synchronously and in the background (``async_save``), then
 
 The actor is built as the ppo trainer builds it (``build_role`` + ``make_train_state``: the run's
 dtype, bf16 on a GPU, and the distributed optimizer) and takes one optimizer step so that its Adam
-state exists. Saves go through ``RunCheckpointWriter``, as in a run. Printed, one JSON line:
+state exists. Saves go through ``RunCheckpointWriter``, as in a run. Printed after each
+measurement, one JSON line with the figures so far (a run cut short keeps them):
 ``sync_save_s`` (blocking, the whole save), ``async_blocking_s`` (until training could continue)
 and ``async_total_s`` (until the checkpoint is complete: renamed, ``latest`` written),
 ``size_GB`` on disk, ``write_GBps`` (size / sync save), ``load_s``. The first save of a process
@@ -73,25 +74,29 @@ def main() -> None:
         done = synchronized()
         return returned - start, done - start, args.dir / name / f"step_{step}"
 
-    warmup_s = save(train_state("builtin:tiny-llama"), "warmup", background=False)[1]
+    result: dict = {"model": args.model, "device": env.device.type, "dtype": str(dtype).removeprefix("torch.")}
+
+    def report(**figures: object) -> None:
+        """Print the figures so far, one JSON line each time: a run cut short keeps what it measured."""
+        result.update(figures)
+        if env.rank == 0:
+            print(json.dumps(result), flush=True)
+
+    report(warmup_save_s=save(train_state("builtin:tiny-llama"), "warmup", background=False)[1])
     state = train_state(args.model)
     sync_s, _, ckpt = save(state, "sync", background=False)
     size = sum(path.stat().st_size for path in ckpt.rglob("*") if path.is_file())
+    report(layout=str(state.role.groups.layout), sync_save_s=sync_s, size_GB=size / 1e9, write_GBps=size / 1e9 / sync_s)
     start = synchronized()
     load_run_checkpoint(ckpt, train_states={"actor": state}, weights={})
-    load_s = synchronized() - start
+    report(load_s=synchronized() - start)
     if env.rank == 0:
         shutil.rmtree(args.dir / "sync")  # room on the disk for the next one
     dist.barrier()
     async_blocking_s, async_total_s, _ = save(state, "async", background=True)
-    result = {"model": args.model, "layout": str(state.role.groups.layout), "dtype": str(dtype).removeprefix("torch."),
-              "device": env.device.type, "warmup_save_s": warmup_s, "sync_save_s": sync_s,
-              "async_blocking_s": async_blocking_s, "async_total_s": async_total_s, "size_GB": size / 1e9,
-              "write_GBps": size / 1e9 / sync_s, "load_s": load_s}  # fmt: skip
+    report(async_blocking_s=async_blocking_s, async_total_s=async_total_s)
     if env.rank == 0:
-        print(json.dumps(result), flush=True)
         shutil.rmtree(args.dir, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()
