@@ -3,7 +3,8 @@ by ``build_sinks`` from the names of a run's ``loggers`` setting (``SINKS``).
 
 Global rank 0 writes; every other rank gets an empty ``Sinks``, so callers need no rank checks.
 A metric keeps its key in every destination (metrics.jsonl, TensorBoard, wandb): train metrics
-under the key itself, those of another split (``validation``) under ``<split>/<key>``.
+under the key itself, validation figures under ``val/<key>`` (metrics.jsonl keeps the key and says
+``"split": "validation"``), another split's under ``<split>/<key>``.
 """
 
 from __future__ import annotations
@@ -52,10 +53,16 @@ class Sink:
         pass
 
 
+SPLIT_PREFIXES = {"validation": "val"}
+"""The short prefix of a split where splits share one namespace (``val/``, as verl and most
+dashboards name validation figures); other splits are prefixed with their own name."""
+
+
 def scalar_name(split: str, key: str) -> str:
     """A metric's name where splits share one namespace (TensorBoard, wandb): train figures keep
-    their key, so they group by its first part (``actor/``, ``timing_s/``); others get ``<split>/``."""
-    return key if split == "train" else f"{split}/{key}"
+    their key, so they group by its first part (``actor/``, ``timing_s/``); others get a prefix:
+    ``val/`` for validation, ``<split>/`` otherwise."""
+    return key if split == "train" else f"{SPLIT_PREFIXES.get(split, split)}/{key}"
 
 
 class ConsoleSink(Sink):

@@ -40,7 +40,7 @@ def test_each_logger_writes_its_destination_with_the_same_keys(tmp_path: Path, c
     assert json.loads((tmp_path / "samples.jsonl").read_text()) == {"step": 3, "response": "hi"}
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == {"actor/loss", "timing_s/gen", "validation/accuracy", "validation/pairs"}
+    assert set(events.Tags()["scalars"]) == {"actor/loss", "timing_s/gen", "val/accuracy", "val/pairs"}
     assert [e.value for e in events.Scalars("actor/loss")] == pytest.approx([0.1, 0.2, 0.3])
 
 
