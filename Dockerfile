@@ -1,6 +1,8 @@
 # megatron-rlhf on an NVIDIA PyTorch (NGC) image, which ships torch, apex and transformer-engine.
 # The project needs Python >= 3.12: NGC PyTorch 25.01 and later have it (24.xx images are 3.10).
 #   docker build -t megatron-rlhf:latest .        (or: launch/docker.sh build)
+# BASE_IMAGE needs python/pip (>= 3.12) on PATH and torch installed; scripts/docker_check.sh builds on
+# a local Debian base (torch CPU) where NGC cannot be pulled.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 FROM ${BASE_IMAGE}
 
@@ -23,5 +25,12 @@ COPY . .
 
 # NVLink multicast off (NCCL NVLS and torch symmetric-memory multicast).
 ENV NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+# Health: one line of versions (megatron-rlhf, torch, CUDA, megatron-core, apex / Transformer Engine
+# present or not), then the four built-in tiny models built and run on CPU (about 20 s, no GPU or
+# download needed). Run it by hand with `launch/docker.sh health`. Kept in the image only by the docker
+# image format (`podman build --format docker`); OCI images drop it.
+HEALTHCHECK --interval=30m --timeout=5m --retries=1 \
+  CMD megatron-rlhf smoke device=cpu output_dir=/tmp/megatron-rlhf-health || exit 1
 
 CMD ["launch/torchrun.sh", "ppo"]

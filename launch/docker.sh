@@ -1,33 +1,57 @@
 #!/usr/bin/env bash
 # Build and run the megatron-rlhf image.
-#   launch/docker.sh build [DOCKER_BUILD_ARGS...]    e.g. --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
+#   launch/docker.sh build [BUILD_ARGS...]    e.g. --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 #   launch/docker.sh run [--nproc N] SUBCOMMAND [ARGS...]   runs launch/torchrun.sh inside the image
-# Env: IMAGE (default megatron-rlhf:latest), DOCKER_RUN_ARGS (extra `docker run` flags, word-split).
+#   launch/docker.sh health                   the image's HEALTHCHECK: versions, then a CPU smoke run
+# Env: IMAGE (default megatron-rlhf:latest), DOCKER (default docker; podman works), GPUS (default all;
+# empty: no --gpus, CPU only), SHM_SIZE (e.g. 64g: --shm-size instead of --ipc=host, where host IPC
+# is not allowed), MOUNTS (comma-separated HOST:CONTAINER[:ro] volumes, e.g. /models:/models:ro),
+# ULIMITS (default "memlock=-1 stack=67108864", NVIDIA's advice; word-split, each one --ulimit),
+# DOCKER_RUN_ARGS (extra `run` flags, word-split).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 IMAGE="${IMAGE:-megatron-rlhf:latest}"
+DOCKER="${DOCKER:-docker}"
 WORKDIR=/workspace/megatron-rlhf
 
-usage() { sed -n '2,5p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+# Flags shared by run and health: GPUs, shared memory (torch's DataLoader workers and NCCL need
+# more than docker's 64 MB default), limits (pinned memory, stack), extra mounts.
+run_flags() {
+  flags=(--rm)
+  [[ -t 0 && -t 1 ]] && flags+=(-it)
+  [[ -n "${GPUS-all}" ]] && flags+=(--gpus "${GPUS-all}")
+  if [[ -n "${SHM_SIZE:-}" ]]; then flags+=(--shm-size "$SHM_SIZE"); else flags+=(--ipc=host); fi
+  local -a ulimits
+  read -r -a ulimits <<< "${ULIMITS-memlock=-1 stack=67108864}"
+  for ulimit in "${ulimits[@]}"; do flags+=(--ulimit "$ulimit"); done
+  local -a mounts
+  IFS=',' read -r -a mounts <<< "${MOUNTS:-}"
+  for mount in "${mounts[@]}"; do flags+=(-v "$mount"); done
+  local -a extra
+  read -r -a extra <<< "${DOCKER_RUN_ARGS:-}"
+  flags+=("${extra[@]}")
+}
 
 case "${1:-}" in
   build)
     shift
-    exec docker build -t "$IMAGE" -f "$ROOT/Dockerfile" "$@" "$ROOT"
+    exec "$DOCKER" build -t "$IMAGE" -f "$ROOT/Dockerfile" "$@" "$ROOT"
     ;;
   run)
     shift
     [[ $# -gt 0 ]] || { echo "launch/docker.sh run: missing SUBCOMMAND" >&2; exit 2; }
-    tty_flags=()
-    [[ -t 0 && -t 1 ]] && tty_flags=(-it)
-    read -r -a extra <<< "${DOCKER_RUN_ARGS:-}"
+    run_flags
     # The checkout is mounted over the image's copy (the editable install points there), so
     # local edits run without a rebuild. PYTHON=python: never the host .venv that comes with it.
-    exec docker run --rm "${tty_flags[@]}" --gpus all --ipc=host \
-      --ulimit memlock=-1 --ulimit stack=67108864 \
-      -v "$ROOT:$WORKDIR" -w "$WORKDIR" -e PYTHON=python \
-      "${extra[@]}" "$IMAGE" launch/torchrun.sh "$@"
+    exec "$DOCKER" run "${flags[@]}" -v "$ROOT:$WORKDIR" -w "$WORKDIR" -e PYTHON=python \
+      "$IMAGE" launch/torchrun.sh "$@"
+    ;;
+  health)
+    run_flags
+    exec "$DOCKER" run "${flags[@]}" "$IMAGE" megatron-rlhf smoke device=cpu output_dir=/tmp/megatron-rlhf-health
     ;;
   -h|--help) usage ;;
   *) usage >&2; exit 2 ;;

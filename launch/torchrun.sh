@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Single-node launcher: one torchrun over the local GPUs (or one gloo process on CPU).
-#   launch/torchrun.sh [--nproc N] [--dry-run] SUBCOMMAND [ARGS...]
+# torchrun launcher: one node by default (--standalone); with --nnodes, this node's agent of a
+# multi-node job (c10d rendezvous; run the same line on every node).
+#   launch/torchrun.sh [--nproc N] [--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]] [--dry-run] SUBCOMMAND [ARGS...]
 # Everything from SUBCOMMAND on is handed to `python -m megatron_rlhf` untouched.
 set -euo pipefail
 
@@ -8,19 +9,25 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 usage() {
   cat <<USAGE
-Usage: launch/torchrun.sh [--nproc N] [--dry-run] SUBCOMMAND [ARGS...]
+Usage: launch/torchrun.sh [--nproc N] [--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]]
+                          [--dry-run] SUBCOMMAND [ARGS...]
 
 Runs: \$PYTHON -m torch.distributed.run --standalone --nproc-per-node=N -m megatron_rlhf SUBCOMMAND ARGS...
+(with --nnodes: --nnodes=N --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=ID instead of --standalone)
 
 Options:
-  --nproc N   processes on this node (default: visible GPUs, or 1 without GPUs: CPU/gloo)
-  --dry-run   print the command instead of running it
-  -h, --help  show this help
+  --nproc N                 processes on this node (default: visible GPUs, or 1 without GPUs: CPU/gloo)
+  --nnodes N                nodes in the job; run this same line on each of them (no node rank needed)
+  --rdzv-endpoint HOST:PORT rendezvous on HOST (e.g. the first node), reachable from every node
+  --rdzv-id ID              job id shared by the nodes (default: megatron-rlhf)
+  --dry-run                 print the command instead of running it
+  -h, --help                show this help
 
 Environment: PYTHON (default .venv/bin/python if the repo has a .venv, else python),
 OMP_NUM_THREADS (default 1), NCCL_NVLS_ENABLE (default 0),
 TORCH_SYMM_MEM_DISABLE_MULTICAST (default 1).
-Example: launch/torchrun.sh --nproc 2 ppo actor.tp=2 rollout.tp=1
+Examples: launch/torchrun.sh --nproc 2 ppo actor.tp=2 rollout.tp=1
+  on each of 2 nodes: launch/torchrun.sh --nnodes 2 --rdzv-endpoint node0:29500 --rdzv-id run1 ppo actor.tp=8
 USAGE
 }
 
@@ -43,12 +50,21 @@ count_gpus() {
 }
 
 NPROC=""
+NNODES=""
+RDZV_ENDPOINT=""
+RDZV_ID="megatron-rlhf"
 DRY_RUN=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --nproc) [[ $# -ge 2 ]] || die "--nproc needs a value"; NPROC="$2"; shift 2 ;;
     --nproc=*) NPROC="${1#*=}"; shift ;;
+    --nnodes) [[ $# -ge 2 ]] || die "--nnodes needs a value"; NNODES="$2"; shift 2 ;;
+    --nnodes=*) NNODES="${1#*=}"; shift ;;
+    --rdzv-endpoint) [[ $# -ge 2 ]] || die "--rdzv-endpoint needs a value"; RDZV_ENDPOINT="$2"; shift 2 ;;
+    --rdzv-endpoint=*) RDZV_ENDPOINT="${1#*=}"; shift ;;
+    --rdzv-id) [[ $# -ge 2 ]] || die "--rdzv-id needs a value"; RDZV_ID="$2"; shift 2 ;;
+    --rdzv-id=*) RDZV_ID="${1#*=}"; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; break ;;
     -*) die "unknown option '$1' (launcher options go before the sub-command)" ;;
@@ -63,6 +79,16 @@ if [[ -z "$NPROC" ]]; then
 fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
 
+# One node: a private rendezvous. Several: every node's agent meets at the shared endpoint.
+rdzv_args=(--standalone)
+if [[ -n "$NNODES" ]]; then
+  [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "--nnodes must be a positive integer, got '$NNODES'"
+  [[ -n "$RDZV_ENDPOINT" ]] || die "--nnodes needs --rdzv-endpoint HOST:PORT (the same on every node)"
+  rdzv_args=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID")
+elif [[ -n "$RDZV_ENDPOINT" ]]; then
+  die "--rdzv-endpoint is for multi-node runs: give --nnodes too"
+fi
+
 if [[ -z "${PYTHON+x}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python; fi
 fi
@@ -75,7 +101,7 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
 # Import the package from this checkout even when it is not pip-installed.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" -m megatron_rlhf "$@")
+cmd=("$PYTHON" -m torch.distributed.run "${rdzv_args[@]}" --nproc-per-node="$NPROC" -m megatron_rlhf "$@")
 if [[ "$DRY_RUN" == 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo
   exit 0

@@ -18,7 +18,7 @@ from megatron_rlhf.checkpoint.sources import ModelsConfig, build_role, role_erro
 from megatron_rlhf.config.loader import config_errors, raise_if_errors, to_yaml
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.engine.train import forward_outputs
-from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.metrics.log import environment_report, log, timed
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import ROLES
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
@@ -43,6 +43,7 @@ def run_smoke(cfg: SmokeConfig, env: DistEnv) -> dict[str, dict[str, float]]:
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
     log(f"world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}")
+    log(environment_report())  # versions first: the smoke run doubles as an image's health check
     out_dir = Path(cfg.output_dir)
     if env.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ def test_config_override_and_unknown_key() -> None:
 def test_smoke_run_single_process(tmp_path: Path) -> None:
     proc = _cli("smoke", f"output_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"torch {torch.__version__}, CUDA " in proc.stdout  # the versions line a health check shows
     report = json.loads((tmp_path / "smoke.json").read_text())
     assert set(report) == {"actor", "critic", "reference", "reward"}
     # actor and reference load the same built-in weights: same outputs.
