@@ -4,19 +4,20 @@
 # temporary folder with a generated slurm.conf, stopped on exit. Submits the template itself (its GPU
 # lines overridden on the sbatch command line) with a tiny CPU SFT run:
 #   (a) one node, two processes;  (b) two nodes, one process each;
-#   (c) as (a), with a 3-minute limit and --signal=B:USR1@90: the signal lands mid-run, the trainers
+#   (c) as (a), with a 3-minute limit and --signal=B:USR1@N, N such that the signal lands in the
+#       middle of the time (a) spent training (Slurm's signal comes within 30 s): the trainers
 #       save and exit, the job requeues itself and the requeued run resumes and finishes; its final
 #       weights must equal (a)'s, bit for bit.
-# Takes about 5 minutes on two CPU cores (more under load). Needs the slurm-wlm and munge packages:
+# Takes 4-5 minutes on two CPU cores (more under load). Needs the slurm-wlm and munge packages:
 # without them it prints "skipped: ..." and exits 0, unless SLURM_CHECK_INSTALL=1 (then it installs
 # them with apt-get).
 # Env: PYTHON (default .venv/bin/python if present, else python3), SLURM_CHECK_STEPS (steps of the
-# (a)/(c) run, default 550: long enough that the signal lands mid-run on an idle machine), SLURM_CHECK_KEEP=1 (keep the
+# (a)/(c) run, default 500: their training must last well over 30 s), SLURM_CHECK_KEEP=1 (keep the
 # temporary folder for inspection).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-STEPS="${SLURM_CHECK_STEPS:-550}"
+STEPS="${SLURM_CHECK_STEPS:-500}"
 say() { echo "slurm_check: $*"; }
 
 missing() { for cmd in munged mungekey slurmctld slurmd sbatch scontrol; do command -v "$cmd" >/dev/null || return 0; done; return 1; }
@@ -169,7 +170,15 @@ check() {
 t=$SECONDS
 id_a="$(submit one-node 2 --nodes=1 -- "${SFT[@]}" max_steps="$STEPS")"
 job_ids+=("$id_a")
-wait_job "$id_a" 300 || say "one-node: still running after 300 s"
+# When this run trains (its first metrics line to its exported model), in seconds from the job's
+# start: (c)'s signal is aimed at the middle of that window, whatever the machine's load.
+train_from="" train_to=""
+deadline=$((SECONDS + 300))
+until wait_job "$id_a" 1; do
+  ((SECONDS < deadline)) || { say "one-node: still running after 300 s"; break; }
+  [[ -n "$train_from" || ! -s "$TMP/runs/one-node/metrics.jsonl" ]] || train_from=$(date +%s)
+  [[ -n "$train_to" || ! -f "$TMP/runs/one-node/hf/config.json" ]] || train_to=$(date +%s)
+done
 check one-node "$id_a" "2 processes, $STEPS steps in $((SECONDS - t)) s"
 
 t=$SECONDS
@@ -179,9 +188,13 @@ wait_job "$id_b" 200 || say "two-nodes: still running after 200 s"
 check two-nodes "$id_b" "1 process per node, 10 steps in $((SECONDS - t)) s"
 
 t=$SECONDS
-# Slurm looks at time limits every 30 s and sends the signal 90-120 s before the limit: 60-90 s into
-# the job, after the start-up (20-40 s here) and before the run's end (~105 s idle, more under load).
-id_c="$(submit preempted 2 --nodes=1 --time=3 --signal=B:USR1@90 -- "${SFT[@]}" max_steps="$STEPS")"
+# Slurm looks at time limits every 30 s: --signal=B:USR1@N comes N to N+30 s before the 180 s limit.
+started="$(date -d "$(field "$id_a" StartTime)" +%s)"
+mid=$(( (${train_from:-$started} + ${train_to:-$started} - 2 * started) / 2 ))
+lead=$((180 - 15 - mid))
+((lead > 0 && lead < 150)) || lead=90
+say "one-node trained from $((${train_from:-0} - started)) s to $((${train_to:-0} - started)) s: (c) gets USR1 $((180 - lead - 30))-$((180 - lead)) s in"
+id_c="$(submit preempted 2 --nodes=1 --time=3 --signal=B:USR1@"$lead" -- "${SFT[@]}" max_steps="$STEPS")"
 job_ids+=("$id_c")
 # Once requeued the job gets a longer limit, so that one stop is enough to finish.
 deadline=$((SECONDS + 420))
