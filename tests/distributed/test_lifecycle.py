@@ -70,13 +70,20 @@ def _deterministic(record: dict) -> dict:
     return {key: value for key, value in record.items() if not key.startswith(("timing_s/", "perf/")) and "per_s" not in key}
 
 
-def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int,
-                          resumed_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
-    """An uninterrupted run of ``args`` is the reference for one killed after its first checkpoint
-    and started again (both with ``resumed_args`` added); returns the second start's process."""
-    straight, resumed = root / "straight", root / "resumed"
+def _straight_run(nproc: int, args: tuple[str, ...], straight: Path) -> Path:
+    """An uninterrupted run of ``args`` into ``straight``: the reference of resumed runs."""
     first = _run(nproc, (*args, f"output_dir={straight}"))
     assert first.returncode == 0, first.stderr[-6000:]
+    return straight
+
+
+def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int,
+                          resumed_args: tuple[str, ...] = (), straight: Path | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """An uninterrupted run of ``args`` (or ``straight``, made by ``_straight_run`` already) is the
+    reference for one killed after its first checkpoint and started again with ``resumed_args``
+    added; returns the second start's process."""
+    resumed = root / "resumed"
+    straight = straight or _straight_run(nproc, args, root / "straight")
     _run_killed_after_first_checkpoint(nproc, (*args, *resumed_args, f"output_dir={resumed}"), resumed)
     again = _run(nproc, (*args, *resumed_args, f"output_dir={resumed}"))
     assert again.returncode == 0, again.stderr[-6000:]
@@ -104,21 +111,29 @@ PPO_ARGS = ("ppo", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_ba
             "reference.update=ema", "reference.ema_decay=0.5", "rollout.sampling.max_new_tokens=12")  # fmt: skip
 
 
+PPO_TWO_RANKS = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
+
+
+@pytest.fixture(scope="module")
+def ppo_two_ranks_straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted, synchronously saved 2-rank PPO run both PPO resume tests compare with."""
+    return _straight_run(2, PPO_TWO_RANKS, tmp_path_factory.mktemp("ppo") / "straight")
+
+
 @pytest.mark.distributed
-def test_ppo_with_critic_resumes_exactly_over_two_ranks(tmp_path: Path) -> None:
+def test_ppo_with_critic_resumes_exactly_over_two_ranks(tmp_path: Path, ppo_two_ranks_straight: Path) -> None:
     """PPO with a critic (GAE, PP2), a reward model, an adaptive KL penalty and an EMA reference,
     actor TP2: the KL coefficient, the reference and both optimizers come back exactly."""
-    args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
-    _check_resume_matches(2, args, tmp_path, 6)
+    _check_resume_matches(2, PPO_TWO_RANKS, tmp_path, 6, straight=ppo_two_ranks_straight)
 
 
 @pytest.mark.distributed
-def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(tmp_path: Path) -> None:
+def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(tmp_path: Path, ppo_two_ranks_straight: Path) -> None:
     """As above, the interrupted run saving with async_save=true (actor TP2 and critic PP2 written
     by one background process per checkpoint), the uninterrupted one synchronously: same metrics,
     weights and result."""
-    args = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
-    again = _check_resume_matches(2, args, tmp_path, 6, resumed_args=("async_save=true",))
+    again = _check_resume_matches(2, PPO_TWO_RANKS, tmp_path, 6, resumed_args=("async_save=true",),
+                                  straight=ppo_two_ranks_straight)  # fmt: skip
     assert "step 6: saved checkpoint" in again.stdout and "written in the background" in again.stdout
 
 
