@@ -48,7 +48,7 @@ runtime = "runc"
 CONF
 
 stage "wheelhouse: torch==$TORCH, megatron-core, megatron-rlhf[test] and their dependencies"
-"$PY" -m pip download -d "$WORK/wheels" "torch==$TORCH" "megatron-core==0.19.2" "$ROOT[test]" setuptools wheel \
+"$PY" -m pip download -d "$WORK/wheels" "torch==$TORCH" "megatron-core==0.19.2" "${ROOT}[test]" setuptools wheel \
   >"$WORK/download.log" 2>&1 || { tail -30 "$WORK/download.log"; exit 1; }
 rm -f "$WORK"/wheels/megatron_rlhf-* "$WORK"/wheels/megatron-rlhf-*  # the build installs it from the source
 echo "  $(find "$WORK/wheels" -type f | wc -l) files, $(du -sh "$WORK/wheels" | cut -f1)"

@@ -8,7 +8,7 @@
 set -uo pipefail
 stage=${1:-all}
 case $stage in all|tests|bench|pipeline|seeds) ;; *) echo "usage: $0 [all|tests|bench|pipeline|seeds] (got '$stage')" >&2; exit 2;; esac
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export MEGATRON_RLHF_CACHE=/tmp/mrlhf-cache

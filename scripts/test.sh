@@ -2,7 +2,7 @@
 # Sets up .venv if needed, then runs the test suite: unit and torchrun/gloo tiers everywhere, plus
 # the `gpu` tier when a CUDA device is visible. Extra arguments go to pytest.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 bash scripts/setup_env.sh || exit 1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
