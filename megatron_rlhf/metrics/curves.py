@@ -54,9 +54,11 @@ def _cell(value: Any) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4f}"
 
 
-def write_curves(metrics_path: str | Path, out_png: str | Path, headline: str, title: str) -> Path | None:
-    """Draw ``headline``, ``TRAIN_KEYS`` and the validation figures against step into ``out_png``;
-    returns it, or None when matplotlib is missing or there is nothing to draw."""
+def write_curves(train: list[dict[str, Any]], validation: list[dict[str, Any]], out_png: str | Path, headline: str,
+                 title: str) -> Path | None:  # fmt: skip
+    """Draw ``headline``, ``TRAIN_KEYS`` and the validation figures (rows of ``read_metrics``)
+    against step into ``out_png``; returns it, or None when matplotlib is missing or there is
+    nothing to draw."""
     try:
         import matplotlib
 
@@ -64,7 +66,6 @@ def write_curves(metrics_path: str | Path, out_png: str | Path, headline: str, t
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    train, validation = read_metrics(metrics_path)
     series = [(key, "train", _points(train, key)) for key in (headline, *TRAIN_KEYS)]
     series += [(key, "validation", _points(validation, key)) for key in validation_keys(validation)]
     series = [s for s in series if s[2]]

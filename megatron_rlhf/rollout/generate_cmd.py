@@ -19,16 +19,29 @@ import torch.distributed as dist
 from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
-from megatron_rlhf.data import load_prompt_dataset
+from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
-from megatron_rlhf.parallel.distributed import init_distributed
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.parallel.distributed import DistEnv, init_distributed
 from megatron_rlhf.parallel.layout import layout_errors
 from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 UNBOUNDED_PROMPT = 1 << 30  # the engine, not the loader, applies the prompt-length policy
+
+
+def policy_engine(
+    model: str, arch: Architecture, *, tp: int, dtype: str, engine_cfg: NativeEngineConfig, env: DistEnv
+) -> tuple[NativeEngine, Tokenizer]:
+    """The causal LM at ``model`` built in a generation layout of ``tp`` ranks, its native engine
+    (stopping on the tokenizer's stop ids unless ``engine_cfg`` names others) and its tokenizer.
+    Collective."""
+    role = build_role("actor", ModelConfig(path=model, tp=tp), arch, world_size=env.world_size,
+                      dtype=resolve_dtype(dtype, env.device), device=env.device)  # fmt: skip
+    tokenizer = resolve_tokenizer(local_dir(model), arch, model)
+    return NativeEngine(role, engine_cfg.with_eos_of(tokenizer.stop_ids)), tokenizer
 
 
 def run_generate(
@@ -42,18 +55,13 @@ def run_generate(
         errors.append(f"--model {model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
     if errors:
         raise ConfigError("; ".join(errors))
-    torch_dtype = resolve_dtype(dtype, env.device)
-    role = build_role("actor", ModelConfig(path=model, tp=tp), arch, world_size=env.world_size, dtype=torch_dtype,
-                      device=env.device)  # fmt: skip
-    tokenizer = resolve_tokenizer(local_dir(model), arch, model)
+    engine, tokenizer = policy_engine(model, arch, tp=tp, dtype=dtype, engine_cfg=engine_cfg, env=env)
     dataset, report = load_prompt_dataset(resolve_data_paths([input_path]), tokenizer, max_length=UNBOUNDED_PROMPT)
     log(report.summary())
-    engine_cfg = engine_cfg.with_eos_of(tokenizer.stop_ids)
     start = time.perf_counter()
-    group_share = -(-len(dataset) // role.groups.layout.dp) * params.n  # rank 0's data-parallel group
+    group_share = -(-len(dataset) // engine.role.groups.layout.dp) * params.n  # rank 0's data-parallel group
     progress = Progress("generate (data-parallel group 0)", group_share, "completions")
-    rows = generate_data_parallel(NativeEngine(role, engine_cfg), [example.prompt_ids.tolist() for example in dataset], params,
-                                  progress)  # fmt: skip
+    rows = generate_data_parallel(engine, [example.prompt_ids.tolist() for example in dataset], params, progress)
     elapsed = time.perf_counter() - start
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)

@@ -377,9 +377,10 @@ def _report_curves(out_dir: Path, task: Task) -> None:
     metrics = out_dir / "metrics.jsonl"
     if not metrics.is_file():  # loggers without jsonl
         return
-    png = write_curves(metrics, out_dir / "curves.png", task.headline[0], f"{task.name}: {out_dir}")
+    train, validation = read_metrics(metrics)
+    png = write_curves(train, validation, out_dir / "curves.png", task.headline[0], f"{task.name}: {out_dir}")
     log(f"curves: {png}" if png else "curves.png not drawn: matplotlib is not installed")
-    table = validation_table(read_metrics(metrics)[1])
+    table = validation_table(validation)
     if table:
         log("validation curve:\n" + table)
 

@@ -30,17 +30,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
+from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import ConfigError, config_errors, raise_if_errors
-from megatron_rlhf.config.run import RunConfig, resolve_dtype
-from megatron_rlhf.data import load_prompt_dataset
+from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.records import write_jsonl
-from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.rollout.generate_cmd import policy_engine
 from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.tasks.arithmetic import judge, preference_pairs, verdict_rates
@@ -163,20 +163,14 @@ def _stage_table(result: dict[str, Any]) -> str:
 
 
 def sample_and_judge(
-    model: str, prompt_paths: list[str], count: int, params: SamplingParams, engine_cfg: NativeEngineConfig,
-    dtype: str, env: DistEnv,
+    engine: NativeEngine, tokenizer: Tokenizer, prompt_paths: list[str], count: int, params: SamplingParams
 ) -> tuple[list[str], list[list[str]], list[list[str]]]:  # fmt: skip
-    """Sample ``params.n`` responses of ``model`` to each of the first ``count`` prompts (all of
-    them if fewer) and judge each against the prompt's ``answer``: (prompt texts, responses per
-    prompt, verdicts per prompt), identical on every rank. Collective."""
-    arch = architecture_of(model)
-    role = build_role("actor", ModelConfig(path=model), arch, world_size=env.world_size,
-                      dtype=resolve_dtype(dtype, env.device), device=env.device)  # fmt: skip
-    tokenizer = resolve_tokenizer(local_dir(model), arch, model)
-    dataset, _ = load_prompt_dataset(resolve_data_paths(prompt_paths), tokenizer, max_length=engine_cfg.max_seq_len,
+    """Sample ``params.n`` responses to each of the first ``count`` prompts (all of them if fewer)
+    and judge each against the prompt's ``answer``: (prompt texts, responses per prompt, verdicts
+    per prompt), identical on every rank. Collective."""
+    dataset, _ = load_prompt_dataset(resolve_data_paths(prompt_paths), tokenizer, max_length=engine.cfg.max_seq_len,
                                      extra_keys=("prompt", "answer"))  # fmt: skip
     examples = dataset[: min(count, len(dataset))]
-    engine = NativeEngine(role, engine_cfg.with_eos_of(tokenizer.stop_ids))
     completions: list[Completion] = generate_data_parallel(engine, [e.prompt_ids.tolist() for e in examples], params)
     responses: list[list[str]] = [[] for _ in examples]
     verdicts: list[list[str]] = [[] for _ in examples]
@@ -188,15 +182,21 @@ def sample_and_judge(
     return [e.extras["prompt"] for e in examples], responses, verdicts
 
 
+def _policy(model: str, engine_cfg: NativeEngineConfig, dtype: str, env: DistEnv) -> tuple[NativeEngine, Tokenizer]:
+    """A stage's model to sample: all ranks' data parallel (TP 1: the task's models are small)."""
+    return policy_engine(model, architecture_of(model), tp=1, dtype=dtype, engine_cfg=engine_cfg, env=env)
+
+
 def make_pairs(cfg: PairsConfig, dtype: str, seed: int, env: DistEnv) -> dict[str, Any]:
     """The ``pairs`` stage: write the reward model's train and validation pairs; returns counts
     and the sampled policy's verdict rates."""
     seed_everything(seed)
     summary: dict[str, Any] = {}
     out = Path(cfg.output_dir)
+    engine, tokenizer = _policy(cfg.policy, cfg.engine, dtype, env)
     for split, paths, count in (("train", cfg.train_prompts, cfg.num_train_prompts),
                                 ("validation", cfg.validation_prompts, cfg.num_validation_prompts)):  # fmt: skip
-        prompts, responses, verdicts = sample_and_judge(cfg.policy, paths, count, cfg.sampling, cfg.engine, dtype, env)
+        prompts, responses, verdicts = sample_and_judge(engine, tokenizer, paths, count, cfg.sampling)
         rows = preference_pairs(prompts, responses, verdicts, seed=seed, pairs_per_prompt=cfg.pairs_per_prompt)
         if not rows:
             raise ValueError(f"pairs: no {split} prompt of {paths} got both a right and a wrong sample from "
@@ -224,8 +224,8 @@ def held_out_accuracy(cfg: PipelineConfig, env: DistEnv) -> dict[str, float]:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.test.max_new_tokens)
     accuracy = {}
     for name, path in found.items():
-        prompts, responses, verdicts = sample_and_judge(str(path), cfg.test.prompts, 1 << 30, greedy, cfg.test.engine,
-                                                        cfg.dtype, env)  # fmt: skip
+        engine, tokenizer = _policy(str(path), cfg.test.engine, cfg.dtype, env)
+        prompts, responses, verdicts = sample_and_judge(engine, tokenizer, cfg.test.prompts, 1 << 30, greedy)
         accuracy[name] = verdict_rates(verdicts)["right"]
         if is_rank0():
             write_jsonl([{"prompt": p, "response": r[0], "verdict": v[0]} for p, r, v in zip(prompts, responses, verdicts)],

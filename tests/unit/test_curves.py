@@ -47,10 +47,13 @@ def test_the_png_has_a_panel_per_figure(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
-    metrics = _metrics(tmp_path / "metrics.jsonl", ROWS)
-    png = write_curves(metrics, tmp_path / "curves.png", "reward/mean", "ppo: test")
+    def draw(rows: list[dict], name: str) -> Path | None:
+        return write_curves(*read_metrics(_metrics(tmp_path / f"{name}.jsonl", rows)), tmp_path / f"{name}.png",
+                            "reward/mean", "ppo: test")  # fmt: skip
+
+    png = draw(ROWS, "curves")
     assert png == tmp_path / "curves.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tall = imread(png).shape[0]
-    two = write_curves(_metrics(tmp_path / "two.jsonl", ROWS[1:3]), tmp_path / "two.png", "reward/mean", "t")
+    two = draw(ROWS[1:3], "two")
     assert imread(two).shape[0] < tall  # 2 panels (reward, KL) against 4 (+ two validation figures)
-    assert write_curves(_metrics(tmp_path / "none.jsonl", [ROWS[-1]]), tmp_path / "none.png", "reward/mean", "t") is None
+    assert draw([ROWS[-1]], "none") is None
