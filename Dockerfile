@@ -14,7 +14,9 @@ COPY megatron_rlhf/ megatron_rlhf/
 
 # Keep the image's own torch / transformer-engine / apex builds: pip must never swap them for
 # PyPI wheels. This constraints file replaces the image's PIP_CONSTRAINT on purpose: it pins
-# only that compiled stack, so the project's other dependencies may move.
+# only that compiled stack, so the project's other dependencies may move. pipefail: a failed
+# `pip list` must fail the build, not leave an empty constraints file.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN pip list --format=freeze | grep -E '^(torch|transformer.engine|apex)' > /tmp/constraints.txt \
  && cat /tmp/constraints.txt \
  && pip install --no-cache-dir --no-deps megatron-core==0.19.2 \
@@ -30,6 +32,8 @@ ENV NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # present or not), then the four built-in tiny models built and run on CPU (about 20 s, no GPU or
 # download needed). Run it by hand with `launch/docker.sh health`. Kept in the image only by the docker
 # image format (`podman build --format docker`); OCI images drop it.
+# Shell form on purpose: `|| exit 1` maps any failure to the one status docker reads as unhealthy.
+# hadolint ignore=DL3025
 HEALTHCHECK --interval=30m --timeout=5m --retries=1 \
   CMD megatron-rlhf smoke device=cpu output_dir=/tmp/megatron-rlhf-health || exit 1
 
