@@ -69,6 +69,14 @@ class HybridEngine:
         self.engine = NativeEngine(self.resharder.target, engine_cfg)
         self.device = next(actor.role.model.parameters()).device
 
+    @property
+    def layout_description(self) -> str:
+        """Where generation runs, for the start-up report: ``generation TP2xPP1xDP4 (resharded
+        from the actor's TP4xPP2xDP1)``, or ``(zero copy: the actor's training layout)``."""
+        train, generation = self.actor.role.groups.layout, self.resharder.target.groups.layout
+        how = "zero copy: the actor's training layout" if self.resharder.zero_copy else f"resharded from the actor's {train}"
+        return f"generation {generation} ({how})"
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[list[Completion], list[PhaseReport]]:
         """All completions (every rank gets all of them, ordered), and the phase reports."""
         reports: list[PhaseReport] = []

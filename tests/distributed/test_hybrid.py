@@ -52,6 +52,7 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
     engine_cfg = NativeEngineConfig(max_batch_size=4, max_seq_len=32)  # fewer slots than samples: slots are reused
     hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg, offload=offload)
     engine = hybrid.engine
+    assert hybrid.layout_description == "generation TP1xPP1xDP1 (zero copy: the actor's training layout)"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (4, 7, 2)]
     caches, kv_pointers, tokens = [], set(), []
