@@ -6,6 +6,7 @@
     megatron-rlhf sft [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
     megatron-rlhf rm [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
     megatron-rlhf pipeline [--config PRESET|FILE.yaml] [key=value ...]
+    megatron-rlhf plan [--config PRESET|FILE.yaml] [key=value ...] --world-size N [--gpu-memory-gib G] [--json]
     megatron-rlhf generate --model DIR --input prompts.jsonl --output out.jsonl [--tp N] [sampling flags]
     megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR --tp N --pp M
     megatron-rlhf convert mcore-to-hf CKPT_DIR OUT_DIR [--tp N --pp M]
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from megatron_rlhf.config.flags import add_flags, from_flags
 from megatron_rlhf.config.loader import ConfigError, config_errors, load_config, presets, raise_if_errors, to_yaml
@@ -27,6 +30,9 @@ DEFAULT_PRESET = "smoke"
 
 
 TRAINER_PRESET_PREFIXES = ("ppo-", "sft-", "rm-", "pipeline-")
+PLAN_TRAINERS = ("ppo", "sft", "rm")
+DEFAULT_GPU_MEMORY_GIB = 80.0
+"""``plan``'s device size unless ``--gpu-memory-gib`` says otherwise: an 80 GB A100/H100."""
 
 
 def _add_config_args(
@@ -121,6 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(generate.add_argument_group("sampling (ppo: rollout.sampling.*)"), SamplingParams)
     add_flags(generate.add_argument_group("engine (ppo: rollout.engine.*)"), NativeEngineConfig, skip=("eos_token_ids",))
 
+    plan = commands.add_parser(
+        "plan",
+        help="each model's layout and the per-GPU memory of a ppo, sft or rm run, without a GPU",
+        description="Check a run's config for a world size as the run would, then print each model's layout, the "
+        "generation layout, and per-GPU memory (weights, gradients, optimizer state, activations, KV cache) with the "
+        "peaks of the training and the generation phase, with and without hybrid.offload, and what "
+        "hybrid.offload=auto would decide. Reads only config.json files: no weights, no GPU, no processes. Exits 2 "
+        "naming the settings when the run would be refused or its peak exceeds --gpu-memory-gib.",
+    )
+    _add_config_args(plan, default="ppo-tiny", example="actor.tp=2 max_tokens_per_micro_batch=8192")
+    plan.add_argument("--trainer", choices=PLAN_TRAINERS, default=None,
+                      help="the command the config is for (default: from the preset's name, else ppo)")
+    plan.add_argument("--world-size", type=int, default=1, help="GPUs of the run (default 1)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=DEFAULT_GPU_MEMORY_GIB,
+                      help=f"memory of one GPU in GiB (default {DEFAULT_GPU_MEMORY_GIB:g}; an H200 offers about 139.8)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     show = commands.add_parser("config", help="print the resolved configuration (preset + overrides) as YAML")
     _add_config_args(show)
 
@@ -166,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command in ("ppo", "sft", "rm", "pipeline"):
             return _run_trainer(args.command, args.config, args.overrides, args.print_config)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "generate":
             from megatron_rlhf.rollout.generate_cmd import run_generate
 
@@ -189,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def _run_trainer(command: str, preset: str, overrides: list[str], print_config: bool) -> int:
+def _trainer(command: str) -> tuple[type, Callable[..., object]]:
+    """The config schema and the run function of a trainer command."""
     if command == "ppo":
         from megatron_rlhf.trainer.ppo import run_ppo as run
         from megatron_rlhf.trainer.ppo_config import PPOConfig as schema
@@ -202,6 +228,11 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
     else:
         from megatron_rlhf.trainer.pipeline import PipelineConfig as schema
         from megatron_rlhf.trainer.pipeline import run_pipeline as run
+    return schema, run
+
+
+def _run_trainer(command: str, preset: str, overrides: list[str], print_config: bool) -> int:
+    schema, run = _trainer(command)
     cfg = load_config(preset, overrides, schema=schema)
     if print_config:
         print(_checked_yaml(cfg), end="")
@@ -215,6 +246,16 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
         if stop.code and os.environ.get("RANK", "0") == "0":
             print(f"megatron-rlhf: {stop}", file=sys.stderr)
         return stop.code
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``plan``: the config of ``--trainer`` (or the one its preset's name says), planned."""
+    from megatron_rlhf.trainer.plan import run_plan
+
+    trainer = args.trainer or next((t for t in PLAN_TRAINERS if Path(args.config).name.startswith(f"{t}-")), "ppo")
+    cfg = load_config(args.config, args.overrides, schema=_trainer(trainer)[0])
+    print(run_plan(trainer, cfg, args.world_size, args.gpu_memory_gib, as_json=args.json))
     return 0
 
 

@@ -25,6 +25,7 @@ import torch
 
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.parallel.layout import Layout
 
 GIB = 1024**3
 OFFLOAD_MODES = ("auto", "always", "never")
@@ -37,6 +38,17 @@ def kv_cache_bytes(arch: Architecture, *, generation_tp: int, slots: int, max_le
     """Bytes of the engine's KV cache (rollout/kv_cache.py) on one rank of the generation layout."""
     element = torch.empty((), dtype=dtype).element_size()
     return arch.num_layers * slots * (arch.num_query_groups // generation_tp) * max_len * 2 * arch.head_dim * element
+
+
+def generation_bytes(arch: Architecture, *, train: Layout, generation_tp: int, weight_bytes: int, slots: int, max_len: int,
+                     dtype: torch.dtype) -> int:  # fmt: skip
+    """What generation allocates on one rank beside the training memory: the KV cache, and the
+    resharded generation copy (``weight_bytes``, this rank's share of the actor in ``train``, spread
+    over ``generation_tp`` instead) unless the layouts match (zero copy)."""
+    needs = kv_cache_bytes(arch, generation_tp=generation_tp, slots=slots, max_len=max_len, dtype=dtype)
+    if not (generation_tp == train.tp and train.pp == 1):
+        needs += weight_bytes * train.tp * train.pp // generation_tp
+    return needs
 
 
 def optimizer_bytes_to_come(state: TrainState) -> int:

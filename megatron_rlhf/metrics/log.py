@@ -98,15 +98,27 @@ def snake_case(text: str) -> str:
 
 
 @contextlib.contextmanager
-def timed(phase: str, device: torch.device, times: dict[str, float] | None = None, *, quiet: bool = False) -> Iterator[None]:
+def timed(phase: str, device: torch.device, times: dict[str, float] | None = None, *, quiet: bool = False,
+          peaks: dict[str, float] | None = None) -> Iterator[None]:  # fmt: skip
     """Time a phase across all ranks (barrier at both ends), add it to ``times[phase]`` and log it
-    with memory use (unless quiet)."""
+    with memory use (unless quiet). On a GPU, ``peaks`` gets the phase's peak allocated and reserved
+    GiB of this rank (``peak_allocated_gib/<phase>``, ``peak_reserved_gib/<phase>``; the largest when
+    a phase runs more than once): the allocator's peak counters are reset when the phase starts and
+    read after the synchronize that ends it."""
+    measure = peaks is not None and device.type == "cuda"
     if dist.is_initialized():
         dist.barrier()
+    if measure:
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     yield
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if measure:
+        for kind, value in (("allocated", torch.cuda.max_memory_allocated(device)),
+                            ("reserved", torch.cuda.max_memory_reserved(device))):  # fmt: skip
+            key = f"peak_{kind}_gib/{phase}"
+            peaks[key] = max(peaks.get(key, 0.0), value / 1024**3)
     if dist.is_initialized():
         dist.barrier()
     elapsed = time.perf_counter() - start

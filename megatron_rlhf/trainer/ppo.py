@@ -46,7 +46,7 @@ from megatron_rlhf.engine.optim import TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
 from megatron_rlhf.engine.train import forward_all_rows, train_step
 from megatron_rlhf.hybrid.engine import HybridEngine
-from megatron_rlhf.hybrid.memory import decide_offload, kv_cache_bytes, optimizer_bytes_to_come
+from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimizer_bytes_to_come
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
 from megatron_rlhf.metrics.log import log, snake_case, timed
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
@@ -214,30 +214,31 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     the first ``samples_per_step`` rollouts as text with their reward."""
     cfg, algo, device = run.cfg, run.cfg.algorithm, run.device
     times: dict[str, float] = {}
+    peaks: dict[str, float] = {}  # GPU memory peaks of the phases (timed)
     temperature = cfg.rollout.sampling.temperature
 
-    completions, batch, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times)
+    completions, batch, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times, peaks)
     mask = batch["response_mask"]
     scores = scored.rewards
 
     ref_logprobs = values = old_logprobs = None
     if run.reference is not None:
-        with timed("ref", device, times, quiet=True):
+        with timed("ref", device, times, quiet=True, peaks=peaks):
             ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature),
                                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
     if run.old_logprob_pass:
-        with timed("old_log_prob", device, times, quiet=True):
+        with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
             old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
                                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
     if run.critic is not None:
-        with timed("values", device, times, quiet=True):
+        with timed("values", device, times, quiet=True, peaks=peaks):
             values = forward_all_rows(run.critic.role, batch, token_values_output(),
                                       max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
 
     def kl_to_reference(logprobs: torch.Tensor) -> torch.Tensor:
         return torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(logprobs, ref_logprobs), 0.0)
 
-    with timed("adv", device, times, quiet=True):
+    with timed("adv", device, times, quiet=True, peaks=peaks):
         token_rewards = torch.zeros(mask.shape)
         token_rewards[torch.arange(len(scores)), batch["lengths"] - 1] = scores
         kl = None
@@ -250,7 +251,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
             group_index=batch["prompt_index"], config=algo.advantage,
         )  # fmt: skip
 
-    with timed("update_actor", device, times, quiet=True):
+    with timed("update_actor", device, times, quiet=True, peaks=peaks):
         actor_batch = {**_model_inputs(batch), "advantages": advantages}
         if ref_logprobs is not None:
             actor_batch["ref_logprobs"] = ref_logprobs
@@ -268,11 +269,11 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
                 kl = kl_to_reference(old_logprobs)
     reference_metrics: dict[str, float] = {}
     if run.reference_updater is not None:
-        with timed("update_ref", device, times, quiet=True):
+        with timed("update_ref", device, times, quiet=True, peaks=peaks):
             reference_metrics["reference/refreshed"] = float(run.reference_updater.after_step(step))
     critic_metrics: dict[str, float] = {}
     if run.critic is not None:
-        with timed("update_critic", device, times, quiet=True):
+        with timed("update_critic", device, times, quiet=True, peaks=peaks):
             critic_batch = {**_model_inputs(batch), "old_values": values, "returns": returns}
             critic_metrics = update(run, run.critic, critic_batch, critic_loss(algo.loss), step)
 
@@ -294,6 +295,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         **_prefixed("actor/", actor_metrics), **reference_metrics, **_prefixed("critic/", critic_metrics, loss="vf_loss"),
         **{f"timing_s/{phase}": seconds for phase, seconds in times.items()},
         **{f"timing_s/gen/{snake_case(phase)}": seconds for phase, seconds in switch_reports.items()},
+        **{f"memory/{key}": gib for key, gib in peaks.items()},
         "perf/gen_tokens_per_s": float(lengths.sum()) / max(times["gen"], 1e-9),
     }  # fmt: skip
     if values is not None:
@@ -301,7 +303,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores)
 
 
-def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float]
+def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float], peaks: dict[str, float]
                    ) -> tuple[list[Completion], Batch, dict[str, float], Scores, dict[str, float]]:  # fmt: skip
     """``rollout.sampling.n`` scored responses for each prompt of ``indices`` (completions ordered by
     group), their ``rollout_batch`` (the one the scorer read, unless groups were filtered), the
@@ -325,12 +327,12 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
         if draws:
             generator = torch.Generator().manual_seed(seed)
             indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
-        with timed("gen", device, times, quiet=True):
+        with timed("gen", device, times, quiet=True, peaks=peaks):
             prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
             completions, reports = run.hybrid.generate(prompts, dataclasses.replace(rollout.sampling, seed=seed))
         for report in reports:
             phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
-        with timed("reward", device, times, quiet=True):
+        with timed("reward", device, times, quiet=True, peaks=peaks):
             batch = rollout_batch(completions, run.tokenizer.pad_id)
             scores = run.scorer.score(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode)
         draws += 1
@@ -401,12 +403,9 @@ def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState],
         return False
     generation_tp = cfg.rollout.tp or cfg.actor.tp
     dtype = next(actor.role.model.parameters()).dtype
-    needs = kv_cache_bytes(actor.role.arch, generation_tp=generation_tp, slots=engine_cfg.max_batch_size,
-                           max_len=engine_cfg.max_seq_len, dtype=dtype)  # fmt: skip
-    layout = actor.role.groups.layout
-    if not (generation_tp == layout.tp and layout.pp == 1):  # a resharded generation copy
-        params = sum(p.numel() * p.element_size() for p in actor.role.model.parameters())
-        needs += params * layout.tp * layout.pp // generation_tp
+    needs = generation_bytes(actor.role.arch, train=actor.role.groups.layout, generation_tp=generation_tp,
+                             weight_bytes=sum(p.numel() * p.element_size() for p in actor.role.model.parameters()),
+                             slots=engine_cfg.max_batch_size, max_len=engine_cfg.max_seq_len, dtype=dtype)  # fmt: skip
     free, total = torch.cuda.mem_get_info(env.device)
     free -= sum(optimizer_bytes_to_come(state) for state in (actor, *others))
     offload, reason = decide_offload(cfg.hybrid.offload, generation_needs=needs, free=free, total=total)
