@@ -413,8 +413,6 @@ def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState],
     return offload
 
 
-
-
 def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor) -> list[dict[str, Any]]:
     """samples.jsonl rows: each response as the reward functions read it (no trailing EOS), and the
     reward it got."""
