@@ -10,7 +10,8 @@ state exists. Saves go through ``RunCheckpointWriter``, as in a run. Printed aft
 measurement, one JSON line with the figures so far (a run cut short keeps them):
 ``sync_save_s`` (blocking, the whole save), ``async_blocking_s`` (until training could continue)
 and ``async_total_s`` (until the checkpoint is complete: renamed, ``latest`` written),
-``size_GB`` on disk, ``write_GBps`` (size / sync save), ``load_s``. The first save of a process
+``size_GB`` on disk, ``write_GBps`` (size / sync save), ``load_s``; ``--async-only`` measures the
+background save alone. The first save of a process
 also starts megatron's results-queue manager: ``warmup_save_s`` (a tiny model's save) pays it
 first, so that neither measured save does.
 """
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:llama-1.5b")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_checkpoint"), help="checkpoints go here (emptied)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--async-only", action="store_true", help="only the background save (no sync save, no load)")
     args = parser.parse_args()
 
     from megatron_rlhf.checkpoint.run_checkpoint import RunCheckpointWriter, load_run_checkpoint
@@ -65,11 +67,14 @@ def main() -> None:
     dist.barrier()
 
     def save(state, name: str, background: bool, step: int = 1) -> tuple[float, float, Path]:
-        """(blocking s, until complete s, the checkpoint)."""
+        """(blocking s, until complete s, the checkpoint). A background save's blocking time is
+        reported as soon as it is known: writing can take minutes on a slow disk."""
         writer = RunCheckpointWriter(args.dir / name, keep_last=1, background=background)
         start = synchronized()
         writer.save(step, train_states={"actor": state}, weights={}, run_state={}, config_yaml="")
         returned = synchronized()
+        if background:
+            report(async_blocking_s=returned - start)
         writer.wait()
         done = synchronized()
         return returned - start, done - start, args.dir / name / f"step_{step}"
@@ -84,17 +89,19 @@ def main() -> None:
 
     report(warmup_save_s=save(train_state("builtin:tiny-llama"), "warmup", background=False)[1])
     state = train_state(args.model)
-    sync_s, _, ckpt = save(state, "sync", background=False)
-    size = sum(path.stat().st_size for path in ckpt.rglob("*") if path.is_file())
-    report(layout=str(state.role.groups.layout), sync_save_s=sync_s, size_GB=size / 1e9, write_GBps=size / 1e9 / sync_s)
-    start = synchronized()
-    load_run_checkpoint(ckpt, train_states={"actor": state}, weights={})
-    report(load_s=synchronized() - start)
-    if env.rank == 0:
-        shutil.rmtree(args.dir / "sync")  # room on the disk for the next one
-    dist.barrier()
-    async_blocking_s, async_total_s, _ = save(state, "async", background=True)
-    report(async_blocking_s=async_blocking_s, async_total_s=async_total_s)
+    report(layout=str(state.role.groups.layout))
+    if not args.async_only:
+        sync_s, _, ckpt = save(state, "sync", background=False)
+        size = sum(path.stat().st_size for path in ckpt.rglob("*") if path.is_file())
+        report(sync_save_s=sync_s, size_GB=size / 1e9, write_GBps=size / 1e9 / sync_s)
+        start = synchronized()
+        load_run_checkpoint(ckpt, train_states={"actor": state}, weights={})
+        report(load_s=synchronized() - start)
+        if env.rank == 0:
+            shutil.rmtree(args.dir / "sync")  # room on the disk for the next one
+        dist.barrier()
+    _, async_total_s, _ = save(state, "async", background=True)
+    report(async_total_s=async_total_s)
     if env.rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
 
