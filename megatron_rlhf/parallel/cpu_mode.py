@@ -58,6 +58,9 @@ class _NullStream:
     def __exit__(self, *exc: Any) -> None:
         return None
 
+    def record_event(self, *args: Any, **kwargs: Any) -> "_NullStream":
+        return _NullStream()
+
     def elapsed_time(self, other: Any) -> float:
         return 0.0
 
@@ -219,12 +222,58 @@ def _tensors_look_like_cuda(func: Any) -> Any:
     return wrapper
 
 
+@contextlib.contextmanager
+def _tensor_methods(**methods: Any) -> Any:
+    """Temporarily give ``torch.Tensor`` these attributes (all inherited from the C base class)."""
+    for attr, value in methods.items():
+        setattr(torch.Tensor, attr, value)
+    try:
+        yield
+    finally:
+        for attr in methods:
+            delattr(torch.Tensor, attr)
+
+
+def _hybrid_split_on_cpu(split: Any) -> Any:
+    """``HybridDeviceOptimizer`` splits the parameters it is given by ``is_cuda`` and makes pinned
+    host copies of the share it offloads. In CPU mode the parameters it was given stand for device
+    tensors (so the split, the copies and the copy-back run as on a GPU) and pinning is a no-op."""
+
+    @functools.wraps(split)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device = {p.untyped_storage().data_ptr() for group in self.param_groups for p in group["params"]}
+        is_cuda = property(lambda t: t.untyped_storage().data_ptr() in device)
+        with _tensor_methods(is_cuda=is_cuda, pin_memory=lambda t, *a, **k: t):
+            return split(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _device_moves_stay_on_cpu(func: Any) -> Any:
+    """``tensor.to("cuda")`` -> the tensor on the CPU, during ``func``."""
+    original_to = torch.Tensor.to
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def to(t: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            return original_to(t, *(_to_cpu_device(x) if isinstance(x, (str, int)) else x for x in a), **k)
+
+        with _tensor_methods(to=to):
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
 def _patch_known_cuda_paths(module: types.ModuleType) -> None:
     """Narrow fixes for megatron code that calls CUDA through tensor methods or ``torch._C``."""
     name = module.__name__
     if name == "megatron.core.tensor_parallel.random":
         module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
         module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    if name == "megatron.core.optimizer.cpu_offloading.hybrid_optimizer":
+        hdo = module.HybridDeviceOptimizer
+        hdo._get_sub_optimizer_param_groups = _hybrid_split_on_cpu(hdo._get_sub_optimizer_param_groups)
+        hdo._move_new_state_to_right_device = _device_moves_stay_on_cpu(hdo._move_new_state_to_right_device)
     for qualified in _USES_CUDA_TENSOR_METHODS.get(name, ()):
         *owner_path, attr = qualified.split(".")
         owner = getattr(module, owner_path[0]) if owner_path else module
