@@ -235,15 +235,32 @@ def _tensor_methods(**methods: Any) -> Any:
 
 
 def _hybrid_split_on_cpu(split: Any) -> Any:
-    """``HybridDeviceOptimizer`` splits the parameters it is given by ``is_cuda`` and makes pinned
-    host copies of the share it offloads. In CPU mode the parameters it was given stand for device
-    tensors (so the split, the copies and the copy-back run as on a GPU) and pinning is a no-op."""
+    """``HybridDeviceOptimizer`` splits the parameters it is given by ``is_cuda``, copies the share it
+    offloads with ``.cpu().pin_memory()`` and makes fp32 copies of the rest beside them. In CPU mode
+    the parameters it was given, and copies made from them, stand for device tensors; ``.cpu()``
+    makes a host copy; pinning is a no-op. So the split, the copies and the copy-back run as on a GPU."""
+    clone, to_float = torch.Tensor.clone, torch.Tensor.float
 
     @functools.wraps(split)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        device = {p.untyped_storage().data_ptr() for group in self.param_groups for p in group["params"]}
-        is_cuda = property(lambda t: t.untyped_storage().data_ptr() in device)
-        with _tensor_methods(is_cuda=is_cuda, pin_memory=lambda t, *a, **k: t):
+        # The given parameters by storage (they stay alive), copies by a mark on the copy (the
+        # storage of a freed temporary can be reused by a host copy).
+        given = {p.untyped_storage().data_ptr() for group in self.param_groups for p in group["params"]}
+
+        def on_device(t: torch.Tensor) -> bool:
+            return getattr(t, "_cpu_mode_on_device", False) or t.untyped_storage().data_ptr() in given
+
+        def same_place(make: Any) -> Any:
+            def copy(t: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+                result = make(t, *a, **k)
+                if on_device(t):
+                    result._cpu_mode_on_device = True
+                return result
+
+            return copy
+
+        with _tensor_methods(is_cuda=property(on_device), clone=same_place(clone), float=same_place(to_float),
+                             cpu=lambda t: clone(t), pin_memory=lambda t, *a, **k: t):  # fmt: skip
             return split(self, *args, **kwargs)
 
     return wrapper
