@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: install carried wheels, run the GPU test tier, run benchmarks.
 # Results (logs, JSON) go to $OUT (the device tool's output folder), or ./gpu-out elsewhere.
-#   device run, carry [.whl]:  bash scripts/gpu_run.sh [all|tests|bench|pipeline|seeds]
+#   device run, carry [.whl]:  bash scripts/gpu_run.sh [all|tests|bench|pipeline|seeds|big]
 # All of it takes more than one device call (10 minutes at most), so it splits: "tests" (the GPU
 # tier), "bench" (benchmarks), "pipeline" (the GPU preset of `megatron-rlhf pipeline`, seed 1) and
-# "seeds" (its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model).
+# "seeds" (its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model) and "big" (3 GRPO
+# steps of a 7B-class actor with a reference on one GPU, the optimizer state on the host:
+# FRACTION=actor_optim.cpu_offload_fraction, default 1.0; not part of "all").
 set -uo pipefail
 stage=${1:-all}
-case $stage in all|tests|bench|pipeline|seeds) ;; *) echo "usage: $0 [all|tests|bench|pipeline|seeds] (got '$stage')" >&2; exit 2;; esac
+case $stage in all|tests|bench|pipeline|seeds|big) ;; *) echo "usage: $0 [all|tests|bench|pipeline|seeds|big] (got '$stage')" >&2; exit 2;; esac
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -29,6 +31,21 @@ pipeline() {  # seed, extra overrides...
   (cd "$RUNS" && find "seed$seed" \( -name metrics.jsonl -o -name curves.png -o -name result.json -o -name pipeline.json \
     -o -name summary.json -o -path "*/test/*.jsonl" \) -print0 | xargs -0 tar cf - | tar xf - -C "$OUT")
 }
+if [ "$stage" = big ]; then  # the first run writes the random 7B checkpoint (15 GB) into the cache
+  free -g | tee "$OUT/host.txt"
+  (while sleep 5; do echo "$(date +%T) host used $(free -m | awk '/Mem:/{print $3}') MiB," \
+    "gpu used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0)"; done) > "$OUT/big_memory.log" &
+  sampler=$!
+  python3 -m megatron_rlhf ppo actor.path=builtin:llama-7b reference.path=builtin:llama-7b \
+    data.max_prompt_length=128 rollout.sampling.max_new_tokens=256 rollout.sampling.n=4 prompts_per_step=16 \
+    mini_batch_size=16 max_steps=3 max_tokens_per_micro_batch=4096 log_every=1 save_hf=false save_final=false \
+    actor_optim.cpu_offload_fraction="${FRACTION:-1.0}" output_dir=/tmp/big-run resume=never overwrite=true \
+    2>&1 | grep -v "Warning\|warn" | tee "$OUT/big_7b.log" || status=1
+  kill "$sampler"
+  cp /tmp/big-run/metrics.jsonl "$OUT/big_7b_metrics.jsonl"
+  sort -k4 -n "$OUT/big_memory.log" | tail -1 | sed 's/^/highest host use: /'
+  exit $status
+fi
 if [ "$stage" = pipeline ] || [ "$stage" = all ]; then
   pipeline 1
 fi

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest
@@ -126,15 +127,23 @@ def _torch_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
 
 
 def _allocate_adam_state(optimizer: object) -> None:
-    """Zero Adam state (moments and step) for parameters that have none yet; loading overwrites it."""
+    """Zero Adam state (moments and step) for parameters that have none yet; loading overwrites it.
+
+    A ``HybridDeviceOptimizer`` (``cpu_offload_fraction``) keeps the state in its sub-optimizers,
+    keyed by their own fp32 copies (on the host for the offloaded share): it is allocated there,
+    beside each copy, and then published to the wrapper (which adds ``master_param``)."""
     for torch_optimizer in _torch_optimizers(optimizer):
-        for group in torch_optimizer.param_groups:
-            for param in group["params"]:
-                state = torch_optimizer.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
+        hybrid = isinstance(torch_optimizer, HybridDeviceOptimizer)
+        for inner in torch_optimizer.sub_optimizers if hybrid else [torch_optimizer]:
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    state = inner.state[param]
+                    if not state:
+                        state["step"] = torch.zeros((), dtype=torch.float32)
+                        state["exp_avg"] = torch.zeros_like(param)
+                        state["exp_avg_sq"] = torch.zeros_like(param)
+        if hybrid:
+            torch_optimizer._sync_sub_optimizers_state_to_hdo()
 
 
 def _unshare_adam_steps(optimizer: object) -> None:

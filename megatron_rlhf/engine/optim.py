@@ -6,6 +6,13 @@
 * With ``calculate_per_token_loss`` the schedule divides gradients by the global loss denominator
   (summed over micro-batches and DP ranks), so updates do not depend on the layout.
 * bf16 parameters get fp32 main parameters inside the optimizer (megatron's mixed precision).
+* ``cpu_offload_fraction > 0`` keeps that share of the optimizer state (fp32 main parameters, Adam
+  moments, a gradient copy) in host memory and steps it there: megatron's ``HybridDeviceOptimizer``
+  inside the distributed optimizer, in its precision-aware mode (the optimizer holds the bf16
+  parameter shards and makes the fp32 masters itself, on the host for the offloaded share), the
+  combination megatron documents for the offload. It is what lets a 7B-class model with a
+  reference train on one GPU; each step then pays a device -> host gradient copy, a CPU Adam step
+  and a host -> device parameter copy.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ class OptimConfig:
     decay_steps: int = 1000
     distributed_optimizer: bool = True
     """Shard optimizer states over data-parallel ranks (ZeRO-1)."""
+    cpu_offload_fraction: float = 0.0
+    """Share of the optimizer state (by parameter count, whole parameters) kept in host memory and
+    updated by a CPU Adam: 0 keeps it all on the device, 1 all on the host. Needs
+    distributed_optimizer (megatron supports the offload only there)."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
@@ -54,6 +65,10 @@ class OptimConfig:
             errors.append(f"lr={self.lr} must be > 0")
         elif not 0 <= self.min_lr <= self.lr:
             errors.append(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if not 0.0 <= self.cpu_offload_fraction <= 1.0:
+            errors.append(f"cpu_offload_fraction={self.cpu_offload_fraction} must be in [0, 1]")
+        elif self.cpu_offload_fraction > 0 and not self.distributed_optimizer:
+            errors.append(f"cpu_offload_fraction={self.cpu_offload_fraction} needs distributed_optimizer=true")
         return errors
 
 
@@ -66,10 +81,27 @@ class TrainState:
     step: int = 0
 
 
+def _offload_settings(fraction: float) -> dict:
+    """megatron's optimizer settings for ``OptimConfig.cpu_offload_fraction`` (none when 0)."""
+    if fraction == 0:
+        return {}
+    # overlap_cpu_optimizer_d2h_h2d (one CPU optimizer per parameter, copies on side streams) stays
+    # off: one CPU Adam over all offloaded parameters is the simpler path, and no gain was measured.
+    # The host gradient copies are not pinned: torch's pinned allocator rounds every block up to a
+    # power of two and caches it, which for a 7B model's 30 GB of fp32 gradients came to ~59 GB.
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction, "use_precision_aware_optimizer": True,
+            "pin_cpu_grads": False, "pin_cpu_params": False}
+
+
 def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
     model = role.model
     pg = role.groups.pg_collection
     params_dtype = model.config.params_dtype
+    if cfg.cpu_offload_fraction and params_dtype == torch.float32:
+        # megatron's offload steps bf16/fp16 parameter shards with fp32 masters of its own; fp32
+        # shards are views it cannot hand to a torch optimizer ("can't optimize a non-leaf Tensor").
+        raise ValueError(f"cpu_offload_fraction={cfg.cpu_offload_fraction} needs bf16 or fp16 parameters "
+                         "(dtype=bf16; dtype=auto is fp32 in CPU mode)")
     # Read by DDP at construction (it decides how DP gradients are scaled): set it first.
     model.config.calculate_per_token_loss = True
     ddp_model = DistributedDataParallel(
@@ -96,11 +128,16 @@ def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
             fp16=params_dtype == torch.float16,
             params_dtype=params_dtype,
             use_distributed_optimizer=cfg.distributed_optimizer,
+            **_offload_settings(cfg.cpu_offload_fraction),
         ),
         [ddp_model],
         use_gloo_process_groups=False,
         pg_collection=pg,
     )
+    if cfg.cpu_offload_fraction and next(model.parameters()).is_cuda:
+        # The offload's split staged each parameter through a pinned block, kept by torch's host
+        # cache (rounded up to powers of two: ~30 GB for a 7B model): give it back.
+        torch._C._host_emptyCache()
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if cfg.warmup_steps else cfg.lr,

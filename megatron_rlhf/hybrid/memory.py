@@ -8,7 +8,9 @@ Nothing here creates process groups. On CPU (CPU mode) there is no device memory
 calls only report.
 
 Main parameters that alias the model's own parameters (fp32 training) are left in place: moving
-them would break the aliasing the optimizer relies on.
+them would break the aliasing the optimizer relies on. With ``cpu_offload_fraction`` the optimizer
+state it keeps on the host (fp32 masters, moments, gradient copies) stays where it is; only the share
+on the device moves.
 
 Gradient buffers are released only once the model has taken an optimizer step: with fp32 parameters
 on a GPU, releasing megatron's buffers before the first step made the next ``zero_grad_buffer``
@@ -22,6 +24,7 @@ import dataclasses
 import time
 
 import torch
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.models.architecture import Architecture
@@ -51,15 +54,27 @@ def generation_bytes(arch: Architecture, *, train: Layout, generation_tp: int, w
     return needs
 
 
+def _torch_optimizers(state: TrainState) -> list[torch.optim.Optimizer]:
+    """The torch optimizers that hold the state: a ``HybridDeviceOptimizer``'s (``cpu_offload_fraction``)
+    sub-optimizers, the share it keeps on the device and the share on the host, each keyed by its
+    own fp32 copies of the parameters (its own ``state`` holds the same dicts)."""
+    found = []
+    for inner in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        torch_optimizer = inner.optimizer
+        found += torch_optimizer.sub_optimizers if isinstance(torch_optimizer, HybridDeviceOptimizer) else [torch_optimizer]
+    return found
+
+
 def optimizer_bytes_to_come(state: TrainState) -> int:
-    """Adam moments (2 x fp32 of each main-parameter shard) that torch's Adam has not allocated yet:
-    it does so at the first step, so memory measured before it understates the training peak."""
-    allocated = sum(len(s) > 0 for inner in getattr(state.optimizer, "chained_optimizers", [state.optimizer])
-                    for s in inner.optimizer.state.values())  # fmt: skip
-    if allocated:
+    """Device bytes of the Adam moments (2 x fp32 of each main parameter on the device) that torch's
+    Adam has not allocated yet: it does so at the first step, so memory measured before it
+    understates the training peak. Moments of parameters the optimizer keeps on the host
+    (``cpu_offload_fraction``) take no device memory and are not counted."""
+    optimizers = _torch_optimizers(state)
+    if any(len(s) > 0 for optimizer in optimizers for s in optimizer.state.values()):
         return 0
-    local = sum(p.numel() for p in state.role.model.parameters())
-    return 8 * local // state.role.groups.layout.dp
+    return sum(8 * p.numel() for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
+               if p.is_cuda)  # fmt: skip
 
 
 def decide_offload(mode: str, *, generation_needs: int, free: int, total: int) -> tuple[bool, str]:
@@ -96,11 +111,11 @@ class TrainingMemory:
         self._grads_released = False
 
     def _movable(self) -> list[tuple[object, str | None, torch.Tensor]]:
-        """(owner, state key or None for a parameter, tensor) for every optimizer tensor on a GPU."""
+        """(owner, state key or None for a parameter, tensor) for every optimizer tensor on a GPU; the
+        state an offloading optimizer keeps on the host stays there."""
         model_storages = {p.untyped_storage().data_ptr() for p in self.state.role.model.parameters()}
         found = []
-        for inner in getattr(self.state.optimizer, "chained_optimizers", [self.state.optimizer]):
-            torch_optimizer = inner.optimizer
+        for torch_optimizer in _torch_optimizers(self.state):
             for group in torch_optimizer.param_groups:
                 for param in group["params"]:
                     if param.is_cuda and param.untyped_storage().data_ptr() not in model_storages:

@@ -56,6 +56,16 @@ _LLAMA_1_5B = {
     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
 }  # fmt: skip
 
+# Qwen2.5-7B dimensions with Llama layers (7.6B parameters, untied): the one-GPU 7B benchmark shape.
+# Written once in bf16 (15 GB): each tensor is drawn in fp32 and cast on its own, so the host holds
+# the bf16 tensors plus one fp32 tensor (the largest, an embedding, 2.2 GB) at a time.
+_LLAMA_7B = {
+    **_LLAMA,
+    "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-llama": {**_TINY, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
     "tiny-llama-rm": {**_TINY, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
@@ -63,6 +73,7 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "arith-llama-rm": {**_ARITH, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
                        "dtype": "float32"},
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
+    "llama-7b": {**_LLAMA_7B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
 INIT_STD = 0.02
 BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")

@@ -58,6 +58,9 @@ class _NullStream:
     def __exit__(self, *exc: Any) -> None:
         return None
 
+    def record_event(self, *args: Any, **kwargs: Any) -> "_NullStream":
+        return _NullStream()
+
     def elapsed_time(self, other: Any) -> float:
         return 0.0
 
@@ -219,12 +222,75 @@ def _tensors_look_like_cuda(func: Any) -> Any:
     return wrapper
 
 
+@contextlib.contextmanager
+def _tensor_methods(**methods: Any) -> Any:
+    """Temporarily give ``torch.Tensor`` these attributes (all inherited from the C base class)."""
+    for attr, value in methods.items():
+        setattr(torch.Tensor, attr, value)
+    try:
+        yield
+    finally:
+        for attr in methods:
+            delattr(torch.Tensor, attr)
+
+
+def _hybrid_split_on_cpu(split: Any) -> Any:
+    """``HybridDeviceOptimizer`` splits the parameters it is given by ``is_cuda``, copies the share it
+    offloads with ``.cpu().pin_memory()`` and makes fp32 copies of the rest beside them. In CPU mode
+    the parameters it was given, and copies made from them, stand for device tensors; ``.cpu()``
+    makes a host copy; pinning is a no-op. So the split, the copies and the copy-back run as on a GPU."""
+    clone, to_float = torch.Tensor.clone, torch.Tensor.float
+
+    @functools.wraps(split)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The given parameters by storage (they stay alive), copies by a mark on the copy (the
+        # storage of a freed temporary can be reused by a host copy).
+        given = {p.untyped_storage().data_ptr() for group in self.param_groups for p in group["params"]}
+
+        def on_device(t: torch.Tensor) -> bool:
+            return getattr(t, "_cpu_mode_on_device", False) or t.untyped_storage().data_ptr() in given
+
+        def same_place(make: Any) -> Any:
+            def copy(t: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+                result = make(t, *a, **k)
+                if on_device(t):
+                    result._cpu_mode_on_device = True
+                return result
+
+            return copy
+
+        with _tensor_methods(is_cuda=property(on_device), clone=same_place(clone), float=same_place(to_float),
+                             cpu=lambda t: clone(t), pin_memory=lambda t, *a, **k: t):  # fmt: skip
+            return split(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _device_moves_stay_on_cpu(func: Any) -> Any:
+    """``tensor.to("cuda")`` -> the tensor on the CPU, during ``func``."""
+    original_to = torch.Tensor.to
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def to(t: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            return original_to(t, *(_to_cpu_device(x) if isinstance(x, (str, int)) else x for x in a), **k)
+
+        with _tensor_methods(to=to):
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
 def _patch_known_cuda_paths(module: types.ModuleType) -> None:
     """Narrow fixes for megatron code that calls CUDA through tensor methods or ``torch._C``."""
     name = module.__name__
     if name == "megatron.core.tensor_parallel.random":
         module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
         module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    if name == "megatron.core.optimizer.cpu_offloading.hybrid_optimizer":
+        hdo = module.HybridDeviceOptimizer
+        hdo._get_sub_optimizer_param_groups = _hybrid_split_on_cpu(hdo._get_sub_optimizer_param_groups)
+        hdo._move_new_state_to_right_device = _device_moves_stay_on_cpu(hdo._move_new_state_to_right_device)
     for qualified in _USES_CUDA_TENSOR_METHODS.get(name, ()):
         *owner_path, attr = qualified.split(".")
         owner = getattr(module, owner_path[0]) if owner_path else module

@@ -73,7 +73,10 @@ class LoopConfig(RunConfig):
     """Write the trained model to output_dir/hf as an HF checkpoint (from_pretrained loads it)."""
     save_every: int = 0
     """Save a resumable checkpoint under output_dir/checkpoints/step_N every this many steps; 0: only
-    at the end (a checkpoint is always written when the run completes)."""
+    at the end (a checkpoint is written when the run completes, unless save_final=false)."""
+    save_final: bool = True
+    """Write a resumable checkpoint when the run completes. false: only save_every's and a stop's
+    (for a benchmark whose optimizer state, e.g. a 7B model's 91 GB, should not go to disk)."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
     async_save: bool = False
@@ -236,7 +239,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     if cfg.save_hf:
         export_hf(task.export_role, task.tokenizer, out_dir / "hf")
         summary["hf_dir"] = str(out_dir / "hf")
-    if resumed_step != total:  # after the export: a save that fails cannot cost the trained model
+    if cfg.save_final and resumed_step != total:  # after the export: a save that fails cannot cost the trained model
         save(total)
     writer.wait()
     if is_rank0():
