@@ -132,6 +132,12 @@ def test_the_1_5b_preset_is_the_issue_12_command_and_plans() -> None:
     assert actor.optimizer == 12 * actor.parameters and actor.grads == 4 * actor.parameters
     assert plan.kv_cache == 28 * 256 * 2 * 384 * 2 * 128 * 2 and plan.generation_copy == 0
     assert not plan.offload and plan.peak == plan.peaks["keep"]
+    # Half the optimizer state on the host: half of it on the device, and the step's fp32 workspace
+    # (4 bytes a parameter) counted through the update phase.
+    half = plan_ppo(load_config("ppo-grpo-1.5b", ["actor_optim.cpu_offload_fraction=0.5"], schema=PPOConfig), 1,
+                    int(139.8 * GIB)).models[0]  # fmt: skip
+    assert half.optimizer == 6 * actor.parameters
+    assert half.training_activations == actor.training_activations + 4 * actor.parameters
 
 
 @pytest.fixture
