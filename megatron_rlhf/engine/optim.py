@@ -86,7 +86,7 @@ def _offload_settings(fraction: float) -> dict:
     if fraction == 0:
         return {}
     # overlap_cpu_optimizer_d2h_h2d (one CPU optimizer per parameter, copies on side streams) stays
-    # off: one CPU Adam over all offloaded parameters is the simpler path, and no gain was measured.
+    # off: one CPU Adam over all offloaded parameters is the simpler path (its gain is not measured yet).
     # The host gradient copies are not pinned: torch's pinned allocator rounds every block up to a
     # power of two and caches it, which for a 7B model's 30 GB of fp32 gradients came to ~59 GB.
     return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction, "use_precision_aware_optimizer": True,
