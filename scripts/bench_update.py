@@ -8,6 +8,11 @@ vocab-parallel log-probs at the sampling temperature, entropy, the clipped surro
 the plain step is megatron's ``vocab_parallel_cross_entropy`` NLL. Reported: tokens/s, MFU
 (6 N + 12 L h s FLOPs per token against the bf16 matmul peak measured in the same run and the
 989 TFLOP/s datasheet figure), and the ratio PPO / plain.
+
+``--skewed``: rows of random lengths from 16 to ``--seq-len`` (right-padded) instead of full rows, and
+beside them a batch of as many rows all of the mean length (the same real tokens): the PPO step's
+time on each, their ratio (1.0: padding costs nothing) and the padded tokens the micro-batches
+computed. Tokens/s and MFU then count real tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--skewed", action="store_true", help="rows of 16..seq-len tokens vs rows of their mean length")
     args = parser.parse_args()
 
     from megatron.core import tensor_parallel
@@ -52,6 +58,7 @@ def main() -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.engine.objectives import PPOLossConfig, ppo_actor_loss
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+    from megatron_rlhf.engine.schedule import micro_batches
     from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.metrics.log import log
     from megatron_rlhf.parallel.distributed import init_distributed
@@ -64,18 +71,30 @@ def main() -> None:
     state = make_train_state(role, OptimConfig(lr=1e-6, clip_grad=1.0))
 
     g = torch.Generator().manual_seed(0)
-    shape = (args.batch, args.seq_len)
-    response = torch.zeros(shape)
-    response[:, args.seq_len // 4 :] = 1.0  # a quarter prompt, three quarters response
-    batch = {
-        "input_ids": torch.randint(0, arch.vocab_size, shape, generator=g),
-        "attention_mask": torch.ones(shape, dtype=torch.long),
-        "response_mask": response,
-        "loss_mask": response,
-        "old_logprobs": -10.0 + 0.1 * torch.randn(shape, generator=g),
-        "ref_logprobs": -10.0 + 0.1 * torch.randn(shape, generator=g),
-        "advantages": torch.randn(shape, generator=g) * response,
-    }
+
+    def make_batch(lengths: list[int]) -> dict[str, torch.Tensor]:
+        """Right-padded rows of these lengths, each a quarter prompt and three quarters response."""
+        shape = (len(lengths), max(lengths))
+        positions = torch.arange(shape[1])
+        length = torch.tensor(lengths)[:, None]
+        mask = (positions < length).long()
+        response = ((positions >= length // 4) & (positions < length)).float()
+        return {
+            "input_ids": torch.randint(0, arch.vocab_size, shape, generator=g) * mask,
+            "attention_mask": mask,
+            "response_mask": response,
+            "loss_mask": response,
+            "old_logprobs": -10.0 + 0.1 * torch.randn(shape, generator=g),
+            "ref_logprobs": -10.0 + 0.1 * torch.randn(shape, generator=g),
+            "advantages": torch.randn(shape, generator=g) * response,
+        }
+
+    if args.skewed:
+        lengths = torch.randint(16, args.seq_len + 1, (args.batch,), generator=g).tolist()
+        batch = make_batch(lengths)
+        same_tokens = make_batch([round(sum(lengths) / len(lengths))] * args.batch)
+    else:
+        batch = make_batch([args.seq_len] * args.batch)
     ppo = ppo_actor_loss(role, PPOLossConfig(entropy_coef=0.01, kl_loss_coef=0.01), temperature=0.7)
     tp_group = role.groups.pg_collection.tp
 
@@ -87,7 +106,7 @@ def main() -> None:
         mask = piece["loss_mask"][:, 1:]
         return (nll * mask).sum(), mask.sum(), {}
 
-    def timed_steps(loss_fn) -> float:
+    def timed_steps(loss_fn, batch: dict[str, torch.Tensor] = batch) -> float:
         for _ in range(args.warmup):
             train_step(state, batch, loss_fn, max_tokens_per_micro_batch=args.max_tokens)
         if on_gpu:
@@ -101,12 +120,14 @@ def main() -> None:
         dist.barrier()
         return (time.perf_counter() - start) / args.steps
 
-    # Alternate the two twice so that neither benefits from running second.
-    times = {"plain": [], "ppo": []}
+    # Alternate the runs twice so that none benefits from running later.
+    times = {"plain": [], "ppo": [], **({"ppo_same_tokens_uniform": []} if args.skewed else {})}
     for _ in range(2):
         times["plain"].append(timed_steps(plain_nll))
         times["ppo"].append(timed_steps(ppo))
-    tokens = args.batch * args.seq_len
+        if args.skewed:
+            times["ppo_same_tokens_uniform"].append(timed_steps(ppo, same_tokens))
+    tokens = int(batch["attention_mask"].sum())
     params = sum(p.numel() for p in role.model.parameters())
     embedding = arch.vocab_size * arch.hidden_size / env.world_size
     flops_per_token = 6 * (params - embedding) * env.world_size + 12 * arch.num_layers * arch.hidden_size * args.seq_len
@@ -122,6 +143,11 @@ def main() -> None:
         result[f"{name}_MFU_vs_measured_peak"] = throughput * flops_per_token / env.world_size / peak
         result[f"{name}_MFU_vs_989_TFLOPs"] = throughput * flops_per_token / env.world_size / 989e12
     result["ratio_ppo_over_plain"] = result["ppo_tokens_per_s"] / result["plain_tokens_per_s"]
+    if args.skewed:
+        pieces, _ = micro_batches(batch, args.max_tokens, role.groups, torch.device("cpu"))
+        result["skewed_lengths"] = f"{min(lengths)}-{max(lengths)}, mean {sum(lengths) / len(lengths):.0f}"
+        result["skewed_padded_tokens_computed"] = sum(p["input_ids"].numel() for p in pieces) - tokens
+        result["ratio_skewed_over_same_tokens_uniform"] = result["ppo_step_s"] / result["ppo_same_tokens_uniform_step_s"]
     if on_gpu:
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
     log(json.dumps(result, indent=1))

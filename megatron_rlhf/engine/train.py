@@ -34,7 +34,7 @@ def train_step(
     """
     role, model = state.role, state.ddp_model
     device = _device(model)
-    pieces = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device, group_size=group_size)
+    pieces, _ = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device, group_size=group_size)
     model.train()
     model.zero_grad_buffer()
     state.optimizer.zero_grad()
@@ -118,11 +118,12 @@ def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]], role: RoleMo
 @torch.no_grad()
 def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int) -> torch.Tensor | None:
     """Apply ``output_fn(micro_batch, model_output)`` to every micro-batch; results are padded back
-    to the batch's width and concatenated (B, S, ...) on the last pipeline stage, None elsewhere."""
+    to the batch's width and concatenated (B, S, ...) in the batch's row order on the last pipeline
+    stage, None elsewhere."""
     model = role.model
     device = _device(model)
     width = batch["input_ids"].shape[1]
-    pieces = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device)
+    pieces, rows = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device)
     was_training = model.training
     model.eval()
     outputs = run_schedule(model, role.groups, pieces, output_fn, forward_only=True)
@@ -130,7 +131,7 @@ def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_toke
     if not role.groups.is_last_stage:
         return None
     padded = [torch.nn.functional.pad(o, (0, 0) * (o.dim() - 2) + (0, width - o.shape[1])) for o in outputs]
-    return torch.cat(padded)
+    return torch.cat(padded)[torch.argsort(rows).to(device)]
 
 
 def forward_outputs(role: RoleModel, input_ids: torch.Tensor, micro_batch_size: int) -> torch.Tensor | None:
