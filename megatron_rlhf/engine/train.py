@@ -119,7 +119,8 @@ def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]], role: RoleMo
 def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int) -> torch.Tensor | None:
     """Apply ``output_fn(micro_batch, model_output)`` to every micro-batch; results are padded back
     to the batch's width and concatenated (B, S, ...) in the batch's row order on the last pipeline
-    stage, None elsewhere."""
+    stage, None elsewhere. Positions without a token (``attention_mask`` 0) hold 0: what a model
+    computes there depends on which rows shared its micro-batch, so on the layout and the budget."""
     model = role.model
     device = _device(model)
     width = batch["input_ids"].shape[1]
@@ -130,7 +131,10 @@ def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_toke
     model.train(was_training)
     if not role.groups.is_last_stage:
         return None
-    padded = [torch.nn.functional.pad(o, (0, 0) * (o.dim() - 2) + (0, width - o.shape[1])) for o in outputs]
+    padded = []
+    for piece, output in zip(pieces, outputs):
+        real = piece["attention_mask"].bool().reshape(*output.shape[:2], *(1,) * (output.dim() - 2))
+        padded.append(torch.nn.functional.pad(output.masked_fill(~real, 0), (0, 0) * (output.dim() - 2) + (0, width - output.shape[1])))
     return torch.cat(padded)[torch.argsort(rows).to(device)]
 
 
