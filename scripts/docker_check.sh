@@ -27,7 +27,10 @@ stage() { printf '[%4ds] %s\n' "$SECONDS" "$*"; }
 if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null || ! command -v runc >/dev/null; then
   command -v apt-get >/dev/null || skip "podman/debootstrap/runc missing and no apt-get"
   stage "apt-get install podman debootstrap runc"
-  apt-get install -y -q podman debootstrap runc >/dev/null || skip "apt-get could not install podman debootstrap runc"
+  # A fresh machine may have no package lists yet: update them once if the install fails.
+  apt-get install -y -q podman debootstrap runc >/dev/null \
+    || { apt-get update -q >/dev/null && apt-get install -y -q podman debootstrap runc >/dev/null; } \
+    || skip "apt-get could not install podman debootstrap runc"
 fi
 PY="$(command -v "${PYTHON312:-python3.12}")" || skip "no python3.12 to copy into the base (set PYTHON312)"
 PREFIX="$("$PY" -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.base_prefix)')" \

@@ -24,7 +24,11 @@ missing() { for cmd in munged mungekey slurmctld slurmd sbatch scontrol; do comm
 if missing; then
   if [[ "${SLURM_CHECK_INSTALL:-0}" == 1 && "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
     say "installing slurm-wlm and munge (SLURM_CHECK_INSTALL=1)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null
+    # A fresh machine may have no package lists yet: update them once if the install fails.
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; then
+      apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null \
+        || { say "skipped: apt-get could not install slurm-wlm and munge"; exit 0; }
+    fi
   else
     say "skipped: slurm-wlm/munge are not installed (SLURM_CHECK_INSTALL=1 installs them with apt-get, as root)"
     exit 0
