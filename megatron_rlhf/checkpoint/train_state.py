@@ -47,7 +47,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest
-from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.engine.optim import TrainState, torch_optimizers
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 STATE_FILE = "train_state.json"
@@ -201,33 +201,28 @@ def _tolerate_missing_step() -> Iterator[None]:
         DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
-def _torch_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
-    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
 def _allocate_adam_state(optimizer: object) -> None:
     """Zero Adam state (moments and step) for parameters that have none yet; loading overwrites it.
 
     A ``HybridDeviceOptimizer`` (``cpu_offload_fraction``) keeps the state in its sub-optimizers,
     keyed by their own fp32 copies (on the host for the offloaded share): it is allocated there,
     beside each copy, and then published to the wrapper (which adds ``master_param``)."""
-    for torch_optimizer in _torch_optimizers(optimizer):
-        hybrid = isinstance(torch_optimizer, HybridDeviceOptimizer)
-        for inner in torch_optimizer.sub_optimizers if hybrid else [torch_optimizer]:
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    state = inner.state[param]
-                    if not state:
-                        state["step"] = torch.zeros((), dtype=torch.float32)
-                        state["exp_avg"] = torch.zeros_like(param)
-                        state["exp_avg_sq"] = torch.zeros_like(param)
-        if hybrid:
+    for torch_optimizer in torch_optimizers(optimizer, split_offloaded=True):
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                state = torch_optimizer.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+    for torch_optimizer in torch_optimizers(optimizer):
+        if isinstance(torch_optimizer, HybridDeviceOptimizer):
             torch_optimizer._sync_sub_optimizers_state_to_hdo()
 
 
 def _unshare_adam_steps(optimizer: object) -> None:
     """Give every parameter its own copy of the Adam ``step`` tensor."""
-    for torch_optimizer in _torch_optimizers(optimizer):
+    for torch_optimizer in torch_optimizers(optimizer):
         for param_state in torch_optimizer.state.values():
             if "step" in param_state:
                 old = param_state["step"]

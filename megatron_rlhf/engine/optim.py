@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rlhf.config.fields import at_least, check_on_init, one_of
@@ -79,6 +80,19 @@ class TrainState:
     optimizer: object
     scheduler: OptimizerParamScheduler
     step: int = 0
+
+
+def torch_optimizers(optimizer: object, *, split_offloaded: bool = False) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's (chained) optimizer. With ``split_offloaded``, a
+    ``HybridDeviceOptimizer`` (``cpu_offload_fraction``) is replaced by its sub-optimizers: they hold
+    the state, keyed by their own fp32 copies of the parameters (the offloaded share's on the host);
+    the wrapper's own ``state`` holds the same dicts once synchronised."""
+    found = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        hybrid = split_offloaded and isinstance(torch_optimizer, HybridDeviceOptimizer)
+        found += torch_optimizer.sub_optimizers if hybrid else [torch_optimizer]
+    return found
 
 
 def _offload_settings(fraction: float) -> dict:

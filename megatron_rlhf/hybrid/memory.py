@@ -24,9 +24,8 @@ import dataclasses
 import time
 
 import torch
-from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-from megatron_rlhf.engine.optim import TrainState
+from megatron_rlhf.engine.optim import TrainState, torch_optimizers
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import Layout
 
@@ -54,23 +53,12 @@ def generation_bytes(arch: Architecture, *, train: Layout, generation_tp: int, w
     return needs
 
 
-def _torch_optimizers(state: TrainState) -> list[torch.optim.Optimizer]:
-    """The torch optimizers that hold the state: a ``HybridDeviceOptimizer``'s (``cpu_offload_fraction``)
-    sub-optimizers, the share it keeps on the device and the share on the host, each keyed by its
-    own fp32 copies of the parameters (its own ``state`` holds the same dicts)."""
-    found = []
-    for inner in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-        torch_optimizer = inner.optimizer
-        found += torch_optimizer.sub_optimizers if isinstance(torch_optimizer, HybridDeviceOptimizer) else [torch_optimizer]
-    return found
-
-
 def optimizer_bytes_to_come(state: TrainState) -> int:
     """Device bytes of the Adam moments (2 x fp32 of each main parameter on the device) that torch's
     Adam has not allocated yet: it does so at the first step, so memory measured before it
     understates the training peak. Moments of parameters the optimizer keeps on the host
     (``cpu_offload_fraction``) take no device memory and are not counted."""
-    optimizers = _torch_optimizers(state)
+    optimizers = torch_optimizers(state.optimizer, split_offloaded=True)
     if any(len(s) > 0 for optimizer in optimizers for s in optimizer.state.values()):
         return 0
     return sum(8 * p.numel() for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
@@ -115,7 +103,7 @@ class TrainingMemory:
         state an offloading optimizer keeps on the host stays there."""
         model_storages = {p.untyped_storage().data_ptr() for p in self.state.role.model.parameters()}
         found = []
-        for torch_optimizer in _torch_optimizers(self.state):
+        for torch_optimizer in torch_optimizers(self.state.optimizer, split_offloaded=True):
             for group in torch_optimizer.param_groups:
                 for param in group["params"]:
                     if param.is_cuda and param.untyped_storage().data_ptr() not in model_storages:
