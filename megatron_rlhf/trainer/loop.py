@@ -121,6 +121,8 @@ class Task(Protocol):
     """Examples per step over all ranks (sequences, preference pairs, prompts)."""
     batch_description: str
     """How a step's batch is made up, for the plan line (e.g. ``prompts, 8 per step x 4 samples``)."""
+    layouts: str
+    """Every model's layout (and where generation runs), for the start-up report."""
     headline: tuple[str, str]
     """The metric whose first and last values the summary keeps, and its name in the final line."""
     evaluate: Callable[[], tuple[dict[str, float], StepRows]] | None
@@ -206,8 +208,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
         + (f" ({left_over} examples of each epoch's shuffle left for later epochs)" if left_over else "")
         + f"; {total} steps ({total / per_epoch:.2f} epochs)")  # fmt: skip
     log(environment_report())
-    log("layouts: " + ", ".join(f"{name} {role.groups.layout}" for name, role in
-                                [*((n, s.role) for n, s in task.train_states().items()), *task.changing_weights().items()]))  # fmt: skip
+    log(f"layouts: {task.layouts}")
     metric, label = task.headline
     stem = metric.replace("/", "_")
     summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}

@@ -130,9 +130,6 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
                                      max_seq_len=min(rollout.engine.max_seq_len, longest))  # fmt: skip
     hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg,
                           offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env))  # fmt: skip
-    models = {"actor": actor.role, "critic": critic.role if critic else None, "reference": reference, "reward": reward_model}
-    log("model layouts: " + ", ".join(f"{name} {role.groups.layout}" for name, role in models.items() if role is not None)
-        + f"; {hybrid.layout_description}")  # fmt: skip
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
                     max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
     recompute, reason = old_logprob_pass(cfg)
@@ -172,6 +169,14 @@ class PPOTask:
     @property
     def batch_description(self) -> str:
         return f"prompts, {self.batch_size} per step x {self.run.cfg.rollout.sampling.n} samples"
+
+    @property
+    def layouts(self) -> str:
+        run = self.run
+        models = {"actor": run.actor.role, "critic": run.critic.role if run.critic else None, "reference": run.reference,
+                  "reward": run.reward_model}  # fmt: skip
+        return (", ".join(f"{name} {role.groups.layout}" for name, role in models.items() if role is not None)
+                + f"; {run.hybrid.layout_description}")  # fmt: skip
 
     @property
     def export_role(self) -> RoleModel:

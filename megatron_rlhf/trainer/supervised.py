@@ -181,6 +181,10 @@ class SupervisedTask:
         return f"training examples, global batch {self.batch_size} ({self.batch_size // dp} per DP rank x {dp})"
 
     @property
+    def layouts(self) -> str:
+        return f"{self.run.role.role} {self.run.role.groups.layout}"
+
+    @property
     def evaluate(self) -> Callable[[], tuple[dict[str, float], StepRows]] | None:
         figures = self.figures
         return None if figures is None else lambda: (figures(), {})

@@ -33,7 +33,7 @@ PPO_ARGS = (
     "algorithm.advantage_estimator=gae", "algorithm.kl_penalty.coef=0.05", "algorithm.loss.kl_loss_coef=0",
     "prompts_per_step=8", "mini_batch_size=8", "ppo_epochs=1",
 )  # fmt: skip
-LAYOUT_LINE = ("model layouts: actor TP4xPP2xDP1, critic TP4xPP2xDP1, reference TP2xPP1xDP4, reward TP1xPP2xDP4; "
+LAYOUT_LINE = ("layouts: actor TP4xPP2xDP1, critic TP4xPP2xDP1, reference TP2xPP1xDP4, reward TP1xPP2xDP4; "
                "generation TP2xPP1xDP4 (resharded from the actor's TP4xPP2xDP1)")  # fmt: skip
 
 
