@@ -78,10 +78,10 @@ def copy_problems(dockerfile: Path, context: Path) -> list[str]:
     for line, keyword, arguments in dockerfile_instructions(dockerfile):
         if keyword not in ("COPY", "ADD"):
             continue
-        words = [w for w in shlex.split(arguments) if not w.startswith("--")]
-        if any(w.startswith("--from") for w in shlex.split(arguments)):
+        words = shlex.split(arguments)
+        if any(w.startswith("--from") for w in words):
             continue  # from another stage or image, not the context
-        for source in words[:-1]:
+        for source in [w for w in words if not w.startswith("--")][:-1]:
             path = context / source
             where = f"{dockerfile.name}:{line}: {keyword} {source}"
             if not path.exists():
