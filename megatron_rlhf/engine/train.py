@@ -34,11 +34,7 @@ def train_step(
     """
     role, model = state.role, state.ddp_model
     device = _device(model)
-    pieces, _ = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device, group_size=group_size)
-    model.train()
-    model.zero_grad_buffer()
-    state.optimizer.zero_grad()
-    per_micro_batch = run_schedule(model, role.groups, pieces, _loss_step(loss_fn), forward_only=False)
+    per_micro_batch = _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size)
     lr = state.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it next)
     metrics = _reduce_metrics(per_micro_batch, role, device)
     _inject_nan_for_test(model, state.step)
@@ -53,6 +49,28 @@ def train_step(
     metrics["lr"] = lr
     metrics["update_skipped"] = 0.0 if update_ok else 1.0
     return metrics
+
+
+def warm_up_step(
+    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1
+) -> None:  # fmt: skip
+    """``train_step``'s forward and backward with no optimizer step, the gradients discarded: the
+    first step's one-time costs (kernel compilation, the allocator growing to the step's peak) are
+    paid here, and the model, its optimizer and the schedule are left exactly as they were."""
+    _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size)
+    state.ddp_model.zero_grad_buffer()
+    state.optimizer.zero_grad()
+
+
+def _forward_backward(state: TrainState, batch: Batch, loss_fn: LossFn, max_tokens: int, group_size: int) -> list:
+    """Gradients of ``batch`` in the model's (zeroed) gradient buffers, reduced over DP; returns the
+    loss step's per-micro-batch figures (last pipeline stage)."""
+    model = state.ddp_model
+    pieces, _ = micro_batches(batch, max_tokens, state.role.groups, _device(model), group_size=group_size)
+    model.train()
+    model.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    return run_schedule(model, state.role.groups, pieces, _loss_step(loss_fn), forward_only=False)
 
 
 def _grads_finite_everywhere(model: torch.nn.Module, device: torch.device) -> bool:

@@ -149,14 +149,19 @@ class Scorer:
         return Sample(c.prompt_ids, c.token_ids, decode(c.prompt_ids), decode(c.text_ids(self.stop_ids)), c.finish_reason,
                       extras)  # fmt: skip
 
+    def reward_model_scores(self, batch: Batch) -> torch.Tensor:
+        """(rows,) the reward model's score of each row: its output at the row's last token."""
+        assert self.reward_model is not None
+        values = forward_all_rows(self.reward_model, {k: batch[k] for k in ("input_ids", "attention_mask")},
+                                  values_output(), max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)  # fmt: skip
+        return values[torch.arange(len(values)), batch["lengths"] - 1]
+
     def score(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]], decode) -> Scores:
         """Every part of every row (``extras[c.prompt_index]`` is the prompt row of completion c)."""
         parts: dict[str, torch.Tensor] = {}
         custom_metrics: dict[str, float] = {}
         if self.reward_model is not None:
-            values = forward_all_rows(self.reward_model, {k: batch[k] for k in ("input_ids", "attention_mask")},
-                                      values_output(), max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)  # fmt: skip
-            parts[REWARD_MODEL] = values[torch.arange(len(completions)), batch["lengths"] - 1]
+            parts[REWARD_MODEL] = self.reward_model_scores(batch)
         if self.rules or self.function is not None:
             rank, world = dist.get_rank(), dist.get_world_size()
             mine = [self.sample(c, extras[c.prompt_index], decode) for c in completions[rank::world]]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf.algorithms.advantages import compute_advantages
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLController, apply_kl_penalty, build_kl_controller, controller_kl
@@ -44,7 +45,7 @@ from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.engine.objectives import UpdateLogprobs, critic_loss, logprobs_output, ppo_actor_loss, token_values_output
 from megatron_rlhf.engine.optim import TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn
-from megatron_rlhf.engine.train import forward_all_rows, train_step
+from megatron_rlhf.engine.train import forward_all_rows, train_step, warm_up_step
 from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimizer_bytes_to_come
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
@@ -134,8 +135,12 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
                     max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
     recompute, reason = old_logprob_pass(cfg)
     log(reason)
-    return PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer, hybrid,
-                  build_kl_controller(cfg.algorithm.kl_penalty), recompute)  # fmt: skip
+    run = PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer,
+                 hybrid, build_kl_controller(cfg.algorithm.kl_penalty), recompute)  # fmt: skip
+    if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
+        with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
+            warm_up(run)
+    return run
 
 
 @dataclasses.dataclass
@@ -220,25 +225,12 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     cfg, algo, device = run.cfg, run.cfg.algorithm, run.device
     times: dict[str, float] = {}
     peaks: dict[str, float] = {}  # GPU memory peaks of the phases (timed)
-    temperature = cfg.rollout.sampling.temperature
 
     completions, batch, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times, peaks)
     mask = batch["response_mask"]
     scores = scored.rewards
 
-    ref_logprobs = values = old_logprobs = None
-    if run.reference is not None:
-        with timed("ref", device, times, quiet=True, peaks=peaks):
-            ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature),
-                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
-    if run.old_logprob_pass:
-        with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
-            old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
-                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
-    if run.critic is not None:
-        with timed("values", device, times, quiet=True, peaks=peaks):
-            values = forward_all_rows(run.critic.role, batch, token_values_output(),
-                                      max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+    ref_logprobs, old_logprobs, values = forward_passes(run, batch, times, peaks)
 
     def kl_to_reference(logprobs: torch.Tensor) -> torch.Tensor:
         return torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(logprobs, ref_logprobs), 0.0)
@@ -257,16 +249,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         )  # fmt: skip
 
     with timed("update_actor", device, times, quiet=True, peaks=peaks):
-        actor_batch = {**_model_inputs(batch), "advantages": advantages}
-        if ref_logprobs is not None:
-            actor_batch["ref_logprobs"] = ref_logprobs
-        on_policy = None
-        if old_logprobs is None:
-            on_policy = UpdateLogprobs(run.actor.role, *mask.shape)
-            actor_batch["row_index"] = torch.arange(len(mask))
-        else:
-            actor_batch["old_logprobs"] = old_logprobs
-        actor_loss = ppo_actor_loss(run.actor.role, algo.loss, temperature=temperature, on_policy=on_policy)
+        actor_batch, actor_loss, on_policy = actor_update_inputs(run, batch, advantages, ref_logprobs, old_logprobs)
         actor_metrics = update(run, run.actor, actor_batch, actor_loss, step)
         if on_policy is not None:
             old_logprobs = on_policy.all_rows()
@@ -279,8 +262,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     critic_metrics: dict[str, float] = {}
     if run.critic is not None:
         with timed("update_critic", device, times, quiet=True, peaks=peaks):
-            critic_batch = {**_model_inputs(batch), "old_values": values, "returns": returns}
-            critic_metrics = update(run, run.critic, critic_batch, critic_loss(algo.loss), step)
+            critic_metrics = update(run, run.critic, critic_update_inputs(batch, values, returns), critic_loss(algo.loss), step)
 
     kl_per_sequence = float(kl.sum(1).mean()) if kl is not None else 0.0  # kl is 0 off the response
     kl_coef = run.kl_controller.value
@@ -306,6 +288,89 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
     return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores)
+
+
+def forward_passes(run: PPORun, batch: Batch, times: dict[str, float], peaks: dict[str, float]
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """The rollout's forward-only passes, each timed: reference log-probs, the actor's old log-probs
+    (when they get a pass of their own) and the critic's values; None where the run has none."""
+    cfg, device = run.cfg, run.device
+    temperature, budget = cfg.rollout.sampling.temperature, cfg.max_tokens_per_micro_batch
+    ref_logprobs = values = old_logprobs = None
+    if run.reference is not None:
+        with timed("ref", device, times, quiet=True, peaks=peaks):
+            ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature),
+                                            max_tokens_per_micro_batch=budget)  # fmt: skip
+    if run.old_logprob_pass:
+        with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
+            old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
+                                            max_tokens_per_micro_batch=budget)  # fmt: skip
+    if run.critic is not None:
+        with timed("values", device, times, quiet=True, peaks=peaks):
+            values = forward_all_rows(run.critic.role, batch, token_values_output(), max_tokens_per_micro_batch=budget)
+    return ref_logprobs, old_logprobs, values
+
+
+def actor_update_inputs(run: PPORun, batch: Batch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                        old_logprobs: torch.Tensor | None) -> tuple[Batch, LossFn, UpdateLogprobs | None]:  # fmt: skip
+    """The actor update's batch and loss; without ``old_logprobs`` the update's own forward records
+    them into the returned ``UpdateLogprobs``."""
+    actor_batch = {**_model_inputs(batch), "advantages": advantages}
+    if ref_logprobs is not None:
+        actor_batch["ref_logprobs"] = ref_logprobs
+    on_policy = None
+    if old_logprobs is None:
+        on_policy = UpdateLogprobs(run.actor.role, *advantages.shape)
+        actor_batch["row_index"] = torch.arange(len(advantages))
+    else:
+        actor_batch["old_logprobs"] = old_logprobs
+    loss = ppo_actor_loss(run.actor.role, run.cfg.algorithm.loss, temperature=run.cfg.rollout.sampling.temperature,
+                          on_policy=on_policy)  # fmt: skip
+    return actor_batch, loss, on_policy
+
+
+def critic_update_inputs(batch: Batch, values: torch.Tensor, returns: torch.Tensor) -> Batch:
+    return {**_model_inputs(batch), "old_values": values, "returns": returns}
+
+
+def warm_up(run: PPORun) -> None:
+    """Every phase of a step once, on a rollout of full-length responses, before step 1; nothing it
+    computes is kept and no weight, optimizer state or random stream moves.
+
+    Why: on a GPU the first step otherwise pays one-time costs several steady steps long: kernels
+    compiled, a decode graph captured for each KV-length bucket, cuBLAS and the caching allocator
+    growing to each phase's peak. Full-length responses reach every bucket the run can use; a
+    micro-batch's worth of rows (at most the rollout) reaches the training passes' peak shapes.
+    """
+    cfg = run.cfg
+    longest = run.hybrid.engine.cfg.max_seq_len
+    world = dist.get_world_size()
+    rows = min(max(1, cfg.max_tokens_per_micro_batch // longest), cfg.prompts_per_step * cfg.rollout.sampling.n)
+    rows = -(-rows // world) * world  # every model's data-parallel size divides the world
+    prompt_length = min(cfg.data.max_prompt_length, longest - 1)
+    first = run.prompts[0].prompt_ids.tolist()
+    prompt = (first * -(-prompt_length // len(first)))[:prompt_length]
+    params = dataclasses.replace(cfg.rollout.sampling, n=1, ignore_eos=True, seed=cfg.seed)
+    completions, _ = run.hybrid.generate([prompt] * rows, params)
+    batch = rollout_batch(completions, run.tokenizer.pad_id)
+    if run.reward_model is not None:
+        run.scorer.reward_model_scores(batch)
+    scratch: dict[str, float] = {}
+    ref_logprobs, old_logprobs, values = forward_passes(run, batch, scratch, scratch)
+    zeros = torch.zeros(batch["response_mask"].shape)
+    actor_batch, actor_loss, _ = actor_update_inputs(run, batch, zeros, ref_logprobs, old_logprobs)
+    _warm_up_update(run, run.actor, actor_batch, actor_loss)
+    if run.critic is not None:
+        assert values is not None
+        _warm_up_update(run, run.critic, critic_update_inputs(batch, values, zeros), critic_loss(cfg.algorithm.loss))
+
+
+def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn) -> None:
+    """``warm_up_step`` on this rank's data-parallel share of ``batch``, as ``update`` trains."""
+    dp, dp_rank = state.role.groups.layout.dp, state.role.groups.dp_rank
+    share = batch["input_ids"].shape[0] // dp
+    mine = {key: value[dp_rank * share : (dp_rank + 1) * share] for key, value in batch.items()}
+    warm_up_step(state, mine, loss_fn, max_tokens_per_micro_batch=run.cfg.max_tokens_per_micro_batch)
 
 
 def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float], peaks: dict[str, float]

@@ -75,6 +75,7 @@ class RolloutConfig:
 
 
 RECOMPUTE_OLD_LOGPROBS = ("auto", "always")
+WARMUP_MODES = ("auto", "always", "never")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -150,10 +151,14 @@ class PPOConfig(LoopConfig, ModelsConfig):
     """With data.validation: evaluate every this many steps (and always at the end)."""
     eval_before_train: bool = True
     """With data.validation: also evaluate before the first step (logged as step 0)."""
+    warmup: str = "auto"
+    """Run every phase of a step once at start-up, keeping nothing (``trainer/ppo.py::warm_up``), so
+    that kernel compilation, decode-graph capture and allocator growth are paid before step 1:
+    auto (on a GPU), always, never."""
 
     def errors(self) -> list[str]:
-        return super().errors() + at_least(self, 1, "prompts_per_step", "ppo_epochs") + at_least(
-            self, 0, "mini_batch_size", "samples_per_step", "eval_every")  # fmt: skip
+        return (super().errors() + at_least(self, 1, "prompts_per_step", "ppo_epochs")
+                + at_least(self, 0, "mini_batch_size", "samples_per_step", "eval_every") + one_of(self, "warmup", WARMUP_MODES))  # fmt: skip
 
 
 def models_used(cfg: PPOConfig) -> list[str]:

@@ -101,6 +101,7 @@ def test_the_preset_is_valid() -> None:
          "eval.judged_by='reward_model' is not a scoring part; the parts are ['lowercase_fraction']"),
         (1, ["data.train=[]"], "data.train is empty"),
         (1, ["algorithm.loss.agg_mode=mean"], "algorithm.loss.agg_mode='mean' must be one of"),
+        (1, ["warmup=sometimes"], "warmup='sometimes' must be one of ['auto', 'always', 'never']"),
         (1, ["reference.update=sometimes"], "reference.update='sometimes' must be one of ['none', 'periodic', 'ema']"),
         (1, ["reference.update=periodic", "reference.update_every=0"], "reference.update_every=0 must be >= 1"),
         (1, ["reference.update=ema", "reference.ema_decay=1"], "reference.ema_decay=1.0 must be in [0, 1)"),
