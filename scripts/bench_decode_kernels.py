@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -59,9 +60,51 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).to(torch.float8_e4m3fn), scale
 
 
+def attention_variants(slots: int, bandwidth: float) -> dict[str, dict[str, float]]:
+    """Decode attention of the 1.5B shapes (12 query heads in 2 KV groups of 128) over a cache
+    slice of kv_len positions, per layer: the engine's two matmuls around a fused softmax, and SDPA
+    with each group's 6 query heads as 6 query rows of one KV head (the mask a broadcast bias)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_rlhf.models.attention import cached_decode_attention
+
+    groups, heads, head_dim, max_len = 2, 12, 128, 384
+    out: dict[str, dict[str, float]] = {}
+    caches = [torch.randn(slots, groups, max_len, 2 * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    query = torch.randn(1, slots, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    for kv_len in (192, 384):
+        lengths = torch.randint(kv_len - 63, kv_len + 1, (slots,), device="cuda")
+        masked = torch.arange(kv_len, device="cuda")[None, :] >= lengths[:, None]
+        bias = torch.zeros(slots, kv_len, device="cuda").masked_fill_(masked, float("-inf")).repeat_interleave(groups, 0)[:, None, :]
+        floor = slots * groups * kv_len * 2 * head_dim * 2 / bandwidth
+        row = {"floor_us": floor * 1e6}
+        row["bmm_softmax_bmm"] = graph_time(lambda: [cached_decode_attention(query, c, bias, head_dim**-0.5) for c in caches]) * 1e6 / LAYERS
+        q = query[0].reshape(slots * groups, 1, heads // groups, head_dim)
+        sdpa_bias = bias[:, None, :, :].to(torch.bfloat16)  # (slots * groups, 1, 1, kv_len)
+        reference = cached_decode_attention(query, caches[0], bias, head_dim**-0.5).float()
+
+        def sdpa(cache):
+            window = cache[:, :, :kv_len].flatten(0, 1)[:, None]  # (slots * groups, 1, kv_len, 2 * hn)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, window[..., :head_dim], window[..., head_dim:], attn_mask=sdpa_bias, scale=head_dim**-0.5)
+
+        for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    error = (sdpa(caches[0]).reshape(1, slots, heads * head_dim).float() - reference).abs().max().item()
+                    row[f"sdpa_{backend.name.lower()}"] = graph_time(lambda: [sdpa(c) for c in caches]) * 1e6 / LAYERS
+                    row[f"sdpa_{backend.name.lower()}_max_error"] = error
+            except RuntimeError as failure:
+                row[f"sdpa_{backend.name.lower()}_error"] = str(failure).splitlines()[0][:160]
+        out[f"kv_{kv_len}"] = row
+        print(f"attention kv {kv_len}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--autotune", action="store_true", help="also torch.compile max-autotune GEMMs (slow to compile)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -94,6 +137,12 @@ def main() -> None:
             ) * 1e6 / count
         except RuntimeError as error:  # not every build has row-wise scaled_mm
             row["fp8_error"] = str(error)[:200]
+        if args.autotune:
+            start = time.perf_counter()
+            tuned = torch.compile(torch.nn.functional.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+            tuned(x, weights[0])
+            row["autotune_compile_s"] = time.perf_counter() - start
+            row["triton_autotuned"] = graph_time(lambda: [tuned(x, w) for w in weights]) * 1e6 / count
         results[name] = row
         cells = "  ".join(f"{key} {value:7.1f}" for key, value in row.items() if isinstance(value, float))
         print(f"{name:5s} ({n}x{k}) µs per layer: {cells}", flush=True)
@@ -113,6 +162,7 @@ def main() -> None:
     compiled = graph_time(lambda: [fused(hidden, residual, weight) for _ in range(LAYERS * 2)])
     results["add_rmsnorm_us"] = {"eager": eager * 1e6 / (2 * LAYERS), "compiled": compiled * 1e6 / (2 * LAYERS)}
     print(f"add + RMSNorm µs each: eager {eager * 1e6 / (2 * LAYERS):.1f}, compiled {compiled * 1e6 / (2 * LAYERS):.1f}", flush=True)
+    results["attention"] = attention_variants(args.batch, bandwidth)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

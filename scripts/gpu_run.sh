@@ -57,9 +57,9 @@ if [ "$stage" = speed ]; then  # the second 256-sequence run finds the first one
       2>&1 | grep -v "Warning\|warn" | tee "$OUT/speed_$1.log" | grep -E "^step|layouts|offload" || status=1
     cp "/tmp/speed-$1/metrics.jsonl" "$OUT/speed_$1_metrics.jsonl"
   }
-  grpo 256_cold 64 5
-  grpo 256_cached 64 4
-  grpo 64 16 6
+  grpo 256_cold 64 4
+  grpo 256_cached 64 3
+  grpo 64 16 4
   exit $status
 fi
 if [ "$stage" = pipeline ] || [ "$stage" = all ]; then

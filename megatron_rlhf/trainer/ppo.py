@@ -339,20 +339,21 @@ def warm_up(run: PPORun) -> None:
 
     Why: on a GPU the first step otherwise pays one-time costs several steady steps long: kernels
     compiled, a decode graph captured for each KV-length bucket, cuBLAS and the caching allocator
-    growing to each phase's peak. Full-length responses reach every bucket the run can use; a
-    micro-batch's worth of rows (at most the rollout) reaches the training passes' peak shapes.
+    growing to each phase's peak. The rollout has a step's size (the engine's slots, hence its
+    graphs, follow the number of sequences) and full-length responses, which reach every bucket the
+    run can use. The training passes take one full micro-batch and a short one: two shapes, so
+    that kernels compiled for one shape are recompiled for any shape here, not in step 1.
     """
     cfg = run.cfg
     longest = run.hybrid.engine.cfg.max_seq_len
-    world = dist.get_world_size()
-    rows = min(max(1, cfg.max_tokens_per_micro_batch // longest), cfg.prompts_per_step * cfg.rollout.sampling.n)
-    rows = -(-rows // world) * world  # every model's data-parallel size divides the world
     prompt_length = min(cfg.data.max_prompt_length, longest - 1)
     first = run.prompts[0].prompt_ids.tolist()
     prompt = (first * -(-prompt_length // len(first)))[:prompt_length]
-    params = dataclasses.replace(cfg.rollout.sampling, n=1, ignore_eos=True, seed=cfg.seed)
-    completions, _ = run.hybrid.generate([prompt] * rows, params)
-    batch = rollout_batch(completions, run.tokenizer.pad_id)
+    params = dataclasses.replace(cfg.rollout.sampling, ignore_eos=True, seed=cfg.seed)
+    completions, _ = run.hybrid.generate([prompt] * cfg.prompts_per_step, params)
+    world = dist.get_world_size()  # every model's data-parallel size divides it
+    per_rank = min(len(completions) // world, max(1, cfg.max_tokens_per_micro_batch // longest) + 2)
+    batch = rollout_batch(completions[: max(per_rank, 1) * world], run.tokenizer.pad_id)
     if run.reward_model is not None:
         run.scorer.reward_model_scores(batch)
     scratch: dict[str, float] = {}
