@@ -103,12 +103,28 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @gpu_fused
-def rotate_for_cache(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotated query, and the cache entry [rotated key | value] (last dim 2 * hn); fused on GPU
-    (computed in float32 there, rounded once)."""
-    return rotate(query, cos, sin), torch.cat([rotate(key, cos, sin), value], dim=-1)
+def rotate_into_cache(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The rotated query, and the cache entry [rotated key | value] (last dim 2 * hn), also written
+    into ``cache`` (slots, groups, max_len, 2 * hn) at each row's ``positions`` (b, sq) of its slot
+    in ``slots`` (b,). On GPU one compiled kernel computes the rotation (in float32, rounded once)
+    and stores it: no separate indexing and copy kernels."""
+    entry = torch.cat([rotate(key, cos, sin), value], dim=-1)
+    cache[slots[:, None], :, positions] = entry.transpose(0, 1).to(cache.dtype)  # (b, sq, groups, 2hn)
+    return rotate(query, cos, sin), entry
+
+
+@gpu_fused
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden + delta, RMSNorm of that sum): a residual add and the norm after it in one kernel on
+    GPU. The norm is torch's ``rms_norm``'s arithmetic (statistics in at least float32, the weight
+    applied before the single rounding), as the training forward computes it."""
+    hidden = hidden + delta
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    x = hidden.to(wide)
+    return hidden, (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(wide)).to(hidden.dtype)
 
 
 def decode_score_bias(positions: torch.Tensor, kv_len: int, groups: int, window: int | None) -> torch.Tensor:
@@ -176,9 +192,8 @@ class CachedSelfAttention(SelfAttention):
         if step is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         query, key, value = self.get_query_key_value_tensors(hidden_states, None)  # (sq, b, heads, hn)
-        query, entry = rotate_for_cache(query, key, value, step.cos, step.sin)
         cache = step.cache.layer(self.layer_number)  # (slots, groups, max_len, 2 * hn)
-        cache[step.slots[:, None], :, step.positions] = entry.transpose(0, 1).to(cache.dtype)  # (b, sq, groups, 2hn)
+        query, entry = rotate_into_cache(query, key, value, step.cos, step.sin, cache, step.slots, step.positions)
         if step.prefill:
             head_dim = query.shape[-1]
             key, value = entry[..., :head_dim], entry[..., head_dim:]  # views: rotated key, value

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_rlhf.config.fields import at_least, check_on_init, one_of
-from megatron_rlhf.models.attention import CachedSelfAttention, decode_score_bias
+from megatron_rlhf.models.attention import CachedSelfAttention, add_rms_norm, decode_score_bias
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
@@ -173,6 +173,7 @@ class NativeEngine:
         self.model = role.model
         self.device = next(self.model.parameters()).device
         self.attention = [m for m in self.model.modules() if isinstance(m, CachedSelfAttention)]
+        self.fused_decode = _norms_fusable(self.model.decoder)
         window = self.model.config.window_size
         self.window = window[0] if window is not None else None
         tp_group = role.groups.pg_collection.tp
@@ -388,7 +389,10 @@ class NativeEngine:
             module.kv_step = step
         try:
             hidden = model.embedding(input_ids=input_ids, position_ids=positions)  # (sq, b, h)
-            hidden = model.decoder(hidden_states=hidden, attention_mask=None)
+            if prefill or not self.fused_decode:
+                hidden = model.decoder(hidden_states=hidden, attention_mask=None)
+            else:
+                hidden = _decode_layers(model.decoder, hidden)
         finally:
             for module in self.attention:
                 module.kv_step = None
@@ -400,6 +404,31 @@ class NativeEngine:
         logits, _ = model.output_layer(final[None], weight=weight)  # (1, b, Vp / tp)
         logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
         return logits[0, :, : self.role.arch.vocab_size]
+
+
+def _norms_fusable(decoder: torch.nn.Module) -> bool:
+    """Whether ``_decode_layers`` computes what the decoder's own forward does: pre-norm layers of
+    torch RMSNorms (the TE-free spec without apex), attention then a dense MLP, a final norm."""
+    layers = list(decoder.layers)
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)] + [decoder.final_layernorm]
+    config = decoder.config
+    return (bool(layers) and all(type(n) is torch.nn.RMSNorm for n in norms)
+            and not (config.apply_residual_connection_post_layernorm or config.fp32_residual_connection
+                     or config.num_moe_experts))  # fmt: skip
+
+
+def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The decoder's forward for one decode step, each residual add fused with the RMSNorm after it
+    (``add_rms_norm``). At a decode step's few rows a kernel costs its launch-bound microseconds
+    whatever it does, and megatron's layer runs the adds and norms as separate kernels."""
+    delta = torch.zeros_like(hidden)
+    for layer in decoder.layers:
+        hidden, normed = add_rms_norm(hidden, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        attended, _ = layer.self_attention(normed, None)
+        hidden, normed = add_rms_norm(hidden, attended, layer.pre_mlp_layernorm.weight, layer.pre_mlp_layernorm.eps)
+        delta, _ = layer.mlp(normed)
+    final = decoder.final_layernorm
+    return add_rms_norm(hidden, delta, final.weight, final.eps)[1]
 
 
 def generate_data_parallel(

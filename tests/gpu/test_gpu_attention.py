@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.models.attention import cached_decode_attention, decode_score_bias, rotate, rotate_for_cache
+from megatron_rlhf.models.attention import cached_decode_attention, decode_score_bias, rotate, rotate_into_cache
 
 
 @pytest.mark.gpu
@@ -48,9 +48,12 @@ def test_fused_rotary_bf16_matches_float64() -> None:
     angles = 100 * torch.rand(1, 16, 1, 128, generator=g).cuda()
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     value = torch.randn(1, 16, 2, 128, generator=g).to("cuda", torch.bfloat16)
-    fused_q, entry = rotate_for_cache(query, key, value, cos, sin)
+    cache = torch.zeros(16, 2, 8, 256, device="cuda", dtype=torch.bfloat16)  # (slots, groups, max_len, 2 hn)
+    slots, positions = torch.arange(15, -1, -1, device="cuda"), torch.arange(16, device="cuda")[:, None] % 8
+    fused_q, entry = rotate_into_cache(query, key, value, cos, sin, cache, slots, positions)
     fused_k = entry[..., :128]
     assert torch.equal(entry[..., 128:], value)
+    assert torch.equal(cache[slots, :, positions[:, 0]], entry[0])  # stored at each row's slot and position
     for fused, t in ((fused_q, query), (fused_k, key)):
         reference = rotate(t.double(), cos.double(), sin.double())
         eager_error = (rotate(t, cos, sin).double() - reference).abs().max().item()

@@ -288,3 +288,35 @@ def test_rotate_matches_megatron_unfused_rope():
     freqs = torch.randn(5, 2, 1, HN, generator=g)
     got = rotate(t, freqs.cos().to(t.dtype), freqs.sin().to(t.dtype))
     assert torch.equal(got, _apply_rotary_pos_emb_bshd(t, freqs))
+
+
+def test_add_rms_norm_is_the_residual_add_then_torch_rms_norm() -> None:
+    """The decode path's fused add + norm against the two modules megatron's layer runs, in float64."""
+    from megatron_rlhf.models.attention import add_rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    hidden, delta = torch.randn(2, 5, 16, generator=g, dtype=torch.float64), torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
+    norm = torch.nn.RMSNorm(16, eps=1e-6, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, generator=g, dtype=torch.float64) + 0.5)
+    summed, normed = add_rms_norm(hidden, delta, norm.weight, norm.eps)
+    assert torch.equal(summed, hidden + delta)
+    torch.testing.assert_close(normed, norm(hidden + delta), rtol=1e-12, atol=1e-12)
+
+
+def test_rotate_into_cache_stores_each_rows_entry_at_its_slot_and_positions() -> None:
+    from megatron_rlhf.models.attention import rotate, rotate_into_cache
+
+    g = torch.Generator().manual_seed(0)
+    sq, b, heads, groups, hn = 3, 2, 4, 2, 8
+    query, key, value = (torch.randn(sq, b, n, hn, generator=g) for n in (heads, groups, groups))
+    angles = torch.rand(sq, b, 1, hn, generator=g)
+    cache = torch.zeros(4, groups, 6, 2 * hn)
+    slots, positions = torch.tensor([3, 1]), torch.tensor([[0, 1, 2], [2, 3, 4]])
+    rotated, entry = rotate_into_cache(query, key, value, angles.cos(), angles.sin(), cache, slots, positions)
+    assert torch.equal(rotated, rotate(query, angles.cos(), angles.sin()))
+    for row in range(b):
+        for t in range(sq):
+            expected = torch.cat([rotate(key, angles.cos(), angles.sin())[t, row], value[t, row]], dim=-1)
+            assert torch.equal(cache[slots[row], :, positions[row, t]], expected)
+    assert int((cache.abs().sum(-1) > 0).sum()) == b * sq * groups  # nothing written elsewhere
