@@ -22,19 +22,7 @@ from pathlib import Path
 
 import torch
 
-
-def copy_bandwidth(device: torch.device) -> float:
-    """HBM traffic rate of a device-to-device copy (bytes read + bytes written per second): the
-    rate a read-dominated decode step can at best stream its weights and KV cache at."""
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    start, reps = time.perf_counter(), 10
-    for _ in range(reps):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * reps / (time.perf_counter() - start)  # read + write traffic
+from megatron_rlhf.models.roofline import copy_bandwidth
 
 
 def host_bandwidth(device: torch.device) -> float:

@@ -25,19 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
-def measure_matmul_peak(device: torch.device) -> float:
-    """bf16 8192^3 matmul throughput in FLOP/s (the practical ceiling on this GPU)."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start, reps = time.perf_counter(), 20
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * reps / (time.perf_counter() - start)
+from megatron_rlhf.models.roofline import matmul_peak
 
 
 def main() -> None:
@@ -131,7 +119,7 @@ def main() -> None:
     params = sum(p.numel() for p in role.model.parameters())
     embedding = arch.vocab_size * arch.hidden_size / env.world_size
     flops_per_token = 6 * (params - embedding) * env.world_size + 12 * arch.num_layers * arch.hidden_size * args.seq_len
-    peak = measure_matmul_peak(env.device) if on_gpu else float("nan")
+    peak = matmul_peak(env.device) if on_gpu else float("nan")
     result = {"model": args.model, "layout": str(role.groups.layout), "tokens_per_step": tokens,
               "micro_batch_token_budget": args.max_tokens, "matmul_peak_TFLOPs": peak / 1e12}  # fmt: skip
     for name, runs in times.items():

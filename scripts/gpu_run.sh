@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: install carried wheels, run the GPU test tier, run benchmarks.
 # Results (logs, JSON) go to $OUT (the device tool's output folder), or ./gpu-out elsewhere.
-#   device run, carry [.whl]:  bash scripts/gpu_run.sh [all|tests|bench|pipeline|seeds|big|speed]
+#   device run, carry [.whl]:  bash scripts/gpu_run.sh [all|tests|bench|pipeline|seeds|big|e2e]
 # All of it takes more than one device call (10 minutes at most), so it splits: "tests" (the GPU
 # tier), "bench" (benchmarks), "pipeline" (the GPU preset of `megatron-rlhf pipeline`, seed 1) and
 # "seeds" (its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model) and "big" (3 GRPO
 # steps of a 7B-class actor with a reference on one GPU, the optimizer state on the host:
-# FRACTION=actor_optim.cpu_offload_fraction, default 1.0; not part of "all") and "speed" (the issue-12
-# GRPO step of the 1.5B model as users run it: 256 then 64 sequences, phases per step; not part of "all").
+# FRACTION=actor_optim.cpu_offload_fraction, default 1.0; not part of "all"), "e2e" (scripts/bench_e2e.py:
+# our GRPO step, its floor and TRL's GRPOTrainer on the same shape; SEQUENCES=64|256, default 64;
+# TRL_CONFIGS, default the script's; extra arguments go to the script; .whl must hold trl, datasets,
+# dill and multiprocess; not part of "all").
 set -uo pipefail
 stage=${1:-all}
-case $stage in all|tests|bench|pipeline|seeds|big|speed) ;; *) echo "usage: $0 [all|tests|bench|pipeline|seeds|big|speed] (got '$stage')" >&2; exit 2;; esac
+case $stage in all|tests|bench|pipeline|seeds|big|e2e) ;; *) echo "usage: $0 [all|tests|bench|pipeline|seeds|big|e2e] (got '$stage')" >&2; exit 2;; esac
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -47,19 +49,12 @@ if [ "$stage" = big ]; then  # the first run writes the random 7B checkpoint (15
   sort -k4 -n "$OUT/big_memory.log" | tail -1 | sed 's/^/highest host use: /'
   exit $status
 fi
-if [ "$stage" = speed ]; then  # the second 256-sequence run finds the first one's compiled kernels cached
-  grpo() {  # name, prompts per step, steps
-    python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m megatron_rlhf ppo \
-      actor.path=builtin:llama-1.5b reference.path=builtin:llama-1.5b data.max_prompt_length=128 \
-      rollout.sampling.max_new_tokens=256 rollout.sampling.n=4 prompts_per_step="$2" mini_batch_size=$(($2 * 4)) \
-      rollout.engine.max_batch_size=256 max_steps="$3" max_tokens_per_micro_batch=16384 log_every=1 save_hf=false \
-      save_final=false output_dir="/tmp/speed-$1" resume=never overwrite=true "${@:4}" \
-      2>&1 | grep -v "Warning\|warn" | tee "$OUT/speed_$1.log" | grep -E "^step|layouts|offload" || status=1
-    cp "/tmp/speed-$1/metrics.jsonl" "$OUT/speed_$1_metrics.jsonl"
-  }
-  grpo 256_cold 64 4
-  grpo 256_cached 64 3
-  grpo 64 16 4
+if [ "$stage" = e2e ]; then
+  seqs=${SEQUENCES:-64}
+  # shellcheck disable=SC2086  # TRL_CONFIGS is a list of words
+  python3 scripts/bench_e2e.py --sequences "$seqs" --work-dir /tmp/bench_e2e --out "$OUT/bench_e2e_$seqs.json" \
+    ${TRL_CONFIGS:+--trl-configs $TRL_CONFIGS} "${@:2}" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/bench_e2e_$seqs.log" || status=1
+  cp /tmp/bench_e2e/*.log "$OUT/" 2>/dev/null
   exit $status
 fi
 if [ "$stage" = pipeline ] || [ "$stage" = all ]; then

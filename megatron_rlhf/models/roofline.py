@@ -1,0 +1,149 @@
+"""Speed-of-light figures for the benchmarks: the device's measured ceilings and a model's work.
+
+The benchmarks (``scripts/bench_update.py``, ``bench_rollout.py``, ``bench_e2e.py``) compare a
+measured time with the least time the device could take for the same work, both measured in the
+same run on the same device:
+
+* ceilings: the bf16 matmul rate (``matmul_peak``, a timed 8192^3 matmul) and the memory traffic
+  rate (``copy_bandwidth``, a timed device copy: bytes read + bytes written per second);
+* work: FLOPs per token of a forward (``2 N + 4 L h s``) and of a training step (three times that,
+  ``6 N + 12 L h s``, the convention of the PaLM and Megatron papers: N the parameters without the
+  input embedding, a lookup; ``L h s`` the attention scores and values at context s, counted over
+  the whole context as those papers do), and the bytes a decode step reads (all weights but the input
+  embedding, and the KV cache so far).
+
+``rl_step_floor`` adds them up for one GRPO/PPO step: prefill and the training passes at the matmul
+peak, each decode step at its roofline (the larger of its FLOPs at the peak and its bytes at the
+memory rate), the optimizer step at the memory rate. Everything else (rewards, advantages, the
+host) counts zero: a floor, not a prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.hf_weights import hf_tensor_shapes
+
+ADAM_BYTES_PER_PARAM = 30
+"""Memory traffic of one Adam step per parameter with fp32 main parameters and a bf16 model copy:
+read the fp32 gradient, main parameter and two moments (16), write the main parameter and the
+moments (12) and the bf16 parameter (2)."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16, reps: int = 20) -> float:
+    """Matmul throughput in FLOP/s of ``size``^3 products in ``dtype`` (the practical ceiling of the
+    device's dense math; 790 TFLOP/s in bf16 on an H200 against the datasheet's 989)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 1024**3, reps: int = 10) -> float:
+    """Memory traffic rate of a device-to-device copy (bytes read + bytes written per second): the
+    rate a read-dominated decode step can at best stream its weights and KV cache at."""
+    x = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    _sync(device)
+    return 2 * x.numel() * reps / (time.perf_counter() - start)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelWork:
+    """A causal LM's work per token. ``params``: all parameters; ``embedding``: the input
+    embedding's (a lookup, no FLOPs; a decode step does not read it whole)."""
+
+    params: int
+    embedding: int
+    num_layers: int
+    hidden_size: int
+    kv_bytes_per_token: int  # K and V of every layer, at the model's dtype
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, arch: Architecture, dtype_bytes: int = 2) -> "ModelWork":
+        shapes = hf_tensor_shapes(arch)
+        params = sum(_numel(shape) for shape in shapes.values())
+        embedding = 0 if arch.tie_word_embeddings else _numel(shapes["model.embed_tokens.weight"])
+        kv = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
+        return cls(params=params, embedding=embedding, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                   kv_bytes_per_token=kv, dtype_bytes=dtype_bytes)  # fmt: skip
+
+    @property
+    def matmul_params(self) -> int:
+        return self.params - self.embedding
+
+    def forward_flops_per_token(self, context: float) -> float:
+        """FLOPs of one token's forward at context ``context``: 2 N + 4 L h s."""
+        return 2 * self.matmul_params + 4 * self.num_layers * self.hidden_size * context
+
+    def train_flops_per_token(self, context: float) -> float:
+        """Forward and backward: 6 N + 12 L h s."""
+        return 3 * self.forward_flops_per_token(context)
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads for the weights (all but the input embedding)."""
+        return self.matmul_params * self.dtype_bytes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """One RL step: ``num_sequences`` rows of ``prompt_len`` + ``response_len`` tokens, trained once
+    (one optimizer step), with ``num_forward_passes`` forward-only passes over all rows (reference
+    log-probs, an old-log-prob pass when it runs)."""
+
+    num_sequences: int
+    prompt_len: int
+    response_len: int
+    num_forward_passes: int = 1
+    num_optimizer_steps: int = 1
+
+
+def rl_step_floor(work: ModelWork, shape: StepShape, *, flops_per_s: float, bytes_per_s: float) -> dict[str, float]:
+    """The least seconds of each part of one RL step (see the module docstring) and their sum, ``step``."""
+    b, p, r = shape.num_sequences, shape.prompt_len, shape.response_len
+    s = p + r
+    # Training rows: every row is s tokens; the attention term at the mean causal context is s / 2 per token,
+    # but the convention counts the whole context (as bench_update's MFU does): s.
+    train = b * s * work.train_flops_per_token(s) / flops_per_s
+    forward = shape.num_forward_passes * b * s * work.forward_flops_per_token(s) / flops_per_s
+    prefill = b * p * work.forward_flops_per_token(p) / flops_per_s
+    decode_compute = decode_memory = decode = 0.0
+    for t in range(1, r):  # the prefill gives the first response token; each later one is a decode step
+        context = p + t
+        step_flops = b * work.forward_flops_per_token(context) / flops_per_s
+        step_bytes = (work.weight_bytes() + b * context * work.kv_bytes_per_token) / bytes_per_s
+        decode_compute += step_flops
+        decode_memory += step_bytes
+        decode += max(step_flops, step_bytes)
+    optimizer = shape.num_optimizer_steps * work.params * ADAM_BYTES_PER_PARAM / bytes_per_s
+    parts = {"prefill": prefill, "decode": decode, "forward_passes": forward, "train": train, "optimizer": optimizer}
+    return {**parts, "decode_compute_bound": decode_compute, "decode_memory_bound": decode_memory,
+            "generate": prefill + decode, "step": sum(parts.values())}  # fmt: skip

@@ -1,0 +1,427 @@
+"""Benchmark: one GRPO step end to end, against its floor and against TRL's ``GRPOTrainer``.
+
+    python scripts/bench_e2e.py --sequences 64  --out e2e-64.json    # 16 prompts x 4 samples
+    python scripts/bench_e2e.py --sequences 256 --out e2e-256.json   # 64 prompts x 4 samples
+
+One process runs, each in a subprocess of its own and on the same device:
+
+1. our trainer as users run it (``torchrun --nproc-per-node 1 -m megatron_rlhf ppo --config
+   ppo-grpo-1.5b ...``: GRPO with a KL loss to the reference, bf16 on a GPU, one optimizer step per
+   RL step), reading its ``metrics.jsonl``: step 1, the steady step (median of steps >= 3; a step is
+   the sum of its ``timing_s/<phase>`` times) and each phase;
+2. the floor of that step from the device's bf16 matmul peak and memory copy rate, measured in this
+   run (``megatron_rlhf/models/roofline.py``): training at 6 N + 12 L h s FLOPs per token, each
+   forward-only pass (reference log-probs; old log-probs when the trainer runs that pass) at a third
+   of it, prefill at the matmul peak, each decode step at its roofline (weights + KV cache so far
+   read once, or its FLOPs, whichever takes longer), the Adam step at the memory rate; then
+   step / floor;
+3. TRL ``GRPOTrainer`` on the same shape: the same HF checkpoint (``builtin:`` models are written
+   to the cache as HF safetensors), the same prompts (each exactly ``--prompt-len`` tokens), the same
+   number of sequences, samples per prompt and new tokens (EOS suppressed in both: ``ignore_eos`` /
+   ``min_new_tokens``), the same reward rule (``lowercase_fraction``), one optimizer step per
+   generation batch, KL beta 0.001 with a reference model, HF ``generate`` (no vLLM). Each
+   configuration in ``--trl-configs`` (``DTYPE-ATTN[-nockpt]``: bf16 or fp32 weights, which get bf16
+   autocast either way; eager or sdpa attention; TRL's default gradient checkpointing unless
+   ``-nockpt``) runs ``--trl-steps`` steps: its step 1, steady step (median of steps >= 2), grad norms.
+   Then ours / TRL's fastest steady step.
+
+TRL's gradient norm on these random weights: see ``TRL_NAN_NOTE`` below (printed with the results). The
+TRL worker checks step 1 for non-finite values (which layer's output first, which gradients) and
+reports them under ``trl.<config>.nonfinite``.
+
+Progress lines carry the elapsed time. ``--skip-trl`` / ``--skip-ours`` leave a part out. On a CPU the
+same script runs end to end on a tiny model (``--model builtin:tiny-llama --sequences 8 --prompt-len
+16 --new-tokens 16``; our trainer then runs in fp32 CPU mode and the floor uses the CPU's fp32 rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+START = time.perf_counter()
+TRL_CONFIGS = ("bf16-eager", "bf16-sdpa", "fp32-sdpa", "bf16-eager-nockpt")
+KL_COEF = 0.001  # ppo-grpo-1.5b's algorithm.loss.kl_loss_coef; TRL's beta
+TRL_NAN_NOTE = """\
+TRL's NaN gradient norm (a previous GPU run, trl 1.16.0, 64 sequences, builtin:llama-1.5b: NaN at
+step 1 in all three configurations, step 2 crashed): not reproduced on the CPU. In bf16 on 2 CPU
+cores, with the 1.5B model's widths and vocabulary (hidden 1536, FFN 8960, 12/2 heads, vocab 151,936)
+and 2 or 8 layers, TRL's steps are finite: grad norm 0.0 when every reward is equal (the advantages
+are then 0 and the KL term's gradient is 0 at step 1, policy = reference); with a reward that varies,
+11.75 (2 layers, 8 sequences x 16 new tokens) and 34.75, 33.75 at steps 1-2 (8 layers, 4 x 8); with
+builtin:tiny-llama 0.89 and 0.82 at steps 1 and 2. Ruled out there: the tokenizer (pad
+<|pad|> 0, eos <|eos|> 2, bos 1: distinct, and TRL uses them as they are), an all-zero completion mask
+(no completion ends early: EOS is never sampled in 256 tokens, and mask_truncated_completions is off,
+so every completion token counts), bf16 overflow in the logits (random N(0, 0.02) weights give logits of
+RMS ~0.8; entropy 11.62 of ln(151936) = 11.93). So the NaN comes from something the GPU run has and
+these did not: the 28 layers, the GPU kernels (bf16 SDPA / eager attention in CUDA, cuBLAS), or the
+reward used then. This script's TRL worker records, at step 1, the first module whose output is not
+finite and the parameters whose gradients are not, so the next GPU run says which."""
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - START:7.1f} s] {message}", flush=True)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# -------------------------------------------------------------------------------------------------
+# Prompts: the same text for both trainers, each exactly prompt_len tokens of the model's tokenizer.
+
+
+def write_prompts(path: Path, model_dir: Path, count: int, prompt_len: int) -> list[str]:
+    """``count`` rows of lowercase words cut to exactly ``prompt_len`` tokens (checked with our
+    tokenizer and with transformers' ``AutoTokenizer``, which TRL uses)."""
+    from megatron_rlhf.data.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(model_dir)
+    rng = random.Random(0)
+    words = ["apple", "river", "stone", "cloud", "maple", "ocean", "tiger", "lemon", "piano", "crane"]
+    texts = []
+    for _ in range(count):
+        text = ""
+        while len(ours.encode(text)) < prompt_len + 8:
+            text += rng.choice(words) + " "
+        ids = ours.encode(text)[:prompt_len]
+        text = ours.decode(ids)
+        if len(ours.encode(text)) != prompt_len:
+            raise ValueError(f"cannot make {prompt_len}-token prompts with this tokenizer (round trip changes the length)")
+        texts.append(text)
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(model_dir)
+        lengths = {len(hf(t, add_special_tokens=False)["input_ids"]) for t in texts}
+        if lengths != {prompt_len}:
+            raise ValueError(f"AutoTokenizer gives prompt lengths {sorted(lengths)}, not {prompt_len}")
+    except ImportError:
+        pass
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return texts
+
+
+# -------------------------------------------------------------------------------------------------
+# Subprocesses: their output goes to a log file; progress lines are echoed.
+
+
+def run_logged(cmd: list[str], log_path: Path, echo: re.Pattern[str], timeout: float, env: dict[str, str] | None = None) -> int:
+    say(f"$ {' '.join(cmd)}  (log: {log_path})")
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        assert proc.stdout is not None
+        deadline = time.perf_counter() + timeout
+        for line in proc.stdout:
+            log_file.write(line)
+            if echo.search(line):
+                say("  " + line[line.find("[trl]"):].rstrip()[:200] if "[trl]" in line else "  " + line.rstrip()[:200])
+            if time.perf_counter() > deadline:
+                proc.kill()
+                say(f"  killed after {timeout:.0f} s (--timeout)")
+                break
+        rc = proc.wait()
+    if rc != 0:
+        say(f"  exit status {rc}; last lines of {log_path}:")
+        for line in log_path.read_text().splitlines()[-25:]:
+            print("    " + line[:200])
+    return rc
+
+
+def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[str, Any]:
+    out_dir = work / "ours"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    prompts_per_step = args.sequences // args.n
+    overrides = [
+        "--config", "ppo-grpo-1.5b", f"output_dir={out_dir}", f"actor.path={args.model}", f"reference.path={args.model}",
+        f"data.train=[{prompts_file}]", f"data.max_prompt_length={args.prompt_len}",
+        f"rollout.sampling.max_new_tokens={args.new_tokens}", f"rollout.sampling.n={args.n}",
+        "rollout.sampling.ignore_eos=true", f"prompts_per_step={prompts_per_step}", f"mini_batch_size={args.sequences}",
+        f"rollout.engine.max_batch_size={args.sequences}", f"max_steps={args.steps}", f"log_every={args.steps}",
+        f"max_tokens_per_micro_batch={args.max_tokens_per_micro_batch}", "save_hf=false", "save_final=false",
+        "loggers=[console,jsonl]", *args.ours_override,
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(args.master_port), "-m", "megatron_rlhf", "ppo", *overrides]
+    rc = run_logged(cmd, work / "ours.log", re.compile(r"step \d+/\d+|Error|error:"), args.timeout)
+    metrics_file = out_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
+    rows = [r for r in rows if r.get("split") == "train"]
+    result: dict[str, Any] = {"command": " ".join(cmd), "exit_status": rc, "steps_run": len(rows)}
+    if not rows:
+        return result
+    phases = [k.removeprefix("timing_s/") for k in rows[0] if k.startswith("timing_s/") and k.count("/") == 1]
+    steps = [sum(r[f"timing_s/{p}"] for p in phases) for r in rows]
+    steady_rows = [r for r in rows if r["step"] >= 3] or rows[-1:]
+    result.update(
+        step_s=steps, step1_s=steps[0], steady_step_s=median([s for r, s in zip(rows, steps) if r in steady_rows]),
+        steady_from_step=steady_rows[0]["step"],
+        phases_step1_s={p: rows[0][f"timing_s/{p}"] for p in phases},
+        phases_steady_s={p: median([r[f"timing_s/{p}"] for r in steady_rows]) for p in phases},
+        sub_phases_steady_s={k.removeprefix("timing_s/"): median([r.get(k, 0.0) for r in steady_rows])
+                             for k in rows[0] if k.startswith("timing_s/gen/")},
+        grad_norm=[r.get("actor/grad_norm") for r in rows], response_length=[r.get("response_length/mean") for r in rows],
+        gen_tokens_per_s=[r.get("perf/gen_tokens_per_s") for r in rows],
+    )  # fmt: skip
+    return result
+
+
+def run_trl(args: argparse.Namespace, config: str, prompts_file: Path, work: Path) -> dict[str, Any]:
+    out = work / f"trl-{config}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--trl-worker", config, "--trl-prompts", str(prompts_file), "--trl-json", str(out),
+           "--model", args.model, "--sequences", str(args.sequences), "--n", str(args.n), "--new-tokens",
+           str(args.new_tokens), "--trl-steps", str(args.trl_steps), "--trl-micro-batch", str(args.trl_micro_batch),
+           "--work-dir", str(work)]  # fmt: skip
+    rc = run_logged(cmd, work / f"trl-{config}.log", re.compile(r"\[trl\]|Error"), args.timeout)
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    return {"exit_status": rc, **result}
+
+
+# -------------------------------------------------------------------------------------------------
+# The TRL worker (a subprocess: ``--trl-worker CONFIG``).
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megatron_rlhf.checkpoint.sources import local_dir
+    from megatron_rlhf.rewards.rules import REWARD_RULES, Sample
+
+    dtype_name, attn, *rest = args.trl_worker.split("-")
+    if dtype_name not in ("bf16", "fp32") or attn not in ("eager", "sdpa") or rest not in ([], ["nockpt"]):
+        raise ValueError(f"--trl-configs entry '{args.trl_worker}': expected (bf16|fp32)-(eager|sdpa)[-nockpt]")
+    model_dir = str(local_dir(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [json.loads(line)["prompt"] for line in Path(args.trl_prompts).read_text().splitlines()]
+    rule = REWARD_RULES.get("lowercase_fraction")
+
+    def reward(completions: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
+        return [rule(Sample(prompt_ids=[], response_ids=ids, prompt_text="", response_text=text, finish_reason="length",
+                            extras={})) for text, ids in zip(completions, completion_ids)]  # fmt: skip
+
+    micro = min(args.trl_micro_batch or args.sequences, args.sequences)
+    if args.sequences % micro:
+        raise ValueError(f"--trl-micro-batch {micro} must divide --sequences {args.sequences}")
+    accumulation = args.sequences // micro
+    on_gpu = torch.cuda.is_available()
+    config = GRPOConfig(
+        output_dir=str(Path(args.work_dir) / f"trl-{args.trl_worker}"), report_to=[], save_strategy="no", seed=0,
+        max_steps=args.trl_steps, logging_steps=1, learning_rate=1e-6, use_cpu=not on_gpu,
+        # One optimizer step per generation batch of `sequences` completions: TRL generates
+        # per_device_train_batch_size * steps_per_generation completions at once, and steps the
+        # optimizer every gradient_accumulation_steps micro-batches.
+        per_device_train_batch_size=micro, steps_per_generation=accumulation, gradient_accumulation_steps=accumulation,
+        num_generations=args.n, max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        generation_kwargs={"min_new_tokens": args.new_tokens},  # as our ignore_eos: every completion is full length
+        beta=KL_COEF, bf16=True, gradient_checkpointing=rest != ["nockpt"],
+        model_init_kwargs={"dtype": "bfloat16" if dtype_name == "bf16" else "float32", "attn_implementation": attn},
+    )  # fmt: skip
+    record: dict[str, Any] = {"config": args.trl_worker, "per_device_train_batch_size": micro,
+                              "gradient_accumulation_steps": accumulation, "logs": [], "step_end_s": []}  # fmt: skip
+
+    class Timing(TrainerCallback):
+        """Wall time of every optimizer step (generation included), its logs, and at step 1 where
+        non-finite values first appear (forward hooks on every module; gradients before the step)."""
+
+        hooks: list[Any] = []
+
+        def on_train_begin(self, _args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+            record["train_begin"] = time.perf_counter()
+            seen = record.setdefault("nonfinite", {"first_output": None, "grads": []})
+
+            def check(name: str):
+                def hook(_module: Any, _inputs: Any, output: Any) -> None:
+                    tensor = output[0] if isinstance(output, tuple) else getattr(output, "logits", output)
+                    if seen["first_output"] is None and torch.is_tensor(tensor) and not bool(torch.isfinite(tensor).all()):
+                        seen["first_output"] = f"{name} (grad {'on' if torch.is_grad_enabled() else 'off'})"
+
+                return hook
+
+            self.hooks = [m.register_forward_hook(check(n or "model")) for n, m in model.named_modules()
+                          if n.count(".") <= 2]  # fmt: skip
+
+        def on_pre_optimizer_step(self, _args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+            if state.global_step == 0:
+                bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                record["nonfinite"]["grads"] = bad[:20] + ([f"... {len(bad)} in all"] if len(bad) > 20 else [])
+
+        def on_step_end(self, _args: Any, state: Any, control: Any, **_: Any) -> None:
+            record["step_end_s"].append(time.perf_counter() - record["train_begin"])
+            for hook in self.hooks:  # step 1 only: the checks synchronise with the device
+                hook.remove()
+            self.hooks = []
+            steps = record["step_end_s"]
+            print(f"[trl] {args.trl_worker} step {len(steps)}/{args.trl_steps}: "
+                  f"{steps[-1] - (steps[-2] if len(steps) > 1 else 0):.2f} s", flush=True)  # fmt: skip
+
+        def on_log(self, _args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+            if logs and "grad_norm" in logs:
+                record["logs"].append({k: logs.get(k) for k in ("loss", "grad_norm", "kl", "entropy", "reward", "reward_std",
+                                                                "completions/mean_length", "step_time")})  # fmt: skip
+                print(f"[trl]   grad_norm {logs.get('grad_norm')} loss {logs.get('loss')} kl {logs.get('kl')}", flush=True)
+
+    def save() -> None:
+        ends = record["step_end_s"]
+        steps = [b - a for a, b in zip([0.0, *ends], ends)]
+        record.update(step_s=steps, step1_s=steps[0] if steps else None, steady_step_s=median(steps[1:]),
+                      grad_norm=[entry["grad_norm"] for entry in record["logs"]])  # fmt: skip
+        Path(args.trl_json).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+    load_start = time.perf_counter()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Timing()])  # fmt: skip
+    record["load_s"] = time.perf_counter() - load_start
+    record["pad_eos_bos"] = [tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id]
+    try:
+        trainer.train()
+    except Exception as error:  # a NaN step makes the next generation fail: keep the steps so far
+        record["error"] = f"{type(error).__name__}: {error}"[:500]
+        print(f"[trl] {args.trl_worker} stopped: {record['error']}", flush=True)
+    save()
+    if "error" in record:
+        sys.exit(1)
+
+
+# -------------------------------------------------------------------------------------------------
+# The floor and the report.
+
+
+def measure_device(model: str, ours: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from megatron_rlhf.checkpoint.sources import architecture_of
+    from megatron_rlhf.models.roofline import ModelWork, StepShape, copy_bandwidth, matmul_peak, rl_step_floor
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32  # the trainer's dtype=auto
+    peak = matmul_peak(device, 8192 if on_gpu else 1024, dtype)
+    bandwidth = copy_bandwidth(device, 2 * 1024**3 if on_gpu else 256 * 1024**2)
+    work = ModelWork.of(architecture_of(model), dtype_bytes=torch.finfo(dtype).bits // 8)
+    forwards = sum(p in ours.get("phases_steady_s", {"ref": 0}) for p in ("ref", "old_log_prob", "values"))
+    shape = StepShape(num_sequences=args.sequences, prompt_len=args.prompt_len, response_len=args.new_tokens,
+                      num_forward_passes=forwards)  # fmt: skip
+    return {
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "dtype": str(dtype).removeprefix("torch."),
+        "matmul_peak_TFLOPs": peak / 1e12, "copy_bandwidth_TBps": bandwidth / 1e12,
+        "params": work.params, "matmul_params": work.matmul_params, "forward_passes": forwards,
+        "floor_s": rl_step_floor(work, shape, flops_per_s=peak, bytes_per_s=bandwidth),
+    }  # fmt: skip
+
+
+def report(result: dict[str, Any]) -> None:
+    def fmt(x: Any) -> str:
+        return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+    print("\n== " + ", ".join(f"{k} {result[k]}" for k in ("model", "sequences", "prompt_len", "new_tokens")))
+    ours, floor = result.get("ours", {}), result.get("device", {}).get("floor_s", {})
+    if ours.get("steps_run"):
+        print(f"ours: step 1 {fmt(ours['step1_s'])} s, steady (median of steps >= {ours['steady_from_step']}) "
+              f"{fmt(ours['steady_step_s'])} s; steps {[round(s, 3) for s in ours['step_s']]}")  # fmt: skip
+        one_pass = floor.get("forward_passes", 0) / max(result["device"].get("forward_passes", 1), 1) if floor else None
+        floor_of = {"gen": floor.get("generate"), "ref": one_pass, "old_log_prob": one_pass, "values": one_pass,
+                    "update_actor": floor["train"] + floor["optimizer"] if floor else None}  # fmt: skip
+        print(f"  {'phase':<16}{'step 1':>10}{'steady':>10}{'floor':>10}")
+        for phase, steady in ours["phases_steady_s"].items():
+            print(f"  {phase:<16}{fmt(ours['phases_step1_s'][phase]):>10}{fmt(steady):>10}{fmt(floor_of.get(phase)):>10}")
+    if floor:
+        dev = result["device"]
+        print(f"floor on {dev['device']} ({dev['dtype']}; matmul {dev['matmul_peak_TFLOPs']:.4g} TFLOP/s, copy "
+              f"{dev['copy_bandwidth_TBps']:.4g} TB/s): " + ", ".join(f"{k} {v:.4f}" for k, v in floor.items()))  # fmt: skip
+        if result.get("ours_over_floor"):
+            print(f"ours steady / floor: {result['ours_over_floor']:.2f}")
+    for config, trl in result.get("trl", {}).items():
+        print(f"TRL {config}: step 1 {fmt(trl.get('step1_s'))} s, steady {fmt(trl.get('steady_step_s'))} s, "
+              f"grad norm {trl.get('grad_norm')}" + (f", error: {trl['error']}" if trl.get("error") else "")
+              + (f", non-finite: {trl['nonfinite']}" if (trl.get("nonfinite") or {}).get("first_output")
+                 or (trl.get("nonfinite") or {}).get("grads") else ""))  # fmt: skip
+    if result.get("trl_fastest"):
+        print(f"TRL fastest: {result['trl_fastest']}; ours / TRL (steady): {fmt(result.get('ours_over_trl_steady'))}, "
+              f"(step 1): {fmt(result.get('ours_over_trl_step1'))}")  # fmt: skip
+    if "trl" in result:
+        print("\n" + TRL_NAN_NOTE)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:llama-1.5b")
+    parser.add_argument("--sequences", type=int, default=256, help="sequences per step (prompts x --n)")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="our trainer's steps")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
+    parser.add_argument("--ours-override", nargs="*", default=[], help="extra config overrides for our trainer")
+    parser.add_argument("--trl-steps", type=int, default=3)
+    parser.add_argument("--trl-configs", nargs="+", default=list(TRL_CONFIGS), help="(bf16|fp32)-(eager|sdpa)[-nockpt]")
+    parser.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's per-device batch (0: all sequences)")
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for each subprocess")
+    parser.add_argument("--master-port", type=int, default=29517)
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_e2e"))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-prompts", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-json", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        return trl_worker(args)
+    if args.sequences % args.n:
+        raise SystemExit(f"--sequences {args.sequences} is not a multiple of --n {args.n}")
+
+    from megatron_rlhf.checkpoint.sources import local_dir
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    say(f"materialising {args.model}")
+    model_dir = local_dir(args.model)
+    prompts_file = args.work_dir / "prompts.jsonl"
+    write_prompts(prompts_file, model_dir, max(args.sequences // args.n * max(args.steps, args.trl_steps), 64), args.prompt_len)
+    result: dict[str, Any] = {"model": args.model, "model_dir": str(model_dir), "sequences": args.sequences, "n": args.n,
+                              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
+    if not args.skip_ours:
+        say(f"our trainer: {args.steps} steps")
+        result["ours"] = run_ours(args, prompts_file, args.work_dir)
+    if not args.skip_trl:
+        result["trl"] = {}
+        for config in args.trl_configs:
+            say(f"TRL GRPOTrainer {config}: {args.trl_steps} steps")
+            result["trl"][config] = run_trl(args, config, prompts_file, args.work_dir)
+    say("device ceilings (matmul, copy)")
+    result["device"] = measure_device(args.model, result.get("ours", {}), args)
+    ours_steady = result.get("ours", {}).get("steady_step_s")
+    if ours_steady:
+        result["ours_over_floor"] = ours_steady / result["device"]["floor_s"]["step"]
+    # TRL's fastest: by steady step; by step 1 when no configuration got past it.
+    trl_runs = {c: t for c, t in result.get("trl", {}).items() if t.get("step1_s")}
+    key = "steady_step_s" if any(t.get("steady_step_s") for t in trl_runs.values()) else "step1_s"
+    trl_runs = {c: t for c, t in trl_runs.items() if t.get(key)}
+    if trl_runs:
+        fastest = min(trl_runs, key=lambda c: trl_runs[c][key])
+        result["trl_fastest"] = fastest
+        if ours_steady and trl_runs[fastest].get("steady_step_s"):
+            result["ours_over_trl_steady"] = ours_steady / trl_runs[fastest]["steady_step_s"]
+        if result.get("ours", {}).get("step1_s"):
+            result["ours_over_trl_step1"] = result["ours"]["step1_s"] / trl_runs[fastest]["step1_s"]
+    if "trl" in result:
+        result["trl_nan_note"] = TRL_NAN_NOTE
+    report(result)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        say(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
