@@ -156,6 +156,8 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
     rows = [r for r in rows if r.get("split") == "train"]
     result: dict[str, Any] = {"command": " ".join(cmd), "exit_status": rc, "steps_run": len(rows)}
+    warmup = re.search(r"\[warm-up[^\]]*\] ([0-9.]+)s", (work / "ours.log").read_text())
+    result["warmup_s"] = float(warmup.group(1)) if warmup else None  # start-up, before step 1 (GPU: warmup=auto)
     if not rows:
         return result
     phases = [k.removeprefix("timing_s/") for k in rows[0] if k.startswith("timing_s/") and k.count("/") == 1]
@@ -329,7 +331,8 @@ def report(result: dict[str, Any]) -> None:
     ours, floor = result.get("ours", {}), result.get("device", {}).get("floor_s", {})
     if ours.get("steps_run"):
         print(f"ours: step 1 {fmt(ours['step1_s'])} s, steady (median of steps >= {ours['steady_from_step']}) "
-              f"{fmt(ours['steady_step_s'])} s; steps {[round(s, 3) for s in ours['step_s']]}")  # fmt: skip
+              f"{fmt(ours['steady_step_s'])} s; steps {[round(s, 3) for s in ours['step_s']]}; start-up warm-up "
+              f"{fmt(ours.get('warmup_s'))} s")  # fmt: skip
         one_pass = floor.get("forward_passes", 0) / max(result["device"].get("forward_passes", 1), 1) if floor else None
         floor_of = {"gen": floor.get("generate"), "ref": one_pass, "old_log_prob": one_pass, "values": one_pass,
                     "update_actor": floor["train"] + floor["optimizer"] if floor else None}  # fmt: skip
