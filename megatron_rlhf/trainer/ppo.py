@@ -131,7 +131,8 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg,
                           offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env))  # fmt: skip
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
-                    max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+                    max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                    pack_sequences=cfg.pack_sequences)  # fmt: skip
     recompute, reason = old_logprob_pass(cfg)
     log(reason)
     return PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer, hybrid,
@@ -230,15 +231,18 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     if run.reference is not None:
         with timed("ref", device, times, quiet=True, peaks=peaks):
             ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature),
-                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                                            pack_sequences=cfg.pack_sequences)  # fmt: skip
     if run.old_logprob_pass:
         with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
             old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
-                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+                                            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                                            pack_sequences=cfg.pack_sequences)  # fmt: skip
     if run.critic is not None:
         with timed("values", device, times, quiet=True, peaks=peaks):
             values = forward_all_rows(run.critic.role, batch, token_values_output(),
-                                      max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+                                      max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                                      pack_sequences=cfg.pack_sequences)  # fmt: skip
 
     def kl_to_reference(logprobs: torch.Tensor) -> torch.Tensor:
         return torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(logprobs, ref_logprobs), 0.0)
@@ -482,7 +486,8 @@ def update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn, step: 
         for start in range(0, rows, mini):
             local = order[start + dp_rank * share : start + (dp_rank + 1) * share]
             metrics = train_step(state, {k: v[local] for k, v in batch.items()}, loss_fn,
-                                 max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+                                 max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                                 pack_sequences=cfg.pack_sequences)  # fmt: skip
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
             count += 1
