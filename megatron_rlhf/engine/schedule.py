@@ -101,10 +101,12 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
     piece["segment_start"] = (position_ids == 0) & real
     piece["segment_bin"], piece["segment_offset"] = torch.tensor(segment_bin), torch.tensor(segment_offset)
     piece["segment_length"] = torch.tensor(lengths)[sequences]
-    if any(len(rows) > 1 for rows in bins):
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
+    piece = {key: value.to(device) for key, value in piece.items()}
+    if any(len(rows) > 1 for rows in bins):  # built where it is used: (b, s, s) is the piece's largest tensor
+        segment = segment.to(device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         piece["segment_mask"] = ~((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
-    return {key: value.to(device) for key, value in piece.items()}
+    return piece
 
 
 def rows_of(piece: Batch, x: torch.Tensor) -> torch.Tensor:
