@@ -11,8 +11,10 @@ the plain step is megatron's ``vocab_parallel_cross_entropy`` NLL. Reported: tok
 
 ``--skewed``: rows of random lengths from 16 to ``--seq-len`` (right-padded) instead of full rows, and
 beside them a batch of as many rows all of the mean length (the same real tokens): the PPO step's
-time on each, their ratio (1.0: padding costs nothing) and the padded tokens the micro-batches
-computed. Tokens/s and MFU then count real tokens.
+time on the skewed batch with packed sequences (``ppo``) and without (``ppo_unpacked``) and on the
+uniform one, the ratios to the uniform (1.0: padding costs nothing), and for each the tokens the
+micro-batches computed and the share of them that is padding. Tokens/s and MFU then count real
+tokens. ``--no-pack``: the plain and PPO steps without packing.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--skewed", action="store_true", help="rows of 16..seq-len tokens vs rows of their mean length")
+    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                        help="pack sequences into shared rows of a micro-batch (--skewed runs both anyway)")
     args = parser.parse_args()
 
     from megatron.core import tensor_parallel
@@ -94,27 +98,29 @@ def main() -> None:
         mask = piece["loss_mask"][:, 1:]
         return (nll * mask).sum(), mask.sum(), {}
 
-    def timed_steps(loss_fn, batch: dict[str, torch.Tensor] = batch) -> float:
+    def timed_steps(loss_fn, batch: dict[str, torch.Tensor] = batch, pack: bool = args.pack) -> float:
         for _ in range(args.warmup):
-            train_step(state, batch, loss_fn, max_tokens_per_micro_batch=args.max_tokens)
+            train_step(state, batch, loss_fn, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=pack)
         if on_gpu:
             torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(args.steps):
-            train_step(state, batch, loss_fn, max_tokens_per_micro_batch=args.max_tokens)
+            train_step(state, batch, loss_fn, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=pack)
         if on_gpu:
             torch.cuda.synchronize()
         dist.barrier()
         return (time.perf_counter() - start) / args.steps
 
     # Alternate the runs twice so that none benefits from running later.
-    times = {"plain": [], "ppo": [], **({"ppo_same_tokens_uniform": []} if args.skewed else {})}
+    # name -> (loss, batch, packed)
+    variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, batch, args.pack)}
+    if args.skewed:
+        variants |= {"ppo_unpacked": (ppo, batch, False), "ppo_same_tokens_uniform": (ppo, same_tokens, args.pack)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(2):
-        times["plain"].append(timed_steps(plain_nll))
-        times["ppo"].append(timed_steps(ppo))
-        if args.skewed:
-            times["ppo_same_tokens_uniform"].append(timed_steps(ppo, same_tokens))
+        for name, (loss_fn, run_batch, pack) in variants.items():
+            times[name].append(timed_steps(loss_fn, run_batch, pack))
     tokens = int(batch["attention_mask"].sum())
     params = sum(p.numel() for p in role.model.parameters())
     embedding = arch.vocab_size * arch.hidden_size / env.world_size
@@ -131,11 +137,16 @@ def main() -> None:
         result[f"{name}_MFU_vs_measured_peak"] = throughput * flops_per_token / env.world_size / peak
         result[f"{name}_MFU_vs_989_TFLOPs"] = throughput * flops_per_token / env.world_size / 989e12
     result["ratio_ppo_over_plain"] = result["ppo_tokens_per_s"] / result["plain_tokens_per_s"]
+    result["packed"] = args.pack
+    for name, (_, run_batch, pack) in variants.items():
+        pieces, _ = micro_batches(run_batch, args.max_tokens, role.groups, torch.device("cpu"), pack=pack)
+        computed = sum(p["input_ids"].numel() for p in pieces)
+        result[f"{name}_tokens_computed"] = computed
+        result[f"{name}_padding_percent"] = 100 * (computed - int(run_batch["attention_mask"].sum())) / computed
     if args.skewed:
-        pieces, _ = micro_batches(batch, args.max_tokens, role.groups, torch.device("cpu"))
         result["skewed_lengths"] = f"{min(lengths)}-{max(lengths)}, mean {sum(lengths) / len(lengths):.0f}"
-        result["skewed_padded_tokens_computed"] = sum(p["input_ids"].numel() for p in pieces) - tokens
-        result["ratio_skewed_over_same_tokens_uniform"] = result["ppo_step_s"] / result["ppo_same_tokens_uniform_step_s"]
+        for name in ("ppo", "ppo_unpacked"):
+            result[f"ratio_{name}_over_same_tokens_uniform"] = result[f"{name}_step_s"] / result["ppo_same_tokens_uniform_step_s"]
     if on_gpu:
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
     log(json.dumps(result, indent=1))

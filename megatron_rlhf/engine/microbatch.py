@@ -3,6 +3,10 @@
 Sequences keep the order they are given in (engine/schedule.py gives them longest first):
 micro-batch boundaries only group neighbours, so a change of budget changes how work is split,
 never which tokens are computed or how the loss is normalised.
+
+Packing (``pack_rows``) first puts several sequences into one row (a bin) of a micro-batch, so
+that short sequences fill the room a long one leaves instead of padding; the bins are then cut by
+the same budget.
 """
 
 from __future__ import annotations
@@ -46,15 +50,63 @@ def equalise_count(groups: list[list[int]], target: int) -> list[list[int]]:
     return groups
 
 
+def agreed_count(count: int, dp_group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The largest of the data-parallel ranks' micro-batch counts: every rank must run as many
+    micro-batches, or the gradient all-reduce of the last one would wait forever.
+
+    Every rank of a pipeline holds the same data, so the count is identical along TP and PP.
+    """
+    total = torch.tensor([count], dtype=torch.int64, device=device)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=dp_group)
+    return int(total.item())
+
+
 def plan_micro_batches(
     lengths: list[int], max_tokens: int, dp_group: dist.ProcessGroup | None, device: torch.device
 ) -> list[list[int]]:
-    """Token-budget micro-batches, with the count agreed (maximum) across the data-parallel group.
-
-    Every rank of a pipeline holds the same data, so the plan is identical along TP and PP.
-    """
+    """Token-budget micro-batches, with the count agreed (maximum) across the data-parallel group."""
     groups = split_by_token_budget(lengths, max_tokens)
-    count = torch.tensor([len(groups)], dtype=torch.int64, device=device)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-    return equalise_count(groups, int(count.item()))
+    return equalise_count(groups, agreed_count(len(groups), dp_group, device))
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sequence indices in bins of at most ``capacity`` tokens: longest first, each into the first
+    bin with room (a new bin when none has). A sequence is never split, so ``capacity`` must be at
+    least the longest; ties keep their order."""
+    if lengths and max(lengths) > capacity:
+        raise ValueError(f"a sequence of {max(lengths)} tokens does not fit a bin of {capacity}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        target = next((b for b, free in enumerate(room) if free >= lengths[index]), len(bins))
+        if target == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[target].append(index)
+        room[target] -= lengths[index]
+    return bins
+
+
+def pack_rows(
+    lengths: list[int], max_tokens: int, dp_group: dist.ProcessGroup | None, device: torch.device
+) -> list[list[list[int]]]:
+    """Micro-batches of bins of sequence indices: first-fit-decreasing into bins as long as the
+    longest sequence, fullest bins first, then cut so that (bins x fullest bin) stays within
+    ``max_tokens``; the count agreed across the data-parallel group as ``plan_micro_batches`` does.
+
+    A rank whose sequences fill fewer bins than the agreed count splits its largest bins (fewer
+    sequences share a row there) until every micro-batch has one.
+    """
+    bins = first_fit_decreasing(lengths, max(lengths, default=0))
+
+    def fullest_first(bins: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        fills = [sum(lengths[i] for i in b) for b in bins]
+        order = sorted(range(len(bins)), key=lambda b: -fills[b])
+        return [bins[b] for b in order], [fills[b] for b in order]
+
+    bins, fills = fullest_first(bins)
+    count = agreed_count(len(split_by_token_budget(fills, max_tokens)), dp_group, device)
+    bins, fills = fullest_first(equalise_count(bins, count))
+    groups = equalise_count(split_by_token_budget(fills, max_tokens), count)
+    return [[bins[b] for b in group] for group in groups]

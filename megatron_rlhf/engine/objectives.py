@@ -5,8 +5,10 @@ Shapes: a micro-batch holds ``input_ids (b, s)``; an LM outputs vocab-parallel l
 
 Token-level tensors in a batch (``old_logprobs``, ``ref_logprobs``, ``advantages``, ``returns``,
 ``old_values``, ``response_mask``, ``loss_mask``) are aligned with ``input_ids``: column t is about
-token t (column 0, the first token, is never scored). Inside a loss they are used as ``x[:, 1:]``,
-next to ``(b, s-1)`` log-probs of tokens 1..s-1 and the values predicted just before each token.
+token t (column 0, the first token, is never scored). A micro-batch may pack several sequences into
+one row; losses read every token-aligned tensor one row per sequence (``_scored``: ``(n, s-1)``,
+tokens 1.. of each sequence), so per-sequence aggregations and ``UpdateLogprobs`` see rows as if
+unpacked.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from megatron_rlhf.algorithms import AGG_MODES, KL_ESTIMATORS, aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
 from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
-from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn
+from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, rows_of
 from megatron_rlhf.models.roles import RoleModel
 
 
@@ -38,14 +40,25 @@ def next_token_logprobs(
     )
 
 
-def _token_aligned(x: torch.Tensor) -> torch.Tensor:
-    """(b, s-1) about tokens 1..s-1 -> (b, s) aligned with input_ids (column 0 is zero)."""
-    return F.pad(x, (1, 0))
+def token_aligned(piece: Batch, x: torch.Tensor) -> torch.Tensor:
+    """(b, s-1) about tokens 1..s-1 -> (b, s) aligned with input_ids, 0 at each sequence's first
+    token (in a packed row the column before it, which predicted it, ends another sequence)."""
+    return F.pad(x, (1, 0)).masked_fill(piece["segment_start"], 0)
+
+
+def _scored(piece: Batch, aligned: torch.Tensor) -> torch.Tensor:
+    """A token-aligned (b, s) tensor of a micro-batch -> (n, s-1): tokens 1.. of each of its sequences."""
+    return rows_of(piece, aligned)[:, 1:]
+
+
+def _scored_next(piece: Batch, x: torch.Tensor) -> torch.Tensor:
+    """(b, s-1) about tokens 1..s-1 of a micro-batch's rows -> (n, s-1): tokens 1.. of each sequence."""
+    return _scored(piece, F.pad(x, (1, 0)))
 
 
 def logprobs_output(role: RoleModel, *, temperature: float = 1.0) -> OutputFn:
     """Forward-only: (b, s) token-aligned log-probs (old policy, reference policy)."""
-    return lambda piece, logits: _token_aligned(next_token_logprobs(role, piece, logits, temperature=temperature)[0])
+    return lambda piece, logits: token_aligned(piece, next_token_logprobs(role, piece, logits, temperature=temperature)[0])
 
 
 def values_output() -> OutputFn:
@@ -56,7 +69,7 @@ def values_output() -> OutputFn:
 def token_values_output() -> OutputFn:
     """Forward-only: (b, s) critic values aligned with the token they precede (column t is the
     value of the state just before token t, i.e. the score at position t-1)."""
-    return lambda piece, values: _token_aligned(values[:, :-1, 0].float())
+    return lambda piece, values: token_aligned(piece, values[:, :-1, 0].float())
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -112,7 +125,7 @@ class UpdateLogprobs:
         self.values = torch.zeros(rows, width, device=next(role.model.parameters()).device)
 
     def record(self, row_index: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """``logprobs`` (b, s-1): tokens 1..s-1 of the rows ``row_index`` (b,)."""
+        """``logprobs`` (n, s-1): tokens 1..s-1 of the rows ``row_index`` (n,)."""
         self.values[row_index, 1 : logprobs.shape[1] + 1] = logprobs.detach().float()
 
     def all_rows(self) -> torch.Tensor:
@@ -139,14 +152,15 @@ def ppo_actor_loss(
         logprobs, entropy = next_token_logprobs(
             role, piece, logits, temperature=temperature, with_entropy=cfg.entropy_coef > 0
         )
-        mask = piece["response_mask"][:, 1:].float()
+        logprobs = _scored_next(piece, logprobs)
+        mask = _scored(piece, piece["response_mask"]).float()
         if on_policy is None:
-            old_logprobs = piece["old_logprobs"][:, 1:]
+            old_logprobs = _scored(piece, piece["old_logprobs"])
         else:
             old_logprobs = logprobs.detach()
             on_policy.record(piece["row_index"], old_logprobs)
         numerator, denominator, metrics = ppo_policy_loss(
-            logprobs, old_logprobs, piece["advantages"][:, 1:], mask,
+            logprobs, old_logprobs, _scored(piece, piece["advantages"]), mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.agg_mode,
             loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip
@@ -154,13 +168,13 @@ def ppo_actor_loss(
         metrics["actor/pg_loss"] = numerator / denominator.clamp(min=1)
         if cfg.entropy_coef > 0:
             entropy_numerator, _ = entropy_bonus(
-                entropy, mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
+                _scored_next(piece, entropy), mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
             )
             numerator = numerator - cfg.entropy_coef * entropy_numerator
             metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
         if cfg.kl_loss_coef > 0:
             kl_numerator, _ = kl_loss(
-                logprobs, piece["ref_logprobs"][:, 1:], mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode,
+                logprobs, _scored(piece, piece["ref_logprobs"]), mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode,
                 loss_scale_factor=cfg.loss_scale_factor,
             )  # fmt: skip
             numerator = numerator + cfg.kl_loss_coef * kl_numerator
@@ -174,10 +188,10 @@ def critic_loss(cfg: PPOLossConfig) -> LossFn:
     """Clipped value loss on response tokens; values are read just before each token."""
 
     def loss(piece: Batch, values: torch.Tensor):
-        predicted = values[:, :-1, 0].float()
-        mask = piece["response_mask"][:, 1:].float()
+        predicted = _scored_next(piece, values[:, :-1, 0].float())
+        mask = _scored(piece, piece["response_mask"]).float()
         numerator, denominator, metrics = value_loss(
-            predicted, piece["old_values"][:, 1:], piece["returns"][:, 1:], mask,
+            predicted, _scored(piece, piece["old_values"]), _scored(piece, piece["returns"]), mask,
             clip_range=cfg.value_clip, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor,
         )  # fmt: skip
         return numerator, denominator, {f"critic/{name}": value for name, value in metrics.items()}
@@ -189,8 +203,8 @@ def sft_loss(role: RoleModel) -> LossFn:
     """Next-token negative log-likelihood on response tokens (``loss_mask`` 1), token-mean."""
 
     def loss(piece: Batch, logits: torch.Tensor):
-        logprobs, _ = next_token_logprobs(role, piece, logits)
-        mask = piece["loss_mask"][:, 1:].float()
+        logprobs = _scored_next(piece, next_token_logprobs(role, piece, logits)[0])
+        mask = _scored(piece, piece["loss_mask"]).float()
         numerator, denominator = aggregate_loss(-logprobs, mask, "token-mean")
         return numerator, denominator, {"nll_token_mean": numerator / denominator.clamp(min=1)}
 
@@ -201,7 +215,7 @@ def bradley_terry_loss() -> LossFn:
     """Reward-model loss: -log sigmoid(r_chosen - r_rejected) per pair, mean over pairs.
 
     Rows come in (chosen, rejected) pairs, adjacent; the reward of a row is the score at its last
-    real token. Micro-batches never split a pair (see ``group_size`` in ``micro_batches``).
+    real token. Micro-batches never split a pair nor pack rows (see ``group_size`` in ``micro_batches``).
     """
 
     def loss(piece: Batch, values: torch.Tensor):

@@ -2,8 +2,11 @@
 
 A batch is a dict of tensors with a leading batch dimension: ``input_ids (B, S)`` right-padded,
 ``attention_mask (B, S)`` (1 on real tokens) and whatever the loss needs (masks, advantages, ...).
-It is cut into micro-batches by a token budget, longest rows first; each micro-batch is trimmed to
-its own longest sequence, so shapes vary between micro-batches (``variable_seq_lengths``).
+It is cut into micro-batches (pieces) by a token budget; by default several sequences are packed
+into one row of a piece, each attending only to itself, so that padding is hardly computed. Each
+piece is as wide as its fullest row, so shapes vary between micro-batches
+(``variable_seq_lengths``). Outputs and losses read a piece's sequences through ``rows_of``, one
+row per sequence as if unpacked.
 
 A loss function takes ``(micro_batch, model_output)`` on the last pipeline stage and returns
 ``(numerator, denominator, metrics)``: with ``calculate_per_token_loss`` megatron sums both over
@@ -13,14 +16,16 @@ on the micro-batch split.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megatron_rlhf.engine.microbatch import plan_micro_batches
+from megatron_rlhf.engine.microbatch import pack_rows, plan_micro_batches
 from megatron_rlhf.parallel.layout import ParallelGroups
 
 Batch = dict[str, torch.Tensor]
@@ -29,34 +34,89 @@ OutputFn = Callable[[Batch, torch.Tensor], torch.Tensor]
 
 
 def micro_batches(
-    batch: Batch, max_tokens: int, groups: ParallelGroups, device: torch.device, *, group_size: int = 1
+    batch: Batch, max_tokens: int, groups: ParallelGroups, device: torch.device, *, group_size: int = 1, pack: bool = True
 ) -> tuple[list[Batch], torch.Tensor]:
-    """Cut ``batch`` by token budget, trim each piece to its longest row, move it to ``device``.
+    """Cut ``batch`` by token budget into pieces on ``device``; returns them and ``rows``: the batch
+    row of each sequence of the pieces, in order (``rows_of`` lays a piece's outputs out so).
 
-    Rows are planned in units of ``group_size`` consecutive rows (e.g. 2 for chosen/rejected pairs)
-    that always stay in the same micro-batch. Units are taken longest first, so that rows of similar
-    length share a micro-batch: with skewed lengths (responses of 16 to 512 tokens) the padding
-    computed is then small wherever the budget packs several rows. Returns the pieces and ``rows``:
-    the batch row at each position of the pieces concatenated.
+    With ``pack`` (and ``group_size`` 1) several sequences share a row of a piece (``pack_rows``),
+    so that nearly no padding is computed. Otherwise rows are planned in units of ``group_size``
+    consecutive rows (e.g. 2 for chosen/rejected pairs, whose loss reads both rows of a pair in one
+    micro-batch) that always stay in the same micro-batch, longest first, so that rows of similar
+    length share a micro-batch; each piece is trimmed to its longest row.
     """
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     if len(lengths) % group_size:
         raise ValueError(f"batch of {len(lengths)} rows is not a multiple of group_size={group_size}")
-    unit_lengths = [max(lengths[i : i + group_size]) for i in range(0, len(lengths), group_size)]
-    longest_first = sorted(range(len(unit_lengths)), key=lambda unit: -unit_lengths[unit])  # stable for ties
-    plan = plan_micro_batches([unit_lengths[u] for u in longest_first], max_tokens // group_size,
-                              groups.pg_collection.dp, device)  # fmt: skip
-    pieces, rows = [], []
-    for positions in plan:
-        indices = [longest_first[p] * group_size + k for p in positions for k in range(group_size)]
-        rows += indices
-        index = torch.tensor(indices)
-        width = int(max(lengths[i] for i in indices))
-        piece = {key: value[index][:, :width].to(device) if value.dim() > 1 else value[index].to(device)
-                 for key, value in batch.items()}  # fmt: skip
-        piece["position_ids"] = torch.arange(width, device=device).expand(len(indices), width)
-        pieces.append(piece)
-    return pieces, torch.tensor(rows)
+    dp = groups.pg_collection.dp
+    if pack and group_size == 1:
+        plan = pack_rows(lengths, max_tokens, dp, device)
+    else:
+        unit_lengths = [max(lengths[i : i + group_size]) for i in range(0, len(lengths), group_size)]
+        longest_first = sorted(range(len(unit_lengths)), key=lambda unit: -unit_lengths[unit])  # stable for ties
+        units = plan_micro_batches([unit_lengths[u] for u in longest_first], max_tokens // group_size, dp, device)
+        plan = [[[longest_first[p] * group_size + k] for p in positions for k in range(group_size)] for positions in units]
+    pieces = [_piece(batch, bins, lengths, device) for bins in plan]
+    return pieces, torch.tensor([row for bins in plan for bin_rows in bins for row in bin_rows])
+
+
+def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torch.device) -> Batch:
+    """One micro-batch: row i of the piece holds the sequences ``bins[i]`` one after the other.
+
+    Per-token tensors (dim 1 the batch's width) are gathered into that layout, zero (and
+    ``attention_mask`` 0) past a row's last sequence; per-row tensors are indexed by sequence. Added:
+    ``position_ids`` restarting at 0 with each sequence (a row's padding continues its last
+    sequence, as right padding does), ``segment_start`` (b, s) True at each sequence's first token,
+    ``segment_bin``/``segment_offset``/``segment_length`` (n,) where each sequence lies, and when a
+    row holds several sequences ``segment_mask`` (b, 1, s, s), megatron's convention (True = masked
+    out): a token attends only to earlier tokens of its own sequence.
+    """
+    batch_width = batch["input_ids"].shape[1]
+    fills = [sum(lengths[row] for row in rows) for rows in bins]
+    width = max(max(fills), 1)
+    source_row = torch.zeros(len(bins), width, dtype=torch.long)
+    segment = torch.zeros(len(bins), width, dtype=torch.long)  # a sequence's index within its row
+    start = torch.zeros(len(bins), width, dtype=torch.long)  # the column where that sequence starts
+    segment_bin, segment_offset = [], []
+    for b, rows in enumerate(bins):
+        offset = 0
+        for k, row in enumerate(rows):
+            end = offset + lengths[row] if k < len(rows) - 1 else width
+            source_row[b, offset:end], segment[b, offset:end], start[b, offset:end] = row, k, offset
+            segment_bin.append(b)
+            segment_offset.append(offset)
+            offset += lengths[row]
+    position_ids = torch.arange(width) - start
+    real = torch.arange(width) < torch.tensor(fills)[:, None]
+    source_column = position_ids.clamp(max=batch_width - 1)
+    sequences = torch.tensor([row for rows in bins for row in rows])
+    piece = {}
+    for key, value in batch.items():
+        if value.dim() > 1 and value.shape[1] == batch_width:
+            gathered = value[source_row, source_column]
+            piece[key] = gathered.masked_fill(~real.view(*real.shape, *(1,) * (value.dim() - 2)), 0)
+        else:
+            piece[key] = value[sequences]
+    piece["position_ids"] = position_ids
+    piece["segment_start"] = (position_ids == 0) & real
+    piece["segment_bin"], piece["segment_offset"] = torch.tensor(segment_bin), torch.tensor(segment_offset)
+    piece["segment_length"] = torch.tensor(lengths)[sequences]
+    piece = {key: value.to(device) for key, value in piece.items()}
+    if any(len(rows) > 1 for rows in bins):  # built where it is used: (b, s, s) is the piece's largest tensor
+        segment = segment.to(device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        piece["segment_mask"] = ~((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+    return piece
+
+
+def rows_of(piece: Batch, x: torch.Tensor) -> torch.Tensor:
+    """(b, s, ...) in a piece's layout -> (n, s, ...): row i is sequence i of the piece (the order of
+    ``micro_batches``'s ``rows``) from its first token, 0 past its end."""
+    width = x.shape[1]
+    columns = torch.arange(width, device=x.device)
+    picked = x[piece["segment_bin"][:, None], (piece["segment_offset"][:, None] + columns).clamp(max=width - 1)]
+    past_end = columns >= piece["segment_length"][:, None]
+    return picked.masked_fill(past_end.view(*past_end.shape, *(1,) * (x.dim() - 2)), 0)
 
 
 def run_schedule(
@@ -72,9 +132,12 @@ def run_schedule(
     config = model.config
     config.variable_seq_lengths = True
 
+    rope = next((m for m in model.modules() if isinstance(m, RotaryEmbedding)), None)
+
     def forward_step(data_iterator, chunk):
         piece = next(data_iterator)
-        output = chunk(piece["input_ids"], piece["position_ids"], None)
+        with _rotary_positions(rope, piece["position_ids"]):
+            output = chunk(piece["input_ids"], piece["position_ids"], piece.get("segment_mask"))
         return output, partial(_call_step, step_fn, piece)
 
     return get_forward_backward_func(pp_size=groups.layout.pp)(
@@ -90,6 +153,22 @@ def run_schedule(
         p2p_communicator=P2PCommunicator(pp_group=groups.pg_collection.pp, config=config),
         pg_collection=groups.pg_collection,
     )
+
+
+@contextmanager
+def _rotary_positions(rope: RotaryEmbedding | None, position_ids: torch.Tensor):
+    """megatron's GPTModel rotates the token in column t by the angles of position t, whatever
+    ``position_ids`` say (they feed only learned position embeddings): index its rotary table by
+    ``position_ids`` (b, s) instead, so that each sequence of a packed row starts at position 0.
+    The (s, b, 1, d) table broadcasts in megatron's rotary formula as its (s, 1, 1, d) one does."""
+    if rope is None:
+        yield
+        return
+    handle = rope.register_forward_hook(lambda module, args, table: table[position_ids.t(), 0, 0].unsqueeze(2))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _call_step(step_fn, piece, output, non_loss_data: bool = False):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_rlhf.engine.optim import TrainState
-from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, micro_batches, run_schedule
+from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, micro_batches, rows_of, run_schedule
 from megatron_rlhf.models.roles import RoleModel
 
 
@@ -24,9 +24,11 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def train_step(
-    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1
-) -> dict[str, float]:
+    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1,
+    pack_sequences: bool = True,
+) -> dict[str, float]:  # fmt: skip
     """Forward+backward over the batch's micro-batches, then one optimizer and LR-schedule step.
+    ``pack_sequences``: several sequences share a row of a micro-batch (``micro_batches``).
 
     Returns metrics identical on every rank: the loss (numerator / denominator summed over all
     micro-batches and DP ranks), the gradient norm, the learning rate, and each metric of
@@ -34,7 +36,7 @@ def train_step(
     """
     role, model = state.role, state.ddp_model
     device = _device(model)
-    per_micro_batch = _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size)
+    per_micro_batch = _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size, pack_sequences)
     lr = state.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it next)
     metrics = _reduce_metrics(per_micro_batch, role, device)
     _inject_nan_for_test(model, state.step)
@@ -52,21 +54,22 @@ def train_step(
 
 
 def warm_up_step(
-    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1
+    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1,
+    pack_sequences: bool = True,
 ) -> None:  # fmt: skip
     """``train_step``'s forward and backward with no optimizer step, the gradients discarded: the
     first step's one-time costs (kernel compilation, the allocator growing to the step's peak) are
     paid here, and the model, its optimizer and the schedule are left exactly as they were."""
-    _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size)
+    _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size, pack_sequences)
     state.ddp_model.zero_grad_buffer()
     state.optimizer.zero_grad()
 
 
-def _forward_backward(state: TrainState, batch: Batch, loss_fn: LossFn, max_tokens: int, group_size: int) -> list:
+def _forward_backward(state: TrainState, batch: Batch, loss_fn: LossFn, max_tokens: int, group_size: int, pack: bool) -> list:
     """Gradients of ``batch`` in the model's (zeroed) gradient buffers, reduced over DP; returns the
     loss step's per-micro-batch figures (last pipeline stage)."""
     model = state.ddp_model
-    pieces, _ = micro_batches(batch, max_tokens, state.role.groups, _device(model), group_size=group_size)
+    pieces, _ = micro_batches(batch, max_tokens, state.role.groups, _device(model), group_size=group_size, pack=pack)
     model.train()
     model.zero_grad_buffer()
     state.optimizer.zero_grad()
@@ -134,25 +137,25 @@ def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]], role: RoleMo
 
 
 @torch.no_grad()
-def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int) -> torch.Tensor | None:
-    """Apply ``output_fn(micro_batch, model_output)`` to every micro-batch; results are padded back
-    to the batch's width and concatenated (B, S, ...) in the batch's row order on the last pipeline
-    stage, None elsewhere. Positions without a token (``attention_mask`` 0) hold 0: what a model
-    computes there depends on which rows shared its micro-batch, so on the layout and the budget."""
+def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int,
+                 pack_sequences: bool = True) -> torch.Tensor | None:  # fmt: skip
+    """Apply ``output_fn(micro_batch, model_output)`` to every micro-batch; results are laid out one
+    row per sequence (``rows_of``), padded back to the batch's width and concatenated (B, S, ...)
+    in the batch's row order on the last pipeline stage, None elsewhere. Positions past a row's
+    last token hold 0: what a model computes there depends on which rows shared its micro-batch,
+    so on the layout and the budget."""
     model = role.model
     device = _device(model)
     width = batch["input_ids"].shape[1]
-    pieces, rows = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device)
+    pieces, rows = micro_batches(batch, max_tokens_per_micro_batch, role.groups, device, pack=pack_sequences)
     was_training = model.training
     model.eval()
     outputs = run_schedule(model, role.groups, pieces, output_fn, forward_only=True)
     model.train(was_training)
     if not role.groups.is_last_stage:
         return None
-    padded = []
-    for piece, output in zip(pieces, outputs):
-        real = piece["attention_mask"].bool().reshape(*output.shape[:2], *(1,) * (output.dim() - 2))
-        padded.append(torch.nn.functional.pad(output.masked_fill(~real, 0), (0, 0) * (output.dim() - 2) + (0, width - output.shape[1])))
+    padded = [torch.nn.functional.pad(rows_of(piece, output), (0, 0) * (output.dim() - 2) + (0, width - output.shape[1]))
+              for piece, output in zip(pieces, outputs)]  # fmt: skip
     return torch.cat(padded)[torch.argsort(rows).to(device)]
 
 
@@ -170,7 +173,8 @@ def forward_outputs(role: RoleModel, input_ids: torch.Tensor, micro_batch_size: 
     return forward_pass(role, batch, output, max_tokens_per_micro_batch=micro_batch_size * input_ids.shape[1])
 
 
-def forward_all_rows(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int) -> torch.Tensor:
+def forward_all_rows(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int,
+                     pack_sequences: bool = True) -> torch.Tensor:  # fmt: skip
     """(B, S) float32 outputs of every row, on every rank, on the CPU.
 
     Each data-parallel rank runs a contiguous 1/dp of the rows (B must divide evenly), the shares
@@ -184,7 +188,8 @@ def forward_all_rows(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_
         raise ValueError(f"{rows} rows cannot be split evenly over the {role.role}'s {dp} data-parallel ranks")
     share = rows // dp
     mine = {key: value[groups.dp_rank * share : (groups.dp_rank + 1) * share] for key, value in batch.items()}
-    local = forward_pass(role, mine, output_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    local = forward_pass(role, mine, output_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                         pack_sequences=pack_sequences)  # fmt: skip
     device = _device(role.model)
     everything = torch.empty((rows, width), dtype=torch.float32, device=device)
     if local is not None:

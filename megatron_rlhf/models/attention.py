@@ -4,7 +4,8 @@ Core attention goes through ``torch.nn.functional.scaled_dot_product_attention``
 
 A drop-in for megatron's ``DotProductAttention`` (same constructor and forward signature) that
 lets torch pick its fused kernels (flash / memory-efficient on GPU, math on CPU) and handles GQA
-without materialising repeated K/V heads.
+without materialising repeated K/V heads, except with an explicit mask on GPU (packed sequences'
+block-diagonal mask, see ``forward``).
 
 Shapes (megatron's convention): query (sq, b, np, hn); key/value (sk, b, ng, hn) with np a multiple
 of ng (heads and query groups of this TP rank); output (sq, b, np * hn).
@@ -76,11 +77,19 @@ class SDPAttention(MegatronModule):
         mask_type = attn_mask_type or self.attn_mask_type
         mask = None
         if attention_mask is not None:
-            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
+            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend. (b or 1, 1, sq, sk)
+            if self.window is not None:
+                mask = mask & _allowed_positions(sq, sk, self.window, query.device)
         is_causal = mask is None and mask_type == AttnMaskType.causal
         if is_causal and (sq != sk or (self.window is not None and sk > self.window)):
             # SDPA's is_causal aligns queries to the start of the keys; build the mask ourselves.
             mask, is_causal = _allowed_positions(sq, sk, self.window, query.device), False
+        gqa = num_heads != k.shape[1]
+        if gqa and mask is not None and q.is_cuda:
+            # CUDA's memory-efficient kernel takes a mask but not enable_gqa: with both, torch falls
+            # back to the math kernel (the whole score matrix in memory). Repeat K/V heads instead.
+            k, v = (t.repeat_interleave(num_heads // t.shape[1], dim=1) for t in (k, v))
+            gqa = False
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -89,7 +98,7 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=is_causal,
             scale=self.softmax_scale,
-            enable_gqa=num_heads != k.shape[1],
+            enable_gqa=gqa,
         )
         return out.permute(2, 0, 1, 3).reshape(sq, batch, num_heads * head_dim)
 

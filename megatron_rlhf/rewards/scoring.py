@@ -140,10 +140,10 @@ class Scorer:
 
     def __init__(self, cfg: ScoringConfig, rules: dict[str, RewardRule], function: CustomRewardFunction | None,
                  reward_model: RoleModel | None, *, stop_ids: Sequence[int], max_new_tokens: int,
-                 max_tokens_per_micro_batch: int) -> None:  # fmt: skip
+                 max_tokens_per_micro_batch: int, pack_sequences: bool = True) -> None:  # fmt: skip
         self.cfg, self.rules, self.function, self.reward_model = cfg, rules, function, reward_model
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
 
     def sample(self, c: Completion, extras: dict[str, Any], decode) -> Sample:
         return Sample(c.prompt_ids, c.token_ids, decode(c.prompt_ids), decode(c.text_ids(self.stop_ids)), c.finish_reason,
@@ -153,7 +153,8 @@ class Scorer:
         """(rows,) the reward model's score of each row: its output at the row's last token."""
         assert self.reward_model is not None
         values = forward_all_rows(self.reward_model, {k: batch[k] for k in ("input_ids", "attention_mask")},
-                                  values_output(), max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)  # fmt: skip
+                                  values_output(), max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+                                  pack_sequences=self.pack_sequences)  # fmt: skip
         return values[torch.arange(len(values)), batch["lengths"] - 1]
 
     def score(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]], decode) -> Scores:

@@ -58,6 +58,10 @@ class LoopConfig(RunConfig):
 
     max_tokens_per_micro_batch: int = 8192
     """Token budget of one micro-batch (rows x longest row) in forward passes and updates."""
+    pack_sequences: bool = True
+    """Pack several sequences into one row of a micro-batch (each attends only to itself), so that
+    short sequences fill the room beside long ones instead of padding. Same results as unpacked;
+    reward-model training (chosen/rejected pairs) is never packed."""
     num_epochs: int = 1
     """Passes over the training data (used when max_steps is 0)."""
     max_steps: int = 0

@@ -82,7 +82,10 @@ def stage_parameters(arch: Architecture, layout: Layout, padded_vocab: int) -> i
 
 def micro_batch_tokens(budget: int, rows: int, longest: int) -> int:
     """The most tokens (rows x longest row) a micro-batch of ``engine.microbatch`` holds when
-    ``rows`` sequences of up to ``longest`` tokens are cut by a budget of ``budget``."""
+    ``rows`` sequences of up to ``longest`` tokens are cut by a budget of ``budget``. Packed
+    micro-batches (``pack_sequences``) are no larger: bins hold no more than ``longest`` tokens and
+    there are no more bins than sequences. Their attention mask, (b, s, s) per micro-batch, and
+    what SDPA keeps of it per layer on the GPU are not counted (not measured yet)."""
     return min(rows, max(1, budget // longest)) * longest
 
 

@@ -132,7 +132,8 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg,
                           offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env))  # fmt: skip
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
-                    max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+                    max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                    pack_sequences=cfg.pack_sequences)  # fmt: skip
     recompute, reason = old_logprob_pass(cfg)
     log(reason)
     run = PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer,
@@ -295,19 +296,18 @@ def forward_passes(run: PPORun, batch: Batch, times: dict[str, float], peaks: di
     """The rollout's forward-only passes, each timed: reference log-probs, the actor's old log-probs
     (when they get a pass of their own) and the critic's values; None where the run has none."""
     cfg, device = run.cfg, run.device
-    temperature, budget = cfg.rollout.sampling.temperature, cfg.max_tokens_per_micro_batch
+    temperature = cfg.rollout.sampling.temperature
+    passes = {"max_tokens_per_micro_batch": cfg.max_tokens_per_micro_batch, "pack_sequences": cfg.pack_sequences}
     ref_logprobs = values = old_logprobs = None
     if run.reference is not None:
         with timed("ref", device, times, quiet=True, peaks=peaks):
-            ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature),
-                                            max_tokens_per_micro_batch=budget)  # fmt: skip
+            ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature), **passes)
     if run.old_logprob_pass:
         with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
-            old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature),
-                                            max_tokens_per_micro_batch=budget)  # fmt: skip
+            old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature), **passes)
     if run.critic is not None:
         with timed("values", device, times, quiet=True, peaks=peaks):
-            values = forward_all_rows(run.critic.role, batch, token_values_output(), max_tokens_per_micro_batch=budget)
+            values = forward_all_rows(run.critic.role, batch, token_values_output(), **passes)
     return ref_logprobs, old_logprobs, values
 
 
@@ -371,7 +371,8 @@ def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossF
     dp, dp_rank = state.role.groups.layout.dp, state.role.groups.dp_rank
     share = batch["input_ids"].shape[0] // dp
     mine = {key: value[dp_rank * share : (dp_rank + 1) * share] for key, value in batch.items()}
-    warm_up_step(state, mine, loss_fn, max_tokens_per_micro_batch=run.cfg.max_tokens_per_micro_batch)
+    warm_up_step(state, mine, loss_fn, max_tokens_per_micro_batch=run.cfg.max_tokens_per_micro_batch,
+                 pack_sequences=run.cfg.pack_sequences)  # fmt: skip
 
 
 def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float], peaks: dict[str, float]
@@ -548,7 +549,8 @@ def update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn, step: 
         for start in range(0, rows, mini):
             local = order[start + dp_rank * share : start + (dp_rank + 1) * share]
             metrics = train_step(state, {k: v[local] for k, v in batch.items()}, loss_fn,
-                                 max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)  # fmt: skip
+                                 max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                                 pack_sequences=cfg.pack_sequences)  # fmt: skip
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
             count += 1

@@ -83,14 +83,14 @@ def adjacent_pairs(batch: Batch) -> Batch:
 
 
 def preference_accuracy(role: RoleModel, dataset: PreferenceDataset, pad_id: int, *, chunk: int, max_tokens: int,
-                        device: torch.device) -> dict[str, float]:  # fmt: skip
+                        pack: bool, device: torch.device) -> dict[str, float]:  # fmt: skip
     """Accuracy, Bradley-Terry loss and margin over the whole set (forward only, sharded over DP)."""
     indices, real = dp_shard(len(dataset), role.groups.dp_rank, role.groups.layout.dp)
     correct = loss = margin = count = 0.0
     for start in range(0, len(indices), chunk):
         part, keep = indices[start : start + chunk], real[start : start + chunk]
         batch = pack_batch([dataset[i] for i in part], pad_id)  # rows: chosen..., rejected...
-        scores = forward_pass(role, batch, values_output(), max_tokens_per_micro_batch=max_tokens)
+        scores = forward_pass(role, batch, values_output(), max_tokens_per_micro_batch=max_tokens, pack_sequences=pack)
         if scores is None:  # not the last pipeline stage
             continue
         last = batch["attention_mask"].sum(dim=1).to(scores.device) - 1
@@ -115,7 +115,7 @@ def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
 
     def evaluate() -> dict[str, float]:
         return preference_accuracy(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
-                                   device=env.device)  # fmt: skip
+                                   pack=cfg.pack_sequences, device=env.device)  # fmt: skip
 
     task = SupervisedTask(
         name="rm",

@@ -12,11 +12,10 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import SFTDataset, load_sft_dataset, pack_batch
-from megatron_rlhf.engine.objectives import next_token_logprobs, sft_loss
+from megatron_rlhf.engine.objectives import logprobs_output, sft_loss
 from megatron_rlhf.engine.optim import OptimConfig
 from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log
@@ -62,12 +61,7 @@ def _load(paths: list[str], tokenizer, data: SFTDataConfig, what: str) -> SFTDat
     return dataset
 
 
-def _token_logprobs(role: RoleModel):
-    """(b, s) log-prob of each token given the ones before it (column 0: 0)."""
-    return lambda piece, logits: F.pad(next_token_logprobs(role, piece, logits)[0], (1, 0))
-
-
-def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: int, max_tokens: int,
+def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: int, max_tokens: int, pack: bool,
                    device: torch.device) -> dict[str, float]:  # fmt: skip
     """Token-mean NLL of the response tokens over the whole set (forward only, sharded over DP)."""
     indices, real = dp_shard(len(dataset), role.groups.dp_rank, role.groups.layout.dp)
@@ -75,7 +69,7 @@ def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: 
     for start in range(0, len(indices), chunk):
         part, keep = indices[start : start + chunk], real[start : start + chunk]
         batch = pack_batch([dataset[i] for i in part], pad_id)
-        logprobs = forward_pass(role, batch, _token_logprobs(role), max_tokens_per_micro_batch=max_tokens)
+        logprobs = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=max_tokens, pack_sequences=pack)
         if logprobs is None:
             continue
         mask = batch["loss_mask"].to(logprobs.device).float() * torch.tensor(keep, device=logprobs.device)[:, None]
@@ -95,7 +89,7 @@ def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
 
     def evaluate() -> dict[str, float]:
         return validation_nll(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
-                              device=env.device)  # fmt: skip
+                              pack=cfg.pack_sequences, device=env.device)  # fmt: skip
 
     task = SupervisedTask(
         name="sft",

@@ -212,7 +212,8 @@ class SupervisedTask:
         tokens = self.tokens_of(indices)
         start = time.perf_counter()
         metrics = train_step(self.run.state, self.make_batch(mine), self.loss_fn,
-                             max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch, group_size=self.group_size)  # fmt: skip
+                             max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch, group_size=self.group_size,
+                             pack_sequences=self.cfg.pack_sequences)  # fmt: skip
         elapsed = time.perf_counter() - start
         self._window_tokens += tokens
         self._epoch = epoch

@@ -6,8 +6,9 @@
 MEGATRON_RLHF_TEST_DEVICE=cuda runs it on GPUs (fp32 throughout, so the same tolerances apply);
 with 2 ranks the comparison layouts are TP1xDP2, TP2 and PP2.
 
-The reference run also checks that the update does not depend on the micro-batch split. The
-comparison run repeats everything at TP1xDP4, TP2xDP2, PP2xDP2 and TP2xPP2 and compares with the
+The reference run, with sequences unpacked, also checks that the update does not depend on the
+micro-batch split. The comparison run repeats everything with packed sequences (rows of 3 to 20
+tokens share rows of micro-batches) at TP1xDP4, TP2xDP2, PP2xDP2 and TP2xPP2 and compares with the
 reference: log-probs/entropy to 1e-5 absolute, new weights to 1e-5 relative per tensor
 (||new - ref|| / ||ref||, Frobenius). The element-wise maximum is reported too: Adam's first step
 is nearly sign(g) * lr, so the few elements whose gradient is at fp32 noise level can differ by a
@@ -35,7 +36,7 @@ LOGPROB_TOL, WEIGHT_RTOL = 1e-5, 1e-5
 
 def make_batch() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    lengths = torch.randint(12, SEQ_LEN + 1, (BATCH,), generator=g)
+    lengths = torch.randint(3, SEQ_LEN + 1, (BATCH,), generator=g)
     prompt_lengths = torch.randint(4, 9, (BATCH,), generator=g)
     positions = torch.arange(SEQ_LEN)[None]
     attention = (positions < lengths[:, None]).long()
@@ -59,6 +60,7 @@ def main() -> None:
         logprobs_output,
         next_token_logprobs,
         ppo_actor_loss,
+        token_aligned,
         token_values_output,
     )  # fmt: skip
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
@@ -69,6 +71,7 @@ def main() -> None:
     env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))
     out, mode = Path(sys.argv[1]), sys.argv[2]
     reference = Path(sys.argv[3]) if mode == "compare" else None
+    pack = mode == "compare"
     layouts = {1: [(1, 1)], 2: [(1, 1), (2, 1), (1, 2)], 4: [(1, 1), (2, 1), (1, 2), (2, 2)]}[env.world_size]
     split_check_layout = layouts[-1]
     full = make_batch()
@@ -94,22 +97,21 @@ def main() -> None:
         return {k: v[rank * BATCH // dp : (rank + 1) * BATCH // dp] for k, v in batch.items()}
 
     def entropy_output(role):
-        return lambda piece, logits: torch.nn.functional.pad(
-            next_token_logprobs(role, piece, logits, with_entropy=True)[1], (1, 0))
+        return lambda piece, logits: token_aligned(piece, next_token_logprobs(role, piece, logits, with_entropy=True)[1])
 
     def update(tag: str, role_name: str, path: str, tp: int, pp: int, budget: int) -> None:
         role = build(role_name, path, tp, pp)
         batch = local_rows(role, full)
         if role_name == "actor":
-            probe = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=budget)
+            probe = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=budget, pack_sequences=pack)
             batch["old_logprobs"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]
             loss_fn = ppo_actor_loss(role, loss_cfg, temperature=1.0)
         else:
-            probe = forward_pass(role, batch, token_values_output(), max_tokens_per_micro_batch=budget)
+            probe = forward_pass(role, batch, token_values_output(), max_tokens_per_micro_batch=budget, pack_sequences=pack)
             batch["old_values"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]
             loss_fn = critic_loss(loss_cfg)
         state = make_train_state(role, optim_cfg)
-        metrics = train_step(state, batch, loss_fn, max_tokens_per_micro_batch=budget)
+        metrics = train_step(state, batch, loss_fn, max_tokens_per_micro_batch=budget, pack_sequences=pack)
         results[f"{tag}/loss"] = metrics["loss"]
         results[f"{tag}/grad_norm"] = metrics["grad_norm"]
         save_hf_checkpoint(role.model, role.arch, role.groups, out / tag)
@@ -123,7 +125,7 @@ def main() -> None:
             ("logprobs_t07", logprobs_output(actor, temperature=0.7)),
             ("entropy", entropy_output(actor)),
         ):
-            value = gather_dp(actor, forward_pass(actor, batch, fn, max_tokens_per_micro_batch=SMALL_BUDGET))
+            value = gather_dp(actor, forward_pass(actor, batch, fn, max_tokens_per_micro_batch=SMALL_BUDGET, pack_sequences=pack))
             if value is not None and env.rank == _last_stage_rank0(actor):
                 torch.save(value.cpu(), out / f"{name}-{label}.pt")
         dist.barrier()

@@ -220,6 +220,46 @@ def test_explicit_mask_random_pattern():
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+def packed_mask(segments: list[list[int]], s: int) -> torch.Tensor:
+    """megatron convention, True = masked out: each row holds sequences of these lengths one after
+    the other; a query attends keys of its own sequence at or before it (loops, by hand)."""
+    masked = torch.ones(len(segments), 1, s, s, dtype=torch.bool)
+    for b, lengths in enumerate(segments):
+        owner = [k for k, n in enumerate(lengths) for _ in range(n)]
+        owner += [owner[-1]] * (s - len(owner))  # tail padding continues the last sequence
+        for i in range(s):
+            for j in range(i + 1):
+                masked[b, 0, i, j] = owner[i] != owner[j]
+    return masked
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_packed_sequences_mask_with_gqa_and_window(window):
+    """Block-diagonal causal mask (packed sequences), GQA, and megatron's left window (w - 1 keys back)."""
+    s = 9
+    q, k, v = inputs(s, s, batch=2, seed=60)
+    masked = packed_mask([[4, 3, 2], [6, 1]], s)
+    out = run(make_attention(window_size=None if window is None else (window, 0)), q, k, v, masked)
+    allowed = ~masked[:, 0]
+    if window is not None:
+        allowed &= allowed_by_hand(s, s, window=window + 1)
+    torch.testing.assert_close(out, naive_attention(q, k, v, allowed), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+def test_packed_sequences_mask_with_gqa_on_cuda():
+    """On CUDA a mask with GQA repeats K/V heads (no enable_gqa): the same result as the CPU path."""
+    s = 64
+    q, k, v = (t.float() for t in inputs(s, s, batch=3, seed=61))
+    masked = packed_mask([[30, 20, 14], [64], [10, 10, 10, 5]], s)
+    module = make_attention()
+    cpu = run(module, q, k, v, masked)
+    cuda = run(module.cuda(), q.cuda(), k.cuda(), v.cuda(), masked.cuda())
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-4)
+    ref = naive_attention(q.double(), k.double(), v.double(), ~masked[:, 0])
+    torch.testing.assert_close(cpu.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------ misc behaviour
 
 
