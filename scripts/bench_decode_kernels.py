@@ -1,15 +1,16 @@
 """Benchmark: the kernels of one decode step at batch 256, each against its HBM floor.
 
-    python3 scripts/bench_decode_kernels.py --out kernels.json
+    python3 scripts/bench_decode_kernels.py --model builtin:llama-1.5b --out kernels.json
 
-The decode step of the 1.5B model (Qwen2.5-1.5B shapes) runs 28 layers, each with four weight
-GEMMs of a skinny activation (256 rows), plus the LM head. At this batch they are bound by reading
-the weights, so each variant is timed over 28 distinct weight tensors (more than the L2 cache
-holds), replayed as one CUDA graph (no launch overhead, as in the engine), and reported in µs per
-layer and as a fraction of the copy bandwidth measured in the same run. Variants: cuBLAS, cuBLASLt
+A decode step of the model runs its layers, each with four weight GEMMs of a skinny activation
+(256 rows), plus the LM head. At this batch they are bound by reading the weights, so each variant
+is timed over one distinct weight tensor per layer (more than the L2 cache holds), replayed as one
+CUDA graph (no launch overhead, as in the engine), and reported in µs per layer and against the
+copy bandwidth measured in the same run. Variants: cuBLAS, cuBLASLt
 (``torch.backends.cuda.preferred_blas_library``), and FP8 e4m3 weights with row-wise scales
 (``torch._scaled_mm``; the activation quantisation is timed as part of it). Also the residual add
-+ RMSNorm between GEMMs: eager vs one compiled kernel.
++ RMSNorm between GEMMs: torch's RMSNorm after an eager add vs the engine's ``add_rms_norm``, and
+decode attention: the engine's against SDPA's kernels.
 """
 
 from __future__ import annotations
@@ -20,16 +21,23 @@ import time
 from pathlib import Path
 
 import torch
-from bench_rollout import copy_bandwidth
 
-LAYERS = 28
-SHAPES = {  # name: (out_features, in_features) for hidden 1536, ffn 8960, 12 heads / 2 groups of 128
-    "qkv": (2048, 1536),
-    "proj": (1536, 1536),
-    "fc1": (17920, 1536),
-    "fc2": (1536, 8960),
-}
-HEAD = (151936, 1536)
+from megatron_rlhf.checkpoint.sources import architecture_of
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.attention import add_rms_norm, cached_decode_attention
+from megatron_rlhf.models.roofline import copy_bandwidth
+
+
+def gemm_shapes(arch: Architecture) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each weight GEMM of a decode step, unsharded."""
+    h, attention = arch.hidden_size, arch.num_attention_heads * arch.head_dim
+    return {
+        "qkv": (attention + 2 * arch.num_query_groups * arch.head_dim, h),
+        "proj": (h, attention),
+        "fc1": (2 * arch.ffn_hidden_size, h),  # gate and up, as megatron fuses them
+        "fc2": (h, arch.ffn_hidden_size),
+        "head": (arch.vocab_size, h),
+    }
 
 
 def graph_time(fn, reps: int = 20) -> float:
@@ -60,25 +68,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).to(torch.float8_e4m3fn), scale
 
 
-def attention_variants(slots: int, bandwidth: float) -> dict[str, dict[str, float]]:
-    """Decode attention of the 1.5B shapes (12 query heads in 2 KV groups of 128) over a cache
-    slice of kv_len positions, per layer: the engine's two matmuls around a fused softmax, and SDPA
-    with each group's 6 query heads as 6 query rows of one KV head (the mask a broadcast bias)."""
+def attention_variants(arch: Architecture, slots: int, max_len: int, bandwidth: float) -> dict[str, dict[str, float]]:
+    """Decode attention per layer over a cache slice of kv_len positions (half and all of
+    ``max_len``): the engine's two matmuls around a fused softmax, and SDPA with each KV group's
+    query heads as query rows of one KV head (the mask a broadcast bias)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megatron_rlhf.models.attention import cached_decode_attention
-
-    groups, heads, head_dim, max_len = 2, 12, 128, 384
+    groups, heads, head_dim, layers = arch.num_query_groups, arch.num_attention_heads, arch.head_dim, arch.num_layers
     out: dict[str, dict[str, float]] = {}
-    caches = [torch.randn(slots, groups, max_len, 2 * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    caches = [torch.randn(slots, groups, max_len, 2 * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     query = torch.randn(1, slots, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    for kv_len in (192, 384):
+    for kv_len in (max_len // 2, max_len):
         lengths = torch.randint(kv_len - 63, kv_len + 1, (slots,), device="cuda")
         masked = torch.arange(kv_len, device="cuda")[None, :] >= lengths[:, None]
         bias = torch.zeros(slots, kv_len, device="cuda").masked_fill_(masked, float("-inf")).repeat_interleave(groups, 0)[:, None, :]
         floor = slots * groups * kv_len * 2 * head_dim * 2 / bandwidth
         row = {"floor_us": floor * 1e6}
-        row["bmm_softmax_bmm"] = graph_time(lambda: [cached_decode_attention(query, c, bias, head_dim**-0.5) for c in caches]) * 1e6 / LAYERS
+        row["bmm_softmax_bmm"] = graph_time(lambda: [cached_decode_attention(query, c, bias, head_dim**-0.5) for c in caches]) * 1e6 / layers
         q = query[0].reshape(slots * groups, 1, heads // groups, head_dim)
         sdpa_bias = bias[:, None, :, :].to(torch.bfloat16)  # (slots * groups, 1, 1, kv_len)
         reference = cached_decode_attention(query, caches[0], bias, head_dim**-0.5).float()
@@ -92,7 +98,7 @@ def attention_variants(slots: int, bandwidth: float) -> dict[str, dict[str, floa
             try:
                 with sdpa_kernel(backend):
                     error = (sdpa(caches[0]).reshape(1, slots, heads * head_dim).float() - reference).abs().max().item()
-                    row[f"sdpa_{backend.name.lower()}"] = graph_time(lambda: [sdpa(c) for c in caches]) * 1e6 / LAYERS
+                    row[f"sdpa_{backend.name.lower()}"] = graph_time(lambda: [sdpa(c) for c in caches]) * 1e6 / layers
                     row[f"sdpa_{backend.name.lower()}_max_error"] = error
             except RuntimeError as failure:
                 row[f"sdpa_{backend.name.lower()}_error"] = str(failure).splitlines()[0][:160]
@@ -103,7 +109,9 @@ def attention_variants(slots: int, bandwidth: float) -> dict[str, dict[str, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:llama-1.5b")
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=384, help="cache positions (prompt + new tokens)")
     parser.add_argument("--autotune", action="store_true", help="also torch.compile max-autotune GEMMs (slow to compile)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -112,9 +120,10 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict] = {"bandwidth_tbps": bandwidth / 1e12}
-    shapes = dict(SHAPES, head=HEAD)
-    for name, (n, k) in shapes.items():
-        count = 1 if name == "head" else LAYERS
+    arch = architecture_of(args.model)
+    layers = arch.num_layers
+    for name, (n, k) in gemm_shapes(arch).items():
+        count = 1 if name == "head" else layers
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
         x = torch.randn(args.batch, k, device=device, dtype=torch.bfloat16)
         floor = count * n * k * 2 / bandwidth
@@ -147,22 +156,14 @@ def main() -> None:
         cells = "  ".join(f"{key} {value:7.1f}" for key, value in row.items() if isinstance(value, float))
         print(f"{name:5s} ({n}x{k}) µs per layer: {cells}", flush=True)
 
-    hidden = torch.randn(args.batch, 1536, device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(args.batch, arch.hidden_size, device=device, dtype=torch.bfloat16)
     residual = torch.randn_like(hidden)
-    weight = torch.ones(1536, device=device, dtype=torch.bfloat16)
-
-    def add_norm(h, r, w):
-        s = h + r
-        v = s.float()
-        return s, (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype) * w
-
-    norm = torch.nn.RMSNorm(1536, eps=1e-6, device=device, dtype=torch.bfloat16)
-    eager = graph_time(lambda: [norm(hidden + residual) for _ in range(LAYERS * 2)])
-    fused = torch.compile(add_norm)
-    compiled = graph_time(lambda: [fused(hidden, residual, weight) for _ in range(LAYERS * 2)])
-    results["add_rmsnorm_us"] = {"eager": eager * 1e6 / (2 * LAYERS), "compiled": compiled * 1e6 / (2 * LAYERS)}
-    print(f"add + RMSNorm µs each: eager {eager * 1e6 / (2 * LAYERS):.1f}, compiled {compiled * 1e6 / (2 * LAYERS):.1f}", flush=True)
-    results["attention"] = attention_variants(args.batch, bandwidth)
+    norm = torch.nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, device=device, dtype=torch.bfloat16)
+    eager = graph_time(lambda: [norm(hidden + residual) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
+    fused = graph_time(lambda: [add_rms_norm(hidden, residual, norm.weight, norm.eps) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
+    results["add_rmsnorm_us"] = {"eager": eager, "compiled": fused}
+    print(f"add + RMSNorm µs each: eager {eager:.1f}, compiled {fused:.1f}", flush=True)
+    results["attention"] = attention_variants(arch, args.batch, args.max_len, bandwidth)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

@@ -76,6 +76,7 @@ def median(values: list[float]) -> float | None:
 def write_prompts(path: Path, model_dir: Path, count: int, prompt_len: int) -> list[str]:
     """``count`` rows of lowercase words cut to exactly ``prompt_len`` tokens (checked with our
     tokenizer and with transformers' ``AutoTokenizer``, which TRL uses)."""
+    from megatron_rlhf.data.records import write_jsonl
     from megatron_rlhf.data.tokenizer import load_tokenizer
 
     ours = load_tokenizer(model_dir)
@@ -100,7 +101,7 @@ def write_prompts(path: Path, model_dir: Path, count: int, prompt_len: int) -> l
             raise ValueError(f"AutoTokenizer gives prompt lengths {sorted(lengths)}, not {prompt_len}")
     except ImportError:
         pass
-    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    write_jsonl([{"prompt": t} for t in texts], path)
     return texts
 
 
@@ -131,6 +132,8 @@ def run_logged(cmd: list[str], log_path: Path, echo: re.Pattern[str], timeout: f
 
 
 def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[str, Any]:
+    from megatron_rlhf.metrics.curves import read_metrics
+
     out_dir = work / "ours"
     shutil.rmtree(out_dir, ignore_errors=True)
     prompts_per_step = args.sequences // args.n
@@ -146,8 +149,7 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(args.master_port), "-m", "megatron_rlhf", "ppo", *overrides]
     rc = run_logged(cmd, work / "ours.log", re.compile(r"step \d+/\d+|Error|error:"), args.timeout)
     metrics_file = out_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
-    rows = [r for r in rows if r.get("split") == "train"]
+    rows = read_metrics(metrics_file)[0] if metrics_file.is_file() else []
     result: dict[str, Any] = {"command": " ".join(cmd), "exit_status": rc, "steps_run": len(rows)}
     warmup = re.search(r"\[warm-up[^\]]*\] ([0-9.]+)s", (work / "ours.log").read_text())
     result["warmup_s"] = float(warmup.group(1)) if warmup else None  # start-up, before step 1 (GPU: warmup=auto)
