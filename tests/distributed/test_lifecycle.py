@@ -272,13 +272,13 @@ def test_rollback_with_another_data_order_recovers(tmp_path: Path, sft_train: Pa
 
 @pytest.mark.distributed
 def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sft_train: Path) -> None:
-    """SIGSTOP one rank of a 2-rank run with dist_timeout_s=20: the other's next collective times
+    """SIGSTOP one rank of a 2-rank run with dist_timeout_s=10: the other's next collective times
     out and the job ends non-zero, instead of hanging."""
     import psutil
 
     out = tmp_path / "run"
     log = (tmp_path / "log").open("w")
-    proc = subprocess.Popen(_command(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=20",
+    proc = subprocess.Popen(_command(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=10",
                                          f"output_dir={out}")),
                             env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     metrics = out / "metrics.jsonl"
