@@ -50,18 +50,16 @@ def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path |
     """Where a decode step's time goes, eager and with CUDA graphs: GPU kernel time per step by
     kernel, and the share of wall time the GPU is busy (the rest is the host loop). Decode-only
     figures are differences of two profiled runs, ``steps + 1`` and 1 new tokens (the prefill)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from megatron_rlhf.metrics.kernels import op_times
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     def kernel_times(engine, new_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = timed(lambda: engine.generate(prompts, params))
-        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-        by_name = {e.key: (e.self_device_time_total, e.count) for e in kernels}  # device work only, not the ops launching it
-        return wall, by_name
+        return wall, op_times(prof)  # device work only, not the ops launching it
 
     figures: dict[str, float] = {}
     lines = []

@@ -15,6 +15,11 @@ time on the skewed batch with packed sequences (``ppo``) and without (``ppo_unpa
 uniform one, the ratios to the uniform (1.0: padding costs nothing), and for each the tokens the
 micro-batches computed and the share of them that is padding. Tokens/s and MFU then count real
 tokens. ``--no-pack``: the plain and PPO steps without packing.
+
+``--profile``: one more PPO step under torch.profiler: its wall time, the time the GPU was busy,
+that time split by kind of kernel (GEMM, attention, compiled, optimizer, ...) against the step's
+FLOPs at the measured matmul peak, and the 25 costliest kernels (CPU operators in CPU mode), also
+written beside ``--out`` as ``.profile.txt``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def main() -> None:
     parser.add_argument("--skewed", action="store_true", help="rows of 16..seq-len tokens vs rows of their mean length")
     parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
                         help="pack sequences into shared rows of a micro-batch (--skewed runs both anyway)")
+    parser.add_argument("--profile", action="store_true", help="profile one more PPO step (torch.profiler)")
     args = parser.parse_args()
 
     from megatron.core import tensor_parallel
@@ -149,9 +155,48 @@ def main() -> None:
             result[f"ratio_{name}_over_same_tokens_uniform"] = result[f"{name}_step_s"] / result["ppo_same_tokens_uniform_step_s"]
     if on_gpu:
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
+    if args.profile:
+        def ppo_step() -> None:
+            train_step(state, batch, ppo, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
+
+        floor_s = tokens * flops_per_token / env.world_size / peak
+        result["profile"] = profile_step(ppo_step, on_gpu, floor_s, args.out if env.rank == 0 else None)
     log(json.dumps(result, indent=1))
     if env.rank == 0 and args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def profile_step(step, on_gpu: bool, floor_s: float, out: Path | None) -> dict[str, float]:
+    """One ``step()`` under torch.profiler: wall and busy time, busy time by kind of kernel, and
+    the costliest kernels (operators on the CPU), printed and written beside ``out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_rlhf.metrics.kernels import by_kind, op_times
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    times = op_times(prof)
+    busy_s = sum(us for us, _ in times.values()) / 1e6
+    kinds = {kind: us / 1e6 for kind, us in by_kind(times).items()}
+    figures = {"wall_s": wall, "busy_s": busy_s, "floor_at_matmul_peak_s": floor_s, "launches": sum(n for _, n in times.values())}
+    figures |= {f"{kind}_s": seconds for kind, seconds in kinds.items()}
+    unit = "GPU kernels" if on_gpu else "CPU operators (no kernels in CPU mode)"
+    lines = [f"== one PPO step: {wall:.3f} s wall, {busy_s:.3f} s in {unit}, {figures['launches']} launches; "
+             f"its FLOPs at the matmul peak: {floor_s:.3f} s"]  # fmt: skip
+    lines += [f"{seconds:9.3f} s {100 * seconds / busy_s:5.1f}%  {kind}" for kind, seconds in kinds.items()]
+    lines.append("-- costliest")
+    for name, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[:25]:
+        lines.append(f"{us / 1e3:10.2f} ms {n:6d}x  {name[:110]}")
+    text = "\n".join(lines)
+    print(text)
+    if out is not None:
+        out.with_suffix(".profile.txt").write_text(text + "\n")
+    return figures
 
 
 if __name__ == "__main__":
