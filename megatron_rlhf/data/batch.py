@@ -17,20 +17,33 @@ e.g., the tensor-parallel size under sequence parallelism.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .datasets import PreferenceExample, PromptExample, SFTExample
 
-__all__ = ["pack_batch"]
+__all__ = ["flat_tensor", "pack_batch", "right_padded"]
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
 
 
-def _pad(seqs: Sequence[Tensor], width: int, value: int | bool, dtype: torch.dtype) -> Tensor:
-    out = torch.full((len(seqs), width), value, dtype=dtype)
-    for row, seq in enumerate(seqs):
-        out[row, : seq.numel()] = seq
+def flat_tensor(rows: Iterable[Iterable[int | float]], dtype: torch.dtype) -> Tensor:
+    """The rows' Python numbers one after the other, as one tensor (int64 or float32). numpy reads
+    an iterator several times faster than ``torch.tensor`` reads a list (5 ms against 45 ms for a
+    rollout of 256 x 384 token ids)."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), dtype=_NUMPY_DTYPES[dtype]))
+
+
+def right_padded(flat: Tensor, lengths: Tensor, width: int, value: int | float | bool) -> Tensor:
+    """(rows, width) of ``flat``'s dtype: row i holds the next ``lengths[i]`` elements of ``flat``
+    (the rows one after the other), then ``value``. One copy, however many rows: building a tensor
+    per row costs tens of microseconds each, which a 256-sequence rollout notices."""
+    out = torch.full((len(lengths), width), value, dtype=flat.dtype)
+    out[torch.arange(width) < lengths[:, None]] = flat  # row-major order: the rows' order in flat
     return out
 
 
@@ -38,12 +51,12 @@ def _pack(ids: Sequence[Tensor], masks: Sequence[Tensor] | None, pad_id: int, mu
     lengths = torch.tensor([t.numel() for t in ids], dtype=torch.long)
     width = -(-int(lengths.max()) // multiple) * multiple
     batch = {
-        "input_ids": _pad(ids, width, pad_id, torch.long),
+        "input_ids": right_padded(torch.cat(list(ids)).long(), lengths, width, pad_id),
         "attention_mask": torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1),
         "lengths": lengths,
     }
     if masks is not None:
-        batch["loss_mask"] = _pad(masks, width, False, torch.bool)
+        batch["loss_mask"] = right_padded(torch.cat(list(masks)).bool(), lengths, width, False)
     return batch
 
 

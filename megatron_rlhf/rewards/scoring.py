@@ -145,9 +145,12 @@ class Scorer:
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
         self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
 
-    def sample(self, c: Completion, extras: dict[str, Any], decode) -> Sample:
-        return Sample(c.prompt_ids, c.token_ids, decode(c.prompt_ids), decode(c.text_ids(self.stop_ids)), c.finish_reason,
-                      extras)  # fmt: skip
+    def samples(self, completions: Sequence[Completion], decode, extras: Sequence[dict[str, Any]] | None = None) -> list[Sample]:
+        """The completions as rules read them (``extras[c.prompt_index]`` the prompt row's extra
+        columns, none if not given). Each prompt is decoded once, not once per sample of it."""
+        prompt_texts = {c.prompt_index: decode(c.prompt_ids) for c in completions}
+        return [Sample(c.prompt_ids, c.token_ids, prompt_texts[c.prompt_index], decode(c.text_ids(self.stop_ids)),
+                       c.finish_reason, extras[c.prompt_index] if extras is not None else {}) for c in completions]  # fmt: skip
 
     def reward_model_scores(self, batch: Batch) -> torch.Tensor:
         """(rows,) the reward model's score of each row: its output at the row's last token."""
@@ -165,7 +168,7 @@ class Scorer:
             parts[REWARD_MODEL] = self.reward_model_scores(batch)
         if self.rules or self.function is not None:
             rank, world = dist.get_rank(), dist.get_world_size()
-            mine = [self.sample(c, extras[c.prompt_index], decode) for c in completions[rank::world]]
+            mine = self.samples(completions[rank::world], decode, extras)
             local = rule_scores(self.rules, mine)
             custom = self.function.score(mine) if self.function is not None else None
             if custom is not None:

@@ -39,7 +39,8 @@ from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLController, apply_kl_pe
 from megatron_rlhf.algorithms.utils import masked_mean
 from megatron_rlhf.checkpoint.sources import build_role, local_dir
 from megatron_rlhf.config.run import resolve_dtype
-from megatron_rlhf.data import PromptDataset, SFTExample, load_prompt_dataset, pack_batch
+from megatron_rlhf.data import PromptDataset, load_prompt_dataset
+from megatron_rlhf.data.batch import flat_tensor, right_padded
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.engine.objectives import UpdateLogprobs, critic_loss, logprobs_output, ppo_actor_loss, token_values_output
@@ -488,9 +489,10 @@ def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState],
 def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor) -> list[dict[str, Any]]:
     """samples.jsonl rows: each response as the reward functions read it (no trailing EOS), and the
     reward it got."""
-    decode = run.tokenizer.decode
-    return [{"group": c.prompt_index, "prompt": decode(c.prompt_ids), "response": run.scorer.sample(c, {}, decode).response_text,
-             "finish_reason": c.finish_reason, "reward": float(score)} for c, score in zip(completions, scores)]  # fmt: skip
+    samples = run.scorer.samples(completions, run.tokenizer.decode)
+    return [{"group": c.prompt_index, "prompt": sample.prompt_text, "response": sample.response_text,
+             "finish_reason": c.finish_reason, "reward": float(score)}
+            for c, sample, score in zip(completions, samples, scores)]  # fmt: skip
 
 
 def _step_seed(cfg: PPOConfig, step: int) -> int:
@@ -502,13 +504,19 @@ def _step_seed(cfg: PPOConfig, step: int) -> int:
 def rollout_batch(completions: list[Completion], pad_id: int) -> Batch:
     """Completions -> right-padded rows ``prompt + response``: input_ids, attention_mask, lengths,
     response_mask (True on response tokens) and prompt_index (the group of each row)."""
-    examples = [SFTExample(input_ids=torch.tensor(c.prompt_ids + c.token_ids),
-                           loss_mask=torch.tensor([False] * len(c.prompt_ids) + [True] * len(c.token_ids)))
-                for c in completions]  # fmt: skip
-    batch = pack_batch(examples, pad_id)
-    batch["response_mask"] = batch.pop("loss_mask")
-    batch["prompt_index"] = torch.tensor([c.prompt_index for c in completions])
-    return batch
+    prompt_lengths = torch.tensor([len(c.prompt_ids) for c in completions])
+    lengths = prompt_lengths + torch.tensor([len(c.token_ids) for c in completions])
+    width = int(lengths.max())
+    ids = flat_tensor((ids for c in completions for ids in (c.prompt_ids, c.token_ids)), torch.long)
+    columns = torch.arange(width)[None]
+    attention_mask = columns < lengths[:, None]
+    return {
+        "input_ids": right_padded(ids, lengths, width, pad_id),
+        "attention_mask": attention_mask,
+        "lengths": lengths,
+        "response_mask": attention_mask & (columns >= prompt_lengths[:, None]),
+        "prompt_index": torch.tensor([c.prompt_index for c in completions]),
+    }
 
 
 def _prefixed(prefix: str, metrics: dict[str, float], *, loss: str = "loss") -> dict[str, float]:
@@ -525,10 +533,11 @@ def _model_inputs(batch: Batch) -> Batch:
 
 def _rollout_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
     """The engine's per-token log-probs in the batch's token-aligned layout."""
+    starts = torch.tensor([len(c.prompt_ids) for c in completions])
+    ends = starts + torch.tensor([len(c.logprobs) for c in completions])
+    columns = torch.arange(mask.shape[1])[None]
     out = torch.zeros(mask.shape)
-    for row, c in enumerate(completions):
-        start = len(c.prompt_ids)
-        out[row, start : start + len(c.logprobs)] = torch.tensor(c.logprobs)
+    out[(columns >= starts[:, None]) & (columns < ends[:, None])] = flat_tensor((c.logprobs for c in completions), torch.float32)
     return out
 
 

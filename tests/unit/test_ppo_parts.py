@@ -151,8 +151,12 @@ def test_rule_text_has_no_trailing_eos(world_of_one) -> None:
                     max_tokens_per_micro_batch=64)  # fmt: skip
     stopped = Completion(prompt_index=0, sample_index=0, prompt_ids=[5], token_ids=[9, 9, 2], logprobs=[0.0] * 3,
                          finish_reason="stop")  # fmt: skip
-    assert scorer.sample(stopped, {}, lambda ids: ",".join(map(str, ids))).response_text == "9,9"
-    assert scorer.sample(_stub_completion(0, 2), {}, lambda ids: ",".join(map(str, ids))).response_text == "7,7"
+    other_prompt = Completion(prompt_index=1, sample_index=0, prompt_ids=[6, 4], token_ids=[8], logprobs=[0.0])
+    decoded = scorer.samples([stopped, other_prompt, _stub_completion(0, 2)], lambda ids: ",".join(map(str, ids)))
+    assert [s.response_text for s in decoded] == ["9,9", "8", "7,7"]
+    assert [s.prompt_text for s in decoded] == ["5", "6,4", "5"] and decoded[0].extras == {}
+    with_extras = scorer.samples([other_prompt, stopped], str, extras=[{"answer": 0}, {"answer": 1}])
+    assert [s.extras for s in with_extras] == [{"answer": 1}, {"answer": 0}]
 
 
 def test_scoring_config_errors_name_the_part() -> None:

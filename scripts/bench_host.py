@@ -1,0 +1,73 @@
+"""Benchmark: the host-side work of one RL step, which the GPU waits for.
+
+    python scripts/bench_host.py --model builtin:llama-1.5b --sequences 256 --prompt-len 128 --new-tokens 256
+
+On a synthetic rollout of this shape (random token ids and log-probs; ``--samples`` per prompt), the
+trainer's own functions: ``rollout_batch`` (completions -> padded batch tensors), ``_rollout_logprobs``
+(the engine's log-probs in the batch layout) and the scorer with a rule reward (decode every prompt
+and response with the model's tokenizer, apply ``lowercase_fraction``). Best of ``--repeat`` runs each,
+milliseconds. CPU only: no model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Callable
+
+
+def best_ms(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:llama-1.5b", help="whose tokenizer decodes the rollout")
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=4, help="responses per prompt")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+
+    from megatron_rlhf.checkpoint.sources import local_dir
+    from megatron_rlhf.data.tokenizer import load_tokenizer
+    from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig, scoring_errors
+    from megatron_rlhf.rollout.engine import Completion
+    from megatron_rlhf.trainer.ppo import _rollout_logprobs, rollout_batch
+
+    init_distributed("cpu")  # the scorer gathers rule scores over the (one-rank) world
+    tokenizer = load_tokenizer(local_dir(args.model))
+    rng = random.Random(0)
+    token = lambda: rng.randrange(3, 30_000)  # noqa: E731  (ids of ordinary tokens)
+    completions = []
+    for prompt_index in range(args.sequences // args.samples):
+        prompt = [token() for _ in range(args.prompt_len)]
+        for sample in range(args.samples):
+            response = [token() for _ in range(args.new_tokens)]
+            completions.append(Completion(prompt_index, sample, prompt, response, [-4 * rng.random() for _ in response]))
+    cfg = ScoringConfig(rules=["lowercase_fraction"])
+    _, rules, function = scoring_errors(cfg)
+    scorer = Scorer(cfg, rules, function, None, stop_ids=tokenizer.stop_ids, max_new_tokens=args.new_tokens,
+                    max_tokens_per_micro_batch=16384)  # fmt: skip
+    batch = rollout_batch(completions, tokenizer.pad_id)
+    extras = [{}] * (args.sequences // args.samples)
+    result = {
+        "shape": f"{len(completions)} sequences of {args.prompt_len} + {args.new_tokens} tokens",
+        "rollout_batch_ms": best_ms(lambda: rollout_batch(completions, tokenizer.pad_id), args.repeat),
+        "rollout_logprobs_ms": best_ms(lambda: _rollout_logprobs(completions, batch["response_mask"]), args.repeat),
+        "score_rule_ms": best_ms(lambda: scorer.score(batch, completions, extras, tokenizer.decode), args.repeat),
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
