@@ -64,7 +64,7 @@ def main() -> None:
         "shape": f"{len(completions)} sequences of {args.prompt_len} + {args.new_tokens} tokens",
         "rollout_batch_ms": best_ms(lambda: rollout_batch(completions, tokenizer.pad_id), args.repeat),
         "rollout_logprobs_ms": best_ms(lambda: _rollout_logprobs(completions, batch["response_mask"]), args.repeat),
-        "score_rule_ms": best_ms(lambda: scorer.score(batch, completions, extras, tokenizer.decode), args.repeat),
+        "score_rule_ms": best_ms(lambda: scorer.score(batch, completions, extras, tokenizer.decode_batch), args.repeat),
     }
     print(json.dumps(result, indent=1))
 

@@ -68,6 +68,11 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        """``[decode(ids) for ids in rows]``, in one call: a rollout's responses are decoded
+        together (in parallel threads where the library has them)."""
+        ...
+
 
 # --------------------------------------------------------------------------- special tokens
 
@@ -203,6 +208,9 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        return self._tok.decode_batch([list(ids) for ids in rows], skip_special_tokens=False)
+
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
@@ -242,6 +250,9 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
+
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        return self._sp.decode([list(ids) for ids in rows])
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -284,6 +295,9 @@ class ByteTokenizer:
                 out.append(i - self.OFFSET)
             # pad / bos / eos are structure, not text
         return out.decode("utf-8", errors="replace")
+
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        return [self.decode(ids) for ids in rows]
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"

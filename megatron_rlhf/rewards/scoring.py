@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -145,12 +145,17 @@ class Scorer:
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
         self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
 
-    def samples(self, completions: Sequence[Completion], decode, extras: Sequence[dict[str, Any]] | None = None) -> list[Sample]:
+    def samples(self, completions: Sequence[Completion], decode_batch: Callable[[list[list[int]]], list[str]],
+                extras: Sequence[dict[str, Any]] | None = None) -> list[Sample]:  # fmt: skip
         """The completions as rules read them (``extras[c.prompt_index]`` the prompt row's extra
-        columns, none if not given). Each prompt is decoded once, not once per sample of it."""
-        prompt_texts = {c.prompt_index: decode(c.prompt_ids) for c in completions}
-        return [Sample(c.prompt_ids, c.token_ids, prompt_texts[c.prompt_index], decode(c.text_ids(self.stop_ids)),
-                       c.finish_reason, extras[c.prompt_index] if extras is not None else {}) for c in completions]  # fmt: skip
+        columns, none if not given), decoded by one ``decode_batch`` call (a tokenizer's): each
+        prompt once, not once per sample of it, and every response."""
+        prompts = {c.prompt_index: c.prompt_ids for c in completions}
+        texts = decode_batch([*prompts.values(), *(c.text_ids(self.stop_ids) for c in completions)])
+        prompt_texts = dict(zip(prompts, texts))
+        return [Sample(c.prompt_ids, c.token_ids, prompt_texts[c.prompt_index], response, c.finish_reason,
+                       extras[c.prompt_index] if extras is not None else {})
+                for c, response in zip(completions, texts[len(prompts):])]  # fmt: skip
 
     def reward_model_scores(self, batch: Batch) -> torch.Tensor:
         """(rows,) the reward model's score of each row: its output at the row's last token."""
@@ -160,7 +165,8 @@ class Scorer:
                                   pack_sequences=self.pack_sequences)  # fmt: skip
         return values[torch.arange(len(values)), batch["lengths"] - 1]
 
-    def score(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]], decode) -> Scores:
+    def score(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]],
+              decode_batch: Callable[[list[list[int]]], list[str]]) -> Scores:
         """Every part of every row (``extras[c.prompt_index]`` is the prompt row of completion c)."""
         parts: dict[str, torch.Tensor] = {}
         custom_metrics: dict[str, float] = {}
@@ -168,7 +174,7 @@ class Scorer:
             parts[REWARD_MODEL] = self.reward_model_scores(batch)
         if self.rules or self.function is not None:
             rank, world = dist.get_rank(), dist.get_world_size()
-            mine = self.samples(completions[rank::world], decode, extras)
+            mine = self.samples(completions[rank::world], decode_batch, extras)
             local = rule_scores(self.rules, mine)
             custom = self.function.score(mine) if self.function is not None else None
             if custom is not None:

@@ -407,7 +407,7 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
             phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
         with timed("reward", device, times, quiet=True, peaks=peaks):
             batch = rollout_batch(completions, run.tokenizer.pad_id)
-            scores = run.scorer.score(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode)
+            scores = run.scorer.score(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode_batch)
         draws += 1
         if not rollout.filter_groups:
             return completions, batch, phase_seconds, scores, {}
@@ -445,7 +445,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
         """Completions, their raw scores and whether each is correct, (prompts, n)."""
         params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
         completions, _ = run.hybrid.generate(ids, params)
-        scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.tokenizer.decode)
+        scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.tokenizer.decode_batch)
         judged = scores.parts[ev.judged_by] if ev.judged_by else scores.raw
         return completions, scores.raw.view(len(ids), n), (judged >= ev.correct_score).view(len(ids), n)
 
@@ -489,7 +489,7 @@ def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState],
 def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor) -> list[dict[str, Any]]:
     """samples.jsonl rows: each response as the reward functions read it (no trailing EOS), and the
     reward it got."""
-    samples = run.scorer.samples(completions, run.tokenizer.decode)
+    samples = run.scorer.samples(completions, run.tokenizer.decode_batch)
     return [{"group": c.prompt_index, "prompt": sample.prompt_text, "response": sample.response_text,
              "finish_reason": c.finish_reason, "reward": float(score)}
             for c, sample, score in zip(completions, samples, scores)]  # fmt: skip

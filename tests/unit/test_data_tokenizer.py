@@ -228,6 +228,14 @@ def test_byte_tokenizer_errors():
         ByteTokenizer(512).decode([512])
 
 
+def test_decode_batch_is_decode_of_each_row(hf_dir, sp_dir):
+    rows = [[], [3, 7, 2, 1], *(list(range(5 + k, 40 + 3 * k)) for k in range(6))]  # specials, empty, long
+    for tok in (load_tokenizer(hf_dir), load_tokenizer(sp_dir), ByteTokenizer(300)):
+        encoded = [tok.encode(t) for t in TEXTS]
+        for batch in (rows, encoded, [encoded[0]] * 3):
+            assert tok.decode_batch(batch) == [tok.decode(ids) for ids in batch], tok
+
+
 def test_tokenizers_pickle_for_worker_processes(hf_dir, sp_dir):
     """data.num_workers sends the tokenizer to each worker process: every backend pickles whole."""
     for tok in (load_tokenizer(hf_dir), load_tokenizer(sp_dir), ByteTokenizer(300)):

@@ -50,7 +50,7 @@ def test_scores_are_reward_model_last_token_plus_rules(world_of_one, tmp_path: P
     scorer = Scorer(ScoringConfig(), {"count": resolve_rule("tests.unit.test_ppo_parts:_response_length")}, None, role,
                     stop_ids=(), max_new_tokens=16, max_tokens_per_micro_batch=24)  # fmt: skip
     batch = rollout_batch(completions, pad_id=VOCAB - 1)
-    scores = scorer.score(batch, completions, [{}, {}], lambda token_ids: "x" * len(token_ids))
+    scores = scorer.score(batch, completions, [{}, {}], lambda rows: ["x" * len(ids) for ids in rows])
     total, parts = scores.rewards, scores.metrics()
     expected_rm = torch.stack([hf_reference_outputs(hf, torch.tensor([c.prompt_ids + c.token_ids]))[0, -1, 0]
                                for c in completions])  # fmt: skip
@@ -137,7 +137,7 @@ def test_weighted_parts_and_the_overlong_penalty_hand_derived(world_of_one) -> N
     completions = [_stub_completion(0, 3), _stub_completion(1, 8), _stub_completion(1, 10)]
     extras = [{"data_source": "s", "ground_truth": 2, "extra_info": {}}, {"data_source": "s", "ground_truth": -1, "extra_info": {}}]
     scorer = Scorer(cfg, rules, custom, None, stop_ids=(), max_new_tokens=10, max_tokens_per_micro_batch=64)
-    scores = scorer.score(rollout_batch(completions, pad_id=0), completions, extras, lambda ids: "x" * len(ids))
+    scores = scorer.score(rollout_batch(completions, pad_id=0), completions, extras, lambda rows: ["x" * len(ids) for ids in rows])
     raw, reward, metrics = scores.raw, scores.rewards, scores.metrics()
     expected_raw = torch.tensor([0.3 * 3 + 0.7 * 2, 0.3 * 8 + 0.7 * -1, 0.3 * 10 + 0.7 * -1])
     torch.testing.assert_close(raw, expected_raw)
@@ -152,10 +152,17 @@ def test_rule_text_has_no_trailing_eos(world_of_one) -> None:
     stopped = Completion(prompt_index=0, sample_index=0, prompt_ids=[5], token_ids=[9, 9, 2], logprobs=[0.0] * 3,
                          finish_reason="stop")  # fmt: skip
     other_prompt = Completion(prompt_index=1, sample_index=0, prompt_ids=[6, 4], token_ids=[8], logprobs=[0.0])
-    decoded = scorer.samples([stopped, other_prompt, _stub_completion(0, 2)], lambda ids: ",".join(map(str, ids)))
+    decoded_ids = []
+
+    def decode_batch(rows: list[list[int]]) -> list[str]:
+        decoded_ids.extend(rows)
+        return [",".join(map(str, ids)) for ids in rows]
+
+    decoded = scorer.samples([stopped, other_prompt, _stub_completion(0, 2)], decode_batch)
+    assert sorted(decoded_ids) == [[5], [6, 4], [7, 7], [8], [9, 9]]  # each prompt once
     assert [s.response_text for s in decoded] == ["9,9", "8", "7,7"]
     assert [s.prompt_text for s in decoded] == ["5", "6,4", "5"] and decoded[0].extras == {}
-    with_extras = scorer.samples([other_prompt, stopped], str, extras=[{"answer": 0}, {"answer": 1}])
+    with_extras = scorer.samples([other_prompt, stopped], decode_batch, extras=[{"answer": 0}, {"answer": 1}])
     assert [s.extras for s in with_extras] == [{"answer": 1}, {"answer": 0}]
 
 
