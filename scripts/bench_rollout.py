@@ -52,7 +52,7 @@ def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path |
     figures are differences of two profiled runs, ``steps + 1`` and 1 new tokens (the prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_rlhf.metrics.kernels import op_times
+    from megatron_rlhf.metrics.kernels import costliest, op_times, print_report
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     def kernel_times(engine, new_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
@@ -76,12 +76,8 @@ def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path |
         engine.release()
         lines.append(f"== {label}, batch {len(prompts)}: per decode step, {figures[f'{label}_wall_ms_per_step']:.3f} ms "
                      f"wall, {busy_us / 1e3:.3f} ms GPU busy, {figures[f'{label}_kernels_per_step']:.0f} kernels")  # fmt: skip
-        for name, (t, n) in sorted(decode.items(), key=lambda kv: -kv[1][0])[:30]:
-            lines.append(f"{t:10.1f} us {n:7.1f}x  {name[:110]}")
-    text = "\n".join(lines)
-    print(text)
-    if out is not None:
-        out.with_suffix(".profile.txt").write_text(text + "\n")
+        lines += costliest(decode, 30)
+    print_report(lines, out)
     return figures
 
 

@@ -171,7 +171,7 @@ def profile_step(step, on_gpu: bool, floor_s: float, out: Path | None) -> dict[s
     the costliest kernels (operators on the CPU), printed and written beside ``out``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_rlhf.metrics.kernels import by_kind, op_times
+    from megatron_rlhf.metrics.kernels import by_kind, costliest, op_times, print_report
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
@@ -189,13 +189,7 @@ def profile_step(step, on_gpu: bool, floor_s: float, out: Path | None) -> dict[s
     lines = [f"== one PPO step: {wall:.3f} s wall, {busy_s:.3f} s in {unit}, {figures['launches']} launches; "
              f"its FLOPs at the matmul peak: {floor_s:.3f} s"]  # fmt: skip
     lines += [f"{seconds:9.3f} s {100 * seconds / busy_s:5.1f}%  {kind}" for kind, seconds in kinds.items()]
-    lines.append("-- costliest")
-    for name, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[:25]:
-        lines.append(f"{us / 1e3:10.2f} ms {n:6d}x  {name[:110]}")
-    text = "\n".join(lines)
-    print(text)
-    if out is not None:
-        out.with_suffix(".profile.txt").write_text(text + "\n")
+    print_report([*lines, "-- costliest", *costliest(times, 25)], out)
     return figures
 
 

@@ -4,6 +4,8 @@ whether a step is bound by matmuls, attention, elementwise work, the optimizer o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch.autograd import DeviceType
 from torch.profiler import profile
 
@@ -40,3 +42,17 @@ def by_kind(times: dict[str, tuple[float, int]]) -> dict[str, float]:
     for name, (us, _) in times.items():
         totals[kind_of(name)] = totals.get(kind_of(name), 0.0) + us
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def costliest(times: dict[str, tuple[float, float]], count: int) -> list[str]:
+    """Table lines (microseconds, launches, name) of the ``count`` costliest entries of ``times``."""
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:count]
+    return [f"{us:12.1f} us {n:8.1f}x  {name[:110]}" for name, (us, n) in ranked]
+
+
+def print_report(lines: list[str], out: Path | None) -> None:
+    """Print a profile's lines, and write them beside ``out`` (the benchmark's JSON) as ``.profile.txt``."""
+    text = "\n".join(lines)
+    print(text)
+    if out is not None:
+        out.with_suffix(".profile.txt").write_text(text + "\n")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_rlhf.metrics.kernels import OTHER, by_kind, kind_of, op_times
+from megatron_rlhf.metrics.kernels import OTHER, by_kind, costliest, kind_of, op_times, print_report
 
 
 @pytest.mark.parametrize(
@@ -43,3 +43,12 @@ def test_op_times_reads_cpu_operators_and_by_kind_adds_them_up() -> None:
     assert kinds["gemm"] == pytest.approx(sum(us for name, (us, _) in times.items() if kind_of(name) == "gemm"))
     assert sum(kinds.values()) == pytest.approx(sum(us for us, _ in times.values()))
     assert list(kinds.values()) == sorted(kinds.values(), reverse=True)
+
+
+def test_costliest_ranks_by_time_and_the_report_lands_beside_the_json(tmp_path, capsys) -> None:
+    times = {"b": (5.0, 2), "a": (20.0, 1), "c": (1.0, 7)}
+    lines = costliest(times, 2)
+    assert [line.split()[-1] for line in lines] == ["a", "b"] and lines[0].split()[:3] == ["20.0", "us", "1.0x"]
+    print_report(["== head", *lines], tmp_path / "bench.json")
+    assert (tmp_path / "bench.profile.txt").read_text() == "\n".join(["== head", *lines]) + "\n"
+    assert "== head" in capsys.readouterr().out
