@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_rlhf.config.flags import add_flags, from_flags
 from megatron_rlhf.config.loader import ConfigError, config_errors, load_config, presets, raise_if_errors, to_yaml
 from megatron_rlhf.metrics.log import quiet_known_warnings
-from megatron_rlhf.rollout.native import NativeEngineConfig
+from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 DEFAULT_PRESET = "smoke"

@@ -129,7 +129,8 @@ def main() -> None:
     from megatron_rlhf.hybrid.memory import TrainingMemory
     from megatron_rlhf.metrics.log import log
     from megatron_rlhf.parallel.distributed import init_distributed
-    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.native import NativeEngine
+    from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     env = init_distributed("cuda")

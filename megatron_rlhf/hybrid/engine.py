@@ -33,7 +33,8 @@ from megatron_rlhf.hybrid.memory import OFFLOAD_MODES, TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.log import memory_summary
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
+from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
+from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 

@@ -26,7 +26,8 @@ from megatron_rlhf.metrics.log import Progress, log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.distributed import DistEnv, init_distributed
 from megatron_rlhf.parallel.layout import layout_errors
-from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
+from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
+from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 UNBOUNDED_PROMPT = 1 << 30  # the engine, not the loader, applies the prompt-length policy

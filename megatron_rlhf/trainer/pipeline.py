@@ -41,7 +41,8 @@ from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.generate_cmd import policy_engine
-from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig, generate_data_parallel
+from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
+from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.tasks.arithmetic import judge, preference_pairs, verdict_rates
 from megatron_rlhf.trainer.ppo import run_ppo

@@ -56,7 +56,7 @@ from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.rewards.scoring import Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.rollout.native import NativeEngineConfig
+from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.trainer.loop import StepRows, run_loop, write_run_files
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, old_logprob_pass
 

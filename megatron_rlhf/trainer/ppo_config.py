@@ -30,7 +30,7 @@ from megatron_rlhf.parallel.layout import layout_errors
 from megatron_rlhf.rewards.custom import CustomRewardFunction
 from megatron_rlhf.rewards.rules import RewardRule
 from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
-from megatron_rlhf.rollout.native import NativeEngineConfig
+from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.trainer.loop import LoopConfig
 

@@ -32,7 +32,8 @@ def main() -> None:
     from megatron_rlhf.engine.train import forward_pass
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.parallel.distributed import init_distributed
-    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.native import NativeEngine
+    from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))

@@ -51,7 +51,8 @@ def main() -> None:
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout
-    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.native import NativeEngine
+    from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     env = init_distributed("cpu")

@@ -26,7 +26,8 @@ def test_engine_matches_hf_and_trainer(tp: int, tmp_path: Path) -> None:
 
 def _tiny_engine(on_long_prompt: str):
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.native import NativeEngine
+    from megatron_rlhf.rollout.native_config import NativeEngineConfig
 
     role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
                       world_size=1, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip

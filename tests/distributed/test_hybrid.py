@@ -43,7 +43,8 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.engine import HybridEngine
-    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.native import NativeEngine
+    from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),

@@ -25,7 +25,8 @@ def main() -> None:
     from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.engine import HybridEngine
     from megatron_rlhf.parallel.distributed import init_distributed
-    from megatron_rlhf.rollout.native import NativeEngine, NativeEngineConfig
+    from megatron_rlhf.rollout.native import NativeEngine
+    from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     env = init_distributed("cuda")

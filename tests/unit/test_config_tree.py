@@ -16,7 +16,7 @@ import yaml
 
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorNeeds
 from megatron_rlhf.config.loader import ConfigError, config_errors, load_config
-from megatron_rlhf.rollout.native import NativeEngineConfig
+from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, models_used
 

@@ -1,0 +1,41 @@
+"""The native engine's settings (``rollout.engine.*``, the ``generate`` command's engine flags),
+apart from the engine itself so that reading or checking a config imports neither torch's
+compiler nor megatron-core."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from megatron_rlhf.config.fields import at_least, check_on_init, one_of
+
+LONG_PROMPT_POLICIES = ("error", "truncate")
+
+
+@dataclasses.dataclass(kw_only=True)
+class NativeEngineConfig:
+    max_batch_size: int = 64
+    """KV-cache slots: sequences decoded together."""
+    max_seq_len: int = 2048
+    """Prompt + response tokens per sequence (the cache length). ppo caps it at
+    data.max_prompt_length + rollout.sampling.max_new_tokens, the longest sequence a rollout holds."""
+    on_long_prompt: str = "error"
+    """A prompt with no room for one new token: error, or truncate (drop its oldest tokens, counted)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids; generation stops on them unless ignore_eos. Empty: the tokenizer's."""
+    cuda_graphs: bool = True
+    """On GPU, replay decode steps as CUDA graphs (one per KV-length bucket), removing per-step
+    launch overhead; prefill stays eager. Ignored on CPU."""
+    graph_kv_bucket: int = 64
+    """Decode graphs attend over the cache rounded up to a multiple of this many positions."""
+
+    def __post_init__(self) -> None:
+        check_on_init(self)
+
+    def with_eos_of(self, stop_ids: Sequence[int]) -> "NativeEngineConfig":
+        """This config, with the tokenizer's ``stop_ids`` where it names no ``eos_token_ids``."""
+        return self if self.eos_token_ids else dataclasses.replace(self, eos_token_ids=tuple(stop_ids))
+
+    def errors(self) -> list[str]:
+        return (one_of(self, "on_long_prompt", LONG_PROMPT_POLICIES) + at_least(self, 1, "max_batch_size", "graph_kv_bucket")
+                + at_least(self, 2, "max_seq_len"))  # fmt: skip
