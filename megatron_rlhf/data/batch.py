@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .datasets import PreferenceExample, PromptExample, SFTExample
 
-__all__ = ["flat_tensor", "pack_batch", "right_padded"]
+__all__ = ["flat_tensor", "pack_batch", "padded_ids", "right_padded"]
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
 
@@ -47,16 +47,22 @@ def right_padded(flat: Tensor, lengths: Tensor, width: int, value: int | float |
     return out
 
 
-def _pack(ids: Sequence[Tensor], masks: Sequence[Tensor] | None, pad_id: int, multiple: int) -> dict[str, Tensor]:
-    lengths = torch.tensor([t.numel() for t in ids], dtype=torch.long)
+def padded_ids(flat_ids: Tensor, lengths: Tensor, pad_id: int, multiple: int = 1) -> dict[str, Tensor]:
+    """``input_ids`` (rows of ``lengths`` tokens taken in turn from ``flat_ids``, right-padded with
+    ``pad_id`` to the longest, rounded up to ``multiple``), ``attention_mask`` and ``lengths``."""
     width = -(-int(lengths.max()) // multiple) * multiple
-    batch = {
-        "input_ids": right_padded(torch.cat(list(ids)).long(), lengths, width, pad_id),
+    return {
+        "input_ids": right_padded(flat_ids.long(), lengths, width, pad_id),
         "attention_mask": torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1),
         "lengths": lengths,
     }
+
+
+def _pack(ids: Sequence[Tensor], masks: Sequence[Tensor] | None, pad_id: int, multiple: int) -> dict[str, Tensor]:
+    lengths = torch.tensor([t.numel() for t in ids], dtype=torch.long)
+    batch = padded_ids(torch.cat(list(ids)), lengths, pad_id, multiple)
     if masks is not None:
-        batch["loss_mask"] = right_padded(torch.cat(list(masks)).bool(), lengths, width, False)
+        batch["loss_mask"] = right_padded(torch.cat(list(masks)).bool(), lengths, batch["input_ids"].shape[1], False)
     return batch
 
 

@@ -40,7 +40,8 @@ def by_kind(times: dict[str, tuple[float, int]]) -> dict[str, float]:
     """Microseconds per kind, largest first."""
     totals: dict[str, float] = {}
     for name, (us, _) in times.items():
-        totals[kind_of(name)] = totals.get(kind_of(name), 0.0) + us
+        kind = kind_of(name)
+        totals[kind] = totals.get(kind, 0.0) + us
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 

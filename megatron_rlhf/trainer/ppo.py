@@ -40,7 +40,7 @@ from megatron_rlhf.algorithms.utils import masked_mean
 from megatron_rlhf.checkpoint.sources import build_role, local_dir
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import PromptDataset, load_prompt_dataset
-from megatron_rlhf.data.batch import flat_tensor, right_padded
+from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.engine.objectives import UpdateLogprobs, critic_loss, logprobs_output, ppo_actor_loss, token_values_output
@@ -506,17 +506,12 @@ def rollout_batch(completions: list[Completion], pad_id: int) -> Batch:
     response_mask (True on response tokens) and prompt_index (the group of each row)."""
     prompt_lengths = torch.tensor([len(c.prompt_ids) for c in completions])
     lengths = prompt_lengths + torch.tensor([len(c.token_ids) for c in completions])
-    width = int(lengths.max())
-    ids = flat_tensor((ids for c in completions for ids in (c.prompt_ids, c.token_ids)), torch.long)
-    columns = torch.arange(width)[None]
-    attention_mask = columns < lengths[:, None]
-    return {
-        "input_ids": right_padded(ids, lengths, width, pad_id),
-        "attention_mask": attention_mask,
-        "lengths": lengths,
-        "response_mask": attention_mask & (columns >= prompt_lengths[:, None]),
-        "prompt_index": torch.tensor([c.prompt_index for c in completions]),
-    }
+    tokens = flat_tensor((part for c in completions for part in (c.prompt_ids, c.token_ids)), torch.long)
+    batch = padded_ids(tokens, lengths, pad_id)
+    past_prompt = torch.arange(batch["input_ids"].shape[1])[None] >= prompt_lengths[:, None]
+    batch["response_mask"] = batch["attention_mask"] & past_prompt
+    batch["prompt_index"] = torch.tensor([c.prompt_index for c in completions])
+    return batch
 
 
 def _prefixed(prefix: str, metrics: dict[str, float], *, loss: str = "loss") -> dict[str, float]:
