@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -68,21 +69,22 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
     ``position_ids`` restarting at 0 with each sequence (a row's padding continues its last
     sequence, as right padding does), ``segment_start`` (b, s) True at each sequence's first token,
     ``segment_bin``/``segment_offset``/``segment_length`` (n,) where each sequence lies, and when a
-    row holds several sequences ``segment_mask`` (b, 1, s, s), megatron's convention (True = masked
-    out): a token attends only to earlier tokens of its own sequence.
+    row holds several sequences ``cu_seqlens`` (n + 1,) int32: where each sequence starts in the
+    piece's tokens read row by row, then ``b * s`` (a row's tail padding belongs to its last
+    sequence). Attention reads it (``packed_seq_params``): a token attends only to earlier tokens of
+    its own sequence.
     """
     batch_width = batch["input_ids"].shape[1]
     fills = [sum(lengths[row] for row in rows) for rows in bins]
     width = max(max(fills), 1)
     source_row = torch.zeros(len(bins), width, dtype=torch.long)
-    segment = torch.zeros(len(bins), width, dtype=torch.long)  # a sequence's index within its row
-    start = torch.zeros(len(bins), width, dtype=torch.long)  # the column where that sequence starts
+    start = torch.zeros(len(bins), width, dtype=torch.long)  # the column where a token's sequence starts
     segment_bin, segment_offset = [], []
     for b, rows in enumerate(bins):
         offset = 0
         for k, row in enumerate(rows):
             end = offset + lengths[row] if k < len(rows) - 1 else width
-            source_row[b, offset:end], segment[b, offset:end], start[b, offset:end] = row, k, offset
+            source_row[b, offset:end], start[b, offset:end] = row, offset
             segment_bin.append(b)
             segment_offset.append(offset)
             offset += lengths[row]
@@ -101,12 +103,10 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
     piece["segment_start"] = (position_ids == 0) & real
     piece["segment_bin"], piece["segment_offset"] = torch.tensor(segment_bin), torch.tensor(segment_offset)
     piece["segment_length"] = torch.tensor(lengths)[sequences]
-    piece = {key: value.to(device) for key, value in piece.items()}
-    if any(len(rows) > 1 for rows in bins):  # built where it is used: (b, s, s) is the piece's largest tensor
-        segment = segment.to(device)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        piece["segment_mask"] = ~((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
-    return piece
+    if any(len(rows) > 1 for rows in bins):
+        starts = piece["segment_bin"] * width + piece["segment_offset"]
+        piece["cu_seqlens"] = torch.cat([starts, torch.tensor([len(bins) * width])]).int()
+    return {key: value.to(device) for key, value in piece.items()}
 
 
 def rows_of(piece: Batch, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def run_schedule(
     def forward_step(data_iterator, chunk):
         piece = next(data_iterator)
         with _rotary_positions(rope, piece["position_ids"]):
-            output = chunk(piece["input_ids"], piece["position_ids"], piece.get("segment_mask"))
+            output = chunk(piece["input_ids"], piece["position_ids"], None, packed_seq_params=_packed_rows(piece))
         return output, partial(_call_step, step_fn, piece)
 
     return get_forward_backward_func(pp_size=groups.layout.pp)(
@@ -153,6 +153,17 @@ def run_schedule(
         p2p_communicator=P2PCommunicator(pp_group=groups.pg_collection.pp, config=config),
         pg_collection=groups.pg_collection,
     )
+
+
+def _packed_rows(piece: Batch) -> PackedSeqParams | None:
+    """megatron's description of a piece's packed rows for attention (``SDPAttention``), in its
+    (s, b) layout; the row width bounds every sequence's length."""
+    if "cu_seqlens" not in piece:
+        return None
+    width = piece["input_ids"].shape[1]
+    cu_seqlens = piece["cu_seqlens"]
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=width, max_seqlen_kv=width)  # fmt: skip
 
 
 @contextmanager

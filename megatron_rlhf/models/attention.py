@@ -4,8 +4,14 @@ Core attention goes through ``torch.nn.functional.scaled_dot_product_attention``
 
 A drop-in for megatron's ``DotProductAttention`` (same constructor and forward signature) that
 lets torch pick its fused kernels (flash / memory-efficient on GPU, math on CPU) and handles GQA
-without materialising repeated K/V heads, except with an explicit mask on GPU (packed sequences'
-block-diagonal mask, see ``forward``).
+without materialising repeated K/V heads, except with an explicit mask on GPU (see ``forward``).
+
+Packed rows (several sequences one after the other in a row, each attending only to itself) come
+as megatron's ``PackedSeqParams`` in the ``sbhd`` layout: ``cu_seqlens_q`` marks where each
+sequence starts in the micro-batch's tokens read row by row. On a GPU in half precision they go to
+flash attention's variable-length kernel (``torch.nn.attention.varlen``), which computes each
+sequence's own causal triangle only; elsewhere (CPU, float32) to the same SDPA call with the
+block-diagonal mask they imply.
 
 Shapes (megatron's convention): query (sq, b, np, hn); key/value (sk, b, ng, hn) with np a multiple
 of ng (heads and query groups of this TP rank); output (sq, b, np * hn).
@@ -17,11 +23,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10 (e.g. an older NGC image): packed rows take the masked path
+    varlen_attn = None
 
 from megatron_rlhf.fusion import gpu_fused
 
@@ -35,6 +47,30 @@ def _allowed_positions(sq: int, sk: int, window: int | None, device: torch.devic
     if window is not None:
         allowed &= q_pos - k_pos <= window
     return allowed
+
+
+def packed_rows_mask(cu_seqlens: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """megatron's mask (True = masked out), (rows, 1, width, width), of packed rows whose sequences
+    start at ``cu_seqlens`` (offsets into the rows' tokens read row by row, ending with
+    ``rows * width``): a query attends the keys of its own sequence at or before it."""
+    tokens = torch.arange(rows * width, device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens, tokens, right=True).view(rows, width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=cu_seqlens.device).tril()
+    return ~((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
+
+
+def _flash_varlen_usable(query: torch.Tensor, dropout_p: float) -> bool:
+    """Whether flash attention's variable-length kernel runs these inputs (sq, b, np, hn)."""
+    return (
+        varlen_attn is not None
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and dropout_p == 0.0
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 256
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+    )
 
 
 class SDPAttention(MegatronModule):
@@ -67,12 +103,19 @@ class SDPAttention(MegatronModule):
         attention_mask: torch.Tensor | None,
         attn_mask_type: AttnMaskType | None = None,
         attention_bias: torch.Tensor | None = None,
-        packed_seq_params: object | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support attention bias")
         sq, batch, num_heads, head_dim = query.shape
         sk = key.shape[0]
+        dropout_p = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "sbhd" or attention_mask is not None or sq != sk:
+                raise NotImplementedError("SDPAttention takes packed rows as 'sbhd' PackedSeqParams, without a mask")
+            if _flash_varlen_usable(query, dropout_p):
+                return self._packed_flash(query, key, value, packed_seq_params.cu_seqlens_q)
+            attention_mask = packed_rows_mask(packed_seq_params.cu_seqlens_q, batch, sq)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, hn)
         mask_type = attn_mask_type or self.attn_mask_type
         mask = None
@@ -95,12 +138,24 @@ class SDPAttention(MegatronModule):
             k,
             v,
             attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            dropout_p=dropout_p,
             is_causal=is_causal,
             scale=self.softmax_scale,
             enable_gqa=gqa,
         )
         return out.permute(2, 0, 1, 3).reshape(sq, batch, num_heads * head_dim)
+
+    def _packed_flash(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """Packed rows through flash attention's variable-length kernel: the rows' tokens one after
+        the other, each sequence causal within itself (and within the window). The row width bounds
+        every sequence's length, which is all the kernel needs of ``max_q``/``max_k``."""
+        width, batch, num_heads, head_dim = query.shape
+        q, k, v = (t.transpose(0, 1).reshape(batch * width, t.shape[2], head_dim) for t in (query, key, value))
+        window = (self.window if self.window is not None else -1, 0)
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, width, width, scale=self.softmax_scale, window_size=window)
+        return out.view(batch, width, num_heads * head_dim).transpose(0, 1).contiguous()
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

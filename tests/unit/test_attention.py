@@ -11,10 +11,18 @@ import torch
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rlhf.models.attention import SDPAttention, _allowed_positions, cached_decode_attention, decode_score_bias, rotate
+from megatron_rlhf.models.attention import (
+    SDPAttention,
+    _allowed_positions,
+    cached_decode_attention,
+    decode_score_bias,
+    packed_rows_mask,
+    rotate,
+)
 
 HEADS, GROUPS, HN = 4, 2, 16
 
@@ -246,6 +254,71 @@ def test_packed_sequences_mask_with_gqa_and_window(window):
     torch.testing.assert_close(out, naive_attention(q, k, v, allowed), rtol=1e-10, atol=1e-10)
 
 
+def packed_params(cu_seqlens: torch.Tensor, width: int, qkv_format: str = "sbhd") -> PackedSeqParams:
+    return PackedSeqParams(qkv_format=qkv_format, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=width, max_seqlen_kv=width)  # fmt: skip
+
+
+def cu_seqlens_of(segments: list[list[int]], s: int) -> torch.Tensor:
+    """Where each sequence starts in the rows' tokens read row by row (the last one of a row runs
+    to the row's end), then the total: by hand."""
+    starts, offset = [], 0
+    for lengths in segments:
+        starts += [offset + sum(lengths[:k]) for k in range(len(lengths))]
+        offset += s
+    return torch.tensor([*starts, offset], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_packed_rows_as_packed_seq_params_with_gqa_and_window(window):
+    """The same rows described by their sequence starts (megatron's PackedSeqParams, 'sbhd')."""
+    s, segments = 9, [[4, 3, 2], [6, 1], [9]]
+    q, k, v = inputs(s, s, batch=3, seed=62)
+    cu_seqlens = cu_seqlens_of(segments, s)
+    assert torch.equal(packed_rows_mask(cu_seqlens, 3, s), packed_mask(segments, s))
+    module = make_attention(window_size=None if window is None else (window, 0))
+    out = run(module, q, k, v, None, packed_seq_params=packed_params(cu_seqlens, s))
+    allowed = ~packed_mask(segments, s)[:, 0]
+    if window is not None:
+        allowed &= allowed_by_hand(s, s, window=window + 1)
+    torch.testing.assert_close(out, naive_attention(q, k, v, allowed), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads,groups", [(4, 2), (6, 1), (4, 4)])
+def test_packed_rows_on_cuda_take_flash_varlen_and_match_float64(heads, groups, window):
+    """bf16 packed rows on CUDA go through flash attention's variable-length kernel: forward and
+    gradients against the float64 block-diagonal attention, as close as the masked bf16 path."""
+    from megatron_rlhf.models.attention import _flash_varlen_usable
+
+    s, hn, segments = 96, 64, [[40, 30, 26], [96], [10, 10, 10, 5], [1, 95]]
+    q, k, v = inputs(s, s, batch=len(segments), heads=heads, groups=groups, hn=hn, seed=63)
+    grad_out = torch.randn(s, len(segments), heads * hn, generator=torch.Generator().manual_seed(64), dtype=torch.float64)
+    cu_seqlens = cu_seqlens_of(segments, s)
+    allowed = ~packed_mask(segments, s)[:, 0]
+    if window is not None:
+        allowed &= allowed_by_hand(s, s, window=window + 1)
+
+    def attend(module, dtype, device, **kwargs):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        out = module.to(device)(*leaves, **kwargs)
+        out.backward(grad_out.to(device, dtype))
+        return [t.double().cpu() for t in (out, *(leaf.grad for leaf in leaves))]
+
+    config = make_config(None if window is None else (window, 0))
+    config.num_attention_heads, config.num_query_groups, config.kv_channels = heads, groups, hn
+    module = SDPAttention(config, 1, AttnMaskType.causal, "self").train()
+    assert _flash_varlen_usable(q.to("cuda", torch.bfloat16), 0.0)
+    cuda = torch.device("cuda")
+    flash = attend(module, torch.bfloat16, cuda, attention_mask=None, packed_seq_params=packed_params(cu_seqlens.cuda(), s))
+    masked = attend(module, torch.bfloat16, cuda, attention_mask=~allowed[:, None].cuda())
+    reference = attend(module, torch.float64, torch.device("cpu"), attention_mask=~allowed[:, None])
+    for got, bf16_masked, want in zip(flash, masked, reference):
+        error, masked_error = (got - want).abs().max(), (bf16_masked - want).abs().max()
+        assert error <= max(2 * masked_error, 1e-2), (error, masked_error)
+
+
 @pytest.mark.gpu
 def test_packed_sequences_mask_with_gqa_on_cuda():
     """On CUDA a mask with GQA repeats K/V heads (no enable_gqa): the same result as the CPU path."""
@@ -284,11 +357,14 @@ def test_output_is_head_major_within_hidden():
         torch.testing.assert_close(out[:, :, h], torch.full((sq, 1, HN), h // (HEADS // GROUPS) + 1.0, dtype=torch.float64))
 
 
-def test_refuses_packed_sequences_and_bias():
+def test_refuses_bias_and_packed_rows_it_cannot_read():
     q, k, v = inputs(2, 2)
     module = make_attention()
+    cu_seqlens = torch.tensor([0, 1, 4], dtype=torch.int32)
     with pytest.raises(NotImplementedError):
-        module(q, k, v, None, packed_seq_params=object())
+        module(q, k, v, None, packed_seq_params=packed_params(cu_seqlens, 2, qkv_format="thd"))
+    with pytest.raises(NotImplementedError):
+        module(q, k, v, torch.zeros(2, 1, 2, 2, dtype=torch.bool), packed_seq_params=packed_params(cu_seqlens, 2))
     with pytest.raises(NotImplementedError):
         module(q, k, v, None, attention_bias=torch.zeros(1))
 

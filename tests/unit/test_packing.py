@@ -22,6 +22,7 @@ from megatron_rlhf.engine.objectives import (
 from megatron_rlhf.engine.optim import OptimConfig, make_train_state
 from megatron_rlhf.engine.schedule import micro_batches, rows_of
 from megatron_rlhf.engine.train import forward_pass, train_step
+from megatron_rlhf.models.attention import packed_rows_mask
 from megatron_rlhf.parallel.layout import Layout, parallel_groups
 
 CPU = torch.device("cpu")
@@ -120,6 +121,7 @@ def test_packed_layout_holds_each_sequence_once_with_its_own_mask(world_of_one) 
         assert piece["row_index"][i] == row
     # The mask by hand: query t attends key u iff both lie in one sequence (or the row's tail
     # padding after its last one) and u <= t.
+    mask = packed_rows_mask(piece["cu_seqlens"], *piece["input_ids"].shape)
     for b in range(piece["input_ids"].shape[0]):
         owner = []
         for i in (piece["segment_bin"] == b).nonzero().flatten().tolist():
@@ -127,7 +129,7 @@ def test_packed_layout_holds_each_sequence_once_with_its_own_mask(world_of_one) 
         owner += [owner[-1]] * (piece["input_ids"].shape[1] - len(owner))
         for t in range(len(owner)):
             allowed = [owner[u] == owner[t] and u <= t for u in range(len(owner))]
-            assert (~piece["segment_mask"][b, 0, t]).tolist() == allowed
+            assert (~mask[b, 0, t]).tolist() == allowed
             assert piece["position_ids"][b, t] == sum(1 for u in range(t) if owner[u] == owner[t])
     assert torch.equal(piece["segment_start"], (piece["position_ids"] == 0) & piece["attention_mask"].bool())
 
@@ -145,7 +147,7 @@ def test_packed_forward_pass_equals_unpacked(world_of_one, budget: int) -> None:
     batch = batch_of(LENGTHS)
     actor, critic = build("builtin:tiny-llama"), build("builtin:tiny-llama-rm")
     pieces, _ = micro_batches(batch, budget, actor.groups, CPU)
-    assert any("segment_mask" in p for p in pieces)
+    assert any("cu_seqlens" in p for p in pieces)
     outputs = ((actor, logprobs_output(actor, temperature=0.7)), (critic, token_values_output()), (critic, values_output()))
     for role, fn in outputs:
         packed = forward_pass(role, batch, fn, max_tokens_per_micro_batch=budget)
