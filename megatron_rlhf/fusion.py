@@ -20,7 +20,11 @@ F = TypeVar("F", bound=Callable)
 
 def gpu_fused(fn: F) -> F:
     """``fn`` eagerly unless its first argument is a CUDA tensor; then ``torch.compile(fn)``,
-    compiled on first use and dynamic in shape (one compilation serves every batch size)."""
+    compiled on first use. Shapes follow torch's automatic dynamic: the first call compiles for
+    its shapes, a later call recompiles once with the dimensions that changed made symbolic.
+    Dimensions that never change (hidden size, head dim, vocabulary) stay constants, so the
+    kernel's index arithmetic divides by constants: with every dimension symbolic, a pointwise
+    kernel over (tokens, vocabulary) pays a 64-bit integer division per element."""
     compiled: list[Callable] = []
 
     @functools.wraps(fn)
@@ -28,7 +32,7 @@ def gpu_fused(fn: F) -> F:
         if not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
             return fn(*args, **kwargs)
         if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True))
+            compiled.append(torch.compile(fn))
         return compiled[0](*args, **kwargs)
 
     return run  # type: ignore[return-value]
