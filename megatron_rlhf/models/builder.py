@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rlhf.models import torch_fusions
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.attention import CachedSelfAttention, SDPAttention
 from megatron_rlhf.models.value_head import ValueHead
@@ -44,6 +45,7 @@ def layer_spec(arch: Architecture) -> ModuleSpec:
 
 def transformer_config(arch: Architecture, groups: ParallelGroups, dtype: torch.dtype, on_gpu: bool) -> TransformerConfig:
     layout = groups.layout
+    fused = torch_fusions.install(on_gpu)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -72,11 +74,12 @@ def transformer_config(arch: Architecture, groups: ParallelGroups, dtype: torch.
         use_cpu_initialization=not on_gpu,
         # SwiGLU fusion is megatron's torch.compile'd kernel: on GPU only (no compiler in CPU mode).
         bias_activation_fusion=on_gpu,
-        # The fusions below need apex/TE kernels; the torch paths are used instead.
+        # Rotary and weight-gradient accumulation: apex/TE kernels where installed, torch ones
+        # otherwise (torch_fusions); on GPU only. The other fusions need apex/TE kernels: torch paths.
+        apply_rope_fusion=fused,
+        gradient_accumulation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
 

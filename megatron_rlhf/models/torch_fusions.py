@@ -1,0 +1,61 @@
+"""Two of megatron-core's training fusions, with torch kernels where apex and TE are absent.
+
+megatron-core looks both kernels up once, at import, from optional packages, and a config flag
+turns each on:
+* ``apply_rope_fusion``: rotary embedding through ``rope_utils.fused_apply_rotary_pos_emb`` (TE's).
+  The unfused formula is about a dozen elementwise kernels per query and key per layer, forward and
+  backward. Here: megatron's own unfused formula compiled (``gpu_fused``), one kernel each way,
+  rounded once.
+* ``gradient_accumulation_fusion``: the weight gradient of every parallel linear accumulated into
+  its float32 ``main_grad`` inside the GEMM (apex's ``fused_weight_gradient_mlp_cuda``). Unfused,
+  each linear writes a bf16 gradient, then a separate kernel adds it to ``main_grad``. Here: one
+  cuBLAS GEMM with a float32 output and beta = 1 (``torch.addmm(..., out_dtype=float32)``).
+
+``install()`` fills whichever of the two is missing, on GPU only (CPU mode keeps the unfused
+paths: no compiler, and the dtype-out GEMM is CUDA-only); the builder then turns both flags on.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.tensor_parallel import layers
+
+from megatron_rlhf.fusion import gpu_fused
+
+
+@gpu_fused
+def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """megatron's unfused rotary embedding (``_apply_rotary_pos_emb_bshd``), compiled on GPU; the
+    signature of TE's ``fused_apply_rotary_pos_emb`` that megatron calls."""
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
+def _wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """main_grad (out, in) float32 += grad_output (tokens, out)^T @ total_input (tokens, in), the
+    half-precision product accumulated in float32 by the GEMM itself."""
+    torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+
+
+def _wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    main_grad.addmm_(grad_output.t(), total_input)
+
+
+TORCH_WGRAD_ACCUMULATION = types.SimpleNamespace(
+    wgrad_gemm_accum_fp32=_wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=_wgrad_gemm_accum_fp16
+)
+
+
+def install(on_gpu: bool) -> bool:
+    """Make both fusions available to megatron (keeping apex's and TE's where installed); whether
+    the config may turn them on."""
+    if not on_gpu:
+        return False
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = rotary_bshd
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = TORCH_WGRAD_ACCUMULATION
+        layers._grad_accum_fusion_available = True
+    return True
