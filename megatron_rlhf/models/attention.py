@@ -181,6 +181,45 @@ def rotate_into_cache(
 
 
 @gpu_fused
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (sq, b, 1, hn) in ``dtype`` of the rotary angles of ``positions`` (b, sq), shared by
+    every layer of a forward: megatron's table (angles in float32, both halves alike). One kernel on GPU."""
+    angles = positions.t().float()[..., None] * inv_freq.float()  # (sq, b, hn / 2)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def split_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query (sq, b, groups * heads_per_group, hn), key and value (sq, b, groups, hn) of megatron's
+    fused QKV projection output (sq, b, groups * (heads_per_group + 2) * hn): per KV group, its
+    query heads, then its key, then its value (``SelfAttention.get_query_key_value_tensors``)."""
+    sq, batch, _ = mixed.shape
+    grouped = mixed.view(sq, batch, groups, -1)
+    head_dim = grouped.shape[-1] // (heads_per_group + 2)
+    query, key, value = torch.split(grouped, [heads_per_group * head_dim, head_dim, head_dim], dim=3)
+    return query.reshape(sq, batch, groups * heads_per_group, head_dim), key, value
+
+
+@gpu_fused
+def split_rotate_into_cache(
+    mixed: torch.Tensor, heads_per_group: int, cos: torch.Tensor, sin: torch.Tensor,
+    cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``rotate_into_cache`` of the fused QKV projection's output, split (``split_qkv``) inside the
+    same compiled kernel: megatron's split makes the query contiguous with a copy kernel of its own."""
+    query, key, value = split_qkv(mixed, cache.shape[1], heads_per_group)
+    return rotate_into_cache.__wrapped__(query, key, value, cos, sin, cache, slots, positions)
+
+
+@gpu_fused
+def swiglu(up: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half of the gated MLP's fc1 output: megatron's ``glu`` eagerly,
+    its compiled ``swiglu`` (one kernel, rounded once) on GPU."""
+    gate, linear = torch.chunk(up, 2, dim=-1)
+    return F.silu(gate) * linear
+
+
+@gpu_fused
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden + delta, RMSNorm of that sum): a residual add and the norm after it in one kernel on
     GPU. The norm is torch's ``rms_norm``'s arithmetic (statistics in at least float32, the weight
@@ -191,10 +230,11 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     return hidden, (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(wide)).to(hidden.dtype)
 
 
+@gpu_fused
 def decode_score_bias(positions: torch.Tensor, kv_len: int, groups: int, window: int | None) -> torch.Tensor:
     """Additive attention bias of a decode step, shared by all layers: (slots * groups, 1, kv_len)
     float32, 0 where slot i's query (at ``positions[i, 0]``) may attend the cached key (causal, and
-    within the sliding ``window`` if any), -inf elsewhere."""
+    within the sliding ``window`` if any), -inf elsewhere. One kernel on GPU."""
     key_pos = torch.arange(kv_len, device=positions.device)
     masked = key_pos[None, :] > positions  # (slots, kv_len)
     if window is not None:

@@ -29,9 +29,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_from_tensor_model_parallel_region
 
-from megatron_rlhf.models.attention import CachedSelfAttention, add_rms_norm, decode_score_bias
+from megatron_rlhf.models.attention import (
+    CachedSelfAttention,
+    add_rms_norm,
+    cached_decode_attention,
+    decode_score_bias,
+    rotary_tables,
+    split_rotate_into_cache,
+    swiglu,
+)  # fmt: skip
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
@@ -142,7 +151,7 @@ class NativeEngine:
         self.model = role.model
         self.device = next(self.model.parameters()).device
         self.attention = [m for m in self.model.modules() if isinstance(m, CachedSelfAttention)]
-        self.fused_decode = _norms_fusable(self.model.decoder)
+        self.fused_decode = _decode_fusable(self.model.decoder)
         window = self.model.config.window_size
         self.window = window[0] if window is not None else None
         tp_group = role.groups.pg_collection.tp
@@ -344,16 +353,10 @@ class NativeEngine:
         positions [0, kv_len). No host synchronisation: decode graphs capture this."""
         model, device = self.model, self.device
         input_ids, positions = input_ids.to(device), positions.to(device)
-        inv_freq = model.rotary_pos_emb.inv_freq.to(device)
-        angles = positions.t().float()[..., None] * inv_freq  # (sq, b, hn / 2)
-        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-        dtype = model.config.params_dtype
+        cos, sin = rotary_tables(positions, model.rotary_pos_emb.inv_freq.to(device), model.config.params_dtype)
         prefill = last is not None
         score_bias = None if prefill else decode_score_bias(positions, kv_len, cache.groups, self.window)
-        step = DecodeStep(
-            cache=cache, slots=slots, positions=positions, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
-            prefill=prefill, score_bias=score_bias,
-        )  # fmt: skip
+        step = DecodeStep(cache=cache, slots=slots, positions=positions, cos=cos, sin=sin, prefill=prefill, score_bias=score_bias)
         for module in self.attention:
             module.kv_step = step
         try:
@@ -361,7 +364,7 @@ class NativeEngine:
             if prefill or not self.fused_decode:
                 hidden = model.decoder(hidden_states=hidden, attention_mask=None)
             else:
-                hidden = _decode_layers(model.decoder, hidden)
+                hidden = _decode_layers(model.decoder, hidden, step, self.tp_group)
         finally:
             for module in self.attention:
                 module.kv_step = None
@@ -375,29 +378,57 @@ class NativeEngine:
         return logits[0, :, : self.role.arch.vocab_size]
 
 
-def _norms_fusable(decoder: torch.nn.Module) -> bool:
+def _decode_fusable(decoder: torch.nn.Module) -> bool:
     """Whether ``_decode_layers`` computes what the decoder's own forward does: pre-norm layers of
-    torch RMSNorms (the TE-free spec without apex), attention then a dense MLP, a final norm."""
+    torch RMSNorms (the TE-free spec without apex), megatron's own parallel linears without biases
+    outside QKV, attention without Q/K norms over at least one KV group per TP rank, then a SwiGLU
+    MLP; a final norm; no sequence parallelism."""
     layers = list(decoder.layers)
-    norms = [n for layer in layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)] + [decoder.final_layernorm]
     config = decoder.config
-    return (bool(layers) and all(type(n) is torch.nn.RMSNorm for n in norms)
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)] + [decoder.final_layernorm]
+
+    def plain(layer) -> bool:
+        attention, mlp = layer.self_attention, layer.mlp
+        return (isinstance(attention, CachedSelfAttention) and attention.q_layernorm is None and attention.k_layernorm is None
+                and type(attention.linear_qkv) is ColumnParallelLinear and type(mlp.linear_fc1) is ColumnParallelLinear
+                and type(attention.linear_proj) is RowParallelLinear and type(mlp.linear_fc2) is RowParallelLinear
+                and config.num_query_groups >= attention.world_size)  # fmt: skip
+
+    return (bool(layers) and all(type(n) is torch.nn.RMSNorm for n in norms) and all(plain(layer) for layer in layers)
+            and config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
+            and config.activation_func_clamp_value is None and config.glu_linear_offset == 0
             and not (config.apply_residual_connection_post_layernorm or config.fp32_residual_connection
-                     or config.num_moe_experts))  # fmt: skip
+                     or config.num_moe_experts or config.sequence_parallel))  # fmt: skip
 
 
-def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The decoder's forward for one decode step, each residual add fused with the RMSNorm after it
-    (``add_rms_norm``). At a decode step's few rows a kernel costs its launch-bound microseconds
-    whatever it does, and megatron's layer runs the adds and norms as separate kernels."""
+def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeStep, tp_group) -> torch.Tensor:
+    """The decoder's forward for one decode step (one token per cache slot) in as few kernels as it
+    takes. At a decode step's few rows each kernel costs its launch-bound microseconds whatever it
+    does, so per layer: each residual add fused with the RMSNorm after it (``add_rms_norm``), the
+    QKV split fused with the rotary and the cache store, the QKV bias in its GEMM, the SwiGLU in
+    one kernel: ten kernels and the TP all-reduces. megatron's modules add a separate bias kernel
+    and a copy of the query, and run each add and norm on its own."""
     delta = torch.zeros_like(hidden)
     for layer in decoder.layers:
+        attention, mlp = layer.self_attention, layer.mlp
         hidden, normed = add_rms_norm(hidden, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        attended, _ = layer.self_attention(normed, None)
+        mixed = F.linear(normed, attention.linear_qkv.weight, attention.linear_qkv.bias)
+        heads_per_group = attention.num_attention_heads_per_partition // attention.num_query_groups_per_partition
+        cache = step.cache.layer(attention.layer_number)
+        query, _ = split_rotate_into_cache(mixed, heads_per_group, step.cos, step.sin, cache, step.slots, step.positions)
+        attended = cached_decode_attention(query, cache, step.score_bias, attention.core_attention.softmax_scale)
+        attended = _summed_over_tp(F.linear(attended, attention.linear_proj.weight), tp_group)
         hidden, normed = add_rms_norm(hidden, attended, layer.pre_mlp_layernorm.weight, layer.pre_mlp_layernorm.eps)
-        delta, _ = layer.mlp(normed)
+        delta = _summed_over_tp(F.linear(swiglu(F.linear(normed, mlp.linear_fc1.weight)), mlp.linear_fc2.weight), tp_group)
     final = decoder.final_layernorm
     return add_rms_norm(hidden, delta, final.weight, final.eps)[1]
+
+
+def _summed_over_tp(partial: torch.Tensor, tp_group) -> torch.Tensor:
+    """A row-parallel linear's output: its TP ranks' partial sums added (in place)."""
+    if tp_group.size() > 1:
+        dist.all_reduce(partial, group=tp_group)
+    return partial
 
 
 def generate_data_parallel(

@@ -6,7 +6,8 @@
   (fewer cache slots than prompts) over prompts of mixed lengths;
 * sampled log-probs equal the trainer's recomputed log-probs (forward pass at the same temperature)
   to 1e-5, at T=1 and T=0.7;
-* every TP rank returns the same tokens.
+* every TP rank returns the same tokens;
+* which families decode through the engine's own layer forward (``fused_decode``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
         role = build_role("actor", ModelConfig(path=str(hf_dir), tp=tp), load_architecture(hf_dir),
                           world_size=env.world_size, dtype=torch.float32, device=env.device)  # fmt: skip
         engine = NativeEngine(role, NativeEngineConfig(max_batch_size=2, max_seq_len=64))
+        results[f"{family}/fused_decode"] = int(engine.fused_decode)
 
         greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
         mismatches = 0

@@ -436,3 +436,19 @@ def test_rotate_into_cache_stores_each_rows_entry_at_its_slot_and_positions() ->
             expected = torch.cat([rotate(key, angles.cos(), angles.sin())[t, row], value[t, row]], dim=-1)
             assert torch.equal(cache[slots[row], :, positions[row, t]], expected)
     assert int((cache.abs().sum(-1) > 0).sum()) == b * sq * groups  # nothing written elsewhere
+
+
+def test_split_qkv_reads_megatrons_per_group_layout() -> None:
+    """megatron's fused QKV output holds, per KV group, that group's query heads, its key, its value
+    (``SelfAttention.get_query_key_value_tensors``); checked on a tensor of distinct values."""
+    from megatron_rlhf.models.attention import split_qkv
+
+    groups, per_group, hn, sq, b = 2, 3, 4, 2, 5
+    mixed = torch.arange(sq * b * groups * (per_group + 2) * hn, dtype=torch.float32).view(sq, b, -1)
+    query, key, value = split_qkv(mixed, groups, per_group)
+    for group in range(groups):
+        base = group * (per_group + 2) * hn
+        for head in range(per_group):
+            assert torch.equal(query[:, :, group * per_group + head], mixed[:, :, base + head * hn : base + (head + 1) * hn])
+        assert torch.equal(key[:, :, group], mixed[:, :, base + per_group * hn : base + (per_group + 1) * hn])
+        assert torch.equal(value[:, :, group], mixed[:, :, base + (per_group + 1) * hn : base + (per_group + 2) * hn])
