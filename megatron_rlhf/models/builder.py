@@ -45,7 +45,7 @@ def layer_spec(arch: Architecture) -> ModuleSpec:
 
 def transformer_config(arch: Architecture, groups: ParallelGroups, dtype: torch.dtype, on_gpu: bool) -> TransformerConfig:
     layout = groups.layout
-    fused = torch_fusions.install(on_gpu)
+    torch_fusions.install()
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -75,9 +75,9 @@ def transformer_config(arch: Architecture, groups: ParallelGroups, dtype: torch.
         # SwiGLU fusion is megatron's torch.compile'd kernel: on GPU only (no compiler in CPU mode).
         bias_activation_fusion=on_gpu,
         # Rotary and weight-gradient accumulation: apex/TE kernels where installed, torch ones
-        # otherwise (torch_fusions); on GPU only. The other fusions need apex/TE kernels: torch paths.
-        apply_rope_fusion=fused,
-        gradient_accumulation_fusion=fused,
+        # otherwise (torch_fusions). The other fusions need apex/TE kernels: torch paths instead.
+        apply_rope_fusion=True,
+        gradient_accumulation_fusion=True,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

@@ -11,8 +11,9 @@ turns each on:
   each linear writes a bf16 gradient, then a separate kernel adds it to ``main_grad``. Here: one
   cuBLAS GEMM with a float32 output and beta = 1 (``torch.addmm(..., out_dtype=float32)``).
 
-``install()`` fills whichever of the two is missing, on GPU only (CPU mode keeps the unfused
-paths: no compiler, and the dtype-out GEMM is CUDA-only); the builder then turns both flags on.
+``install()`` fills whichever of the two is missing and the builder turns both flags on, in CPU
+mode too: there ``gpu_fused`` runs the rotary eagerly (the unfused arithmetic) and the weight
+gradient is a float32 ``addmm_``, so the CPU tests run the code path a GPU runs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False)
 def _wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad (out, in) float32 += grad_output (tokens, out)^T @ total_input (tokens, in), the
     half-precision product accumulated in float32 by the GEMM itself."""
-    torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+    if main_grad.is_cuda and total_input.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+    else:  # float32 inputs, or CPU (no dtype-out GEMM there): a float32 GEMM of upcast inputs
+        main_grad.addmm_(grad_output.t().float(), total_input.float())
 
 
 def _wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -48,14 +52,10 @@ TORCH_WGRAD_ACCUMULATION = types.SimpleNamespace(
 )
 
 
-def install(on_gpu: bool) -> bool:
-    """Make both fusions available to megatron (keeping apex's and TE's where installed); whether
-    the config may turn them on."""
-    if not on_gpu:
-        return False
+def install() -> None:
+    """Make both fusions available to megatron, keeping apex's and TE's where installed."""
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = rotary_bshd
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = TORCH_WGRAD_ACCUMULATION
         layers._grad_accum_fusion_available = True
-    return True

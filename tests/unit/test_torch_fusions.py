@@ -1,0 +1,50 @@
+"""The builder turns on megatron's rotary and weight-gradient-accumulation fusions, with the torch
+kernels of ``models/torch_fusions.py`` where apex/TE are absent. Reference: the same model and
+batch through megatron's unfused paths (each linear's ``gradient_accumulation_fusion`` and the
+config's ``apply_rope_fusion`` switched off): the gradient buffers the optimizer reads must match,
+with tied and untied embeddings (a tied weight gets the output layer's fused gradient and the
+embedding lookup's unfused one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from tests.helpers import PAD_ID, make_tiny_hf_model
+
+
+def _main_grads(hf_dir: Path, env, fused: bool) -> dict[str, torch.Tensor]:
+    from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
+    from megatron_rlhf.engine.objectives import sft_loss
+    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
+    from megatron_rlhf.engine.train import _forward_backward
+    from megatron_rlhf.models.architecture import load_architecture
+
+    role = build_role("actor", ModelConfig(path=str(hf_dir)), load_architecture(hf_dir), world_size=1,
+                      dtype=torch.float32, device=env.device)  # fmt: skip
+    assert role.model.config.gradient_accumulation_fusion and role.model.config.apply_rope_fusion
+    if not fused:
+        role.model.config.apply_rope_fusion = False
+        for module in role.model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.gradient_accumulation_fusion = False
+    state = make_train_state(role, OptimConfig())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, PAD_ID, (4, 12), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    _forward_backward(state, batch, sft_loss(role), 64, 1, True)  # train_step's forward and backward
+    return {name: p.main_grad.clone() for name, p in state.ddp_model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fused_gradient_buffers_equal_megatrons_unfused_ones(world_of_one, tmp_path: Path, tied: bool) -> None:
+    make_tiny_hf_model("llama", False, tmp_path, tie_word_embeddings=tied)
+    fused, unfused = _main_grads(tmp_path, world_of_one, True), _main_grads(tmp_path, world_of_one, False)
+    assert set(fused) == set(unfused)
+    assert ("output_layer.weight" in fused) != tied
+    for name in unfused:
+        assert unfused[name].abs().sum() > 0, name
+        torch.testing.assert_close(fused[name], unfused[name], rtol=1e-5, atol=1e-6, msg=name)
