@@ -1,9 +1,9 @@
 """Kernel fusion on GPU with ``torch.compile``, eager everywhere else.
 
 Elementwise chains (rotary, softmax with its mask, the vocabulary passes of the log-prob) are
-written as plain torch code. On GPU each decorated function becomes one compiled (fused) Triton
-kernel, so it reads its inputs once instead of once per op, and a CUDA-graphed decode step runs a
-few kernels per layer instead of dozens. On CPU (tests, CI) the same code runs eagerly: the CPU
+written as plain torch code. On GPU each decorated function is compiled into fused Triton kernels
+(usually one), which read their inputs once instead of once per op, so that a CUDA-graphed decode
+step runs a few kernels per layer instead of dozens. On CPU (tests, CI) the same code runs eagerly: the CPU
 tests check the function itself; the GPU tier checks the compiled one.
 """
 

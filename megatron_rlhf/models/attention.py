@@ -173,8 +173,9 @@ def rotate_into_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The rotated query, and the cache entry [rotated key | value] (last dim 2 * hn), also written
     into ``cache`` (slots, groups, max_len, 2 * hn) at each row's ``positions`` (b, sq) of its slot
-    in ``slots`` (b,). On GPU one compiled kernel computes the rotation (in float32, rounded once)
-    and stores it: no separate indexing and copy kernels."""
+    in ``slots`` (b,). On GPU it is compiled: the rotation in float32, rounded once, and the store
+    in a few generated kernels (a decode step's H200 profile: three, the query's rotation, the cache
+    entry and the scatter into the cache) instead of eager indexing, copy and elementwise ones."""
     entry = torch.cat([rotate(key, cos, sin), value], dim=-1)
     cache[slots[:, None], :, positions] = entry.transpose(0, 1).to(cache.dtype)  # (b, sq, groups, 2hn)
     return rotate(query, cos, sin), entry
@@ -206,7 +207,8 @@ def split_rotate_into_cache(
     cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``rotate_into_cache`` of the fused QKV projection's output, split (``split_qkv``) inside the
-    same compiled kernel: megatron's split makes the query contiguous with a copy kernel of its own."""
+    same compiled function: megatron's split makes the query contiguous with a copy kernel of its
+    own."""
     query, key, value = split_qkv(mixed, cache.shape[1], heads_per_group)
     return rotate_into_cache.__wrapped__(query, key, value, cos, sin, cache, slots, positions)
 

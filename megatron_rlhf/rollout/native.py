@@ -405,9 +405,10 @@ def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeS
     """The decoder's forward for one decode step (one token per cache slot) in as few kernels as it
     takes. At a decode step's few rows each kernel costs its launch-bound microseconds whatever it
     does, so per layer: each residual add fused with the RMSNorm after it (``add_rms_norm``), the
-    QKV split fused with the rotary and the cache store, the QKV bias in its GEMM, the SwiGLU in
-    one kernel: ten kernels and the TP all-reduces. megatron's modules add a separate bias kernel
-    and a copy of the query, and run each add and norm on its own."""
+    QKV split compiled with the rotary and the cache store, the QKV bias in its GEMM, the SwiGLU
+    compiled; then the TP all-reduces. megatron's modules add a separate bias kernel and a copy of
+    the query, and run each add and norm on its own (at batch 256 on an H200: 490 kernels per step
+    against 529)."""
     delta = torch.zeros_like(hidden)
     for layer in decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
