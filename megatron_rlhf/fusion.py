@@ -3,8 +3,8 @@
 Elementwise chains (rotary, softmax with its mask, the vocabulary passes of the log-prob) are
 written as plain torch code. On GPU each decorated function is compiled into fused Triton kernels
 (usually one), which read their inputs once instead of once per op, so that a CUDA-graphed decode
-step runs a few kernels per layer instead of dozens. On CPU (tests, CI) the same code runs eagerly: the CPU
-tests check the function itself; the GPU tier checks the compiled one.
+step runs a few kernels per layer instead of dozens. On CPU (tests, CI) the same code runs
+eagerly: the CPU tests check the function itself; the GPU tier checks the compiled one.
 """
 
 from __future__ import annotations

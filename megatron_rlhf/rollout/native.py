@@ -30,7 +30,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
 from megatron_rlhf.models.attention import (
     CachedSelfAttention,
@@ -406,9 +411,9 @@ def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeS
     takes. At a decode step's few rows each kernel costs its launch-bound microseconds whatever it
     does, so per layer: each residual add fused with the RMSNorm after it (``add_rms_norm``), the
     QKV split compiled with the rotary and the cache store, the QKV bias in its GEMM, the SwiGLU
-    compiled; then the TP all-reduces. megatron's modules add a separate bias kernel and a copy of
-    the query, and run each add and norm on its own (at batch 256 on an H200: 490 kernels per step
-    against 529)."""
+    compiled; the row-parallel outputs summed over TP as megatron's ``RowParallelLinear`` sums
+    them. megatron's modules add a separate bias kernel and a copy of the query, and run each add
+    and norm on its own (at batch 256 on an H200: 490 kernels per step against 529)."""
     delta = torch.zeros_like(hidden)
     for layer in decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
@@ -418,18 +423,12 @@ def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeS
         cache = step.cache.layer(attention.layer_number)
         query, _ = split_rotate_into_cache(mixed, heads_per_group, step.cos, step.sin, cache, step.slots, step.positions)
         attended = cached_decode_attention(query, cache, step.score_bias, attention.core_attention.softmax_scale)
-        attended = _summed_over_tp(F.linear(attended, attention.linear_proj.weight), tp_group)
+        attended = reduce_from_tensor_model_parallel_region(F.linear(attended, attention.linear_proj.weight), tp_group)
         hidden, normed = add_rms_norm(hidden, attended, layer.pre_mlp_layernorm.weight, layer.pre_mlp_layernorm.eps)
-        delta = _summed_over_tp(F.linear(swiglu(F.linear(normed, mlp.linear_fc1.weight)), mlp.linear_fc2.weight), tp_group)
+        up = F.linear(normed, mlp.linear_fc1.weight)
+        delta = reduce_from_tensor_model_parallel_region(F.linear(swiglu(up), mlp.linear_fc2.weight), tp_group)
     final = decoder.final_layernorm
     return add_rms_norm(hidden, delta, final.weight, final.eps)[1]
-
-
-def _summed_over_tp(partial: torch.Tensor, tp_group) -> torch.Tensor:
-    """A row-parallel linear's output: its TP ranks' partial sums added (in place)."""
-    if tp_group.size() > 1:
-        dist.all_reduce(partial, group=tp_group)
-    return partial
 
 
 def generate_data_parallel(

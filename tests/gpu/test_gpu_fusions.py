@@ -1,6 +1,6 @@
 """GPU tier: the torch stand-ins for megatron's apex/TE training fusions (models/torch_fusions.py)
 against float64, with the unfused bf16 path as the yardstick for what bf16 rounding costs; and the
-decode step's SwiGLU and QKV split against megatron's own."""
+decode step's SwiGLU against megatron's, its fused QKV split against the unfused kernels."""
 
 from __future__ import annotations
 
