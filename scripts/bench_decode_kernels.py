@@ -10,7 +10,8 @@ copy bandwidth measured in the same run. Variants: cuBLAS, cuBLASLt
 (``torch.backends.cuda.preferred_blas_library``), and FP8 e4m3 weights with row-wise scales
 (``torch._scaled_mm``; the activation quantisation is timed as part of it). Also the residual add
 + RMSNorm between GEMMs: torch's RMSNorm after an eager add vs the engine's ``add_rms_norm``, and
-decode attention: the engine's against SDPA's kernels.
+decode attention: the engine's kernels (a Triton kernel on GPU, two matmuls on CPU) against
+FlexAttention's and SDPA's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 
 from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.attention import add_rms_norm, cached_decode_attention
+from megatron_rlhf.models.attention import add_rms_norm, decode_score_bias, matmul_decode_attention
+from megatron_rlhf.models.decode_attention import decode_attention
 from megatron_rlhf.models.roofline import copy_bandwidth
 
 
@@ -70,38 +72,55 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attention_variants(arch: Architecture, slots: int, max_len: int, bandwidth: float) -> dict[str, dict[str, float]]:
     """Decode attention per layer over a cache slice of kv_len positions (half and all of
-    ``max_len``): the engine's two matmuls around a fused softmax, and SDPA with each KV group's
-    query heads as query rows of one KV head (the mask a broadcast bias)."""
+    ``max_len``; each slot's own length up to 64 below that; the floor reads only those): the
+    engine's Triton kernel (what ``cached_decode_attention`` runs on a GPU) at several block sizes,
+    warps and pipeline stages; its two matmuls around a fused softmax (what it runs on CPU);
+    FlexAttention (compiled) and SDPA, each with a KV group's query heads as the query rows of one
+    KV head (the mask a bias). Errors are against a float64 computation."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled_flex = torch.compile(flex_attention)
 
     groups, heads, head_dim, layers = arch.num_query_groups, arch.num_attention_heads, arch.head_dim, arch.num_layers
+    scale = head_dim**-0.5
     out: dict[str, dict[str, float]] = {}
     caches = [torch.randn(slots, groups, max_len, 2 * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     query = torch.randn(1, slots, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q = query[0].reshape(slots, groups, heads // groups, head_dim)
     for kv_len in (max_len // 2, max_len):
-        lengths = torch.randint(kv_len - 63, kv_len + 1, (slots,), device="cuda")
-        masked = torch.arange(kv_len, device="cuda")[None, :] >= lengths[:, None]
-        bias = torch.zeros(slots, kv_len, device="cuda").masked_fill_(masked, float("-inf")).repeat_interleave(groups, 0)[:, None, :]
-        floor = slots * groups * kv_len * 2 * head_dim * 2 / bandwidth
+        positions = torch.randint(kv_len - 64, kv_len, (slots, 1), device="cuda")  # each slot's own length
+        bias = decode_score_bias(positions, kv_len, None)
+        floor = groups * int(positions.sum() + slots) * 2 * head_dim * 2 / bandwidth  # the keys and values attended
         row = {"floor_us": floor * 1e6}
-        row["bmm_softmax_bmm"] = graph_time(lambda: [cached_decode_attention(query, c, bias, head_dim**-0.5) for c in caches]) * 1e6 / layers
-        q = query[0].reshape(slots * groups, 1, heads // groups, head_dim)
-        sdpa_bias = bias[:, None, :, :].to(torch.bfloat16)  # (slots * groups, 1, 1, kv_len)
-        reference = cached_decode_attention(query, caches[0], bias, head_dim**-0.5).float()
 
-        def sdpa(cache):
-            window = cache[:, :, :kv_len].flatten(0, 1)[:, None]  # (slots * groups, 1, kv_len, 2 * hn)
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, window[..., :head_dim], window[..., head_dim:], attn_mask=sdpa_bias, scale=head_dim**-0.5)
+        def split(cache):
+            return cache[:, :, :kv_len, :head_dim], cache[:, :, :kv_len, head_dim:]
 
-        for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-            try:
+        reference = matmul_decode_attention(q.double(), *(t.double() for t in split(caches[0])), bias.double(), scale)
+        sdpa_bias = bias[:, None, None, :].to(torch.bfloat16)  # (slots, 1, 1, kv_len)
+
+        def flex(cache):
+            return compiled_flex(q, *split(cache), score_mod=lambda score, s, g, r, k: score + bias[s, k], scale=scale)
+
+        variants = {"bmm_softmax_bmm": lambda cache: matmul_decode_attention(q, *split(cache), bias, scale), "flex": flex}
+        for block in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    variants[f"triton_b{block}_w{warps}_s{stages}"] = lambda cache, b=block, w=warps, st=stages: decode_attention(
+                        q, cache, positions, kv_len, None, scale, block_positions=b, num_warps=w, num_stages=st)  # fmt: skip
+        for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):  # flash: no kernel for a mask
+            def sdpa(cache, backend=backend):
                 with sdpa_kernel(backend):
-                    error = (sdpa(caches[0]).reshape(1, slots, heads * head_dim).float() - reference).abs().max().item()
-                    row[f"sdpa_{backend.name.lower()}"] = graph_time(lambda: [sdpa(c) for c in caches]) * 1e6 / layers
-                    row[f"sdpa_{backend.name.lower()}_max_error"] = error
+                    return torch.nn.functional.scaled_dot_product_attention(q, *split(cache), attn_mask=sdpa_bias, scale=scale)
+
+            variants[f"sdpa_{backend.name.lower()}"] = sdpa
+        for name, attend in variants.items():
+            try:
+                row[f"{name}_max_error"] = (attend(caches[0]).double() - reference).abs().max().item()
+                row[name] = graph_time(lambda: [attend(c) for c in caches]) * 1e6 / layers
             except RuntimeError as failure:
-                row[f"sdpa_{backend.name.lower()}_error"] = str(failure).splitlines()[0][:160]
+                row[f"{name}_error"] = str(failure).splitlines()[0][:160]
         out[f"kv_{kv_len}"] = row
         print(f"attention kv {kv_len}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     return out
@@ -113,6 +132,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=384, help="cache positions (prompt + new tokens)")
     parser.add_argument("--autotune", action="store_true", help="also torch.compile max-autotune GEMMs (slow to compile)")
+    parser.add_argument("--attention-only", action="store_true", help="only the decode attention variants")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -122,7 +142,7 @@ def main() -> None:
     results: dict[str, dict] = {"bandwidth_tbps": bandwidth / 1e12}
     arch = architecture_of(args.model)
     layers = arch.num_layers
-    for name, (n, k) in gemm_shapes(arch).items():
+    for name, (n, k) in ({} if args.attention_only else gemm_shapes(arch)).items():
         count = 1 if name == "head" else layers
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
         x = torch.randn(args.batch, k, device=device, dtype=torch.bfloat16)
@@ -156,13 +176,14 @@ def main() -> None:
         cells = "  ".join(f"{key} {value:7.1f}" for key, value in row.items() if isinstance(value, float))
         print(f"{name:5s} ({n}x{k}) µs per layer: {cells}", flush=True)
 
-    hidden = torch.randn(args.batch, arch.hidden_size, device=device, dtype=torch.bfloat16)
-    residual = torch.randn_like(hidden)
-    norm = torch.nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, device=device, dtype=torch.bfloat16)
-    eager = graph_time(lambda: [norm(hidden + residual) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
-    fused = graph_time(lambda: [add_rms_norm(hidden, residual, norm.weight, norm.eps) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
-    results["add_rmsnorm_us"] = {"eager": eager, "compiled": fused}
-    print(f"add + RMSNorm µs each: eager {eager:.1f}, compiled {fused:.1f}", flush=True)
+    if not args.attention_only:
+        hidden = torch.randn(args.batch, arch.hidden_size, device=device, dtype=torch.bfloat16)
+        residual = torch.randn_like(hidden)
+        norm = torch.nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, device=device, dtype=torch.bfloat16)
+        eager = graph_time(lambda: [norm(hidden + residual) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
+        fused = graph_time(lambda: [add_rms_norm(hidden, residual, norm.weight, norm.eps) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
+        results["add_rmsnorm_us"] = {"eager": eager, "compiled": fused}
+        print(f"add + RMSNorm µs each: eager {eager:.1f}, compiled {fused:.1f}", flush=True)
     results["attention"] = attention_variants(arch, args.batch, args.max_len, bandwidth)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))

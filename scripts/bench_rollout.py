@@ -152,9 +152,11 @@ def main() -> None:
         for label, graphs in (("eager", False), ("cuda_graphs", True)):
             engine = NativeEngine(role, NativeEngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens,
                                                            cuda_graphs=graphs))  # fmt: skip
-            # Warm-up: with graphs, a full run captures every KV-length bucket's graph once; the
-            # engine keeps them (and its KV cache) for the timed calls, as a rollout engine would.
-            engine.generate(prompts.tolist() if graphs else prompts[:4].tolist(), greedy)
+            # Warm-up, a full run: it compiles for these shapes (eager too: a smaller warm-up left
+            # the timed prefill compiling) and, with graphs, captures every KV-length bucket's graph
+            # once; the engine keeps them (and its KV cache) for the timed calls, as a rollout
+            # engine would.
+            engine.generate(prompts.tolist(), greedy)
             if graphs:
                 figures["graph_capture_s"] = engine.graph_capture_seconds
             prefill_s = timed(lambda: engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)))

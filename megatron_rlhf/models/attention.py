@@ -36,6 +36,7 @@ except ImportError:  # torch < 2.10 (e.g. an older NGC image): packed rows take 
     varlen_attn = None
 
 from megatron_rlhf.fusion import gpu_fused
+from megatron_rlhf.models import decode_attention
 
 
 def _allowed_positions(sq: int, sk: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -232,40 +233,69 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     return hidden, (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(wide)).to(hidden.dtype)
 
 
-@gpu_fused
-def decode_score_bias(positions: torch.Tensor, kv_len: int, groups: int, window: int | None) -> torch.Tensor:
-    """Additive attention bias of a decode step, shared by all layers: (slots * groups, 1, kv_len)
+def decode_score_bias(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """Additive attention bias of a decode step over the cache slice [0, kv_len): (slots, kv_len)
     float32, 0 where slot i's query (at ``positions[i, 0]``) may attend the cached key (causal, and
-    within the sliding ``window`` if any), -inf elsewhere. One kernel on GPU."""
+    within the sliding ``window`` if any), -inf elsewhere."""
     key_pos = torch.arange(kv_len, device=positions.device)
     masked = key_pos[None, :] > positions  # (slots, kv_len)
     if window is not None:
         masked |= positions - key_pos[None, :] > window
-    bias = torch.zeros(masked.shape, dtype=torch.float32, device=positions.device).masked_fill_(masked, float("-inf"))
-    return bias.repeat_interleave(groups, dim=0)[:, None, :]
+    return torch.zeros(masked.shape, dtype=torch.float32, device=positions.device).masked_fill_(masked, float("-inf"))
 
 
-def cached_decode_attention(query: torch.Tensor, cache: torch.Tensor, score_bias: torch.Tensor, scale: float) -> torch.Tensor:
+def cached_decode_attention(
+    query: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, kv_len: int, window: int | None, scale: float
+) -> torch.Tensor:  # fmt: skip
     """Attention of one query per cache slot over that slot's cached keys, read in place.
 
-    query (1, slots, heads, hn): row i is slot i's newest token; cache (slots, groups, max_len,
-    2 * hn), keys then values in the last dim, already holding this step's entries;
-    ``score_bias`` from ``decode_score_bias``, whose length kv_len bounds the cache slice read.
-    Returns (1, slots, heads * hn).
+    query (1, slots, heads, hn): row i is slot i's newest token, at ``positions[i, 0]``; cache
+    (slots, groups, max_len, 2 * hn), keys then values in the last dim, already holding this step's
+    entries. Slot i attends its keys at positions <= its own (within the sliding ``window`` if
+    any), below ``kv_len``. Returns (1, slots, heads * hn).
 
+    The query heads of a KV group are the query rows of one attention over that group's keys, so
+    the cache is read once per group, in place. On a GPU: one Triton kernel, one pass over each
+    slot's own prefix with the softmax inside (``decode_attention.py``); elsewhere two batched
+    matmuls around a softmax over the slice [0, kv_len) of every slot (``matmul_decode_attention``).
     Why not SDPA: with GQA and a per-row mask torch falls back to kernels that repeat each KV head
-    per query head, or it needs the rows' prefixes gathered into a fresh tensor. Here the query
-    heads of a KV group become the rows of one small matrix, so two batched matmuls read the cache
-    slice [0, kv_len) exactly once, as strided views (slot and group dims fold into one batch
-    stride). Scores and softmax in float32 (or the inputs' wider dtype).
+    per query head, or it needs the rows' prefixes gathered into a fresh tensor.
     """
     _, slots, heads, head_dim = query.shape
-    groups, kv_len = cache.shape[1], score_bias.shape[-1]
-    window = cache[:, :, :kv_len].flatten(0, 1)  # (slots * groups, kv_len, 2 * hn): a view
-    keys, values = window[..., :head_dim], window[..., head_dim:]
-    q = query[0].reshape(slots * groups, heads // groups, head_dim)
-    probs = _masked_softmax(_bmm_float32(q, keys.transpose(1, 2)), score_bias, scale, values.dtype)
-    return torch.bmm(probs, values).view(1, slots, heads * head_dim)
+    q = query[0].reshape(slots, groups := cache.shape[1], heads // groups, head_dim)
+    if decode_attention.available(q):
+        out = decode_attention.decode_attention(q, cache, positions, kv_len, window, scale)
+    else:
+        cached = cache[:, :, :kv_len]  # (slots, groups, kv_len, 2 * hn): a view
+        bias = decode_score_bias(positions, kv_len, window)
+        out = matmul_decode_attention(q, cached[..., :head_dim], cached[..., head_dim:], bias, scale)
+    return out.reshape(1, slots, heads * head_dim)
+
+
+def rotate_store_attend(
+    mixed: torch.Tensor, heads_per_group: int, step_cos: torch.Tensor, step_sin: torch.Tensor, cache: torch.Tensor,
+    slots: torch.Tensor, positions: torch.Tensor, kv_len: int, window: int | None, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """A decode step's attention from the fused QKV projection's output (1, slots, width), row i
+    being cache slot i (``slots`` is arange): ``split_rotate_into_cache`` then
+    ``cached_decode_attention``; on a GPU one Triton kernel does both
+    (``decode_attention.rotate_store_attend``). Returns (1, slots, heads * hn)."""
+    if decode_attention.available(mixed):
+        return decode_attention.rotate_store_attend(mixed, heads_per_group, step_cos, step_sin, cache, positions, kv_len, window, scale)
+    query, _ = split_rotate_into_cache(mixed, heads_per_group, step_cos, step_sin, cache, slots, positions)
+    return cached_decode_attention(query, cache, positions, kv_len, window, scale)
+
+
+def matmul_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_bias: torch.Tensor, scale: float
+) -> torch.Tensor:  # fmt: skip
+    """query (slots, groups, rows, hn) over keys/values (slots, groups, kv_len, hn) with the
+    (slots, kv_len) additive ``score_bias``: scores and softmax in float32 (or the inputs' wider
+    dtype); (slots, groups, rows, hn). The slot and group dims fold into one batch stride."""
+    slots, groups, rows, _ = query.shape
+    scores = _bmm_float32(query.flatten(0, 1), keys.flatten(0, 1).transpose(1, 2)).view(slots, groups, rows, -1)
+    probs = _masked_softmax(scores, score_bias[:, None, None, :], scale, values.dtype)
+    return torch.bmm(probs.flatten(0, 1), values.flatten(0, 1)).view(query.shape)
 
 
 def _bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -305,5 +335,5 @@ class CachedSelfAttention(SelfAttention):
             key, value = entry[..., :head_dim], entry[..., head_dim:]  # views: rotated key, value
             out = self.core_attention(query, key, value, None, attn_mask_type=AttnMaskType.causal)
         else:
-            out = cached_decode_attention(query, cache, step.score_bias, self.core_attention.softmax_scale)
+            out = cached_decode_attention(query, cache, step.positions, step.kv_len, step.window, self.core_attention.softmax_scale)
         return self.linear_proj(out)

@@ -40,4 +40,5 @@ class DecodeStep:
     cos: torch.Tensor  # (sq, b, 1, hn) in the model dtype: rotary cosines at those positions
     sin: torch.Tensor
     prefill: bool
-    score_bias: torch.Tensor | None  # decode: (slots * groups, 1, kv_len) additive mask over the cache
+    kv_len: int | None  # decode: attend over cache positions [0, kv_len) at most
+    window: int | None  # a sliding window's size (megatron's convention), or None

@@ -40,10 +40,8 @@ from megatron.core.tensor_parallel import (
 from megatron_rlhf.models.attention import (
     CachedSelfAttention,
     add_rms_norm,
-    cached_decode_attention,
-    decode_score_bias,
     rotary_tables,
-    split_rotate_into_cache,
+    rotate_store_attend,
     swiglu,
 )  # fmt: skip
 from megatron_rlhf.models.roles import RoleModel
@@ -360,8 +358,8 @@ class NativeEngine:
         input_ids, positions = input_ids.to(device), positions.to(device)
         cos, sin = rotary_tables(positions, model.rotary_pos_emb.inv_freq.to(device), model.config.params_dtype)
         prefill = last is not None
-        score_bias = None if prefill else decode_score_bias(positions, kv_len, cache.groups, self.window)
-        step = DecodeStep(cache=cache, slots=slots, positions=positions, cos=cos, sin=sin, prefill=prefill, score_bias=score_bias)
+        step = DecodeStep(cache=cache, slots=slots, positions=positions, cos=cos, sin=sin, prefill=prefill, kv_len=kv_len,
+                          window=self.window)  # fmt: skip
         for module in self.attention:
             module.kv_step = step
         try:
@@ -410,19 +408,18 @@ def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeS
     """The decoder's forward for one decode step (one token per cache slot) in as few kernels as it
     takes. At a decode step's few rows each kernel costs its launch-bound microseconds whatever it
     does, so per layer: each residual add fused with the RMSNorm after it (``add_rms_norm``), the
-    QKV split compiled with the rotary and the cache store, the QKV bias in its GEMM, the SwiGLU
-    compiled; the row-parallel outputs summed over TP as megatron's ``RowParallelLinear`` sums
-    them. megatron's modules add a separate bias kernel and a copy of the query, and run each add
-    and norm on its own (at batch 256 on an H200: 490 kernels per step against 529)."""
+    QKV bias in its GEMM, the QKV split, rotary, cache store and attention one kernel on a GPU
+    (``rotate_store_attend``), the SwiGLU compiled; the row-parallel outputs summed over TP as
+    megatron's ``RowParallelLinear`` sums them. megatron's modules add a separate bias kernel and a
+    copy of the query, and run each add and norm on its own."""
     delta = torch.zeros_like(hidden)
     for layer in decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
         hidden, normed = add_rms_norm(hidden, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
         mixed = F.linear(normed, attention.linear_qkv.weight, attention.linear_qkv.bias)
         heads_per_group = attention.num_attention_heads_per_partition // attention.num_query_groups_per_partition
-        cache = step.cache.layer(attention.layer_number)
-        query, _ = split_rotate_into_cache(mixed, heads_per_group, step.cos, step.sin, cache, step.slots, step.positions)
-        attended = cached_decode_attention(query, cache, step.score_bias, attention.core_attention.softmax_scale)
+        attended = rotate_store_attend(mixed, heads_per_group, step.cos, step.sin, step.cache.layer(attention.layer_number),
+                                       step.slots, step.positions, step.kv_len, step.window, attention.core_attention.softmax_scale)  # fmt: skip
         attended = reduce_from_tensor_model_parallel_region(F.linear(attended, attention.linear_proj.weight), tp_group)
         hidden, normed = add_rms_norm(hidden, attended, layer.pre_mlp_layernorm.weight, layer.pre_mlp_layernorm.eps)
         up = F.linear(normed, mlp.linear_fc1.weight)

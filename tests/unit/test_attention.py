@@ -372,7 +372,7 @@ def test_refuses_bias_and_packed_rows_it_cannot_read():
 # ------------------------------------------- decode over a KV cache, in place
 
 
-@pytest.mark.parametrize("heads,groups,window", [(4, 2, None), (6, 3, None), (4, 4, None), (4, 1, 2)])
+@pytest.mark.parametrize("heads,groups,window", [(4, 2, None), (6, 3, None), (4, 4, None), (4, 1, 2), (12, 2, None)])
 def test_cached_decode_attention_per_slot_lengths(heads, groups, window):
     # Each slot holds its own prefix length; the reference attends slot by slot over exactly
     # keys [0, position] (and the window), with the GQA head repeat done by hand.
@@ -382,9 +382,8 @@ def test_cached_decode_attention_per_slot_lengths(heads, groups, window):
     cache_k = torch.randn(slots, groups, max_len, HN, generator=g, dtype=torch.float64)
     cache_v = torch.randn(slots, groups, max_len, HN, generator=g, dtype=torch.float64)
     query = torch.randn(1, slots, heads, HN, generator=g, dtype=torch.float64)
-    bias = decode_score_bias(positions, kv_len, groups, window)
-    assert bias.shape == (slots * groups, 1, kv_len)
-    out = cached_decode_attention(query, torch.cat([cache_k, cache_v], dim=-1), bias, 0.3)
+    assert decode_score_bias(positions, kv_len, window).shape == (slots, kv_len)
+    out = cached_decode_attention(query, torch.cat([cache_k, cache_v], dim=-1), positions, kv_len, window, 0.3)
     assert out.shape == (1, slots, heads * HN)
     for slot in range(slots):
         pos = int(positions[slot, 0])
