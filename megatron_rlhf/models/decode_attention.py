@@ -6,7 +6,10 @@ One program per (slot, group) streams the cache rows that slot attends, as conti
 cache keeps a position's key and value side by side, ``rollout/kv_cache.py``), and keeps an online
 softmax (flash attention's running maximum and sum) in float32. So: one kernel per layer, no score
 tensor in memory, and each slot reads its own prefix only, where two batched matmuls around a
-softmax read every slot's cache up to the longest one's and write and read the scores.
+softmax read every slot's cache up to the longest one's and write and read the scores. The engine's
+own decode layer (``rotate_store_attend``) also hands the kernel the QKV projection's output: the
+same program splits it, rotates the query and key, stores the new key and value, and attends this
+step's key from registers, in place of three compiled kernels before the attention.
 
 Why our own kernel: FlexAttention's decoding kernel needs a power-of-two number of query heads per
 KV group (Qwen2.5-1.5B has 6), and with the heads as query rows it and SDPA's kernels were slower
