@@ -262,7 +262,8 @@ def cached_decode_attention(
     per query head, or it needs the rows' prefixes gathered into a fresh tensor.
     """
     _, slots, heads, head_dim = query.shape
-    q = query[0].reshape(slots, groups := cache.shape[1], heads // groups, head_dim)
+    groups = cache.shape[1]
+    q = query[0].reshape(slots, groups, heads // groups, head_dim)
     if decode_attention.available(q):
         out = decode_attention.decode_attention(q, cache, positions, kv_len, window, scale)
     else:
