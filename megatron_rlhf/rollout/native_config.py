@@ -27,7 +27,9 @@ class NativeEngineConfig:
     """On GPU, replay decode steps as CUDA graphs (one per KV-length bucket), removing per-step
     launch overhead; prefill stays eager. Ignored on CPU."""
     graph_kv_bucket: int = 64
-    """Decode graphs attend over the cache rounded up to a multiple of this many positions."""
+    """Decode graphs attend over the cache rounded up to a multiple of this many positions (one
+    graph per multiple reached). On a GPU the Triton decode attention reads each slot's own prefix
+    whatever the bucket, so there it only sets how many graphs are captured."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
