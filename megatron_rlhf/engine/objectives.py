@@ -29,15 +29,24 @@ from megatron_rlhf.models.roles import RoleModel
 def next_token_logprobs(
     role: RoleModel, piece: Batch, logits: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, s-1) log-probs of tokens 1..s-1, and optionally the policy entropy at each of them."""
-    return token_logprobs_and_entropy(
-        logits[:, :-1],
-        piece["input_ids"][:, 1:],
-        tp_group=role.groups.pg_collection.tp,
-        vocab_size=role.arch.vocab_size,
-        temperature=temperature,
-        compute_entropy=with_entropy,
-    )
+    """(b, s-1) log-probs of tokens 1..s-1, and optionally the policy entropy at each of them. When
+    the batch has a ``logits_mask`` the logits are (1, k, V) at the piece's ``logit_index`` only
+    (see ``engine.schedule``), and every other position gets 0."""
+    settings = {"tp_group": role.groups.pg_collection.tp, "vocab_size": role.arch.vocab_size, "temperature": temperature,
+                "compute_entropy": with_entropy}  # fmt: skip
+    if "logit_index" not in piece:
+        return token_logprobs_and_entropy(logits[:, :-1], piece["input_ids"][:, 1:], **settings)
+    b, s = piece["input_ids"].shape
+    index = piece["logit_index"]
+    if index.numel() == 0:  # nothing scored in this piece; still a function of the output (backward needs one)
+        zeros = logits.sum().float() * 0 + torch.zeros(b, s - 1, device=logits.device)
+        return zeros, zeros if with_entropy else None
+    logprobs, entropy = token_logprobs_and_entropy(logits, piece["logit_target"][None], **settings)
+
+    def spread(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.new_zeros(b * s).index_put((index,), x[0]).view(b, s)[:, :-1]
+
+    return spread(logprobs), spread(entropy)
 
 
 def token_aligned(piece: Batch, x: torch.Tensor) -> torch.Tensor:

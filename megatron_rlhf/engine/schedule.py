@@ -8,6 +8,12 @@ piece is as wide as its fullest row, so shapes vary between micro-batches
 (``variable_seq_lengths``). Outputs and losses read a piece's sequences through ``rows_of``, one
 row per sequence as if unpacked.
 
+A batch may carry ``logits_mask (B, S)``: the tokens whose log-probs are all that its loss or output
+reads (an RL rollout's response, an SFT row's target). The LM head then runs only at the positions
+that predict them (``logit_index``) and the model's output is ``(1, k, Vp/tp)``, one row per such
+position, instead of ``(b, s, Vp/tp)``: a prompt's positions cost no LM head nor vocabulary pass.
+``next_token_logprobs`` lays the result back out. Only for language-model outputs (not score heads).
+
 A loss function takes ``(micro_batch, model_output)`` on the last pipeline stage and returns
 ``(numerator, denominator, metrics)``: with ``calculate_per_token_loss`` megatron sums both over
 micro-batches and data-parallel ranks before dividing, so the loss does not depend on the layout or
@@ -106,7 +112,22 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
     if any(len(rows) > 1 for rows in bins):
         starts = piece["segment_bin"] * width + piece["segment_offset"]
         piece["cu_seqlens"] = torch.cat([starts, torch.tensor([len(bins) * width])]).int()
+    if "logits_mask" in piece:
+        piece.update(_logit_positions(piece))
     return {key: value.to(device) for key, value in piece.items()}
+
+
+def _logit_positions(piece: Batch) -> Batch:
+    """Where a piece's LM head runs: ``logit_index`` (k,), the positions (flat over the piece's
+    (b, s)) that predict a token of ``logits_mask`` within the same sequence, ``logit_target`` (k,)
+    those tokens, and ``logit_index_sb`` (k,), the same positions in megatron's (s, b) order.
+    Computed with the piece, on the host: no device sync to find them."""
+    ids = piece["input_ids"]
+    b, s = ids.shape
+    predicts = torch.zeros(b, s, dtype=torch.bool)
+    predicts[:, :-1] = piece["logits_mask"][:, 1:].bool() & ~piece["segment_start"][:, 1:]
+    index = predicts.flatten().nonzero().flatten()
+    return {"logit_index": index, "logit_target": ids.flatten()[index + 1], "logit_index_sb": index % s * b + index // s}
 
 
 def rows_of(piece: Batch, x: torch.Tensor) -> torch.Tensor:
@@ -133,11 +154,14 @@ def run_schedule(
     config.variable_seq_lengths = True
 
     rope = next((m for m in model.modules() if isinstance(m, RotaryEmbedding)), None)
+    if config.sequence_parallel and any("logit_index" in piece for piece in pieces):
+        raise NotImplementedError("logits_mask with sequence parallelism: the LM head's input is split over TP there")
 
     def forward_step(data_iterator, chunk):
         piece = next(data_iterator)
+        selected = {"output_processor": partial(_logits_at, piece["logit_index_sb"])} if "logit_index" in piece else {}
         with _rotary_positions(rope, piece["position_ids"]):
-            output = chunk(piece["input_ids"], piece["position_ids"], None, packed_seq_params=_packed_rows(piece))
+            output = chunk(piece["input_ids"], piece["position_ids"], None, packed_seq_params=_packed_rows(piece), **selected)
         return output, partial(_call_step, step_fn, piece)
 
     return get_forward_backward_func(pp_size=groups.layout.pp)(
@@ -153,6 +177,15 @@ def run_schedule(
         p2p_communicator=P2PCommunicator(pp_group=groups.pg_collection.pp, config=config),
         pg_collection=groups.pg_collection,
     )
+
+
+def _logits_at(index_sb: torch.Tensor, *, hidden_states: torch.Tensor, output_layer, output_weight, runtime_gather_output,
+               scale_logits, **_) -> torch.Tensor:  # fmt: skip
+    """megatron's ``output_processor``: the LM head over the final hidden states (s, b, h) at the
+    positions ``index_sb`` only; (1, k, Vp/tp) logits."""
+    picked = hidden_states.reshape(-1, hidden_states.shape[-1])[index_sb]
+    logits, _ = output_layer(picked[:, None], weight=output_weight, runtime_gather_output=runtime_gather_output)
+    return scale_logits(logits).transpose(0, 1)
 
 
 def _packed_rows(piece: Batch) -> PackedSeqParams | None:

@@ -300,12 +300,15 @@ def forward_passes(run: PPORun, batch: Batch, times: dict[str, float], peaks: di
     temperature = cfg.rollout.sampling.temperature
     passes = {"max_tokens_per_micro_batch": cfg.max_tokens_per_micro_batch, "pack_sequences": cfg.pack_sequences}
     ref_logprobs = values = old_logprobs = None
+    response_only = {**batch, "logits_mask": batch["response_mask"]}  # the LM head skips the prompts
     if run.reference is not None:
         with timed("ref", device, times, quiet=True, peaks=peaks):
-            ref_logprobs = forward_all_rows(run.reference, batch, logprobs_output(run.reference, temperature=temperature), **passes)
+            ref_logprobs = forward_all_rows(run.reference, response_only, logprobs_output(run.reference, temperature=temperature),
+                                            **passes)  # fmt: skip
     if run.old_logprob_pass:
         with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
-            old_logprobs = forward_all_rows(run.actor.role, batch, logprobs_output(run.actor.role, temperature=temperature), **passes)
+            old_logprobs = forward_all_rows(run.actor.role, response_only, logprobs_output(run.actor.role, temperature=temperature),
+                                            **passes)  # fmt: skip
     if run.critic is not None:
         with timed("values", device, times, quiet=True, peaks=peaks):
             values = forward_all_rows(run.critic.role, batch, token_values_output(), **passes)
@@ -316,7 +319,7 @@ def actor_update_inputs(run: PPORun, batch: Batch, advantages: torch.Tensor, ref
                         old_logprobs: torch.Tensor | None) -> tuple[Batch, LossFn, UpdateLogprobs | None]:  # fmt: skip
     """The actor update's batch and loss; without ``old_logprobs`` the update's own forward records
     them into the returned ``UpdateLogprobs``."""
-    actor_batch = {**_model_inputs(batch), "advantages": advantages}
+    actor_batch = {**_model_inputs(batch), "advantages": advantages, "logits_mask": batch["response_mask"]}
     if ref_logprobs is not None:
         actor_batch["ref_logprobs"] = ref_logprobs
     on_policy = None

@@ -13,6 +13,7 @@ from megatron_rlhf.engine import microbatch
 from megatron_rlhf.engine.microbatch import first_fit_decreasing, pack_rows
 from megatron_rlhf.engine.objectives import (
     PPOLossConfig,
+    UpdateLogprobs,
     critic_loss,
     logprobs_output,
     ppo_actor_loss,
@@ -181,3 +182,62 @@ def test_packed_train_step_equals_unpacked(world_of_one, agg_mode: str, role_nam
     assert packed_grads.abs().sum() > 0
     torch.testing.assert_close(packed_grads, unpacked_grads, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(packed_weights, unpacked_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_lm_head_on_the_masked_tokens_only_equals_the_full_pass(world_of_one, pack: bool) -> None:
+    """``logits_mask``: the log-probs of the masked tokens equal those of a pass with every position's
+    logits (float32); every other position is 0."""
+    batch = batch_of(LENGTHS)
+    actor = build("builtin:tiny-llama")
+    fn = logprobs_output(actor, temperature=0.7)
+    full = forward_pass(actor, batch, fn, max_tokens_per_micro_batch=80, pack_sequences=pack)
+    masked = {**batch, "logits_mask": batch["response_mask"]}
+    pieces, _ = micro_batches(masked, 80, actor.groups, CPU, pack=pack)
+    assert sum(len(p["logit_index"]) for p in pieces) == int(batch["response_mask"].sum())
+    selected = forward_pass(actor, masked, fn, max_tokens_per_micro_batch=80, pack_sequences=pack)
+    response = batch["response_mask"].bool()
+    torch.testing.assert_close(selected[response], full[response], rtol=1e-5, atol=1e-6)
+    assert not selected[~response].any() and full[~response].any()
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_lm_head_on_the_masked_tokens_only_trains_as_the_full_pass(world_of_one, on_policy: bool) -> None:
+    """A PPO step (entropy bonus and KL loss on) with ``logits_mask`` on the response: the same loss,
+    gradient norm and gradients as with every position's logits; on-policy, the recorded log-probs
+    agree on the response."""
+    cfg = PPOLossConfig(entropy_coef=0.01, kl_loss_coef=0.05)
+    results = []
+    for logits_mask in (False, True):
+        batch = batch_of(LENGTHS)
+        if logits_mask:
+            batch["logits_mask"] = batch["response_mask"]
+        role = build("builtin:tiny-llama")
+        state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0, adam_eps=1e-3))
+        recorded = UpdateLogprobs(role, *batch["input_ids"].shape) if on_policy else None
+        if on_policy:
+            del batch["old_logprobs"]
+        metrics = train_step(state, batch, ppo_actor_loss(role, cfg, temperature=0.7, on_policy=recorded),
+                             max_tokens_per_micro_batch=80)  # fmt: skip
+        grads = torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers])
+        results.append((metrics, grads, recorded.all_rows() if on_policy else None))
+    (full, full_grads, full_recorded), (selected, selected_grads, selected_recorded) = results
+    for name in ("loss", "grad_norm", "actor/entropy", "actor/kl_loss"):
+        assert selected[name] == pytest.approx(full[name], rel=1e-5, abs=1e-6), name
+    assert full_grads.abs().sum() > 0
+    torch.testing.assert_close(selected_grads, full_grads, rtol=1e-4, atol=1e-7)
+    if on_policy:
+        response = batch_of(LENGTHS)["response_mask"].bool()
+        torch.testing.assert_close(selected_recorded[response], full_recorded[response], rtol=1e-5, atol=1e-6)
+
+
+def test_lm_head_with_nothing_masked_trains_to_zero_gradients(world_of_one) -> None:
+    """Pieces without a masked token still run forward and backward (loss 0, gradients 0)."""
+    batch = batch_of(LENGTHS)
+    batch["response_mask"] = torch.zeros_like(batch["response_mask"])
+    batch["logits_mask"] = batch["response_mask"]
+    role = build("builtin:tiny-llama")
+    state = make_train_state(role, OptimConfig(lr=1e-2))
+    metrics = train_step(state, batch, ppo_actor_loss(role, PPOLossConfig(), temperature=1.0), max_tokens_per_micro_batch=80)
+    assert metrics["loss"] == 0.0
+    assert not torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers]).any()
