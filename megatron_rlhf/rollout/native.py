@@ -269,16 +269,31 @@ class NativeEngine:
         generator: torch.Generator,
     ) -> None:  # fmt: skip
         """Prompts into their slots: one batched prefill, the first token of each, and the slots'
-        device state (budget = max_new_tokens, capped by the context left)."""
+        device state (budget = max_new_tokens, capped by the context left).
+
+        The samples of one prompt admitted together share its prefill: the first sample's slot is
+        computed, the others copy its cache rows, and each samples its first token from the same
+        logits (with n samples per prompt, 1/n of the prefill's work)."""
         lengths = [len(c.prompt_ids) for c in admitted]
         width = max(lengths)
-        input_ids = torch.zeros(len(admitted), width, dtype=torch.long)
-        for row, completion in enumerate(admitted):
-            input_ids[row, : lengths[row]] = torch.tensor(completion.prompt_ids)
-        positions = torch.arange(width).expand(len(admitted), width)
-        slots = torch.tensor(slot_ids, device=self.device)
+        first_row: dict[int, int] = {}  # prompt index -> the admitted row computed for it
+        source = [first_row.setdefault(c.prompt_index, row) for row, c in enumerate(admitted)]
+        computed = list(first_row.values())
+        input_ids = torch.zeros(len(computed), width, dtype=torch.long)
+        for i, row in enumerate(computed):
+            input_ids[i, : lengths[row]] = torch.tensor(admitted[row].prompt_ids)
+        positions = torch.arange(width).expand(len(computed), width)
         device_state = state.slots
-        logits = self._model_logits(input_ids, positions, slots, device_state.cache, last=torch.tensor(lengths) - 1)
+        computed_slots = torch.tensor([slot_ids[row] for row in computed], device=self.device)
+        logits = self._model_logits(input_ids, positions, computed_slots, device_state.cache,
+                                    last=torch.tensor([lengths[row] for row in computed]) - 1)  # fmt: skip
+        if len(computed) < len(admitted):
+            copies = [row for row in range(len(admitted)) if source[row] != row]
+            cache = device_state.cache.data
+            cache[:, [slot_ids[row] for row in copies], :, :width] = cache[:, [slot_ids[source[row]] for row in copies], :, :width]
+            where = {row: i for i, row in enumerate(computed)}
+            logits = logits[torch.tensor([where[source[row]] for row in range(len(admitted))], device=self.device)]
+        slots = torch.tensor(slot_ids, device=self.device)
         tokens, logprobs = self._sample(logits, params, generator)
         budget = torch.tensor([min(params.max_new_tokens, self.cfg.max_seq_len - n) for n in lengths], device=self.device)
         device_state.input_ids[slots, 0] = tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from pathlib import Path
 
@@ -105,6 +106,26 @@ def test_engine_reused_across_calls_gives_the_same_results(world_of_one) -> None
     fresh = _tiny_engine("error").generate(first, params)
     for a, b, c in zip(before, again, fresh):
         assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == b.logprobs == c.logprobs
+
+
+@pytest.mark.parametrize("slots", [4, 12])
+def test_samples_sharing_a_prefill_equal_separately_prefilled_ones(world_of_one, slots: int) -> None:
+    # n samples of a prompt admitted together share one prefill (the others copy its cache rows):
+    # they equal the same prompt repeated n times, each prefilled on its own. With 4 slots a
+    # prompt's samples are split over two admissions.
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    engine = _tiny_engine("error")
+    engine.cfg.max_batch_size = slots
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [4]]
+    params = SamplingParams(temperature=0.8, max_new_tokens=6, ignore_eos=True, seed=5, n=3)
+    shared = engine.generate(prompts, params)
+    alone = engine.generate([p for p in prompts for _ in range(3)], dataclasses.replace(params, n=1))
+    assert [(c.prompt_index, c.sample_index) for c in shared] == [(i, j) for i in range(3) for j in range(3)]
+    for a, b in zip(shared, alone, strict=True):
+        assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    assert len({tuple(c.token_ids) for c in shared}) > 3  # the samples of a prompt differ
 
 
 def test_engine_reports_each_finished_completion(world_of_one) -> None:
