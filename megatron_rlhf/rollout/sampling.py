@@ -23,6 +23,9 @@ Why it is done this way:
   does itself for one sample per row, minus its host-synchronising validity check. It consumes B x V
   exponentials per call, is reproducible for a given generator state on a given device (CPU and
   GPU give different streams), and filtered tokens (p_v = 0) can never win.
+* On a GPU, greedy and unfiltered sampling (no top-k/top-p) read the logits once in a Triton kernel
+  (``rollout/sampling_kernel.py``) that draws the same race in its Gumbel-max form with in-kernel
+  random numbers: the same distribution and log-prob, another random stream.
 * No host synchronisation (no ``.item()``, no data-dependent Python branching): only Python values
   of ``SamplingParams`` choose code paths. Greedy consumes no randomness.
 * Rows whose logits are NaN, or all -inf, are not checked (that would need a sync); they produce
@@ -39,6 +42,7 @@ from torch import Tensor
 
 from megatron_rlhf.config.fields import check_on_init
 from megatron_rlhf.fusion import gpu_fused
+from megatron_rlhf.rollout import sampling_kernel
 
 __all__ = ["SamplingParams", "apply_top_k_top_p", "sample"]
 
@@ -160,6 +164,9 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         raise TypeError(f"params must be a SamplingParams; got {type(params).__name__}")
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point (B, V) tensor; got {logits.dtype} {tuple(logits.shape)}")
+    unfiltered = params.greedy or (not 0 < params.top_k < logits.shape[-1] and params.top_p == 1)
+    if unfiltered and sampling_kernel.available(logits):  # one pass over the logits on a GPU
+        return sampling_kernel.sample_unfiltered(logits, params.temperature, generator)
     if params.greedy:  # the argmax of the upcast values is that of the originals: no float32 copy
         tokens = torch.argmax(logits, dim=-1)  # first maximal index on ties
         return tokens, _logprob_of_max(logits, tokens)

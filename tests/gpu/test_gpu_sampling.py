@@ -1,22 +1,69 @@
-"""GPU tier: the sampler's fused (compiled) log-prob kernels on bf16 logits against float64."""
+"""GPU tier: the sampler on a GPU against float64 and against the distribution it draws from.
+
+Greedy and unfiltered sampling go through one Triton kernel (``rollout/sampling_kernel.py``);
+top-k/top-p through the compiled torch path."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+from megatron_rlhf.rollout import sampling_kernel
 from megatron_rlhf.rollout.sampling import SamplingParams, sample
 
+pytestmark = pytest.mark.gpu
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
-def test_sampled_logprobs_on_gpu_match_float64(temperature: float) -> None:
-    g = torch.Generator().manual_seed(0)
-    logits = (4 * torch.randn(64, 1000, generator=g)).to("cuda", torch.bfloat16)
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (4 * torch.randn(rows, vocab, generator=g)).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("vocab", [1000, 151_936])
+def test_sampled_logprobs_on_gpu_match_float64(temperature: float, top_p: float, vocab: int) -> None:
+    """bf16 logits, a vocabulary with a partial last block (1000) and Qwen's (151,936): each
+    log-prob is log softmax(z)[token] in float64 over the whole vocabulary; greedy is the argmax."""
+    logits = _logits(64, vocab)
     generator = torch.Generator(device="cuda").manual_seed(1)
-    tokens, logprobs = sample(logits, SamplingParams(temperature=temperature), generator)
+    tokens, logprobs = sample(logits, SamplingParams(temperature=temperature, top_p=top_p), generator)
     z = logits.double() / (temperature or 1.0)
     reference = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]
     if temperature == 0.0:
         assert torch.equal(tokens, logits.float().argmax(dim=-1))
     assert (logprobs.double() - reference).abs().max().item() < 1e-5
+
+
+def test_greedy_kernel_takes_the_lowest_index_on_ties_across_chunks() -> None:
+    logits = _logits(4, 151_936)
+    top = logits.max() + 1
+    logits[0, [5, 140_000]] = top  # different chunks
+    logits[1, [70_001, 70_002]] = top  # one block
+    logits[2, 30_000:] = float("-inf")  # whole chunks of -inf: no NaN
+    tokens, logprobs = sampling_kernel.sample_unfiltered(logits, 0.0, None)
+    assert tokens[:2].tolist() == [5, 70_001]
+    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert torch.isfinite(logprobs).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_kernel_draws_follow_softmax_and_repeat_with_the_generator(temperature: float) -> None:
+    """200,000 rows of the same logits: each token's frequency within 5 standard errors of
+    softmax(z / T) and Pearson's chi-square below its 0.999 quantile (5 degrees of freedom); the
+    same generator seed gives the same tokens, another seed others."""
+    values = torch.tensor([0.3, 2.0, -1.2, 0.9, 1.6, -0.5])
+    rows = 200_000
+    logits = values.expand(rows, -1).contiguous().cuda()
+    params = SamplingParams(temperature=temperature)
+    tokens, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(7))
+    expected = torch.softmax(values.double() / temperature, dim=0).tolist()
+    counts = torch.bincount(tokens.cpu(), minlength=len(values)).tolist()
+    for v, p in enumerate(expected):
+        assert abs(counts[v] / rows - p) < 5 * math.sqrt(p * (1 - p) / rows), (v, counts[v] / rows, p)
+    chi2 = sum((counts[v] - rows * p) ** 2 / (rows * p) for v, p in enumerate(expected))
+    assert chi2 < 20.515, (chi2, counts, expected)
+    again, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(7))
+    other, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(8))
+    assert torch.equal(tokens, again) and not torch.equal(tokens, other)
