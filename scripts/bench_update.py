@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 1 scripts/bench_update.py --model builtin:llama-1.5b --out result.json
 
 Both steps run the same megatron-core pipeline schedule, DDP and distributed optimizer over the
-same token-budget micro-batches; they differ only in the loss: the PPO step computes exact
-vocab-parallel log-probs at the sampling temperature, entropy, the clipped surrogate and KL;
-the plain step is megatron's ``vocab_parallel_cross_entropy`` NLL. Reported: tokens/s, MFU
+same token-budget micro-batches; they differ in the loss: the PPO step computes exact
+vocab-parallel log-probs at the sampling temperature, entropy, the clipped surrogate and KL, with
+the LM head only at the positions that predict a response token (``logits_mask``, as the trainer
+runs it); the plain step is megatron's ``vocab_parallel_cross_entropy`` NLL over every position. Reported: tokens/s, MFU
 (6 N + 12 L h s FLOPs per token against the bf16 matmul peak measured in the same run and the
 989 TFLOP/s datasheet figure), and the ratio PPO / plain.
 
@@ -120,9 +121,15 @@ def main() -> None:
 
     # Alternate the runs twice so that none benefits from running later.
     # name -> (loss, batch, packed)
-    variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, batch, args.pack)}
+    # The PPO step as the trainer runs it: the LM head only where a response token is predicted;
+    # the plain step's loss reads every position.
+    def response_only(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**rows, "logits_mask": rows["response_mask"]}
+
+    variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, response_only(batch), args.pack)}
     if args.skewed:
-        variants |= {"ppo_unpacked": (ppo, batch, False), "ppo_same_tokens_uniform": (ppo, same_tokens, args.pack)}
+        variants |= {"ppo_unpacked": (ppo, response_only(batch), False),
+                     "ppo_same_tokens_uniform": (ppo, response_only(same_tokens), args.pack)}  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(2):
         for name, (loss_fn, run_batch, pack) in variants.items():
@@ -157,7 +164,7 @@ def main() -> None:
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
     if args.profile:
         def ppo_step() -> None:
-            train_step(state, batch, ppo, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
+            train_step(state, response_only(batch), ppo, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
 
         floor_s = tokens * flops_per_token / env.world_size / peak
         result["profile"] = profile_step(ppo_step, on_gpu, floor_s, args.out if env.rank == 0 else None)
