@@ -6,12 +6,15 @@ On a synthetic rollout of this shape (random token ids and log-probs; ``--sample
 trainer's own functions: ``rollout_batch`` (completions -> padded batch tensors), ``_rollout_logprobs``
 (the engine's log-probs in the batch layout) and the scorer with a rule reward (decode every prompt
 and response with the model's tokenizer, apply ``lowercase_fraction``). Best of ``--repeat`` runs each,
-milliseconds. CPU only: no model is built.
+milliseconds. Then what one full collection of the cyclic garbage collector costs on this process's
+heap, and after ``gc.freeze()`` (as the trainer's loop does before its first step). CPU only: no
+model is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -66,6 +69,14 @@ def main() -> None:
         "rollout_logprobs_ms": best_ms(lambda: _rollout_logprobs(completions, batch["response_mask"]), args.repeat),
         "score_rule_ms": best_ms(lambda: scorer.score(batch, completions, extras, tokenizer.decode_batch), args.repeat),
     }
+    # The cyclic GC walks every tracked object in a full collection, which it may start inside any
+    # phase of a step; the trainer freezes what set-up leaves (trainer/loop.py). This heap holds the
+    # imports and the rollout, not the models.
+    result["gc_tracked_objects"] = len(gc.get_objects())
+    result["full_gc_ms"] = best_ms(gc.collect, 3)
+    gc.freeze()
+    result["full_gc_after_freeze_ms"] = best_ms(gc.collect, 3)
+    gc.unfreeze()
     print(json.dumps(result, indent=1))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -222,6 +223,13 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     setup = SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every, progress=task.progress,
                       wandb=cfg.wandb, config=dataclasses.asdict(cfg), resumed_step=resumed_step)  # fmt: skip
     sink = build_sinks(cfg.loggers, setup)
+    # Set-up leaves some 0.4M Python objects (torch, megatron-core, the models' modules) that live as
+    # long as the run. The cyclic GC walks all of them in each full collection (0.28 s on a 2-core
+    # host), which it starts inside whichever phase has just allocated enough. Frozen, they are never
+    # walked again, and a step's collections cost only what the step allocates. Unfrozen at the end,
+    # so that a process running several trainers (``pipeline``, tests) can still free a finished one.
+    gc.collect()
+    gc.freeze()
     start = time.perf_counter()
 
     writer = RunCheckpointWriter(checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save)
@@ -240,6 +248,7 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
             raise
         finally:
             sink.close()
+            gc.unfreeze()
     summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
     if cfg.save_hf:
         export_hf(task.export_role, task.tokenizer, out_dir / "hf")
