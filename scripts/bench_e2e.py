@@ -167,6 +167,8 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
                              for k in rows[0] if k.startswith("timing_s/gen/")},
         grad_norm=[r.get("actor/grad_norm") for r in rows], response_length=[r.get("response_length/mean") for r in rows],
         gen_tokens_per_s=[r.get("perf/gen_tokens_per_s") for r in rows],
+        # The engine's sampling log-probs against the trainer's on the response, per step: the sampler's check in a real run.
+        rollout_logprob_max_abs_diff=[r.get("rollout/logprob_max_abs_diff") for r in rows],
     )  # fmt: skip
     return result
 
@@ -334,6 +336,8 @@ def report(result: dict[str, Any]) -> None:
         print(f"  {'phase':<16}{'step 1':>10}{'steady':>10}{'floor':>10}")
         for phase, steady in ours["phases_steady_s"].items():
             print(f"  {phase:<16}{fmt(ours['phases_step1_s'][phase]):>10}{fmt(steady):>10}{fmt(floor_of.get(phase)):>10}")
+        print(f"  grad norms {ours['grad_norm']}; engine vs trainer log-probs, max abs diff per step "
+              f"{ours['rollout_logprob_max_abs_diff']}")  # fmt: skip
     if floor:
         dev = result["device"]
         print(f"floor on {dev['device']} ({dev['dtype']}; matmul {dev['matmul_peak_TFLOPs']:.4g} TFLOP/s, copy "
