@@ -57,7 +57,7 @@ def main() -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.engine.objectives import PPOLossConfig, ppo_actor_loss
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.schedule import micro_batches
+    from megatron_rlhf.engine.schedule import logits_only_at, micro_batches
     from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.metrics.log import log
     from megatron_rlhf.parallel.distributed import init_distributed
@@ -123,13 +123,10 @@ def main() -> None:
     # name -> (loss, batch, packed)
     # The PPO step as the trainer runs it: the LM head only where a response token is predicted;
     # the plain step's loss reads every position.
-    def response_only(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {**rows, "logits_mask": rows["response_mask"]}
-
-    variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, response_only(batch), args.pack)}
+    variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, logits_only_at(batch, "response_mask"), args.pack)}
     if args.skewed:
-        variants |= {"ppo_unpacked": (ppo, response_only(batch), False),
-                     "ppo_same_tokens_uniform": (ppo, response_only(same_tokens), args.pack)}  # fmt: skip
+        variants |= {"ppo_unpacked": (ppo, logits_only_at(batch, "response_mask"), False),
+                     "ppo_same_tokens_uniform": (ppo, logits_only_at(same_tokens, "response_mask"), args.pack)}  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(2):
         for name, (loss_fn, run_batch, pack) in variants.items():
@@ -164,7 +161,8 @@ def main() -> None:
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
     if args.profile:
         def ppo_step() -> None:
-            train_step(state, response_only(batch), ppo, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
+            train_step(state, logits_only_at(batch, "response_mask"), ppo, max_tokens_per_micro_batch=args.max_tokens,
+                       pack_sequences=args.pack)  # fmt: skip
 
         floor_s = tokens * flops_per_token / env.world_size / peak
         result["profile"] = profile_step(ppo_step, on_gpu, floor_s, args.out if env.rank == 0 else None)

@@ -40,6 +40,12 @@ LossFn = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[
 OutputFn = Callable[[Batch, torch.Tensor], torch.Tensor]
 
 
+def logits_only_at(batch: Batch, mask_key: str) -> Batch:
+    """``batch`` with ``logits_mask`` set to ``batch[mask_key]`` (the response, an SFT target): the
+    LM head runs only at the positions that predict those tokens."""
+    return {**batch, "logits_mask": batch[mask_key]}
+
+
 def micro_batches(
     batch: Batch, max_tokens: int, groups: ParallelGroups, device: torch.device, *, group_size: int = 1, pack: bool = True
 ) -> tuple[list[Batch], torch.Tensor]:

@@ -45,7 +45,7 @@ from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.engine.objectives import UpdateLogprobs, critic_loss, logprobs_output, ppo_actor_loss, token_values_output
 from megatron_rlhf.engine.optim import TrainState, make_train_state
-from megatron_rlhf.engine.schedule import Batch, LossFn
+from megatron_rlhf.engine.schedule import Batch, LossFn, logits_only_at
 from megatron_rlhf.engine.train import forward_all_rows, train_step, warm_up_step
 from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimizer_bytes_to_come
@@ -300,7 +300,7 @@ def forward_passes(run: PPORun, batch: Batch, times: dict[str, float], peaks: di
     temperature = cfg.rollout.sampling.temperature
     passes = {"max_tokens_per_micro_batch": cfg.max_tokens_per_micro_batch, "pack_sequences": cfg.pack_sequences}
     ref_logprobs = values = old_logprobs = None
-    response_only = {**batch, "logits_mask": batch["response_mask"]}  # the LM head skips the prompts
+    response_only = logits_only_at(batch, "response_mask")  # the LM head skips the prompts
     if run.reference is not None:
         with timed("ref", device, times, quiet=True, peaks=peaks):
             ref_logprobs = forward_all_rows(run.reference, response_only, logprobs_output(run.reference, temperature=temperature),
@@ -319,7 +319,7 @@ def actor_update_inputs(run: PPORun, batch: Batch, advantages: torch.Tensor, ref
                         old_logprobs: torch.Tensor | None) -> tuple[Batch, LossFn, UpdateLogprobs | None]:  # fmt: skip
     """The actor update's batch and loss; without ``old_logprobs`` the update's own forward records
     them into the returned ``UpdateLogprobs``."""
-    actor_batch = {**_model_inputs(batch), "advantages": advantages, "logits_mask": batch["response_mask"]}
+    actor_batch = {**logits_only_at(_model_inputs(batch), "response_mask"), "advantages": advantages}
     if ref_logprobs is not None:
         actor_batch["ref_logprobs"] = ref_logprobs
     on_policy = None

@@ -17,6 +17,7 @@ from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import SFTDataset, load_sft_dataset, pack_batch
 from megatron_rlhf.engine.objectives import logprobs_output, sft_loss
 from megatron_rlhf.engine.optim import OptimConfig
+from megatron_rlhf.engine.schedule import logits_only_at
 from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
@@ -68,7 +69,7 @@ def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: 
     nll_sum, tokens = 0.0, 0.0
     for start in range(0, len(indices), chunk):
         part, keep = indices[start : start + chunk], real[start : start + chunk]
-        batch = pack_batch([dataset[i] for i in part], pad_id)
+        batch = logits_only_at(pack_batch([dataset[i] for i in part], pad_id), "loss_mask")
         logprobs = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=max_tokens, pack_sequences=pack)
         if logprobs is None:
             continue
@@ -96,7 +97,7 @@ def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
         cfg=cfg,
         run=run,
         tokens_of=lambda idx: int(lengths[list(idx)].sum()),
-        make_batch=lambda idx: pack_batch([train[i] for i in idx], pad_id),
+        make_batch=lambda idx: logits_only_at(pack_batch([train[i] for i in idx], pad_id), "loss_mask"),
         loss_fn=sft_loss(role),
         group_size=1,
         figures=evaluate if validation is not None else None,

@@ -17,11 +17,12 @@ from megatron_rlhf.engine.objectives import (
     critic_loss,
     logprobs_output,
     ppo_actor_loss,
+    sft_loss,
     token_values_output,
     values_output,
 )
 from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-from megatron_rlhf.engine.schedule import micro_batches, rows_of
+from megatron_rlhf.engine.schedule import logits_only_at, micro_batches, rows_of
 from megatron_rlhf.engine.train import forward_pass, train_step
 from megatron_rlhf.models.attention import packed_rows_mask
 from megatron_rlhf.parallel.layout import Layout, parallel_groups
@@ -229,6 +230,24 @@ def test_lm_head_on_the_masked_tokens_only_trains_as_the_full_pass(world_of_one,
     if on_policy:
         response = batch_of(LENGTHS)["response_mask"].bool()
         torch.testing.assert_close(selected_recorded[response], full_recorded[response], rtol=1e-5, atol=1e-6)
+
+
+def test_sft_step_with_the_lm_head_on_its_targets_equals_the_full_pass(world_of_one) -> None:
+    """SFT as the trainer runs it (``logits_mask`` = ``loss_mask``): the NLL, gradient norm and
+    gradients of a step with every position's logits."""
+    results = []
+    for selected in (False, True):
+        batch = batch_of(LENGTHS)
+        role = build("builtin:tiny-llama")
+        state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0))
+        metrics = train_step(state, logits_only_at(batch, "loss_mask") if selected else batch, sft_loss(role),
+                             max_tokens_per_micro_batch=80)  # fmt: skip
+        results.append((metrics, torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers])))
+    (full, full_grads), (selected, selected_grads) = results
+    for name in ("loss", "grad_norm"):
+        assert selected[name] == pytest.approx(full[name], rel=1e-5, abs=1e-6), name
+    assert full_grads.abs().sum() > 0
+    torch.testing.assert_close(selected_grads, full_grads, rtol=1e-4, atol=1e-7)
 
 
 def test_lm_head_with_nothing_masked_trains_to_zero_gradients(world_of_one) -> None:
