@@ -6,9 +6,9 @@ Both steps run the same megatron-core pipeline schedule, DDP and distributed opt
 same token-budget micro-batches; they differ in the loss: the PPO step computes exact
 vocab-parallel log-probs at the sampling temperature, entropy, the clipped surrogate and KL, with
 the LM head only at the positions that predict a response token (``logits_mask``, as the trainer
-runs it); the plain step is megatron's ``vocab_parallel_cross_entropy`` NLL over every position. Reported: tokens/s, MFU
-(6 N + 12 L h s FLOPs per token against the bf16 matmul peak measured in the same run and the
-989 TFLOP/s datasheet figure), and the ratio PPO / plain.
+runs it); the plain step is megatron's ``vocab_parallel_cross_entropy`` NLL over every position.
+Reported: tokens/s, MFU (6 N + 12 L h s FLOPs per token against the bf16 matmul peak measured in
+the same run and the 989 TFLOP/s datasheet figure), and the ratio PPO / plain.
 
 ``--skewed``: rows of random lengths from 16 to ``--seq-len`` (right-padded) instead of full rows, and
 beside them a batch of as many rows all of the mean length (the same real tokens): the PPO step's
@@ -123,9 +123,10 @@ def main() -> None:
     # name -> (loss, batch, packed)
     # The PPO step as the trainer runs it: the LM head only where a response token is predicted;
     # the plain step's loss reads every position.
-    variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, logits_only_at(batch, "response_mask"), args.pack)}
+    ppo_batch = logits_only_at(batch, "response_mask")
+    variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, ppo_batch, args.pack)}
     if args.skewed:
-        variants |= {"ppo_unpacked": (ppo, logits_only_at(batch, "response_mask"), False),
+        variants |= {"ppo_unpacked": (ppo, ppo_batch, False),
                      "ppo_same_tokens_uniform": (ppo, logits_only_at(same_tokens, "response_mask"), args.pack)}  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(2):
@@ -161,8 +162,7 @@ def main() -> None:
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
     if args.profile:
         def ppo_step() -> None:
-            train_step(state, logits_only_at(batch, "response_mask"), ppo, max_tokens_per_micro_batch=args.max_tokens,
-                       pack_sequences=args.pack)  # fmt: skip
+            train_step(state, ppo_batch, ppo, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
 
         floor_s = tokens * flops_per_token / env.world_size / peak
         result["profile"] = profile_step(ppo_step, on_gpu, floor_s, args.out if env.rank == 0 else None)

@@ -111,6 +111,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _filters(top_k: int, top_p: float, vocab: int) -> tuple[bool, bool]:
+    """Whether top-k and top-p each remove any token of a ``vocab``-wide row."""
+    return 0 < top_k < vocab, top_p < 1
+
+
 def apply_top_k_top_p(z: Tensor, top_k: int, top_p: float) -> Tensor:
     """``z`` (B, V) with the tokens outside top-k, then outside the top-p nucleus, set to -inf.
 
@@ -127,9 +132,7 @@ def apply_top_k_top_p(z: Tensor, top_k: int, top_p: float) -> Tensor:
         raise ValueError(f"top_p={top_p!r} must satisfy 0 < top_p <= 1")
     if z.dim() != 2:
         raise ValueError(f"z must be (B, V); got shape {tuple(z.shape)}")
-    vocab = z.shape[-1]
-    use_top_k = 0 < top_k < vocab
-    use_top_p = top_p < 1
+    use_top_k, use_top_p = _filters(top_k, top_p, z.shape[-1])
     if not (use_top_k or use_top_p):
         return z.clone()
     if not use_top_p:  # top-k alone: no full sort needed
@@ -164,7 +167,7 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         raise TypeError(f"params must be a SamplingParams; got {type(params).__name__}")
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point (B, V) tensor; got {logits.dtype} {tuple(logits.shape)}")
-    unfiltered = params.greedy or (not 0 < params.top_k < logits.shape[-1] and params.top_p == 1)
+    unfiltered = params.greedy or not any(_filters(params.top_k, params.top_p, logits.shape[-1]))
     if unfiltered and sampling_kernel.available(logits):  # one pass over the logits on a GPU
         return sampling_kernel.sample_unfiltered(logits, params.temperature, generator)
     if params.greedy:  # the argmax of the upcast values is that of the originals: no float32 copy

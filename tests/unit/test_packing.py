@@ -143,6 +143,11 @@ def build(path: str):
 LENGTHS = [37, 5, 16, 9, 40, 3, 22, 11, 28, 7]
 
 
+def gradients(state) -> torch.Tensor:
+    """A train state's gradient buffers, flat."""
+    return torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers])
+
+
 @pytest.mark.parametrize("budget", [80, 10_000])
 def test_packed_forward_pass_equals_unpacked(world_of_one, budget: int) -> None:
     """Log-probs (policy), token-aligned values (critic) and raw scores (reward model), float32."""
@@ -173,7 +178,7 @@ def test_packed_train_step_equals_unpacked(world_of_one, agg_mode: str, role_nam
         state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0, adam_eps=1e-3))
         loss_fn = ppo_actor_loss(role, cfg, temperature=0.7) if role_name == "actor" else critic_loss(cfg)
         metrics = train_step(state, batch, loss_fn, max_tokens_per_micro_batch=80, pack_sequences=pack)
-        grads = torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers])
+        grads = gradients(state)
         results.append((metrics, grads, torch.cat([p.detach().flatten() for p in role.model.parameters()])))
     (packed, packed_grads, packed_weights), (unpacked, unpacked_grads, unpacked_weights) = results
     assert packed["update_skipped"] == 0.0
@@ -220,7 +225,7 @@ def test_lm_head_on_the_masked_tokens_only_trains_as_the_full_pass(world_of_one,
             del batch["old_logprobs"]
         metrics = train_step(state, batch, ppo_actor_loss(role, cfg, temperature=0.7, on_policy=recorded),
                              max_tokens_per_micro_batch=80)  # fmt: skip
-        grads = torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers])
+        grads = gradients(state)
         results.append((metrics, grads, recorded.all_rows() if on_policy else None))
     (full, full_grads, full_recorded), (selected, selected_grads, selected_recorded) = results
     for name in ("loss", "grad_norm", "actor/entropy", "actor/kl_loss"):
@@ -242,7 +247,7 @@ def test_sft_step_with_the_lm_head_on_its_targets_equals_the_full_pass(world_of_
         state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0))
         metrics = train_step(state, logits_only_at(batch, "loss_mask") if selected else batch, sft_loss(role),
                              max_tokens_per_micro_batch=80)  # fmt: skip
-        results.append((metrics, torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers])))
+        results.append((metrics, gradients(state)))
     (full, full_grads), (selected, selected_grads) = results
     for name in ("loss", "grad_norm"):
         assert selected[name] == pytest.approx(full[name], rel=1e-5, abs=1e-6), name
@@ -259,4 +264,4 @@ def test_lm_head_with_nothing_masked_trains_to_zero_gradients(world_of_one) -> N
     state = make_train_state(role, OptimConfig(lr=1e-2))
     metrics = train_step(state, batch, ppo_actor_loss(role, PPOLossConfig(), temperature=1.0), max_tokens_per_micro_batch=80)
     assert metrics["loss"] == 0.0
-    assert not torch.cat([buffer.grad_data for buffer in state.ddp_model.buffers]).any()
+    assert not gradients(state).any()
