@@ -29,6 +29,9 @@ TRL's gradient norm on these random weights: see ``TRL_NAN_NOTE`` below (printed
 TRL worker checks step 1 for non-finite values (which layer's output first, which gradients) and
 reports them under ``trl.<config>.nonfinite``.
 
+``--profile`` runs our last step under torch.profiler (``profile_steps``) and prints where each
+phase's time goes (GPU busy time, launches, costliest kernels); that step is not a steady one.
+
 Progress lines carry the elapsed time. ``--skip-trl`` / ``--skip-ours`` leave a part out. On a CPU the
 same script runs end to end on a tiny model (``--model builtin:tiny-llama --sequences 8 --prompt-len
 16 --new-tokens 16``; our trainer then runs in fp32 CPU mode and the floor uses the CPU's fp32 rates).
@@ -144,7 +147,7 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         "rollout.sampling.ignore_eos=true", f"prompts_per_step={prompts_per_step}", f"mini_batch_size={args.sequences}",
         f"rollout.engine.max_batch_size={args.sequences}", f"max_steps={args.steps}", f"log_every={args.steps}",
         f"max_tokens_per_micro_batch={args.max_tokens_per_micro_batch}", "save_hf=false", "save_final=false",
-        "loggers=[console,jsonl]", *args.ours_override,
+        "loggers=[console,jsonl]", *([f"profile_steps=[{args.steps}]"] if args.profile else []), *args.ours_override,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(args.master_port), "-m", "megatron_rlhf", "ppo", *overrides]
     rc = run_logged(cmd, work / "ours.log", re.compile(r"step \d+/\d+|Error|error:"), args.timeout)
@@ -157,7 +160,8 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         return result
     phases = [k.removeprefix("timing_s/") for k in rows[0] if k.startswith("timing_s/") and k.count("/") == 1]
     steps = [sum(r[f"timing_s/{p}"] for p in phases) for r in rows]
-    steady_rows = [r for r in rows if r["step"] >= 3] or rows[-1:]
+    # The profiled step (--profile: the last) runs slower under the profiler: not a steady one.
+    steady_rows = [r for r in rows if r["step"] >= 3 and not (args.profile and r["step"] == args.steps)] or rows[-1:]
     result.update(
         step_s=steps, step1_s=steps[0], steady_step_s=median([s for r, s in zip(rows, steps) if r in steady_rows]),
         steady_from_step=steady_rows[0]["step"],
@@ -170,6 +174,9 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         # The engine's sampling log-probs against the trainer's on the response, per step: the sampler's check in a real run.
         rollout_logprob_max_abs_diff=[r.get("rollout/logprob_max_abs_diff") for r in rows],
     )  # fmt: skip
+    profile = out_dir / "profile" / f"step_{args.steps}.txt"
+    if profile.is_file():
+        result["profile"] = {"step": args.steps, "phases": profile.read_text()}
     return result
 
 
@@ -338,6 +345,8 @@ def report(result: dict[str, Any]) -> None:
             print(f"  {phase:<16}{fmt(ours['phases_step1_s'][phase]):>10}{fmt(steady):>10}{fmt(floor_of.get(phase)):>10}")
         print(f"  grad norms {ours['grad_norm']}; engine vs trainer log-probs, max abs diff per step "
               f"{ours['rollout_logprob_max_abs_diff']}")  # fmt: skip
+        if ours.get("profile"):
+            print(f"  profile of step {ours['profile']['step']} (not in the steady median):\n{ours['profile']['phases']}")
     if floor:
         dev = result["device"]
         print(f"floor on {dev['device']} ({dev['dtype']}; matmul {dev['matmul_peak_TFLOPs']:.4g} TFLOP/s, copy "
@@ -369,6 +378,9 @@ def main() -> None:
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--trl-configs", nargs="+", default=list(TRL_CONFIGS), help="(bf16|fp32)-(eager|sdpa)[-nockpt]")
     parser.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's per-device batch (0: all sequences)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile our last step (profile_steps): its phase report is printed and kept in the JSON; "
+                             "that step is left out of the steady median")  # fmt: skip
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for each subprocess")

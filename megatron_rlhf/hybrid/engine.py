@@ -21,9 +21,10 @@ the same addresses back (the engine recaptures whenever the weights it read have
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -31,7 +32,7 @@ from megatron_rlhf.config.fields import check_on_init, one_of
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.hybrid.memory import OFFLOAD_MODES, TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
-from megatron_rlhf.metrics.log import memory_summary
+from megatron_rlhf.metrics.log import memory_summary, phase_range, snake_case
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
@@ -82,37 +83,36 @@ class HybridEngine:
         """All completions (every rank gets all of them, ordered), and the phase reports."""
         reports: list[PhaseReport] = []
 
-        def phase(name: str, start: float) -> None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+        @contextlib.contextmanager
+        def phase(name: str) -> Iterator[None]:
+            start = time.perf_counter()
+            with phase_range(f"gen/{snake_case(name)}"):
+                yield
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             reports.append(PhaseReport(name, time.perf_counter() - start, memory_summary(self.device)))
 
         if self.memory is not None:
-            start = time.perf_counter()
-            self.memory.to_generation()
-            phase("release training memory", start)
+            with phase("release training memory"):
+                self.memory.to_generation()
 
-        start = time.perf_counter()
-        self.resharder.refresh()
-        phase("generation weights" + (" (zero copy)" if self.resharder.zero_copy else " (reshard)"), start)
+        with phase("generation weights" + (" (zero copy)" if self.resharder.zero_copy else " (reshard)")):
+            self.resharder.refresh()
 
-        start = time.perf_counter()
         captured = self.engine.graph_capture_seconds
-        completions = generate_data_parallel(self.engine, prompts, params)
-        phase("generate", start)
+        with phase("generate"):
+            completions = generate_data_parallel(self.engine, prompts, params)
         if self.device.type == "cuda" and self.engine.cfg.cuda_graphs:  # part of generate
             reports.append(PhaseReport("cuda graph capture", self.engine.graph_capture_seconds - captured,
                                        memory_summary(self.device)))
 
         if self.memory is not None:
-            start = time.perf_counter()
-            self.engine.release()  # KV cache and graphs (emptying the allocator's cache)
-            self.resharder.release()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            phase("free generation memory", start)
+            with phase("free generation memory"):
+                self.engine.release()  # KV cache and graphs (emptying the allocator's cache)
+                self.resharder.release()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
 
-            start = time.perf_counter()
-            self.memory.to_training()
-            phase("restore training memory", start)
+            with phase("restore training memory"):
+                self.memory.to_training()
         return completions, reports

@@ -16,7 +16,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import psutil
 import torch
@@ -97,6 +97,15 @@ def snake_case(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
+PHASE_MARK = "phase/"
+
+
+def phase_range(phase: str) -> contextlib.AbstractContextManager[Any]:
+    """A named range around a phase for the profiler (``profile_steps``: ``metrics/kernels.py``
+    reports each ``phase/...`` range it finds); next to free when no profiler runs."""
+    return torch.profiler.record_function(PHASE_MARK + phase)
+
+
 @contextlib.contextmanager
 def timed(phase: str, device: torch.device, times: dict[str, float] | None = None, *, quiet: bool = False,
           peaks: dict[str, float] | None = None) -> Iterator[None]:  # fmt: skip
@@ -111,9 +120,10 @@ def timed(phase: str, device: torch.device, times: dict[str, float] | None = Non
     if measure:
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    with phase_range(phase):
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     if measure:
         for kind, value in (("allocated", torch.cuda.max_memory_allocated(device)),
                             ("reserved", torch.cuda.max_memory_reserved(device))):  # fmt: skip

@@ -18,6 +18,7 @@ steps it has done and continues bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -44,6 +45,7 @@ from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.metrics.curves import read_metrics, validation_table, write_curves
+from megatron_rlhf.metrics.kernels import profiled
 from megatron_rlhf.metrics.log import environment_report, is_rank0, log
 from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
 from megatron_rlhf.models.roles import RoleModel
@@ -97,6 +99,10 @@ class LoopConfig(RunConfig):
     overwrite: bool = False
     """Allow an output_dir that holds another run's files (and no checkpoint to resume) to be
     written over; without it such a run is refused before anything is built."""
+    profile_steps: list[int] = dataclasses.field(default_factory=list)
+    """Steps to run under torch.profiler: each rank writes output_dir/profile/step_N[.rank_R].txt
+    (every phase's wall time, GPU busy time, launches, time by kind, costliest kernels) and
+    step_N[.rank_R].trace.json.gz (Perfetto). The profiler slows the step it watches."""
     max_bad_steps: int = 3
     """After this many steps in a row whose update was skipped (non-finite loss or gradients), roll
     back to the newest checkpoint and redo the steps since with another data order; a second
@@ -106,7 +112,8 @@ class LoopConfig(RunConfig):
         return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last",
                                                  "max_bad_steps")
                 + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers)
-                + ([] if self.resume.strip() else ["resume='' must be auto, never or a checkpoint directory"]))  # fmt: skip
+                + ([] if self.resume.strip() else ["resume='' must be auto, never or a checkpoint directory"])
+                + ([f"profile_steps={self.profile_steps}: steps count from 1"] if any(s < 1 for s in self.profile_steps) else []))  # fmt: skip
 
     def resume_from(self) -> Path | None:
         """The checkpoint this run continues from (None: a fresh run)."""
@@ -279,7 +286,8 @@ def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step
     while step < total:
         step += 1
         epoch, indices = _batch(cfg, task, per_epoch, step, loop_state["reseeded"])
-        metrics, rows = task.step(step, epoch, indices)
+        with _profiled(cfg, step):
+            metrics, rows = task.step(step, epoch, indices)
         sink.write("train", step, {"epoch": epoch, **metrics})
         for name, file_rows in rows.items():
             sink.write_rows(name, [{"step": step, **row} for row in file_rows])
@@ -302,6 +310,14 @@ def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step
     if task.evaluate is not None and loop_state["last_eval_step"] != total:
         summary["validation"] = _evaluate(task.evaluate, total, sink)
         loop_state["last_eval_step"] = total
+
+
+def _profiled(cfg: LoopConfig, step: int) -> contextlib.AbstractContextManager[Any]:
+    """``profiled`` around the steps ``profile_steps`` names; nothing around the others."""
+    if step not in cfg.profile_steps:
+        return contextlib.nullcontext()
+    rank = f".rank_{dist.get_rank()}" if dist.get_world_size() > 1 else ""
+    return profiled(Path(cfg.output_dir) / "profile" / f"step_{step}{rank}")
 
 
 @functools.cache
