@@ -72,10 +72,10 @@ def transformer_config(arch: Architecture, groups: ParallelGroups, dtype: torch.
         # Weights always come from a checkpoint: skip megatron's random init entirely.
         perform_initialization=False,
         use_cpu_initialization=not on_gpu,
-        # SwiGLU fusion is megatron's torch.compile'd kernel: on GPU only (no compiler in CPU mode).
-        bias_activation_fusion=on_gpu,
-        # Rotary and weight-gradient accumulation: apex/TE kernels where installed, torch ones
-        # otherwise (torch_fusions). The other fusions need apex/TE kernels: torch paths instead.
+        # SwiGLU, rotary and weight-gradient accumulation: apex/TE kernels where installed, ours
+        # otherwise (torch_fusions; their torch formulas in CPU mode). The other fusions need apex/TE
+        # kernels: torch paths instead.
+        bias_activation_fusion=True,
         apply_rope_fusion=True,
         gradient_accumulation_fusion=True,
         bias_dropout_fusion=False,

@@ -1,19 +1,23 @@
-"""Two of megatron-core's training fusions, with torch kernels where apex and TE are absent.
+"""megatron-core's training fusions, with kernels of our own where apex and TE are absent.
 
 megatron-core looks both kernels up once, at import, from optional packages, and a config flag
 turns each on:
 * ``apply_rope_fusion``: rotary embedding through ``rope_utils.fused_apply_rotary_pos_emb`` (TE's).
   The unfused formula is about a dozen elementwise kernels per query and key per layer, forward and
   backward. Here: megatron's own unfused formula compiled (``gpu_fused``), one kernel each way,
-  rounded once.
+  rounded once. (A Triton kernel of our own was slower: ``docs/benchmarks.md``, twelfth session.)
 * ``gradient_accumulation_fusion``: the weight gradient of every parallel linear accumulated into
   its float32 ``main_grad`` inside the GEMM (apex's ``fused_weight_gradient_mlp_cuda``). Unfused,
   each linear writes a bf16 gradient, then a separate kernel adds it to ``main_grad``. Here: one
   cuBLAS GEMM with a float32 output and beta = 1 (``torch.addmm(..., out_dtype=float32)``).
 
-``install()`` fills whichever of the two is missing and the builder turns both flags on, in CPU
-mode too: there ``gpu_fused`` runs the rotary eagerly (the unfused arithmetic) and the weight
-gradient is a float32 ``addmm_``, so the CPU tests run the code path a GPU runs.
+And one that megatron has but compiles poorly: the MLP's SwiGLU (``bias_activation_fusion``),
+whose compiled backward builds its output with a ``cat``; here a Triton kernel each way
+(``models/swiglu.py``).
+
+``install()`` fills in each and the builder turns the flags on, in CPU mode too: there the rotary
+and SwiGLU formulas run eagerly and the weight gradient is a float32 ``addmm_``, so the CPU tests
+run the code path a GPU runs.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import types
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.tensor_parallel import layers
+from megatron.core.transformer import mlp
 
 from megatron_rlhf.fusion import gpu_fused
+from megatron_rlhf.models.swiglu import swiglu_impl
 
 
 @gpu_fused
@@ -53,9 +59,10 @@ TORCH_WGRAD_ACCUMULATION = types.SimpleNamespace(
 
 
 def install() -> None:
-    """Make both fusions available to megatron, keeping apex's and TE's where installed."""
+    """Make the fusions available to megatron, keeping apex's and TE's where installed."""
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = rotary_bshd
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = TORCH_WGRAD_ACCUMULATION
         layers._grad_accum_fusion_available = True
+    mlp.bias_swiglu_impl = swiglu_impl

@@ -1,6 +1,7 @@
-"""GPU tier: the torch stand-ins for megatron's apex/TE training fusions (models/torch_fusions.py)
-against float64, with the unfused bf16 path as the yardstick for what bf16 rounding costs; and the
-decode step's SwiGLU against megatron's, its fused QKV split against the unfused kernels."""
+"""GPU tier: our stand-ins for megatron's apex/TE training fusions (models/torch_fusions.py) and
+the SwiGLU kernel (models/swiglu.py) against float64, with megatron's own bf16 paths as the
+yardstick for what bf16 rounding costs; and the decode step's SwiGLU against megatron's, its fused
+QKV split against the unfused kernels."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from megatron_rlhf.models.attention import rotate_into_cache, split_qkv, split_rotate_into_cache, swiglu
+from megatron_rlhf.models.swiglu import swiglu_impl
 from megatron_rlhf.models.torch_fusions import _wgrad_gemm_accum_fp32, rotary_bshd
 
 
@@ -52,6 +54,33 @@ def test_compiled_rotary_matches_float64_forward_and_backward() -> None:
         eager = (errors["eager"][i] - reference).abs().max().item()
         print(f"rotary {what} max error: compiled {compiled:.2e}, eager {eager:.2e}")
         assert compiled <= eager + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2048, 2 * 8960), (3, 5, 2 * 700)], ids=["tokens", "s-b-odd-width"])
+def test_swiglu_kernel_matches_float64_forward_and_backward(shape: tuple[int, ...]) -> None:
+    """Forward and backward against float64; at most megatron's compiled kernel's error (both
+    round once), which the backward exceeds at no element by more than one bf16 rounding."""
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    g = torch.Generator().manual_seed(4)
+    y = (3 * torch.randn(*shape, generator=g)).to("cuda", torch.bfloat16)
+    upstream = torch.randn(*shape[:-1], shape[-1] // 2, generator=g).to("cuda", torch.bfloat16)
+    results = {}
+    for name, fn, dtype in (("kernel", swiglu_impl, torch.bfloat16), ("megatron", bias_swiglu_impl, torch.bfloat16),
+                            ("float64", bias_swiglu_impl, torch.float64)):  # fmt: skip
+        leaf = y.detach().to(dtype, copy=True).requires_grad_()
+        out = fn(leaf, None)
+        assert out.shape == upstream.shape
+        (out * upstream.to(dtype)).sum().backward()
+        results[name] = (out.detach().double(), leaf.grad.double())
+    for i, what in enumerate(("forward", "gradient")):
+        reference = results["float64"][i]
+        kernel = (results["kernel"][i] - reference).abs()
+        megatron = (results["megatron"][i] - reference).abs()
+        print(f"swiglu {what} max error: kernel {kernel.max().item():.3e}, megatron {megatron.max().item():.3e}")
+        assert kernel.max().item() <= megatron.max().item() * 1.01 + 1e-6
+        assert (kernel <= 2 ** -8 * reference.abs() + 1e-6).all()  # one bf16 rounding of the exact value
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
-"""The builder turns on megatron's rotary and weight-gradient-accumulation fusions, with the torch
+"""The builder turns on megatron's rotary, SwiGLU and weight-gradient-accumulation fusions, with the
 kernels of ``models/torch_fusions.py`` where apex/TE are absent. Reference: the same model and
 batch through megatron's unfused paths (each linear's ``gradient_accumulation_fusion`` and the
-config's ``apply_rope_fusion`` switched off): the gradient buffers the optimizer reads must match,
+config's ``apply_rope_fusion`` and ``bias_activation_fusion`` switched off): the gradient buffers
+the optimizer reads must match,
 with tied and untied embeddings (a tied weight gets the output layer's fused gradient and the
 embedding lookup's unfused one)."""
 
@@ -25,9 +26,10 @@ def _main_grads(hf_dir: Path, env, fused: bool) -> dict[str, torch.Tensor]:
 
     role = build_role("actor", ModelConfig(path=str(hf_dir)), load_architecture(hf_dir), world_size=1,
                       dtype=torch.float32, device=env.device)  # fmt: skip
-    assert role.model.config.gradient_accumulation_fusion and role.model.config.apply_rope_fusion
+    config = role.model.config
+    assert config.gradient_accumulation_fusion and config.apply_rope_fusion and config.bias_activation_fusion
     if not fused:
-        role.model.config.apply_rope_fusion = False
+        config.apply_rope_fusion = config.bias_activation_fusion = False
         for module in role.model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.gradient_accumulation_fusion = False
