@@ -24,8 +24,8 @@ Why it is done this way:
   exponentials per call, is reproducible for a given generator state on a given device (CPU and
   GPU give different streams), and filtered tokens (p_v = 0) can never win.
 * On a GPU, greedy and unfiltered sampling (no top-k/top-p) read the logits once in a Triton kernel
-  (``rollout/sampling_kernel.py``) that draws the same race in its Gumbel-max form with in-kernel
-  random numbers: the same distribution and log-prob, another random stream.
+  (``rollout/sampling_kernel.py``) that draws by inverting the CDF with one uniform per row: the
+  same distribution and log-prob, another random stream.
 * No host synchronisation (no ``.item()``, no data-dependent Python branching): only Python values
   of ``SamplingParams`` choose code paths. Greedy consumes no randomness.
 * Rows whose logits are NaN, or all -inf, are not checked (that would need a sync); they produce

@@ -67,3 +67,29 @@ def test_kernel_draws_follow_softmax_and_repeat_with_the_generator(temperature: 
     again, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(7))
     other, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(8))
     assert torch.equal(tokens, again) and not torch.equal(tokens, other)
+
+
+def test_kernel_draws_across_chunks_and_blocks_of_a_full_vocabulary_follow_softmax() -> None:
+    """Qwen's vocabulary (16 chunks of 9,496 columns, each several blocks): 24 tokens at z = 8 spread
+    over every chunk, a -inf chunk and a -inf block, the rest at z = 0. 20,000 draws: each hot
+    token's frequency and the rest's share within 5 standard errors; no -inf token is drawn."""
+    vocab, rows = 151_936, 20_000
+    values = torch.zeros(vocab)
+    hot = torch.linspace(3, vocab - 3, 24).long()
+    values[hot] = 8.0
+    values[2 * 9_496 : 3 * 9_496] = float("-inf")  # a whole chunk
+    values[50_000:52_048] = float("-inf")  # a block inside another chunk
+    values[hot] = 8.0  # (one hot token lies in the -inf chunk)
+    logits = values.cuda().expand(rows, -1)  # row stride 0: one row's memory
+    tokens, logprobs = sample(logits, SamplingParams(temperature=1.0), torch.Generator(device="cuda").manual_seed(3))
+    probabilities = torch.softmax(values.double(), dim=0)
+    assert probabilities[tokens.cpu()].min() > 0
+    counts = torch.bincount(tokens.cpu(), minlength=vocab).double()
+    for token in hot.tolist():
+        p = probabilities[token].item()
+        assert abs(counts[token].item() / rows - p) < 5 * math.sqrt(p * (1 - p) / rows), token
+    rest = 1 - probabilities[hot].sum().item()
+    share = 1 - counts[hot].sum().item() / rows
+    assert abs(share - rest) < 5 * math.sqrt(rest * (1 - rest) / rows)
+    reference = torch.log(probabilities[tokens.cpu()])
+    assert (logprobs.double().cpu() - reference).abs().max().item() < 1e-5
