@@ -237,11 +237,17 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
     if print_config:
         print(_checked_yaml(cfg), end="")
         return 0
+    import torch
+
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.trainer.stop import RunStopped
 
     try:
-        run(cfg, init_distributed(cfg.device, cfg.dist_timeout_s))
+        env = init_distributed(cfg.device, cfg.dist_timeout_s)
+        threads = cfg.host_thread_count(env.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        run(cfg, env)
     except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
         if stop.code and os.environ.get("RANK", "0") == "0":
             print(f"megatron-rlhf: {stop}", file=sys.stderr)

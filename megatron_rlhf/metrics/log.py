@@ -34,8 +34,8 @@ def log(message: str) -> None:
 
 def environment_report() -> str:
     """One line for a run's log saying what it ran on: package and git commit, torch, CUDA,
-    megatron-core, and whether apex and Transformer Engine are importable (without them megatron
-    falls back to torch kernels: slower, and other numerics)."""
+    megatron-core, whether apex and Transformer Engine are importable (without them megatron
+    falls back to torch kernels: slower, and other numerics), and torch's intra-op threads."""
     import megatron_rlhf
 
     def version(module: str) -> str:
@@ -54,7 +54,8 @@ def environment_report() -> str:
                for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))}  # fmt: skip
     return (f"megatron-rlhf {megatron_rlhf.__version__} (git {commit or 'unknown'}), torch {torch.__version__}, "
             f"CUDA {torch.version.cuda or 'none'}, megatron-core {version('megatron-core')}, "
-            + ", ".join(f"{name} {'present' if ok else 'absent'}" for name, ok in present.items()))
+            + ", ".join(f"{name} {'present' if ok else 'absent'}" for name, ok in present.items())
+            + f"; {torch.get_num_threads()} host threads")
 
 
 def memory_summary(device: torch.device) -> str:

@@ -370,3 +370,20 @@ def test_layout_errors_direct():
     assert not any("num_attention_heads" in e for e in errs)
     assert layout_errors("x", 1, 1, arch, 5) == []
     assert layout_errors("x", 2, 1, arch, 5) == ["x.tp*x.pp=2 must divide the world size 5"]
+
+
+def test_host_threads_auto_is_one_on_a_gpu_unless_an_optimizer_works_on_the_host(monkeypatch) -> None:
+    import torch
+
+    from megatron_rlhf.trainer.ppo_config import PPOConfig
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert PPOConfig().host_thread_count(gpu) == 1
+    assert PPOConfig().host_thread_count(cpu) is None  # CPU mode: the models run on those threads
+    offloaded = load_any_config("ppo-tiny", ["actor_optim.cpu_offload_fraction=0.5"], schema=PPOConfig)
+    assert offloaded.host_thread_count(gpu) is None  # the optimizer's Adam step runs on the host
+    assert load_any_config("ppo-tiny", ["host_threads=3"], schema=PPOConfig).host_thread_count(gpu) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert PPOConfig().host_thread_count(gpu) is None  # the environment decides
+    assert any("host_threads=-1" in e for e in RunConfig(host_threads=-1).errors())
