@@ -72,11 +72,22 @@ class _History:
         self.logprobs[self.steps] = logprobs
         self.steps += 1
 
-    def of_slot(self, slot: int, since: int) -> tuple[list[int], list[float]]:
-        """The tokens and log-probs slot ``slot`` produced from step ``since`` on."""
-        tokens = self.tokens[since : self.steps, slot]
-        produced = tokens >= 0
-        return tokens[produced].tolist(), self.logprobs[since : self.steps, slot][produced].tolist()
+    def of_slots(self, slots: list[int], since: list[int]) -> list[tuple[list[int], list[float]]]:
+        """The tokens and log-probs each slot produced from its step ``since`` on. One read of the
+        slots' columns for all of them: at the end of a rollout every slot finishes at once, and
+        a read per slot cost 40 ms of host time with the GPU idle (256 slots, H200 host)."""
+        first = min(since)
+        columns = self.tokens[first : self.steps, slots].t()
+        every_step = (columns >= 0).all(dim=1).tolist()  # no gap to filter out (the usual case)
+        tokens, logprobs = columns.tolist(), self.logprobs[first : self.steps, slots].t().tolist()
+        result = []
+        for row_tokens, row_logprobs, start, whole in zip(tokens, logprobs, since, every_step):
+            row_tokens, row_logprobs = row_tokens[start - first :], row_logprobs[start - first :]
+            if not whole:
+                row_logprobs = [p for t, p in zip(row_tokens, row_logprobs) if t >= 0]
+                row_tokens = [t for t in row_tokens if t >= 0]
+            result.append((row_tokens, row_logprobs))
+        return result
 
 
 @dataclasses.dataclass
@@ -203,16 +214,18 @@ class NativeEngine:
         finished: list[Completion] = []
         in_flight: _LaunchedStep | None = None
 
-        def finish(slot: int) -> None:
-            completion = occupant[slot]
-            tokens, logprobs = state.history.of_slot(slot, first_step[slot])
-            completion.token_ids += tokens
-            completion.logprobs += logprobs
-            completion.finish_reason = "stop" if completion.token_ids[-1] in stop_ids else "length"
-            finished.append(completion)
-            occupant[slot] = None
-            if on_finished is not None:
-                on_finished(len(finished))
+        def finish(slots: list[int]) -> None:
+            if not slots:
+                return
+            for slot, (tokens, logprobs) in zip(slots, state.history.of_slots(slots, [first_step[s] for s in slots])):
+                completion = occupant[slot]
+                completion.token_ids += tokens
+                completion.logprobs += logprobs
+                completion.finish_reason = "stop" if completion.token_ids[-1] in stop_ids else "length"
+                finished.append(completion)
+                occupant[slot] = None
+                if on_finished is not None:
+                    on_finished(len(finished))
 
         was_training = self.model.training
         self.model.eval()
@@ -224,9 +237,7 @@ class NativeEngine:
                             self._collect(in_flight, state)
                             in_flight = None
                             continue
-                        for slot in (~state.live_known).nonzero().flatten().tolist():
-                            if occupant[slot] is not None:
-                                finish(slot)
+                        finish([slot for slot in (~state.live_known).nonzero().flatten().tolist() if occupant[slot] is not None])
                         free = [slot for slot, held in enumerate(occupant) if held is None]
                         admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                         for slot, completion in zip(free, admitted):
@@ -243,9 +254,7 @@ class NativeEngine:
                     if in_flight is not None:
                         self._collect(in_flight, state)
                     in_flight = launched
-                for slot, held in enumerate(occupant):
-                    if held is not None:
-                        finish(slot)
+                finish([slot for slot, held in enumerate(occupant) if held is not None])
         finally:
             self.model.train(was_training)
         return sorted(finished, key=lambda c: (c.prompt_index, c.sample_index))

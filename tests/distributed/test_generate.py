@@ -147,7 +147,9 @@ def test_history_keeps_every_step_past_its_initial_capacity() -> None:
     for step in range(steps):
         produced = torch.tensor([step, -1 if step % 2 else step + 1, -1])  # slot 1 produces every other step
         history.append(produced, produced.float() / 10)
-    tokens, logprobs = history.of_slot(0, since=0)
+    (tokens, logprobs), odd, none = history.of_slots([0, 1, 2], since=[0, 500, 0])
     assert tokens == list(range(steps)) and logprobs == (torch.arange(steps).float() / 10).tolist()
-    assert history.of_slot(1, since=500)[0] == [s + 1 for s in range(500, steps, 2)]
-    assert history.of_slot(2, since=0) == ([], [])
+    assert odd[0] == [s + 1 for s in range(500, steps, 2)]
+    assert odd[1] == (torch.arange(501, steps, 2).float() / 10).tolist()
+    assert none == ([], [])
+    assert history.of_slots([1], since=[599]) == [([], [])]  # step 599 is odd: nothing from slot 1
