@@ -68,7 +68,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     rate = copy_rate(args.repeat)
-    result: dict = {"device": torch.cuda.get_device_name(), "copy_TBps": rate / 1e9, "shape": vars(args), "kernels": {}}
+    result: dict = {"device": torch.cuda.get_device_name(), "copy_TBps": rate / 1e9, "shape": {"tokens": args.tokens, "ffn": args.ffn}, "kernels": {}}
     print(f"{result['device']}: copy {rate / 1e9:.3f} TB/s")
 
     def report(name: str, ms: float, nbytes: int) -> None:
