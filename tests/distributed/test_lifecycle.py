@@ -8,6 +8,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -355,8 +356,8 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path: Path, s
 @pytest.mark.distributed
 def test_start_up_report_names_versions_layouts_and_the_resumed_step(tmp_path: Path, sft_train: Path) -> None:
     """The report a run starts with, fresh and resumed: this package's version and git commit,
-    torch, CUDA, megatron-core, apex and Transformer Engine (looked up here), each checkpointed
-    model's layout, and the checkpoint step a resumed run continues from."""
+    torch, CUDA, megatron-core, apex and Transformer Engine (looked up here), torch's host threads,
+    each checkpointed model's layout, and the checkpoint step a resumed run continues from."""
     out = tmp_path / "run"
     args = (*SFT, f"data.train=[{sft_train}]", f"output_dir={out}")
     fresh = _run(1, (*args, "max_steps=2"))
@@ -370,8 +371,9 @@ def test_start_up_report_names_versions_layouts_and_the_resumed_step(tmp_path: P
     versions = (f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), torch {torch.__version__}, "
                 f"CUDA {torch.version.cuda or 'none'}, megatron-core {importlib.metadata.version('megatron-core')}, "
                 f"apex {present['apex']}, transformer-engine {present['transformer-engine']}")  # fmt: skip
+    threads = re.compile(re.escape(versions) + r"; \d+ host threads")
     for proc in (fresh, resumed):
-        assert versions in proc.stdout.splitlines(), proc.stdout[-3000:]
+        assert any(threads.fullmatch(line) for line in proc.stdout.splitlines()), proc.stdout[-3000:]
         assert "layouts: actor TP1xPP1xDP1" in proc.stdout.splitlines()
     assert "starting fresh" in fresh.stdout and "resumed from" not in fresh.stdout
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in resumed.stdout.splitlines()
