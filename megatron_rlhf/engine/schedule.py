@@ -71,8 +71,8 @@ class MicroBatches(Sequence[Batch]):
 
     @property
     def widest(self) -> int:
-        """The largest piece's width (its fullest row), from the plan: nothing is built."""
-        return max(max(max(sum(self.lengths[row] for row in rows) for rows in bins), 1) for bins in self.plan)
+        """The largest piece's width, from the plan: nothing is built."""
+        return max(_width(_fills(bins, self.lengths)) for bins in self.plan)
 
     @property
     def most_rows(self) -> int:
@@ -106,6 +106,16 @@ def micro_batches(
     return MicroBatches(batch, plan, lengths, device), torch.tensor([row for bins in plan for bin_rows in bins for row in bin_rows])
 
 
+def _fills(bins: list[list[int]], lengths: list[int]) -> list[int]:
+    """Tokens in each row of a piece (its sequences one after the other)."""
+    return [sum(lengths[row] for row in rows) for rows in bins]
+
+
+def _width(fills: list[int]) -> int:
+    """A piece's width: its fullest row (at least 1)."""
+    return max(max(fills), 1)
+
+
 def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torch.device) -> Batch:
     """One micro-batch: row i of the piece holds the sequences ``bins[i]`` one after the other.
 
@@ -120,8 +130,8 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
     its own sequence.
     """
     batch_width = batch["input_ids"].shape[1]
-    fills = [sum(lengths[row] for row in rows) for rows in bins]
-    width = max(max(fills), 1)
+    fills = _fills(bins, lengths)
+    width = _width(fills)
     source_row = torch.zeros(len(bins), width, dtype=torch.long)
     start = torch.zeros(len(bins), width, dtype=torch.long)  # the column where a token's sequence starts
     segment_bin, segment_offset = [], []

@@ -37,6 +37,7 @@ except ImportError:  # torch < 2.10 (e.g. an older NGC image): packed rows take 
 
 from megatron_rlhf.fusion import gpu_fused
 from megatron_rlhf.models import decode_attention
+from megatron_rlhf.models.swiglu import swiglu_reference
 
 
 def _allowed_positions(sq: int, sk: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -214,12 +215,9 @@ def split_rotate_into_cache(
     return rotate_into_cache.__wrapped__(query, key, value, cos, sin, cache, slots, positions)
 
 
-@gpu_fused
-def swiglu(up: torch.Tensor) -> torch.Tensor:
-    """silu(first half) * second half of the gated MLP's fc1 output: megatron's ``glu`` eagerly,
-    its compiled ``swiglu`` (one kernel, rounded once) on GPU."""
-    gate, linear = torch.chunk(up, 2, dim=-1)
-    return F.silu(gate) * linear
+swiglu = gpu_fused(swiglu_reference)
+"""The decode step's SwiGLU of the gated MLP's fc1 output: megatron's ``glu`` eagerly, compiled (one
+kernel, rounded once, as megatron's ``swiglu``) on GPU, where it runs inside the decode graphs."""
 
 
 @gpu_fused
