@@ -28,9 +28,10 @@ Why it is done this way:
   after the forward, so the backward needs no collective: each rank gets the exact gradient of its
   own shard. To keep memory low, the backward recomputes p from the saved input logits instead of
   saving a float32 (B, S, Vl) tensor.
-* Speed: each pass over the vocabulary (max; the three sums; the gradient) is one fused kernel on
-  GPU (``torch.compile``), reading the bf16 logits once: the PPO loss then costs no more than
-  megatron's own cross-entropy (scripts/bench_update.py measures both).
+* Speed: on a GPU one Triton kernel reads the logits once for every statistic, with a running
+  maximum (``logprobs_kernel.py``), and another writes the gradient. Elsewhere (CPU, float64) each
+  pass over the vocabulary (max; the three sums; the gradient) is plain torch, fused by
+  ``torch.compile`` where it can be.
 * No host synchronisation (no ``.item()``, no data-dependent Python branching). Targets outside
   [0, vocab_size) are not checked (that would need a sync): a padding target yields -inf, a
   negative one an arbitrary finite value; callers mask such positions out.
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_rlhf.engine import logprobs_kernel
 from megatron_rlhf.fusion import gpu_fused
 
 __all__ = ["token_logprobs_and_entropy"]
@@ -56,8 +58,8 @@ def _tp_size_rank(tp_group: ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-# The three passes over the vocabulary below are written as plain elementwise + reduction code so
-# that on GPU ``torch.compile`` fuses each into one kernel that reads the (bf16) logits once and
+# The torch passes over the vocabulary (where ``logprobs_kernel`` does not run) are written as plain
+# elementwise + reduction code so that on a GPU ``torch.compile`` fuses each into one kernel that
 # never materialises a float32 (B, S, Vl) tensor; on CPU (tests, CI) they run eagerly.
 
 
@@ -109,6 +111,18 @@ def _shard_grad(
     return (grad_z * inv_temperature).to(logits_shard.dtype)
 
 
+@gpu_fused
+def _relative_to_max(local_stats: Tensor, local_target: Tensor, z_max: Tensor) -> Tensor:
+    """``_shard_stats`` from ``logprobs_kernel.shard_stats``'s one pass (relative to the shard's own
+    max m): the sums moved to the max over TP, e^(z - M) = e^(m - M) e^(z - m) and
+    e^(z - M) (z - M) = e^(m - M) e^(z - m) ((z - m) + (m - M))."""
+    local_max, local_sum, local_weighted, target_z = local_stats
+    rescale = (local_max - z_max).exp()  # 0 on a shard of padding only (m = -inf)
+    moved = torch.where(local_sum > 0, local_weighted + (local_max - z_max) * local_sum, 0.0)
+    picked = torch.where(local_target >= 0, target_z - z_max, 0.0)
+    return torch.stack([local_sum * rescale, picked, moved * rescale])
+
+
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -129,10 +143,18 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         local_target = targets - vocab_start
         local_target = torch.where((local_target >= 0) & (local_target < local_vocab), local_target, -1)
 
-        z_max = _shard_max(logits_shard, dtype, 1.0 / temperature, n_real)
+        single_pass = logprobs_kernel.available(logits_shard)
+        if single_pass:
+            local_stats = logprobs_kernel.shard_stats(logits_shard, local_target, 1.0 / temperature, n_real)
+            z_max = local_stats[0].clone()
+        else:
+            z_max = _shard_max(logits_shard, dtype, 1.0 / temperature, n_real)
         if tp_size > 1:  # -inf on a rank whose shard is all padding
             dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
-        stats = _shard_stats(logits_shard, local_target, z_max, dtype, 1.0 / temperature, n_real)
+        if single_pass:
+            stats = _relative_to_max(local_stats, local_target, z_max)
+        else:
+            stats = _shard_stats(logits_shard, local_target, z_max, dtype, 1.0 / temperature, n_real)
         if tp_size > 1:  # the three per-token sums travel together
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
         log_sum_exp = stats[0].log()  # logsumexp(z) - max
@@ -154,10 +176,14 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         zeros = torch.zeros_like(log_sum_exp)
         grad_logprobs = zeros if grad_logprobs is None else grad_logprobs.to(dtype)
         grad_entropy = zeros if grad_entropy is None else grad_entropy.to(dtype)
-        grad_logits = _shard_grad(
-            logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy,
-            dtype, inv_temperature, n_real,
-        )  # fmt: skip
+        if logprobs_kernel.available(logits_shard):
+            grad_logits = logprobs_kernel.shard_grad(logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs,
+                                                     grad_entropy, inv_temperature, n_real)  # fmt: skip
+        else:
+            grad_logits = _shard_grad(
+                logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy,
+                dtype, inv_temperature, n_real,
+            )  # fmt: skip
         return grad_logits, None, None, None, None, None
 
 

@@ -40,3 +40,42 @@ def test_fused_kernels_match_float64(dtype: torch.dtype, temperature: float) -> 
     rtol = 1e-5 if dtype == torch.float32 else 8e-3
     assert (logits.grad.double() - leaf.grad).abs().max().item() <= rtol * grad_scale
     assert logits.grad[..., vocab_size:].abs().max().item() == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_pass_kernels_at_a_full_vocabulary_on_a_sliced_view(dtype: torch.dtype) -> None:
+    """The Triton passes (``engine/logprobs_kernel.py``) at Qwen2.5's vocabulary (151,665 real of
+    151,936 columns: several loop blocks per row and a partial last one), on ``logits[:, :-1]`` as
+    ``next_token_logprobs`` passes it (rows not evenly strided), with a target on a padding column
+    (log-prob -inf, as documented): values and gradient against float64."""
+    from megatron_rlhf.engine import logprobs_kernel
+
+    g = torch.Generator().manual_seed(1)
+    vocab_size, padded = 151_665, 151_936
+    full = (4 * torch.randn(2, 6, padded, generator=g)).to("cuda", dtype).requires_grad_()
+    logits = full[:, :-1]
+    assert logprobs_kernel.available(logits) and not logits.is_contiguous()
+    targets = torch.randint(0, vocab_size, (2, 5), generator=g).cuda()
+    targets[1, 2] = vocab_size + 7
+    w1, w2 = torch.randn(2, 5, generator=g).cuda(), torch.randn(2, 5, generator=g).cuda()
+    w1[1, 2] = 0.0
+
+    logp, entropy = token_logprobs_and_entropy(logits, targets, tp_group=None, vocab_size=vocab_size, temperature=0.8)
+    assert logp[1, 2].item() == float("-inf")
+    finite = torch.where(torch.isfinite(logp), logp, 0.0)
+    ((w1 * finite).sum() + (w2 * entropy).sum()).backward()
+
+    leaf = full.detach().double().requires_grad_()
+    safe_targets = targets.clamp_max(vocab_size - 1)
+    ref_logp, ref_entropy = _reference(leaf[:, :-1], safe_targets, vocab_size, 0.8)
+    ((w1.double() * ref_logp).sum() + (w2.double() * ref_entropy).sum()).backward()
+
+    real = torch.ones_like(targets, dtype=torch.bool)
+    real[1, 2] = False
+    assert (logp.double() - ref_logp)[real].abs().max().item() < 5e-5
+    assert (entropy.double() - ref_entropy).abs().max().item() < 5e-5
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (full.grad.double() - leaf.grad).abs().max().item() <= rtol * leaf.grad.abs().max().item()
+    assert full.grad[..., vocab_size:].abs().max().item() == 0.0
+    assert full.grad[:, -1].abs().max().item() == 0.0  # the position no target reads

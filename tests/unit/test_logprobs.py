@@ -137,3 +137,45 @@ def test_invalid_shapes_and_vocab_size() -> None:
         token_logprobs_and_entropy(logits, targets[:, :-1], tp_group=None, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="vocab_size"):
         token_logprobs_and_entropy(logits, targets, tp_group=None, vocab_size=PADDED + 1)
+
+
+def _one_shard_stats(z: torch.Tensor, local_target: torch.Tensor) -> torch.Tensor:
+    """What ``logprobs_kernel.shard_stats`` returns for one shard's scaled logits z (-inf on padding),
+    written directly in float64: the shard's max m, sum e^(z - m), sum e^(z - m) (z - m), target z."""
+    m = z.amax(-1)
+    shifted = z - m.unsqueeze(-1)
+    e = shifted.exp()
+    weighted = torch.where(e > 0, e * shifted, 0.0).sum(-1)
+    target_z = z.gather(-1, local_target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.stack([m, e.sum(-1), weighted, target_z])
+
+
+def test_single_pass_shard_stats_moved_to_the_max_over_shards_equal_the_two_pass_sums() -> None:
+    """The GPU kernel's per-shard statistics (relative to each shard's own max), moved to the max
+    over TP ranks by ``_relative_to_max``, equal ``_shard_stats`` computed from that max: per shard,
+    and summed over shards (what the all-reduce adds). Two shards; the second holds the padding."""
+    from megatron_rlhf.engine.logprobs import _relative_to_max, _scaled, _shard_stats
+
+    logits, targets = make_inputs(seed=3, dtype=torch.float64)
+    half = PADDED // 2
+    shards = [(logits[..., :half], half), (logits[..., half:], VOCAB - half)]
+    z_max = logits[..., :VOCAB].amax(-1)
+    summed_single, summed_two_pass = 0.0, 0.0
+    for index, (shard, n_real) in enumerate(shards):
+        local_target = targets - index * half
+        local_target = torch.where((local_target >= 0) & (local_target < half), local_target, -1)
+        z = _scaled(shard, torch.float64, 1.0, n_real)
+        single = _relative_to_max(_one_shard_stats(z, local_target), local_target, z_max)
+        two_pass = _shard_stats(shard, local_target, z_max, torch.float64, 1.0, n_real)
+        torch.testing.assert_close(single, two_pass, rtol=1e-12, atol=1e-12)
+        summed_single, summed_two_pass = summed_single + single, summed_two_pass + two_pass
+    torch.testing.assert_close(summed_single, summed_two_pass, rtol=1e-12, atol=1e-12)
+
+
+def test_single_pass_shard_of_padding_only_adds_nothing() -> None:
+    """A shard whose columns are all padding (its max is -inf) contributes 0 to every sum, not NaN."""
+    from megatron_rlhf.engine.logprobs import _relative_to_max
+
+    stats = torch.tensor([[float("-inf")], [0.0], [0.0], [float("-inf")]], dtype=torch.float64)
+    moved = _relative_to_max(stats, torch.tensor([-1]), torch.tensor([2.5], dtype=torch.float64))
+    assert moved.tolist() == [[0.0], [0.0], [0.0]]
