@@ -47,7 +47,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest
-from megatron_rlhf.engine.optim import TrainState, torch_optimizers
+from megatron_rlhf.engine.optim import TrainState, fuse_device_adam, torch_optimizers
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 STATE_FILE = "train_state.json"
@@ -169,6 +169,7 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
     with _tolerate_missing_step():
         state.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(state.optimizer)
+    fuse_device_adam(state.optimizer)
     # megatron's scheduler adds the saved step count to its own: start from 0 so that loading into a
     # state that has stepped (a rollback within a run) does not count those steps twice.
     state.scheduler.num_steps = 0

@@ -13,11 +13,12 @@ Per rank, for each model the command uses, in the largest of its pipeline stages
   fp32 themselves (then the main parameters are the parameters), sharded over DP by the
   distributed optimizer; the ``cpu_offload_fraction`` share of it lives in host memory instead;
 * activations of a training pass (``activation_bytes``) and of a forward-only pass, and the
-  optimizer step's workspace (torch's foreach Adam makes one fp32 temporary of the main-parameter
-  shard: megatron falls back to it without apex or Transformer Engine). With a host share
-  (megatron's ``HybridDeviceOptimizer``) the workspace stays allocated through the update phase, so
-  the next mini-batch's activations come on top of it: measured on an H200, 7.6B at fraction 1.0
-  (update peak 108.1 GiB allocated, docs/benchmarks.md); this term was set after that measurement.
+  optimizer step's workspace: none for torch's fused Adam (``engine.optim.fuse_device_adam``), but
+  with a host share (megatron's ``HybridDeviceOptimizer``, whose device share steps on torch's
+  multi-tensor path) one fp32 temporary of the main-parameter shard, which stays allocated through
+  the update phase, so the next mini-batch's activations come on top of it: measured on an H200,
+  7.6B at fraction 1.0 (update peak 108.1 GiB allocated, docs/benchmarks.md); this term was set
+  after that measurement.
 Generation adds the KV cache (``hybrid.memory.kv_cache_bytes``), the resharded generation copy
 when the generation layout differs from the actor's, the decode CUDA graphs' static logits (one
 (slots, Vp/tp) tensor per KV-length bucket), and the prefill and sampling workspace.
@@ -203,9 +204,10 @@ def _model_memory(role: str, model: ModelConfig, arch: Architecture, world_size:
         grads = 4 * local
         per_param = 8 + (0 if dtype == torch.float32 else 4)
         shard = -(-local // layout.dp) if optim.distributed_optimizer else local
-        optimizer, step = round(per_param * shard * (1 - optim.cpu_offload_fraction)), 4 * shard
+        optimizer = round(per_param * shard * (1 - optim.cpu_offload_fraction))
         training = activation_bytes(arch, layout, vocab, tokens, element, training=True)
-        if optim.cpu_offload_fraction > 0:  # the step's workspace outlives the step (module docstring)
+        if optim.cpu_offload_fraction > 0:  # the step's workspace, which outlives the step (module docstring)
+            step = 4 * shard
             training += step
     forward = activation_bytes(arch, layout, vocab, forward_tokens, element, training=False)
     return ModelMemory(role, model.path, layout, whole, local * element, grads, optimizer, training, forward, step)
