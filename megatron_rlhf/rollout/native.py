@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel import (
     reduce_from_tensor_model_parallel_region,
 )
 
+from megatron_rlhf.fusion import gpu_fused
 from megatron_rlhf.models.attention import (
     CachedSelfAttention,
     add_rms_norm,
@@ -329,12 +330,8 @@ class NativeEngine:
             logits = self._decode_logits(device_state, kv_len)
         tokens, logprobs = self._sample(logits, params, generator)
         live = device_state.live
-        produced = torch.where(live, tokens, -1)
-        device_state.input_ids.copy_(tokens[:, None])
-        device_state.positions.add_(live[:, None])
-        device_state.remaining.sub_(live.long())
-        live &= device_state.remaining > 0
-        live &= ~torch.isin(tokens, state.stop_ids)
+        produced = _advance_slots(tokens, live, device_state.input_ids, device_state.positions, device_state.remaining,
+                                  state.stop_ids)  # fmt: skip
         state.position_bound += maybe_live
         host_tokens, host_logprobs, host_live = device_state.staging[state.parity]
         state.parity = 1 - state.parity
@@ -405,6 +402,23 @@ class NativeEngine:
         return logits[0, :, : self.role.arch.vocab_size]
 
 
+@gpu_fused
+def _advance_slots(
+    tokens: torch.Tensor, live: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, remaining: torch.Tensor,
+    stop_ids: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The slots' device state after a decode step drew ``tokens`` (slots,), in place: a live slot
+    takes its token as the next input, moves one position, spends one token of its budget, and
+    dies on a stop token or an empty budget. Returns what each slot produced (-1 where it was not
+    live). One compiled kernel or two on a GPU, where eager torch launched a dozen per step."""
+    produced = torch.where(live, tokens, -1)
+    input_ids.copy_(tokens[:, None])
+    positions.add_(live[:, None])
+    remaining.sub_(live.long())
+    live &= (remaining > 0) & ~(tokens[:, None] == stop_ids[None, :]).any(dim=1)
+    return produced
+
+
 def _decode_fusable(decoder: torch.nn.Module) -> bool:
     """Whether ``_decode_layers`` computes what the decoder's own forward does: pre-norm layers of
     torch RMSNorms (the TE-free spec without apex), megatron's own parallel linears without biases
@@ -461,6 +475,8 @@ def generate_data_parallel(
     ``on_finished`` follows this rank's group (see ``NativeEngine.generate``)."""
     role = engine.role
     dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
+    if dp == 1:  # every rank generated every prompt alike (TP ranks continue with rank 0's tokens)
+        return engine.generate([list(p) for p in prompts], params, on_finished)
     mine = list(range(dp_rank, len(prompts), dp))
     completions = engine.generate([list(prompts[i]) for i in mine], params, on_finished)
     for completion in completions:

@@ -6,10 +6,11 @@ float32 copy, a softmax, a tensor of exponentials, a division, an argmax and a l
 passes over (slots, V) float32 and a row-per-block reduction that leaves most of the GPU idle at
 a few hundred rows. Here each row is cut into chunks, and one program per (row, chunk) reads its
 logits once and keeps, online, the running maximum and sum of exp(z - max) of z = logits / T (the
-log-sum-exp's parts), and for greedy the first maximal column. A few small torch ops combine them.
+log-sum-exp's parts), and for greedy the first maximal column. A second kernel, one program per
+row, combines them.
 
 Drawing inverts the CDF: one uniform u per row from the caller's generator, the chunk whose
-cumulative mass first exceeds u times the total, then a second kernel scans that chunk alone (a
+cumulative mass first exceeds u times the total, then the second kernel scans that chunk alone (a
 sixteenth of the row) for the first column whose running mass does. Every token is drawn with
 probability softmax(z)_v up to float32 rounding of the partial sums, as ``torch.multinomial``;
 per-element random numbers (a Gumbel-max race, as before) cost three times the memory pass in
@@ -40,7 +41,10 @@ def available(logits: torch.Tensor) -> bool:
 
 def sample_unfiltered(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,) int64, logprobs (B,) float32) for logits (B, V): greedy when ``temperature`` is
-    0, else drawn from softmax(logits / T) over the whole vocabulary. No host synchronisation."""
+    0, else drawn from softmax(logits / T) over the whole vocabulary. No host synchronisation:
+    three launches (the chunk statistics, the uniforms, the pick), each a few microseconds at most
+    beside the logits' read, where combining the statistics in torch took about 25 small kernels
+    per decode step (``docs/benchmarks.md``, thirteenth session)."""
     rows, vocab = logits.shape
     greedy = temperature == 0
     inv_temperature = 1.0 if greedy else 1.0 / temperature
@@ -50,27 +54,12 @@ def sample_unfiltered(logits: torch.Tensor, temperature: float, generator: torch
     best_index = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     _chunk_stats_kernel[(rows, chunks)](logits, logits.stride(0), vocab, chunk, inv_temperature, stats, stats.stride(0),
                                         best_index, GREEDY=greedy, BLOCK=BLOCK)  # fmt: skip
-    maxes, sums = stats
-    top = maxes.amax(dim=1, keepdim=True)  # the row's max of z
-    mass = sums * torch.exp(maxes - top)  # each chunk's sum of exp(z - top)
-    log_sum_exp = top[:, 0] + torch.log(mass.sum(dim=1))
-    if greedy:
-        winner = maxes.argmax(dim=1, keepdim=True)  # the first (lowest-column) chunk on ties
-        return best_index.gather(1, winner)[:, 0].long(), top[:, 0] - log_sum_exp
-    cumulative = mass.cumsum(dim=1)
-    uniform = torch.rand(rows, 1, device=logits.device, generator=generator)
-    target = uniform * cumulative[:, -1:]
-    # The first chunk whose cumulative mass exceeds the target, never one without mass (the target
-    # can round up to the total).
-    last_with_mass = chunks - 1 - (mass > 0).flip(1).int().argmax(dim=1, keepdim=True)
-    chosen = torch.minimum((cumulative <= target).sum(dim=1, keepdim=True), last_with_mass)
-    remainder = target - (cumulative.gather(1, chosen) - mass.gather(1, chosen))
-    tokens = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    _pick_in_chunk_kernel[(rows,)](logits, logits.stride(0), vocab, chunk, inv_temperature, chosen, top, remainder,
-                                   tokens, BLOCK=BLOCK)  # fmt: skip
-    tokens = tokens.long()
-    z = logits.gather(1, tokens[:, None])[:, 0].float() * inv_temperature
-    return tokens, z - log_sum_exp
+    uniform = logits.new_empty(0, dtype=torch.float32) if greedy else torch.rand(rows, device=logits.device, generator=generator)
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _pick_kernel[(rows,)](logits, logits.stride(0), vocab, chunk, chunks, inv_temperature, stats, stats.stride(0), best_index,
+                          uniform, tokens, logprobs, GREEDY=greedy, CHUNKS=CHUNKS, BLOCK=BLOCK)  # fmt: skip
+    return tokens, logprobs
 
 
 if triton is not None:
@@ -107,27 +96,50 @@ if triton is not None:
             tl.store(index_ptr + out, best_index)
 
     @triton.jit
-    def _pick_in_chunk_kernel(
-        logits_ptr, row_stride, vocab, chunk, inv_temperature, chosen_ptr, top_ptr, remainder_ptr, token_ptr,
-        BLOCK: tl.constexpr,
+    def _pick_kernel(
+        logits_ptr, row_stride, vocab, chunk, chunks, inv_temperature, stats_ptr, stats_stride, index_ptr, uniform_ptr,
+        token_ptr, logprob_ptr, GREEDY: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # The first column of the row's chosen chunk at which the running sum of exp(z - top) exceeds
-        # the remainder; the chunk's last column with mass if rounding leaves it unreached.
+        # The row's log-sum-exp from its chunks' statistics; greedy: the first maximal column of the
+        # first chunk holding the maximum. Else the chunk whose cumulative mass first exceeds
+        # u * total (never one without mass: the target can round up to the total), then the first
+        # column of it at which the running sum of exp(z - top) exceeds what is left of the target
+        # (the chunk's last column with mass if rounding leaves it unreached).
         row = tl.program_id(0)
-        start = tl.load(chosen_ptr + row).to(tl.int32) * chunk
-        end = tl.minimum(start + chunk, vocab)
-        top = tl.load(top_ptr + row)
-        remainder = tl.load(remainder_ptr + row)
-        running = 0.0
-        picked = vocab  # none yet
-        last_with_mass = start
-        for offset in range(start, end, BLOCK):
-            columns = offset + tl.arange(0, BLOCK)
-            inside = columns < end
-            z = tl.load(logits_ptr + row * row_stride + columns, mask=inside, other=-float("inf")).to(tl.float32)
-            p = tl.where(inside, tl.exp(z * inv_temperature - top), 0.0)
-            crossed = (running + tl.cumsum(p, 0) > remainder) & (p > 0)
-            picked = tl.minimum(picked, tl.min(tl.where(crossed, columns, vocab), 0))
-            last_with_mass = tl.maximum(last_with_mass, tl.max(tl.where(p > 0, columns, start), 0))
-            running += tl.sum(p, 0)
-        tl.store(token_ptr + row, tl.where(picked < vocab, picked, last_with_mass))
+        parts = tl.arange(0, CHUNKS)
+        real = parts < chunks
+        maxes = tl.load(stats_ptr + row * chunks + parts, mask=real, other=-float("inf"))
+        sums = tl.load(stats_ptr + stats_stride + row * chunks + parts, mask=real, other=0.0)
+        top = tl.max(maxes, 0)
+        mass = tl.where(real, sums * tl.exp(maxes - top), 0.0)  # each chunk's sum of exp(z - top)
+        log_sum_exp = top + tl.log(tl.sum(mass, 0))
+        if GREEDY:
+            winner = tl.argmax(maxes, 0, tie_break_left=True)
+            token = tl.load(index_ptr + row * chunks + winner)
+            tl.store(token_ptr + row, token.to(tl.int64))
+            tl.store(logprob_ptr + row, top - log_sum_exp)
+        else:
+            cumulative = tl.cumsum(mass, 0)
+            target = tl.load(uniform_ptr + row) * tl.sum(mass, 0)
+            last_with_mass = tl.max(tl.where(mass > 0, parts, -1), 0)
+            last_with_mass = tl.where(last_with_mass < 0, chunks - 1, last_with_mass)
+            chosen = tl.minimum(tl.sum((real & (cumulative <= target)).to(tl.int32), 0), last_with_mass)
+            remainder = target - tl.sum(tl.where(parts == chosen, cumulative - mass, 0.0), 0)
+            start = chosen * chunk
+            end = tl.minimum(start + chunk, vocab)
+            running = 0.0
+            picked = vocab  # none yet
+            last_column = start
+            for offset in range(start, end, BLOCK):
+                columns = offset + tl.arange(0, BLOCK)
+                inside = columns < end
+                z = tl.load(logits_ptr + row * row_stride + columns, mask=inside, other=-float("inf")).to(tl.float32)
+                p = tl.where(inside, tl.exp(z * inv_temperature - top), 0.0)
+                crossed = (running + tl.cumsum(p, 0) > remainder) & (p > 0)
+                picked = tl.minimum(picked, tl.min(tl.where(crossed, columns, vocab), 0))
+                last_column = tl.maximum(last_column, tl.max(tl.where(p > 0, columns, start), 0))
+                running += tl.sum(p, 0)
+            token = tl.where(picked < vocab, picked, last_column)
+            z_token = tl.load(logits_ptr + row * row_stride + token).to(tl.float32) * inv_temperature
+            tl.store(token_ptr + row, token.to(tl.int64))
+            tl.store(logprob_ptr + row, z_token - log_sum_exp)
