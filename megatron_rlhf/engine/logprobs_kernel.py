@@ -25,8 +25,10 @@ try:
 except ImportError:  # torch without its Triton: the compiled torch passes
     triton = None
 
-BLOCK = 4096
-"""Columns per loop iteration (forward) or per program (backward)."""
+STATS_BLOCK, GRAD_BLOCK, NUM_WARPS = 8192, 2048, 4
+"""Columns per loop iteration forward and per program backward (a sweep on an H200 at
+10,900 x 151,936 bf16: forward 1,116 us, backward 2,035 us; 4,096 columns and 8 warps: 1,328 and
+2,186 us)."""
 
 
 def available(logits_shard: torch.Tensor) -> bool:
@@ -43,7 +45,7 @@ def shard_stats(logits_shard: torch.Tensor, local_target: torch.Tensor, inv_temp
     target = local_target.contiguous()
     _stats_kernel[(batch * seq,)](
         logits_shard, logits_shard.stride(0), logits_shard.stride(1), seq, vocab, n_real, inv_temperature, target,
-        out, out.stride(0), BLOCK=BLOCK, num_warps=8,
+        out, out.stride(0), BLOCK=STATS_BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -57,9 +59,9 @@ def shard_grad(
     batch, seq, vocab = logits_shard.shape
     grad = torch.empty(batch, seq, vocab, dtype=logits_shard.dtype, device=logits_shard.device)
     per_token = [t.contiguous() for t in (local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy)]
-    _grad_kernel[(batch * seq, triton.cdiv(vocab, BLOCK))](
+    _grad_kernel[(batch * seq, triton.cdiv(vocab, GRAD_BLOCK))](
         logits_shard, logits_shard.stride(0), logits_shard.stride(1), seq, vocab, n_real, inv_temperature, *per_token,
-        grad, BLOCK=BLOCK, num_warps=8,
+        grad, BLOCK=GRAD_BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip
     return grad
 
