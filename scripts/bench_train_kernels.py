@@ -1,14 +1,9 @@
-"""Benchmark: the training step's vocabulary and norm kernels against the torch paths they replace,
-at the 1.5B GRPO step's micro-batch shapes, and against the memory copy rate measured in the same run.
+"""Benchmark: the training step's log-prob and entropy kernels over Qwen2.5's vocabulary
+(``engine/logprobs_kernel.py``) against the compiled torch passes they replace
+(``engine/logprobs.py``), forward and backward, at the 1.5B GRPO step's micro-batch shape, and
+against the memory copy rate measured in the same run.
 
-    python scripts/bench_train_kernels.py [--scored-tokens 10900] [--tokens 16128] [--out kernels.json]
-
-* log-probs and entropy over Qwen2.5's vocabulary (``engine/logprobs_kernel.py``) against the
-  compiled torch passes (``engine/logprobs.py``), forward and backward;
-* the layers' RMSNorm backward (``models/rms_norm.py``) against torch's. At this size a call's host
-  side (autograd, and Triton's Python launcher for ours) takes longer than its kernel, so these
-  figures are launch-bound: the kernels' own times come from a profiled step (``bench_e2e.py
-  --profile``), where the GEMMs around them hide the launches.
+    python scripts/bench_train_kernels.py [--scored-tokens 10900] [--out kernels.json]
 
 Per kernel: time per call (``--repeat`` calls back to back, best of three), the bytes it must move at
 least (read each input once, write each output once), and that over the time as a fraction of the
@@ -30,8 +25,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scored-tokens", type=int, default=10900, help="response tokens per micro-batch (LM head rows)")
     parser.add_argument("--vocab", type=int, default=151936, help="padded vocabulary (Qwen2.5)")
-    parser.add_argument("--tokens", type=int, default=16128, help="tokens per micro-batch (norm rows)")
-    parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -40,12 +33,11 @@ def main() -> None:
 
     from megatron_rlhf.engine import logprobs_kernel
     from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
-    from megatron_rlhf.models.rms_norm import _RMSNormFunction
 
     torch.manual_seed(0)
     rate = copy_rate(args.repeat)
     result: dict = {"device": torch.cuda.get_device_name(), "copy_TBps": rate / 1e9, "kernels": {},
-                    "shape": {"scored_tokens": args.scored_tokens, "vocab": args.vocab, "tokens": args.tokens, "hidden": args.hidden}}  # fmt: skip
+                    "shape": {"scored_tokens": args.scored_tokens, "vocab": args.vocab}}  # fmt: skip
     print(f"{result['device']}: copy {rate / 1e9:.3f} TB/s")
 
     def report(name: str, ms: float, nbytes: int) -> None:
@@ -64,15 +56,6 @@ def main() -> None:
         report(f"log-probs forward, {name}", forward, size)
         report(f"log-probs backward, {name}", backward, 2 * size)
     logprobs_kernel.available = kernel_available
-
-    x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(args.hidden, device="cuda")).to(torch.bfloat16).requires_grad_()
-    size = x.numel() * x.element_size()
-    print("RMSNorm: backward reads x and the gradient, writes dx (the weight's gradient is small)")
-    for name, fn in (("ours", lambda t: _RMSNormFunction.apply(t, weight, 1e-6)),
-                     ("torch", lambda t: torch.nn.functional.rms_norm(t, (args.hidden,), weight, 1e-6))):  # fmt: skip
-        _, backward = forward_backward(fn, x, args.repeat)
-        report(f"rms_norm backward, {name}", backward, 3 * size)
 
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -4,8 +4,7 @@ The megatron model class and the layer spec are chosen here and nowhere else:
 * ``GPTModel`` is deprecated in megatron-core 0.19.2 in favour of ``HybridModel``, whose shipped
   spec needs Transformer Engine; a move changes checkpoint key names, so it happens in this file.
 * The layer spec is megatron's local (TE-free) spec with core attention swapped for
-  ``SDPAttention``, self-attention for ``CachedSelfAttention`` and, without apex, the layers' torch
-  RMSNorms for ``models/rms_norm.py``'s (a one-kernel backward). A Transformer Engine spec (fused norm+QKV, different weight names in the HF
+  ``SDPAttention``. A Transformer Engine spec (fused norm+QKV, different weight names in the HF
   map) belongs beside it, selected by the same function.
 """
 
@@ -16,13 +15,11 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rlhf.models import torch_fusions
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.attention import CachedSelfAttention, SDPAttention
-from megatron_rlhf.models.rms_norm import RMSNorm
 from megatron_rlhf.models.value_head import ValueHead
 from megatron_rlhf.parallel.layout import ParallelGroups
 
@@ -41,10 +38,6 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIP
 
 def layer_spec(arch: Architecture) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    layer = spec.submodules
-    for name in ("input_layernorm", "pre_mlp_layernorm"):  # apex's fused norm where installed, else ours
-        if getattr(layer, name) is WrappedTorchNorm:
-            setattr(layer, name, RMSNorm)
     spec.submodules.self_attention.module = CachedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec

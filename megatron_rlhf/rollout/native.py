@@ -45,7 +45,6 @@ from megatron_rlhf.models.attention import (
     rotate_store_attend,
     swiglu,
 )  # fmt: skip
-from megatron_rlhf.models.rms_norm import RMSNorm
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
@@ -422,9 +421,9 @@ def _advance_slots(
 
 def _decode_fusable(decoder: torch.nn.Module) -> bool:
     """Whether ``_decode_layers`` computes what the decoder's own forward does: pre-norm layers of
-    torch RMSNorms or ours (the TE-free spec without apex; the same forward), megatron's own
-    parallel linears without biases outside QKV, attention without Q/K norms over at least one KV
-    group per TP rank, then a SwiGLU MLP; a final norm; no sequence parallelism."""
+    torch RMSNorms (the TE-free spec without apex), megatron's own parallel linears without biases
+    outside QKV, attention without Q/K norms over at least one KV group per TP rank, then a SwiGLU
+    MLP; a final norm; no sequence parallelism."""
     layers = list(decoder.layers)
     config = decoder.config
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)] + [decoder.final_layernorm]
@@ -436,7 +435,7 @@ def _decode_fusable(decoder: torch.nn.Module) -> bool:
                 and type(attention.linear_proj) is RowParallelLinear and type(mlp.linear_fc2) is RowParallelLinear
                 and config.num_query_groups >= attention.world_size)  # fmt: skip
 
-    return (bool(layers) and all(type(n) in (torch.nn.RMSNorm, RMSNorm) for n in norms) and all(plain(layer) for layer in layers)
+    return (bool(layers) and all(type(n) is torch.nn.RMSNorm for n in norms) and all(plain(layer) for layer in layers)
             and config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
             and config.activation_func_clamp_value is None and config.glu_linear_offset == 0
             and not (config.apply_residual_connection_post_layernorm or config.fp32_residual_connection
