@@ -163,7 +163,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         entropy = log_sum_exp - mean_z if compute_entropy else None
 
         ctx.save_for_backward(logits_shard, local_target, z_max, log_sum_exp, mean_z)
-        ctx.settings = (dtype, 1.0 / temperature, n_real)
+        ctx.settings = (dtype, 1.0 / temperature, n_real, single_pass)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -172,11 +172,11 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
         logits_shard, local_target, z_max, log_sum_exp, mean_z = ctx.saved_tensors
-        dtype, inv_temperature, n_real = ctx.settings
+        dtype, inv_temperature, n_real, single_pass = ctx.settings
         zeros = torch.zeros_like(log_sum_exp)
         grad_logprobs = zeros if grad_logprobs is None else grad_logprobs.to(dtype)
         grad_entropy = zeros if grad_entropy is None else grad_entropy.to(dtype)
-        if logprobs_kernel.available(logits_shard):
+        if single_pass:
             grad_logits = logprobs_kernel.shard_grad(logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs,
                                                      grad_entropy, inv_temperature, n_real)  # fmt: skip
         else:

@@ -112,7 +112,8 @@ if triton is not None:
         sums = tl.load(stats_ptr + stats_stride + row * chunks + parts, mask=real, other=0.0)
         top = tl.max(maxes, 0)
         mass = tl.where(real, sums * tl.exp(maxes - top), 0.0)  # each chunk's sum of exp(z - top)
-        log_sum_exp = top + tl.log(tl.sum(mass, 0))
+        total = tl.sum(mass, 0)
+        log_sum_exp = top + tl.log(total)
         if GREEDY:
             winner = tl.argmax(maxes, 0, tie_break_left=True)
             token = tl.load(index_ptr + row * chunks + winner)
@@ -120,7 +121,7 @@ if triton is not None:
             tl.store(logprob_ptr + row, top - log_sum_exp)
         else:
             cumulative = tl.cumsum(mass, 0)
-            target = tl.load(uniform_ptr + row) * tl.sum(mass, 0)
+            target = tl.load(uniform_ptr + row) * total
             last_with_mass = tl.max(tl.where(mass > 0, parts, -1), 0)
             last_with_mass = tl.where(last_with_mass < 0, chunks - 1, last_with_mass)
             chosen = tl.minimum(tl.sum((real & (cumulative <= target)).to(tl.int32), 0), last_with_mass)
