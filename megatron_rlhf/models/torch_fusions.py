@@ -5,7 +5,8 @@ turns each on:
 * ``apply_rope_fusion``: rotary embedding through ``rope_utils.fused_apply_rotary_pos_emb`` (TE's).
   The unfused formula is about a dozen elementwise kernels per query and key per layer, forward and
   backward. Here: megatron's own unfused formula compiled (``gpu_fused``), one kernel each way,
-  rounded once. (A Triton kernel of our own was slower: ``docs/benchmarks.md``, twelfth session.)
+  rounded once, with the cos and sin of the angle table computed once per forward pass
+  (``_angle_tables``) rather than per element of every query and key.
 * ``gradient_accumulation_fusion``: the weight gradient of every parallel linear accumulated into
   its float32 ``main_grad`` inside the GEMM (apex's ``fused_weight_gradient_mlp_cuda``). Unfused,
   each linear writes a bf16 gradient, then a separate kernel adds it to ``main_grad``. Here: one
@@ -33,11 +34,42 @@ from megatron_rlhf.fusion import gpu_fused
 from megatron_rlhf.models.swiglu import swiglu_impl
 
 
-@gpu_fused
 def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """megatron's unfused rotary embedding (``_apply_rotary_pos_emb_bshd``), compiled on GPU; the
-    signature of TE's ``fused_apply_rotary_pos_emb`` that megatron calls."""
-    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    """megatron's unfused rotary embedding (``_apply_rotary_pos_emb_bshd``, mscale 1) with the
+    signature of TE's ``fused_apply_rotary_pos_emb`` that megatron calls: ``t * cos + rotate_half(t)
+    * sin``, cos and sin rounded to ``t``'s dtype first as megatron rounds them; compiled on GPU."""
+    cos, sin = _ANGLE_TABLES.of(freqs, t.dtype)
+    return _rotate(t, cos, sin, interleaved)
+
+
+@gpu_fused
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    rotated, passed = t[..., : cos.shape[-1]], t[..., cos.shape[-1] :]
+    return torch.cat((rotated * cos + rope_utils._rotate_half(rotated, interleaved) * sin, passed), dim=-1)
+
+
+class _AngleTables:
+    """cos and sin of the last angle table asked for, per dtype.
+
+    Why: megatron hands every layer of a forward pass the same angle table (``freqs``, one tensor
+    for the query and the key), and its formula takes cos and sin of it inside each call. Compiled,
+    that is two float32 trigonometric functions per element of every query and key head, forward
+    and again backward, where the kernel otherwise only streams its bytes. Keyed on the table's
+    identity: the reference held here keeps its memory from being reused by another tensor."""
+
+    def __init__(self) -> None:
+        self.freqs: torch.Tensor | None = None
+        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def of(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if freqs is not self.freqs:
+            self.freqs, self.tables = freqs, {}
+        if dtype not in self.tables:
+            self.tables[dtype] = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
+        return self.tables[dtype]
+
+
+_ANGLE_TABLES = _AngleTables()
 
 
 def _wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:

@@ -50,3 +50,33 @@ def test_fused_gradient_buffers_equal_megatrons_unfused_ones(world_of_one, tmp_p
     for name in unfused:
         assert unfused[name].abs().sum() > 0, name
         torch.testing.assert_close(fused[name], unfused[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved,rot_dim", [(False, 16), (True, 16), (False, 8)], ids=["half", "interleaved", "partial"])
+def test_rotary_with_tables_equals_megatrons_formula(dtype: torch.dtype, interleaved: bool, rot_dim: int) -> None:
+    """``rotary_bshd`` (cos and sin taken once per angle table) against megatron's unfused formula,
+    which takes them in every call: equal bit for bit, forward and backward, for the query and the
+    key of one table (the tables are reused) and again for another table of the same shape (they
+    are not)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rlhf.models.torch_fusions import rotary_bshd
+
+    g = torch.Generator().manual_seed(0)
+    s, b, hn = 7, 3, 16
+    for _ in range(2):  # a second forward pass: a new table, same shape
+        freqs = 40 * torch.rand(s, b, 1, rot_dim, generator=g)
+        for heads in (4, 2):  # query, then key
+            t = torch.randn(s, b, heads, hn, generator=g).to(dtype)
+            upstream = torch.randn(s, b, heads, hn, generator=g).to(dtype)
+            outputs = []
+            for fn in (lambda x: rotary_bshd(x, freqs, interleaved=interleaved),
+                       lambda x: rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)):  # fmt: skip
+                leaf = t.clone().requires_grad_()
+                out = fn(leaf)
+                (out * upstream).sum().backward()
+                outputs.append((out.detach(), leaf.grad))
+            (ours, our_grad), (megatron, megatron_grad) = outputs
+            assert torch.equal(ours, megatron) and torch.equal(our_grad, megatron_grad)
+            assert not torch.equal(ours, t)  # it rotated something
