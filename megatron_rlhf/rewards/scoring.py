@@ -8,6 +8,11 @@ Parts are named ``reward_model``, each rule by its name in ``scoring.rules``, an
 a part without a weight has weight 1. Rules and the custom function run on a 1/world share of the
 samples per rank and are gathered; the reward model scores every row in its own layout.
 
+``Scorer.start`` runs this rank's share of the rules and the function (decoding, then plain
+Python) on a host thread and returns at once, so that the trainer queues the reference and value
+passes on the GPU meanwhile; ``PendingScores.result()`` gathers the shares and runs the reward
+model's pass.
+
 The response text a rule or function reads has no trailing end-of-sequence token (verl decodes
 responses with special tokens skipped); the token ids are untouched.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -144,6 +150,7 @@ class Scorer:
         self.cfg, self.rules, self.function, self.reward_model = cfg, rules, function, reward_model
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
         self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
+        self._thread: ThreadPoolExecutor | None = None  # made at the first ``start`` with rules
 
     def samples(self, completions: Sequence[Completion], decode_batch: Callable[[list[list[int]]], list[str]],
                 extras: Sequence[dict[str, Any]] | None = None) -> list[Sample]:  # fmt: skip
@@ -168,17 +175,38 @@ class Scorer:
     def score(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]],
               decode_batch: Callable[[list[list[int]]], list[str]]) -> Scores:
         """Every part of every row (``extras[c.prompt_index]`` is the prompt row of completion c)."""
+        return self.start(batch, completions, extras, decode_batch).result()
+
+    def start(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]],
+              decode_batch: Callable[[list[list[int]]], list[str]]) -> "PendingScores":
+        """``score``, begun: this rank's share of the rules and the custom function runs on a host
+        thread (``decode_batch`` must not be called elsewhere until ``result()``)."""
+        share = None
+        if self.rules or self.function is not None:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
+            share = self._thread.submit(self._share_scores, completions[rank::world], extras, decode_batch)
+        return PendingScores(self, batch, completions, share)
+
+    def _share_scores(self, completions: list[Completion], extras: list[dict[str, Any]],
+                      decode_batch: Callable[[list[list[int]]], list[str]]) -> tuple[dict[str, list[float]], Any]:  # fmt: skip
+        """The rules' and the custom function's scores of ``completions`` (this rank's share)."""
+        mine = self.samples(completions, decode_batch, extras)
+        local = rule_scores(self.rules, mine)
+        custom = self.function.score(mine) if self.function is not None else None
+        if custom is not None:
+            local[CUSTOM_FUNCTION] = custom.scores
+        return local, custom
+
+    def _combine(self, batch: Batch, completions: list[Completion], share: Future | None) -> Scores:
         parts: dict[str, torch.Tensor] = {}
         custom_metrics: dict[str, float] = {}
         if self.reward_model is not None:
             parts[REWARD_MODEL] = self.reward_model_scores(batch)
-        if self.rules or self.function is not None:
-            rank, world = dist.get_rank(), dist.get_world_size()
-            mine = self.samples(completions[rank::world], decode_batch, extras)
-            local = rule_scores(self.rules, mine)
-            custom = self.function.score(mine) if self.function is not None else None
-            if custom is not None:
-                local[CUSTOM_FUNCTION] = custom.scores
+        if share is not None:
+            local, custom = share.result()  # re-raises what the thread raised
+            world = dist.get_world_size()
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, (local, custom))
             for name in local:
@@ -200,3 +228,18 @@ class Scorer:
         over = self.cfg.overlong
         start = self.max_new_tokens - over.buffer
         return -over.penalty * ((lengths - start).clamp(min=0) / over.buffer).clamp(max=1.0)
+
+
+@dataclasses.dataclass
+class PendingScores:
+    """Scores begun by ``Scorer.start``."""
+
+    scorer: Scorer
+    batch: Batch
+    completions: list[Completion]
+    share: Future | None  # this rank's rule and function scores, on the scorer's thread
+
+    def result(self) -> Scores:
+        """Waits for this rank's share, gathers every rank's, and runs the reward model's pass.
+        Collective over the world."""
+        return self.scorer._combine(self.batch, self.completions, self.share)

@@ -7,6 +7,8 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
                   weights (zero copy, or resharded), samples ``rollout.sampling.n`` responses per prompt
                   and restores training memory; every rank gets every completion;
   2. rewards      rule functions (split over ranks) plus the reward model's score at the last token;
+                  the rules run on a host thread while step 3's passes run on the GPU, and the
+                  reward model's pass comes after them (``timing_s/reward``: what the step waited);
   3. reference    reference log-probs (when a KL term is on), the actor's own log-probs before the
      / old / values  update (the exact quantity the loss recomputes; no pass of their own when the
                   rollout feeds exactly one optimizer step: the update's forward supplies them,
@@ -228,11 +230,14 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     times: dict[str, float] = {}
     peaks: dict[str, float] = {}  # GPU memory peaks of the phases (timed)
 
-    completions, batch, switch_reports, scored, rollout_metrics = sample_rollout(run, step, indices, times, peaks)
+    completions, batch, switch_reports, rollout_scores, rollout_metrics = sample_rollout(run, step, indices, times, peaks)
     mask = batch["response_mask"]
-    scores = scored.rewards
 
+    # The rules score on a host thread while these passes run on the GPU (``Scorer.start``).
     ref_logprobs, old_logprobs, values = forward_passes(run, batch, times, peaks)
+    with timed("reward", device, times, quiet=True, peaks=peaks):
+        scored = rollout_scores()
+    scores = scored.rewards
 
     def kl_to_reference(logprobs: torch.Tensor) -> torch.Tensor:
         return torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(logprobs, ref_logprobs), 0.0)
@@ -380,10 +385,11 @@ def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossF
 
 
 def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float], peaks: dict[str, float]
-                   ) -> tuple[list[Completion], Batch, dict[str, float], Scores, dict[str, float]]:  # fmt: skip
-    """``rollout.sampling.n`` scored responses for each prompt of ``indices`` (completions ordered by
+                   ) -> tuple[list[Completion], Batch, dict[str, float], Callable[[], Scores], dict[str, float]]:  # fmt: skip
+    """``rollout.sampling.n`` responses for each prompt of ``indices`` (completions ordered by
     group), their ``rollout_batch`` (the one the scorer read, unless groups were filtered), the
-    hybrid engine's phase times, the scores and the sampling metrics.
+    hybrid engine's phase times, what returns their scores (collective; scoring runs on a host
+    thread meanwhile, ``Scorer.start``) and the sampling metrics.
 
     With ``rollout.filter_groups`` (DAPO's dynamic sampling) a group whose raw scores all match
     carries no signal for a group-relative advantage: it is dropped and more prompts are drawn (a
@@ -410,10 +416,12 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
             phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
         with timed("reward", device, times, quiet=True, peaks=peaks):
             batch = rollout_batch(completions, run.tokenizer.pad_id)
-            scores = run.scorer.score(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode_batch)
+            pending = run.scorer.start(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode_batch)
         draws += 1
         if not rollout.filter_groups:
-            return completions, batch, phase_seconds, scores, {}
+            return completions, batch, phase_seconds, pending.result, {}
+        with timed("reward", device, times, quiet=True, peaks=peaks):
+            scores = pending.result()
         raw = scores.raw.view(len(indices), n)
         for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
             rows = torch.arange(group * n, (group + 1) * n)
@@ -429,7 +437,8 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
     metrics = {"rollout/sample_batches": float(draws), "rollout/groups_short": float(short),
                "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped))}  # fmt: skip
     batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
-    return completions, batch, phase_seconds, Scores.cat([s for _, s in chosen]), metrics
+    kept_scores = Scores.cat([s for _, s in chosen])
+    return completions, batch, phase_seconds, lambda: kept_scores, metrics
 
 
 def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:

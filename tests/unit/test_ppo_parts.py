@@ -166,6 +166,41 @@ def test_rule_text_has_no_trailing_eos(world_of_one) -> None:
     assert [s.extras for s in with_extras] == [{"answer": 1}, {"answer": 0}]
 
 
+def test_rules_score_on_a_thread_while_the_caller_goes_on(world_of_one) -> None:
+    """``Scorer.start`` returns before its rules have run: a rule that waits for the caller to go
+    on (an event set after ``start`` returned) finishes; ``result()`` equals ``score``, and what a
+    rule raises is raised there."""
+    import threading
+
+    went_on = threading.Event()
+    seen: list[bool] = []
+
+    def waits_for_the_caller(sample) -> float:
+        seen.append(went_on.wait(timeout=30))
+        return float(len(sample.response_ids))
+
+    completions = [_stub_completion(0, 3), _stub_completion(1, 5)]
+    batch = rollout_batch(completions, pad_id=0)
+    scorer = Scorer(ScoringConfig(use_reward_model=False), {"waits": waits_for_the_caller}, None, None, stop_ids=(),
+                    max_new_tokens=8, max_tokens_per_micro_batch=64)  # fmt: skip
+    decode = lambda rows: ["x" * len(ids) for ids in rows]  # noqa: E731
+    pending = scorer.start(batch, completions, [{}, {}], decode)
+    went_on.set()
+    scores = pending.result()
+    assert seen == [True, True]
+    torch.testing.assert_close(scores.raw, torch.tensor([3.0, 5.0]))
+    torch.testing.assert_close(scores.raw, scorer.score(batch, completions, [{}, {}], decode).raw)
+
+    def fails(sample) -> float:
+        raise RuntimeError("rule failed")
+
+    failing = Scorer(ScoringConfig(use_reward_model=False), {"fails": fails}, None, None, stop_ids=(), max_new_tokens=8,
+                     max_tokens_per_micro_batch=64)  # fmt: skip
+    pending = failing.start(batch, completions, [{}, {}], decode)
+    with pytest.raises(RuntimeError, match="rule failed"):
+        pending.result()
+
+
 def test_scoring_config_errors_name_the_part() -> None:
     errors, _, _ = scoring_errors(ScoringConfig(use_reward_model=False, rules=["lowercase_fraction"],
                                                 weights={"reward_model": 1.0}))  # fmt: skip
