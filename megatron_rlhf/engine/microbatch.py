@@ -56,9 +56,10 @@ def agreed_count(count: int, dp_group: dist.ProcessGroup | None, device: torch.d
 
     Every rank of a pipeline holds the same data, so the count is identical along TP and PP.
     """
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return count  # (no device round trip: it would wait for the GPU's queued work)
     total = torch.tensor([count], dtype=torch.int64, device=device)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=dp_group)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=dp_group)
     return int(total.item())
 
 

@@ -132,21 +132,23 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
     batch_width = batch["input_ids"].shape[1]
     fills = _fills(bins, lengths)
     width = _width(fills)
-    source_row = torch.zeros(len(bins), width, dtype=torch.long)
-    start = torch.zeros(len(bins), width, dtype=torch.long)  # the column where a token's sequence starts
-    segment_bin, segment_offset = [], []
+    segment_bin, segment_offset, span = [], [], []  # span: the columns a sequence owns in its row
     for b, rows in enumerate(bins):
         offset = 0
         for k, row in enumerate(rows):
-            end = offset + lengths[row] if k < len(rows) - 1 else width
-            source_row[b, offset:end], start[b, offset:end] = row, offset
             segment_bin.append(b)
             segment_offset.append(offset)
+            span.append(lengths[row] if k < len(rows) - 1 else width - offset)
             offset += lengths[row]
+    sequences = torch.tensor([row for rows in bins for row in rows])
+    # The spans tile the piece row by row: each token's sequence, and the column where it starts.
+    span = torch.tensor(span)
+    source_row = sequences.repeat_interleave(span, output_size=len(bins) * width).view(len(bins), width)
+    offsets = torch.tensor(segment_offset)
+    start = offsets.repeat_interleave(span, output_size=len(bins) * width).view(len(bins), width)
     position_ids = torch.arange(width) - start
     real = torch.arange(width) < torch.tensor(fills)[:, None]
     source_column = position_ids.clamp(max=batch_width - 1)
-    sequences = torch.tensor([row for rows in bins for row in rows])
     piece = {}
     for key, value in batch.items():
         if value.dim() > 1 and value.shape[1] == batch_width:
@@ -156,7 +158,7 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
             piece[key] = value[sequences]
     piece["position_ids"] = position_ids
     piece["segment_start"] = (position_ids == 0) & real
-    piece["segment_bin"], piece["segment_offset"] = torch.tensor(segment_bin), torch.tensor(segment_offset)
+    piece["segment_bin"], piece["segment_offset"] = torch.tensor(segment_bin), offsets
     piece["segment_length"] = torch.tensor(lengths)[sequences]
     if any(len(rows) > 1 for rows in bins):
         starts = piece["segment_bin"] * width + piece["segment_offset"]

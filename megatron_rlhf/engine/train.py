@@ -38,10 +38,11 @@ def train_step(
     device = _device(model)
     per_micro_batch = _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size, pack_sequences)
     lr = state.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it next)
-    metrics = _reduce_metrics(per_micro_batch, role, device)
     _inject_nan_for_test(model, state.step)
+    bad_grads = _nonfinite_grads_anywhere(model, device)  # queued now, read after the metrics' sync
+    metrics = _reduce_metrics(per_micro_batch, role, device)
     grad_norm: float | None = float("nan")
-    update_ok = math.isfinite(metrics["loss"]) and _grads_finite_everywhere(model, device)
+    update_ok = math.isfinite(metrics["loss"]) and bad_grads.item() == 0.0
     if update_ok:
         update_ok, grad_norm, _ = state.optimizer.step()
     if update_ok:
@@ -76,10 +77,11 @@ def _forward_backward(state: TrainState, batch: Batch, loss_fn: LossFn, max_toke
     return run_schedule(model, state.role.groups, pieces, _loss_step(loss_fn), forward_only=False)
 
 
-def _grads_finite_everywhere(model: torch.nn.Module, device: torch.device) -> bool:
-    """Collective over the whole job: no rank holds a non-finite value in its gradient buffers
-    (checked before the optimizer reads them; a NaN in any rank's local gradients reaches the
-    reduced gradients of some rank)."""
+def _nonfinite_grads_anywhere(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """Collective over the whole job: a device flag (1,), nonzero if some rank holds a non-finite
+    value in its gradient buffers (checked before the optimizer reads them; a NaN in any rank's
+    local gradients reaches the reduced gradients of some rank). Not read here: the caller reads
+    it after its next host sync, so the check runs on the GPU meanwhile."""
     # The smallest and largest gradient of each buffer (a NaN anywhere makes both NaN): one read of
     # the buffers and no host sync before the all-reduce, where ``isfinite(...).all()`` wrote and
     # read a bool copy of each (7 ms per step for a 1.5B model on an H200).
@@ -89,7 +91,7 @@ def _grads_finite_everywhere(model: torch.nn.Module, device: torch.device) -> bo
     if extremes:
         bad += (~torch.isfinite(torch.stack(extremes))).any()
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0.0
+    return bad
 
 
 TEST_NAN_ENV = "MEGATRON_RLHF_TEST_NAN"

@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel import (
     reduce_from_tensor_model_parallel_region,
 )
 
+from megatron_rlhf.data.batch import flat_tensor, right_padded
 from megatron_rlhf.fusion import gpu_fused
 from megatron_rlhf.models.attention import (
     CachedSelfAttention,
@@ -80,10 +81,12 @@ class _History:
         first = min(since)
         columns = self.tokens[first : self.steps, slots].t()
         every_step = (columns >= 0).all(dim=1).tolist()  # no gap to filter out (the usual case)
-        tokens, logprobs = columns.tolist(), self.logprobs[first : self.steps, slots].t().tolist()
+        # numpy's tolist of the transposed columns is faster than torch's (256 x 256: 2.3 vs 3.2 ms)
+        tokens, logprobs = columns.numpy().tolist(), self.logprobs[first : self.steps, slots].t().numpy().tolist()
         result = []
         for row_tokens, row_logprobs, start, whole in zip(tokens, logprobs, since, every_step):
-            row_tokens, row_logprobs = row_tokens[start - first :], row_logprobs[start - first :]
+            if start > first:
+                row_tokens, row_logprobs = row_tokens[start - first :], row_logprobs[start - first :]
             if not whole:
                 row_logprobs = [p for t, p in zip(row_tokens, row_logprobs) if t >= 0]
                 row_tokens = [t for t in row_tokens if t >= 0]
@@ -289,9 +292,8 @@ class NativeEngine:
         first_row: dict[int, int] = {}  # prompt index -> the admitted row computed for it
         source = [first_row.setdefault(c.prompt_index, row) for row, c in enumerate(admitted)]
         computed = list(first_row.values())
-        input_ids = torch.zeros(len(computed), width, dtype=torch.long)
-        for i, row in enumerate(computed):
-            input_ids[i, : lengths[row]] = torch.tensor(admitted[row].prompt_ids)
+        input_ids = right_padded(flat_tensor((admitted[row].prompt_ids for row in computed), torch.long),
+                                 torch.tensor([lengths[row] for row in computed]), width, 0)  # fmt: skip
         positions = torch.arange(width).expand(len(computed), width)
         device_state = state.slots
         computed_slots = torch.tensor([slot_ids[row] for row in computed], device=self.device)
