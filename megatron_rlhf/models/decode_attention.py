@@ -131,9 +131,7 @@ if triton is not None:
             key_at = group_at + ROWS * q_row
             new_key = _rotated(key_at + dims, key_at + partner, real_dims, angle_cos, angle_sin, sign).to(dtype)
             new_value = tl.load(key_at + q_row + dims, mask=real_dims, other=0.0)
-            tl.store(slot_cache + position * c_pos + dims, new_key, mask=real_dims)
-            tl.store(slot_cache + position * c_pos + HEAD_DIM + dims, new_value, mask=real_dims)
-            end = tl.minimum(position, kv_len)  # the cached keys before this step's
+            end = tl.minimum(position, kv_len)  # the cached keys before this step's (stored after the loop)
         else:
             q = tl.load(group_at + rows[:, None] * q_row + dims[None, :], mask=real, other=0.0)
             end = tl.minimum(position + 1, kv_len)
@@ -159,6 +157,10 @@ if triton is not None:
             acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=precision)
             running_max = new_max
         if NEW_ENTRY:  # this step's key and value, from registers: one more column of the softmax
+            # Stored only now: a store before the loop would hold back the loop's loads from the
+            # same cache, which the compiler must assume it may overwrite.
+            tl.store(slot_cache + position * c_pos + dims, new_key, mask=real_dims)
+            tl.store(slot_cache + position * c_pos + HEAD_DIM + dims, new_value, mask=real_dims)
             score = tl.sum(q.to(tl.float32) * new_key.to(tl.float32)[None, :], axis=1) * scale
             new_max = tl.maximum(running_max, score)
             weight = tl.exp(score - new_max)
