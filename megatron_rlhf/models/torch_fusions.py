@@ -16,6 +16,11 @@ And one that megatron has but compiles poorly: the MLP's SwiGLU (``bias_activati
 whose compiled backward builds its output with a ``cat``; here a Triton kernel each way
 (``models/swiglu.py``).
 
+The optimizer's multi-tensor kernels (apex's or TE's ``multi_tensor_l2norm`` and
+``multi_tensor_scale``) fall back in megatron to a loop per tensor; its gradient norm reads every
+parameter's norm to the host, a device sync each (about 200 per step for a 1.5B model). Here:
+torch's foreach kernels, with no sync.
+
 ``install()`` fills in each and the builder turns the flags on, in CPU mode too: there the rotary
 and SwiGLU formulas run eagerly and the weight gradient is a float32 ``addmm_``, so the CPU tests
 run the code path a GPU runs.
@@ -26,7 +31,10 @@ from __future__ import annotations
 import types
 
 import torch
+from megatron.core import utils as mcore_utils
 from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.tensor_parallel import layers
 from megatron.core.transformer import mlp
 
@@ -90,8 +98,31 @@ TORCH_WGRAD_ACCUMULATION = types.SimpleNamespace(
 )
 
 
+def _foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
+                     *args) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """``multi_tensor_l2norm`` as megatron calls it: the L2 norm of all of ``tensor_lists[0]``
+    together, (1,) float32 on their device."""
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """``multi_tensor_scale``: tensor_lists[1][i] = tensor_lists[0][i] * scale (in place when the
+    lists are one; a copy, with the dtype cast, when scale is 1)."""
+    sources, targets = tensor_lists
+    if sources is targets:
+        torch._foreach_mul_(targets, scale)
+    else:
+        torch._foreach_copy_(targets, sources if scale == 1.0 else torch._foreach_mul(sources, scale))
+
+
 def install() -> None:
     """Make the fusions available to megatron, keeping apex's and TE's where installed."""
+    if clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    for module in (clip_grads, mcore_optimizer):
+        if module.multi_tensor_scale_impl is mcore_utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _foreach_scale
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = rotary_bshd
     if not layers._grad_accum_fusion_available:

@@ -80,3 +80,40 @@ def test_rotary_with_tables_equals_megatrons_formula(dtype: torch.dtype, interle
             (ours, our_grad), (megatron, megatron_grad) = outputs
             assert torch.equal(ours, megatron) and torch.equal(our_grad, megatron_grad)
             assert not torch.equal(ours, t)  # it rotated something
+
+
+def test_optimizer_multi_tensor_kernels_match_float64() -> None:
+    """The foreach stand-ins for apex's multi-tensor kernels that megatron's optimizer calls: the
+    gradient norm over all tensors against float64, the scale in place and the scaled (casting)
+    copy against the per-tensor loop."""
+    from megatron_rlhf.models.torch_fusions import _foreach_l2_norm, _foreach_scale
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * (i + 1) for i, n in enumerate((7, 300, 1, 64))]
+    norm, _ = _foreach_l2_norm(0, torch.zeros(1), [grads], False)
+    expected = torch.cat([t.double() for t in grads]).norm()
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), expected.reshape(1), rtol=1e-6, atol=0)
+
+    scaled = [t.clone() for t in grads]
+    _foreach_scale(0, torch.zeros(1), [scaled, scaled], 0.25)
+    assert all(torch.equal(s, t * 0.25) for s, t in zip(scaled, grads))
+    for scale in (1.0, 0.5):
+        targets = [torch.zeros(t.shape, dtype=torch.bfloat16) for t in grads]
+        _foreach_scale(0, torch.zeros(1), [grads, targets], scale)
+        assert all(torch.equal(out, (t * scale).bfloat16()) for out, t in zip(targets, grads))
+
+
+def test_megatron_grad_norm_uses_the_foreach_norm(world_of_one) -> None:
+    """megatron's ``get_grad_norm_fp32`` (what the optimizer's clip reads) through the installed
+    norm equals the float64 norm of the gradients."""
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_rlhf.models import torch_fusions
+
+    torch_fusions.install()
+    assert clip_grads.l2_norm_impl is torch_fusions._foreach_l2_norm
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(n, generator=g) for n in (10, 33)]
+    norm = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=torch.distributed.group.WORLD)
+    assert norm == pytest.approx(torch.cat([t.double() for t in grads]).norm().item(), rel=1e-6)
