@@ -79,13 +79,23 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
         raise ValueError(f"a sequence of {max(lengths)} tokens does not fit a bin of {capacity}")
     bins: list[list[int]] = []
     room: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        target = next((b for b, free in enumerate(room) if free >= lengths[index]), len(bins))
-        if target == len(bins):
+    # Bins that may still take a sequence, in creation order: one with less room than the shortest
+    # sequence never will, so the search skips it (all full at once when every sequence is as long
+    # as a bin: a scan over every bin per sequence cost ms per pass at 256 sequences).
+    open_bins: list[int] = []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    shortest = lengths[order[-1]] if order else 0
+    for index in order:
+        target = next((b for b in open_bins if room[b] >= lengths[index]), None)
+        if target is None:
+            target = len(bins)
             bins.append([])
             room.append(capacity)
+            open_bins.append(target)
         bins[target].append(index)
         room[target] -= lengths[index]
+        if room[target] < shortest:
+            open_bins.remove(target)
     return bins
 
 

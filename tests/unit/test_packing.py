@@ -55,6 +55,14 @@ def test_first_fit_decreasing_by_hand() -> None:
         first_fit_decreasing([13], 12)
 
 
+@pytest.mark.parametrize("lengths", [skewed_lengths(300, 7), [40] * 50, [40] * 20 + [1] * 30 + [39] * 10, [5, 5, 30, 35, 40]],
+                         ids=["skewed", "all-full", "closing-bins", "small"])
+def test_first_fit_decreasing_equals_the_textbook_scan(lengths: list[int]) -> None:
+    """The search that skips bins too full for the shortest sequence places every sequence where
+    the textbook scan over all bins does."""
+    assert first_fit_decreasing(lengths, 40) == ffd_by_hand(lengths, 40)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_pack_rows_places_every_row_once_within_capacity_and_budget(seed: int) -> None:
     lengths = skewed_lengths(50, seed)
