@@ -6,7 +6,7 @@ turns each on:
   The unfused formula is about a dozen elementwise kernels per query and key per layer, forward and
   backward. Here: megatron's own unfused formula compiled (``gpu_fused``), one kernel each way,
   rounded once, with the cos and sin of the angle table computed once per forward pass
-  (``_angle_tables``) rather than per element of every query and key.
+  (``_AngleTables``) rather than per element of every query and key.
 * ``gradient_accumulation_fusion``: the weight gradient of every parallel linear accumulated into
   its float32 ``main_grad`` inside the GEMM (apex's ``fused_weight_gradient_mlp_cuda``). Unfused,
   each linear writes a bf16 gradient, then a separate kernel adds it to ``main_grad``. Here: one
