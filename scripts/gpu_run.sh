@@ -75,7 +75,7 @@ bench 1 scripts/bench_load.py --model builtin:llama-1.5b --tp 1 --out "$OUT/benc
 bench 1 scripts/bench_update.py --model builtin:llama-1.5b --profile --out "$OUT/bench_update.json" 2>&1 | tail -80 | tee "$OUT/bench_update.log" || status=1
 bench 1 scripts/bench_rollout.py --model builtin:llama-1.5b --profile --out "$OUT/bench_rollout.json" 2>&1 | tail -40 | tee "$OUT/bench_rollout.log" || status=1
 python3 scripts/bench_checkpoint.py --model builtin:llama-1.5b --dir /tmp/bench_checkpoint 2>&1 | tail -5 | tee "$OUT/bench_checkpoint.log" || status=1
-python3 scripts/bench_host.py --model builtin:llama-1.5b 2>&1 | tail -6 | tee "$OUT/bench_host.log" || status=1
+python3 scripts/bench_host.py --model builtin:llama-1.5b 2>&1 | tail -12 | tee "$OUT/bench_host.log" || status=1
 if [ "$ngpu" -ge 2 ]; then
   bench 2 scripts/bench_load.py --model builtin:llama-1.5b --tp 2 --out "$OUT/bench_load_tp2.json" 2>&1 | tail -25 | tee "$OUT/bench_load_tp2.log" || status=1
   bench 2 scripts/bench_rollout.py --model builtin:llama-1.5b --out "$OUT/bench_reshard.json" 2>&1 | tail -25 | tee "$OUT/bench_reshard.log" || status=1
