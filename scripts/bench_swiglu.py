@@ -42,6 +42,24 @@ def copy_rate(repeat: int) -> float:
     return 2 * src.numel() / time_ms(lambda: dst.copy_(src), repeat)
 
 
+class KernelReport:
+    """A kernel benchmark's printed lines and JSON: each kernel's time per call, the bytes it must
+    move at least, and that over the time as a fraction of the copy rate measured first."""
+
+    def __init__(self, shape: dict, repeat: int) -> None:
+        self.rate = copy_rate(repeat)
+        self.result: dict = {"device": torch.cuda.get_device_name(), "copy_TBps": self.rate / 1e9, "shape": shape, "kernels": {}}
+        print(f"{self.result['device']}: copy {self.rate / 1e9:.3f} TB/s")
+
+    def add(self, name: str, ms: float, nbytes: int) -> None:
+        self.result["kernels"][name] = {"ms": ms, "bytes": nbytes, "of_copy_rate": nbytes / ms / self.rate}
+        print(f"  {name:<40} {ms * 1e3:9.1f} us  {nbytes / ms / 1e9:7.2f} TB/s  {100 * nbytes / ms / self.rate:5.1f}% of copy")
+
+    def write(self, out: Path | None) -> None:
+        if out is not None:
+            out.write_text(json.dumps(self.result, indent=2) + "\n")
+
+
 def forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeat: int) -> tuple[float, float]:
     """(forward ms, backward ms) of ``fn`` on x; the backward is timed alone, from a kept graph."""
     leaf = x.detach().requires_grad_()
@@ -67,13 +85,7 @@ def main() -> None:
     from megatron_rlhf.models.swiglu import swiglu_impl
 
     torch.manual_seed(0)
-    rate = copy_rate(args.repeat)
-    result: dict = {"device": torch.cuda.get_device_name(), "copy_TBps": rate / 1e9, "shape": {"tokens": args.tokens, "ffn": args.ffn}, "kernels": {}}
-    print(f"{result['device']}: copy {rate / 1e9:.3f} TB/s")
-
-    def report(name: str, ms: float, nbytes: int) -> None:
-        result["kernels"][name] = {"ms": ms, "bytes": nbytes, "of_copy_rate": nbytes / ms / rate}
-        print(f"  {name:<34} {ms * 1e3:9.1f} us  {nbytes / ms / 1e9:7.2f} TB/s  {100 * nbytes / ms / rate:5.1f}% of copy")
+    report = KernelReport({"tokens": args.tokens, "ffn": args.ffn}, args.repeat)
 
     bf16 = torch.bfloat16
     y = torch.randn(args.tokens, 2 * args.ffn, device="cuda", dtype=bf16)
@@ -81,11 +93,9 @@ def main() -> None:
     print("SwiGLU (tokens x 2f -> tokens x f): forward reads y, writes half; backward reads y and the gradient, writes dy")
     for name, fn in (("ours", lambda x: swiglu_impl(x, None)), ("megatron compiled", lambda x: bias_swiglu_impl(x, None))):
         forward, backward = forward_backward(fn, y, args.repeat)
-        report(f"swiglu forward, {name}", forward, size + size // 2)
-        report(f"swiglu backward, {name}", backward, 2 * size + size // 2)
-
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        report.add(f"swiglu forward, {name}", forward, size + size // 2)
+        report.add(f"swiglu backward, {name}", backward, 2 * size + size // 2)
+    report.write(args.out)
 
 
 if __name__ == "__main__":
