@@ -10,8 +10,14 @@ transformers 5.x (``utils/chat_template_utils.py``) step by step:
   Jinja's own, neither HTML-escapes nor ASCII-escapes;
 * the variables ``messages`` (keys whose value is null dropped, as transformers does: parquet
   structs fill absent fields with null and templates test for presence), ``add_generation_prompt``
-  (always true here: these are prompts), ``tools`` and ``documents`` (None), and the tokenizer's
-  special-token strings (``bos_token``, ``eos_token``, ...).
+  (always true here: these are prompts), ``tools`` (the tool schemas, or None), ``documents``
+  (None), the tokenizer's special-token strings (``bos_token``, ``eos_token``, ...) and the caller's
+  own variables (``enable_thinking``: transformers' ``**kwargs``), which win over the special tokens.
+
+Tool schemas are OpenAI function schemas, ``{type: function, function: {name, description,
+parameters}}``, as templates read them (``tool | tojson``, ``tool.function.name``); a tools file is
+verl's ``tool_config_path`` YAML, of which only each tool's ``tool_schema`` is read here (the tool
+classes run tools, which prompts do not need).
 
 The rendered text is then tokenized with no special tokens added: the template writes them.
 """
@@ -21,18 +27,28 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import yaml
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "SPECIAL_TOKEN_VARIABLES"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "RESERVED_VARIABLES", "SPECIAL_TOKEN_VARIABLES", "load_tool_schemas",
+           "template_variable_errors", "tool_schema_problem", "tools_file_errors"]
 
 # The special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES), when set.
 SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+# Names a caller's template variables may not take: the variables rendering sets itself, and the
+# arguments of transformers' apply_chat_template (verl passes its apply_chat_template_kwargs there, so
+# such a key changes how transformers renders or tokenizes instead of reaching the template).
+RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                      "chat_template", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+                      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 class ChatTemplateError(ValueError):
@@ -91,14 +107,77 @@ class ChatTemplate:
     def __reduce__(self) -> tuple[type[ChatTemplate], tuple[str, str, dict[str, str]]]:
         return ChatTemplate, (self.text, self.source, self.special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The conversation as prompt text, ending with the generation prompt (the assistant's turn)."""
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               variables: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+        """The conversation as prompt text, ending with the generation prompt (the assistant's turn).
+        ``tools``: the schemas the template offers the model; ``variables``: more template variables
+        (not named in ``RESERVED_VARIABLES``; ``template_variable_errors`` checks them)."""
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
-            return self._template.render(messages=chat, tools=None, documents=None, add_generation_prompt=True,
-                                         **self.special_tokens)  # fmt: skip
+            return self._template.render(messages=chat, tools=tools, documents=None, add_generation_prompt=True,
+                                         **{**self.special_tokens, **(variables or {})})  # fmt: skip
         except Exception as exc:  # the template is the model's code: any failure is its verdict on these messages
             raise ChatTemplateError(f"the chat template ({self.source}) failed: {type(exc).__name__}: {exc}") from exc
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.source!r})"
+
+
+def template_variable_errors(setting: str, variables: Mapping[str, Any]) -> list[str]:
+    """Problems with a caller's template variables (``setting`` names them in the messages)."""
+    return [f"{setting}: key {name!r} is not a template variable of its own: the renderer sets it (tool schemas go "
+            "in data.tools_file or a row's tools column)" for name in variables if name in RESERVED_VARIABLES]
+
+
+def tool_schema_problem(schema: Any, where: str) -> str | None:
+    """What makes ``schema`` (found at ``where``, e.g. ``tools[0].tool_schema``) no OpenAI function
+    schema: its bad field and what was expected; None for a schema."""
+    if not isinstance(schema, dict):
+        return (f"{where}: expected an OpenAI function schema {{type: function, function: {{name, description, "
+                f"parameters}}}}, got {type(schema).__name__} {schema!r:.60}")  # fmt: skip
+    function = schema.get("function")
+    if not isinstance(function, dict):
+        return f"{where}.function: expected an object {{name, description, parameters}}, got {function!r:.60}"
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        return f"{where}.function.name: expected the function's name (a non-empty string), got {function.get('name')!r:.60}"
+    return None
+
+
+def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
+    """The ``tool_schema`` of each tool of a tools file in verl's ``tool_config_path`` format (YAML,
+    ``tools: [{class_name, config, tool_schema}]``), in file order; ``ValueError`` names the file and
+    the bad field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: the tools file does not exist")
+    try:
+        content = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the tools file: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    tools = content.get("tools") if isinstance(content, dict) else None
+    if not isinstance(tools, list):
+        raise ValueError(f"{path}: tools: expected a top-level 'tools' list of {{class_name, config, tool_schema}} "
+                         f"(verl's tool_config_path format), got {tools!r:.60}")  # fmt: skip
+    schemas = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or "tool_schema" not in tool:
+            raise ValueError(f"{path}: tools[{i}].tool_schema: missing (MCP tools, whose schemas come from their "
+                             f"server, are not supported); the entry is {tool!r:.80}")  # fmt: skip
+        problem = tool_schema_problem(tool["tool_schema"], f"tools[{i}].tool_schema")
+        if problem is not None:
+            raise ValueError(f"{path}: {problem}")
+        schemas.append(tool["tool_schema"])
+    return schemas
+
+
+def tools_file_errors(setting: str, path: str) -> list[str]:
+    """The up-front check of a tools-file setting (empty: no file)."""
+    if not path:
+        return []
+    try:
+        load_tool_schemas(path)
+    except ValueError as exc:
+        return [f"{setting}: {exc}"]
+    return []

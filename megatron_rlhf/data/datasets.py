@@ -6,7 +6,10 @@ A row gives each field as text (``prompt``) tokenized here, or, when the text co
 as pre-tokenized ids (``prompt_ids``: a list of ints). Text wins when both are there. An RL prompt
 may also be a conversation, a list of ``{role, content}`` messages (verl's ``prompt`` column): with
 ``apply_chat_template`` (the default) it is rendered with the tokenizer's chat template, generation
-prompt appended, exactly as transformers' ``apply_chat_template`` renders and tokenizes it.
+prompt appended, exactly as transformers' ``apply_chat_template(messages, tools=...,
+add_generation_prompt=True, **chat_template_kwargs)`` renders and tokenizes it. The template's
+``tools`` are the row's own (its ``tools_key`` column: a list of OpenAI function schemas, or a JSON
+string of one, as some datasets store it) or else the loader's ``tools`` (a tools file's schemas).
 
   SFT         input_ids = [BOS] + prompt + response [+ EOS]; loss_mask 0 on BOS and the prompt,
               1 on the response and EOS (the tokens the model is trained to produce).
@@ -48,20 +51,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import multiprocessing
 import pickle
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .chat_template import ChatTemplateError
+from .chat_template import ChatTemplateError, template_variable_errors, tool_schema_problem
 from .records import DataError, Record, Span, data_files, read_records, read_span, split_files
 from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer
 
@@ -371,11 +375,40 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenizer, apply_chat_template: bool
-                 ) -> list[int]:  # fmt: skip
+class _ChatOptions(NamedTuple):
+    """How message-list prompts are rendered (``load_prompt_dataset``'s chat arguments)."""
+
+    apply: bool
+    variables: dict[str, Any]
+    tools: list[dict[str, Any]] | None
+    tools_key: str
+
+
+def _row_tools(rec: Record, chat: _ChatOptions) -> list[dict[str, Any]] | None:
+    """The tool schemas of a row's conversation: its own (``tools_key`` column, when present and not
+    null: a list of schemas, or a JSON string of one) replace the loader's."""
+    value = rec.data.get(chat.tools_key) if chat.tools_key else None
+    if value is None:
+        return chat.tools
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _RowProblem(WRONG_TYPE, chat.tools_key, f"is a string but not JSON: {exc.msg} (column {exc.colno})"
+                              ) from None  # fmt: skip
+    if not isinstance(value, list):
+        raise _RowProblem(WRONG_TYPE, chat.tools_key, f"must be a list of tool schemas (or a JSON string of one), "
+                                                      f"got {type(value).__name__}")  # fmt: skip
+    problem = next(filter(None, (tool_schema_problem(t, f"[{i}]") for i, t in enumerate(value))), None)
+    if problem is not None:
+        raise _RowProblem(WRONG_TYPE, chat.tools_key, problem)
+    return value
+
+
+def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenizer, chat: _ChatOptions) -> list[int]:
     """Token ids of a conversation: the chat template's text, generation prompt included, tokenized."""
     where = f"{rec.file}: row {rec.row}: column '{key}' holds chat messages"
-    if not apply_chat_template:
+    if not chat.apply:
         raise DataError(f"{where} but data.apply_chat_template is false: set it to true to render them with the "
                         "model's chat template, or give the prompts as text")  # fmt: skip
     template = tokenizer.chat_template
@@ -389,8 +422,9 @@ def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenize
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _RowProblem(WRONG_TYPE, key, f"message {i} must be an object with a string 'role' (and its "
                                                f"'content'), got {message!r:.80}")  # fmt: skip
+    tools = _row_tools(rec, chat)
     try:
-        text = template.render(messages)
+        text = template.render(messages, tools, chat.variables)
     except ChatTemplateError as exc:
         raise _RowProblem(TEMPLATE_FAILED, key, str(exc)) from None
     ids = tokenizer.encode(text)
@@ -586,14 +620,14 @@ def _preference_row(ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, 
             (prompt + rejected, prompt_mask + [1] * len(rejected))], None
 
 
-def _prompt_row(ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], apply_chat_template: bool
+def _prompt_row(ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], chat: _ChatOptions
                 ) -> tuple[list[_Sequence], dict[str, Any]]:  # fmt: skip
     missing = [k for k in extra_keys if k not in rec.data]
     if missing:
         raise DataError(f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
                         f"columns present: {_columns(rec)}")
     value = rec.data.get(prompt_key)
-    ids = (_message_ids(rec, prompt_key, value, ld.tokenizer, apply_chat_template) if isinstance(value, list)
+    ids = (_message_ids(rec, prompt_key, value, ld.tokenizer, chat) if isinstance(value, list)
            else ld.field(rec, prompt_key))  # fmt: skip
     prompt = ld.with_bos(ids)
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
@@ -652,15 +686,26 @@ def load_prompt_dataset(
     extra_keys: Sequence[str] = (),
     add_bos: bool = False,
     apply_chat_template: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tools_key: str = "tools",
     num_workers: int = 0,
 ) -> tuple[PromptDataset, DataReport]:
     """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row. A
     verl row's reward inputs join its extras (and win over extra columns of the same name).
 
-    ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template; text and
-    pre-tokenized prompts are never templated (they may be chat-formatted already)."""
-    row = functools.partial(_prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys),
-                            apply_chat_template=apply_chat_template)  # fmt: skip
+    ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template, given
+    ``chat_template_kwargs`` as more template variables (``enable_thinking``) and as ``tools`` a row's
+    ``tools_key`` column (when present and not null; "": never) or else ``tools``. Text and
+    pre-tokenized prompts are never templated (they may be chat-formatted already), so these do not
+    apply to them."""
+    variables = dict(chat_template_kwargs or {})
+    problems = template_variable_errors("chat_template_kwargs", variables) + [
+        p for i, t in enumerate(tools or ()) if (p := tool_schema_problem(t, f"tools[{i}]")) is not None]
+    if problems:
+        raise ValueError("; ".join(problems))
+    chat = _ChatOptions(apply_chat_template, variables, None if tools is None else list(tools), tools_key)
+    row = functools.partial(_prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys), chat=chat)
     part = _Loader(paths, tokenizer, max_length, "data.max_prompt_length", on_overlong, on_invalid, False, add_bos,
                    num_workers, row, masks=(False,), with_extras=True).load()  # fmt: skip
     return PromptDataset(part.stores[0], part.extras), part.report

@@ -44,6 +44,7 @@ from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import PromptDataset, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
+from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.engine.objectives import UpdateLogprobs, critic_loss, logprobs_output, ppo_actor_loss, token_values_output
 from megatron_rlhf.engine.optim import TrainState, make_train_state
@@ -103,7 +104,9 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
         dataset, report = load_prompt_dataset(
             resolve_data_paths(paths), tokenizer, max_length=data.max_prompt_length, on_overlong=data.on_overlong,
             on_invalid=data.on_invalid, prompt_key=data.prompt_key, extra_keys=data.extra_keys, add_bos=data.add_bos,
-            apply_chat_template=data.apply_chat_template, num_workers=data.num_workers,
+            apply_chat_template=data.apply_chat_template, chat_template_kwargs=data.chat_template_kwargs,
+            tools=load_tool_schemas(data.tools_file) if data.tools_file else None, tools_key=data.tools_key,
+            num_workers=data.num_workers,
         )  # fmt: skip
         log(f"{what}: {report.summary()}")
         return dataset

@@ -11,6 +11,7 @@ reference that follows the actor against the actor).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
@@ -18,6 +19,7 @@ from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
 from megatron_rlhf.config.fields import at_least, one_of
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.builtin import data_path_errors
+from megatron_rlhf.data.chat_template import template_variable_errors, tools_file_errors
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.engine.optim import OptimConfig
@@ -49,8 +51,20 @@ class PromptDataConfig(DataFilesConfig):
     """Render a prompt that is a list of {role, content} messages with the model's chat template (and
     the generation prompt); plain-text prompts are tokenized as they are."""
 
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """More variables for the chat template, as transformers' apply_chat_template(**kwargs) passes
+    them (verl: data.apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3."""
+    tools_file: str = ""
+    """Tool schemas the chat template offers the model (its ``tools``): a YAML file in verl's
+    tool_config_path format, of which only each tool's tool_schema is read (no tool runs); empty: none."""
+    tools_key: str = "tools"
+    """Column of a row's own tool schemas (a list of OpenAI function schemas, or a JSON string of
+    one): where present and not null they replace tools_file's for that row, not add to them; "": no
+    such column."""
+
     def errors(self) -> list[str]:
-        return super().errors() + at_least(self, 1, "max_prompt_length")
+        return (super().errors() + at_least(self, 1, "max_prompt_length")
+                + template_variable_errors("chat_template_kwargs", self.chat_template_kwargs))  # fmt: skip
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -225,6 +239,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     if not data.train:
         errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
+    errors += tools_file_errors("data.tools_file", data.tools_file)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = data.max_prompt_length + sampling.max_new_tokens
