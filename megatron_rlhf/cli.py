@@ -15,13 +15,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megatron_rlhf.config.flags import add_flags, from_flags
-from megatron_rlhf.config.loader import ConfigError, config_errors, load_config, presets, raise_if_errors, to_yaml
+from megatron_rlhf.config.loader import (
+    ConfigError,
+    config_errors,
+    load_config,
+    load_config_with_sources,
+    presets,
+    raise_if_errors,
+    to_yaml,
+)
 from megatron_rlhf.metrics.log import quiet_known_warnings
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
@@ -36,15 +46,17 @@ DEFAULT_GPU_MEMORY_GIB = 80.0
 
 
 def _add_config_args(
-    parser: argparse.ArgumentParser, default: str = DEFAULT_PRESET, example: str = "actor.tp=2 seed=7"
+    parser: argparse.ArgumentParser, default: str | None = DEFAULT_PRESET, example: str = "actor.tp=2 seed=7",
+    prefix: str | None = None,
 ) -> None:
-    """``--config`` and overrides; the help lists the presets of this command only."""
-    prefix = next((p for p in TRAINER_PRESET_PREFIXES if default.startswith(p)), None)
+    """``--config`` and overrides; the help lists the presets of this command only (those named
+    ``prefix``...; without a prefix, the presets of no trainer)."""
     names = [n for n in presets() if (n.startswith(prefix) if prefix else not n.startswith(TRAINER_PRESET_PREFIXES))]
+    shown = f"default: {default}" if default else "default: none, the library defaults"
     parser.add_argument(
         "--config",
         default=default,
-        help=f"a preset name ({', '.join(names)}) or a YAML file (default: {default})",
+        help=f"a preset name ({', '.join(names)}) or a YAML file to build on ({shown})",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"dotlist overrides, e.g. {example}")
 
@@ -103,9 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     ):
         trainer = commands.add_parser(name, help=help_text, description=description)
-        default = "pipeline-arith-tiny" if name == "pipeline" else f"{name}-tiny"
-        _add_config_args(trainer, default=default, example=example)
-        trainer.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML and exit")
+        # The pipeline is the built-in task: its preset is the command. A trainer run is the user's
+        # own: it builds on the library defaults unless --config names a preset (the demos: *-tiny).
+        _add_config_args(trainer, default="pipeline-arith-tiny" if name == "pipeline" else None, example=example,
+                         prefix=f"{name}-")  # fmt: skip
+        trainer.add_argument("--print-config", action="store_true",
+                             help="run every start-up check, then print the resolved configuration as YAML (the "
+                                  "settings that differ from the library defaults first, as comments) and exit")
 
     generate = commands.add_parser(
         "generate",
@@ -136,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hybrid.offload=auto would decide. Reads only config.json files: no weights, no GPU, no processes. Exits 2 "
         "naming the settings when the run would be refused or its peak exceeds --gpu-memory-gib.",
     )
-    _add_config_args(plan, default="ppo-tiny", example="actor.tp=2 max_tokens_per_micro_batch=8192")
+    _add_config_args(plan, default=None, example="actor.path=/models/Qwen2.5-7B actor.tp=2", prefix="")
     plan.add_argument("--trainer", choices=PLAN_TRAINERS, default=None,
                       help="the command the config is for (default: from the preset's name, else ppo)")
     plan.add_argument("--world-size", type=int, default=1, help="GPUs of the run (default 1)")
@@ -187,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_smoke(cfg, init_distributed(cfg.device, cfg.dist_timeout_s))
             return 0
-        if args.command in ("ppo", "sft", "rm", "pipeline"):
+        if args.command in TRAINERS:
             return _run_trainer(args.command, args.config, args.overrides, args.print_config)
         if args.command == "plan":
             return _plan(args)
@@ -214,29 +230,50 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def _trainer(command: str) -> tuple[type, Callable[..., object]]:
-    """The config schema and the run function of a trainer command."""
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """A trainer command: its config schema, its start-up checks and its run."""
+
+    schema: type
+    check: Callable[[Any, int], object]
+    """Every check a run makes before it builds anything (``ConfigError``), given the world size."""
+    run: Callable[..., object]
+
+
+def _trainer(command: str) -> Trainer:
     if command == "ppo":
-        from megatron_rlhf.trainer.ppo import run_ppo as run
-        from megatron_rlhf.trainer.ppo_config import PPOConfig as schema
-    elif command == "sft":
-        from megatron_rlhf.trainer.sft import SFTConfig as schema
-        from megatron_rlhf.trainer.sft import run_sft as run
-    elif command == "rm":
-        from megatron_rlhf.trainer.rm import RMConfig as schema
-        from megatron_rlhf.trainer.rm import run_rm as run
-    else:
-        from megatron_rlhf.trainer.pipeline import PipelineConfig as schema
-        from megatron_rlhf.trainer.pipeline import run_pipeline as run
-    return schema, run
+        from megatron_rlhf.trainer.ppo import run_ppo
+        from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
+
+        return Trainer(PPOConfig, check_ppo_config, run_ppo)
+    if command in ("sft", "rm"):
+        from megatron_rlhf.trainer.rm import RMConfig, run_rm
+        from megatron_rlhf.trainer.sft import SFTConfig, run_sft
+        from megatron_rlhf.trainer.supervised import check_config
+
+        score_head = command == "rm"
+        return Trainer(RMConfig if score_head else SFTConfig,
+                       lambda cfg, world_size: check_config(cfg, world_size, score_head=score_head),
+                       run_rm if score_head else run_sft)  # fmt: skip
+    from megatron_rlhf.trainer.pipeline import PipelineConfig, check_pipeline_config, run_pipeline
+
+    return Trainer(PipelineConfig, lambda cfg, _world_size: check_pipeline_config(cfg), run_pipeline)
 
 
-def _run_trainer(command: str, preset: str, overrides: list[str], print_config: bool) -> int:
-    schema, run = _trainer(command)
-    cfg = load_config(preset, overrides, schema=schema)
+TRAINERS = ("ppo", "sft", "rm", "pipeline")
+
+
+def _run_trainer(command: str, preset: str | None, overrides: list[str], print_config: bool) -> int:
+    trainer = _trainer(command)
+    cfg, sources = load_config_with_sources(preset, overrides, schema=trainer.schema)
+    # The run's own checks, before torch.distributed starts or anything is built: a run and
+    # --print-config accept and refuse the same configs. torchrun names the world size.
+    trainer.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if print_config:
-        print(_checked_yaml(cfg), end="")
+        print(_commented(sources.report()) + to_yaml(cfg), end="")
         return 0
+    if os.environ.get("RANK", "0") == "0":
+        print(sources.report(), flush=True)
     import torch
 
     from megatron_rlhf.parallel.distributed import init_distributed
@@ -247,7 +284,7 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
         threads = cfg.host_thread_count(env.device)
         if threads is not None:
             torch.set_num_threads(threads)
-        run(cfg, env)
+        trainer.run(cfg, env)
     except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
         if stop.code and os.environ.get("RANK", "0") == "0":
             print(f"megatron-rlhf: {stop}", file=sys.stderr)
@@ -255,12 +292,17 @@ def _run_trainer(command: str, preset: str, overrides: list[str], print_config: 
     return 0
 
 
+def _commented(text: str) -> str:
+    return "".join(f"# {line}\n" for line in text.splitlines())
+
+
 def _plan(args: argparse.Namespace) -> int:
     """``plan``: the config of ``--trainer`` (or the one its preset's name says), planned."""
     from megatron_rlhf.trainer.plan import run_plan
 
-    trainer = args.trainer or next((t for t in PLAN_TRAINERS if Path(args.config).name.startswith(f"{t}-")), "ppo")
-    cfg = load_config(args.config, args.overrides, schema=_trainer(trainer)[0])
+    named = Path(args.config).name if args.config else ""
+    trainer = args.trainer or next((t for t in PLAN_TRAINERS if named.startswith(f"{t}-")), "ppo")
+    cfg = load_config(args.config, args.overrides, schema=_trainer(trainer).schema)
     print(run_plan(trainer, cfg, args.world_size, args.gpu_memory_gib, as_json=args.json))
     return 0
 

@@ -26,8 +26,9 @@ from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors,
 class ModelConfig:
     """One model and its parallel layout (dp = world_size / (tp * pp))."""
 
-    path: str = "builtin:tiny-llama"
-    """An HF model directory, a megatron-rlhf model checkpoint, or ``builtin:NAME``."""
+    path: str = ""
+    """An HF model directory, a megatron-rlhf model checkpoint, or ``builtin:NAME`` (the built-in
+    random models, e.g. builtin:tiny-llama); required."""
     tp: int = 1
     """Tensor-parallel size: must divide the number of attention heads and of query groups."""
     pp: int = 1
@@ -41,13 +42,26 @@ class ModelConfig:
 class ModelsConfig(RunConfig):
     """A run with the four models (``smoke``, ``ppo``); each command builds the ones it uses."""
 
-    actor: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama"))
-    critic: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama-rm"))
-    reference: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama"))
-    reward: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama-rm"))
+    actor: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The policy trained."""
+    critic: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The value model; an empty path: the actor's (its backbone and a new value head, as in verl)."""
+    reference: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The KL reference; an empty path: the actor's (the policy before training, as in verl)."""
+    reward: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The reward model (read with scoring.use_reward_model=true)."""
+
+    def __post_init__(self) -> None:
+        for role in FOLLOW_ACTOR:
+            if not self.role(role).path:
+                self.role(role).path = self.actor.path
 
     def role(self, name: str) -> ModelConfig:
         return getattr(self, name)
+
+
+FOLLOW_ACTOR = ("critic", "reference")
+"""Roles whose empty ``path`` means the actor's."""
 
 
 def architecture_of(path: str) -> Architecture:
@@ -72,6 +86,10 @@ def model_errors(
     backbone, and a new score head; see ``load_weights``), as critics and reward models usually
     start from the SFT policy. The returned architecture is then the score-head one.
     """
+    if not model.path:
+        follows = f" (the {' and '.join(FOLLOW_ACTOR)} follow it)" if key == "actor" else ""
+        return [f"{key}.path is not set{follows}: give an HF model directory, a megatron-rlhf checkpoint or "
+                "builtin:NAME"], None
     try:
         arch = architecture_of(model.path)
     except (ValueError, FileNotFoundError) as err:
@@ -94,6 +112,8 @@ def role_errors(cfg: ModelsConfig, roles: tuple[str, ...] | list[str], world_siz
     errors: list[str] = []
     archs: dict[str, Architecture] = {}
     for role in roles:
+        if role in FOLLOW_ACTOR and not cfg.role(role).path:
+            continue  # the actor's missing path is reported once
         found, arch = model_errors(role, cfg.role(role), world_size, score_head=NEEDS_SCORE_HEAD[role],
                                    head_from_lm=role in HEAD_FROM_LM)  # fmt: skip
         errors += found

@@ -1,9 +1,14 @@
 """YAML presets + dotlist overrides -> a command's typed config, with errors that name the key.
 
-Unknown keys are refused with the closest valid key suggested; values of the wrong type name the
-key, the value and the expected type. Values are then checked by the command: ``config_errors``
-collects every dataclass's own ``errors()`` with its full key, the command adds the rules that span
-sections, and ``raise_if_errors`` reports all of them at once.
+Unknown keys are refused with the closest valid key suggested (and verl's names with this
+project's, ``config/verl_names.py``); values of the wrong type name the key, the value and the
+expected type. Values are then checked by the command: ``config_errors`` collects every
+dataclass's own ``errors()`` with its full key, the command adds the rules that span sections, and
+``raise_if_errors`` reports all of them at once.
+
+``load_config_with_sources`` also says where each setting that differs from the library default
+came from (a preset, a config file, the command line), for the start-up report: a preset's values
+never reach a run unannounced.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from megatron_rlhf.config.fields import building_tree
+from megatron_rlhf.config.verl_names import verl_key_hint
 
 PRESET_DIR = Path(__file__).parent / "presets"
 T = TypeVar("T")
@@ -75,7 +81,14 @@ def _fields_at(dotted_key: str, schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _unknown_key_error(full_key: str, origin: str, schema: type) -> ConfigError:
+def _unknown_key_error(full_key: str, origin: str, schema: type, update: Any = None) -> ConfigError:
+    """Names ``full_key`` (the first unknown part of a key), the closest valid key, or, for a key of
+    ``update`` under it that is verl's, this project's name for it."""
+    given = _leaves(OmegaConf.to_container(update)) if isinstance(update, DictConfig) else {}
+    for key in (k for k in given if k == full_key or k.startswith(full_key + ".")):
+        verl_hint = verl_key_hint(key)
+        if verl_hint:
+            return ConfigError(f"{origin}: unknown key '{key}': {verl_hint}")
     parent, _, leaf = full_key.rpartition(".")
     valid = _fields_at(full_key, schema)
     close = difflib.get_close_matches(leaf, valid, n=1)
@@ -95,8 +108,10 @@ def _check_sections(update: Mapping[Any, Any], cls: type, origin: str, prefix: s
             _check_sections(value, section, origin, f"{prefix}{key}.")
             continue
         names = [f.name for f in dataclasses.fields(section)]
+        verl_hint = verl_key_hint(f"{prefix}{key}")
         raise ConfigError(f"{origin}: {prefix}{key}={value!r} is not valid: {prefix}{key} is a section (keys {names}), "
-                          f"not a single value; set its keys, e.g. {prefix}{key}.{names[0]}=...")
+                          f"not a single value; set its keys, e.g. {prefix}{key}.{names[0]}=..."
+                          + (f" ({prefix}{key} is also verl's key: {verl_hint})" if verl_hint else ""))  # fmt: skip
 
 
 def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
@@ -105,7 +120,7 @@ def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as err:
-        raise _unknown_key_error(err.full_key or str(err.key), origin, schema) from None
+        raise _unknown_key_error(err.full_key or str(err.key), origin, schema, update) from None
     except ValidationError as err:
         reason = (err.msg or str(err)).splitlines()[0]
         raise ConfigError(f"{origin}: {err.full_key}={err.value!r} is not valid: {reason}") from None
@@ -134,6 +149,59 @@ def _preset_chain(name_or_path: str) -> list[tuple[Path, DictConfig]]:
     return chain[::-1]
 
 
+COMMAND_LINE = "command line"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChangedSetting:
+    """A setting whose value is not the library default, and what set it."""
+
+    key: str
+    value: Any
+    default: Any
+    origin: str
+    """``preset NAME``, a config file's path, ``command line``, or ``derived from other settings``
+    (the config set it, e.g. a critic that starts from ``actor.path``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSources:
+    """Where a loaded config came from: the preset or file it builds on, and every setting that
+    differs from the library defaults with its origin."""
+
+    base: str | None
+    """The preset name or config file given with ``--config`` (None: library defaults only)."""
+    changed: tuple[ChangedSetting, ...]
+
+    def report(self) -> str:
+        """The start-up report's settings block."""
+        base = f"preset {self.base}" if self.base in presets() else self.base
+        head = (f"settings: built on {base}" if base else "settings: library defaults (no --config)")
+        if not self.changed:
+            return head + "; none differs from the library defaults"
+        width = max(len(c.key) for c in self.changed)
+        rows = [f"  {c.key:<{width}}  {_show(c.value)}  (default {_show(c.default)}; {c.origin})" for c in self.changed]
+        return head + f"; {len(self.changed)} differ from the library defaults:\n" + "\n".join(rows)
+
+
+def _show(value: Any) -> str:
+    return "''" if value == "" else str(value)
+
+
+def _origin(path: Path) -> str:
+    return f"preset {path.stem}" if path.parent == PRESET_DIR else str(path)
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: value}`` of a plain container; lists and empty mappings are values."""
+    if not isinstance(tree, Mapping) or not tree:
+        return {prefix.rstrip("."): tree}
+    leaves: dict[str, Any] = {}
+    for key, value in tree.items():
+        leaves.update(_leaves(value, f"{prefix}{key}."))
+    return leaves
+
+
 def load_config(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]) -> T:
     """Schema defaults <- preset or YAML file <- dotlist overrides, in that order.
 
@@ -141,16 +209,41 @@ def load_config(preset: str | None, overrides: list[str] | tuple[str, ...] = (),
     are checked here; values are checked by the command's check function, which reports
     ``config_errors`` (every dataclass's own ``errors()``) and its cross-component rules together.
     """
+    return load_config_with_sources(preset, overrides, schema=schema)[0]
+
+
+def load_config_with_sources(
+    preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]
+) -> tuple[T, ConfigSources]:
+    """``load_config``, and where every setting that differs from the library default came from."""
     merged = OmegaConf.structured(schema)
+    set_by: dict[str, str] = {}
     if preset is not None:
         for path, file_cfg in _preset_chain(preset):
             merged = _merge(merged, file_cfg, str(path), schema)
+            set_by.update(dict.fromkeys(_leaves(OmegaConf.to_container(file_cfg)), _origin(path)))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override '{item}'", schema)
+        update = OmegaConf.from_dotlist([item])
+        merged = _merge(merged, update, f"override '{item}'", schema)
+        set_by.update(dict.fromkeys(_leaves(OmegaConf.to_container(update)), COMMAND_LINE))
     with building_tree():
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
+    defaults = _leaves(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
+    final = _leaves(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    changed = tuple(ChangedSetting(key, value, defaults.get(key), _setter(key, set_by))
+                    for key, value in final.items() if value != defaults.get(key))  # fmt: skip
+    return cfg, ConfigSources(preset, changed)
+
+
+def _setter(key: str, set_by: dict[str, str]) -> str:
+    """What set ``key``: the last update naming it or a section above it (``rollout={...}``)."""
+    while key:
+        if key in set_by:
+            return set_by[key]
+        key = key.rpartition(".")[0]
+    return "derived from other settings"
 
 
 def to_yaml(cfg: Any) -> str:

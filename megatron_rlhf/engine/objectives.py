@@ -91,7 +91,8 @@ class PPOLossConfig:
     dual_clip_c: float | None = 3.0
     """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); None disables it. 3.0 is
     verl's clip_ratio_c (always on there)."""
-    value_clip: float | None = 0.2
+    value_clip: float | None = 0.5
+    """Clip of the value update around the old values (verl's cliprange_value, 0.5); None disables it."""
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     """KL to the reference policy as a loss term (GRPO style); 0 when KL is a reward penalty."""

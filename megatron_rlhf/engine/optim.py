@@ -39,7 +39,8 @@ class OptimConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
     """Floor of the decay (cosine/linear)."""
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay; 0.01 as in verl and torch's AdamW."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

@@ -60,8 +60,8 @@ class OverlongConfig:
 class ScoringConfig:
     """How a response's scalar reward is made (see the module docstring)."""
 
-    use_reward_model: bool = True
-    """Score with the reward model (``reward.path``); false: no reward model is built."""
+    use_reward_model: bool = False
+    """Score with the reward model (``reward.path``); false (verl's default): no reward model is built."""
     rules: list[str] = dataclasses.field(default_factory=list)
     """Rule names (exact_answer, lowercase_fraction) or import paths ``package.module:function``."""
     custom_function: CustomFunctionConfig = dataclasses.field(default_factory=CustomFunctionConfig)

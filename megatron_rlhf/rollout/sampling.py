@@ -67,7 +67,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Keep the nucleus: the smallest set of most likely tokens whose probability reaches top_p
     (after top-k; always at least one token); 1 = off."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = 512
     """At most this many generated tokens per sample."""
     n: int = field(default=1, metadata={"flag": "--num-samples"})
     """Samples per prompt (a group, for GRPO-style estimators)."""

@@ -118,10 +118,15 @@ class PipelineConfig(RunConfig):
         return [] if self.stages == order else [f"stages={self.stages}: expected pipeline order, each once: {order}"]
 
 
+def check_pipeline_config(cfg: PipelineConfig) -> None:
+    """The checks of the stages' sections that need no model (module docstring), all at once."""
+    raise_if_errors(config_errors(cfg, unused=[s for s in STAGES if s not in cfg.stages]))
+
+
 def run_pipeline(cfg: PipelineConfig, env: DistEnv) -> dict[str, Any]:
     """Run ``cfg.stages`` in order; returns (and writes to ``output_dir/pipeline.json``) each
     stage's time and summary and the held-out accuracies."""
-    raise_if_errors(config_errors(cfg, unused=[s for s in STAGES if s not in cfg.stages]))
+    check_pipeline_config(cfg)
     stages: dict[str, Callable[[], dict[str, Any]]] = {
         "sft": lambda: run_sft(cfg.sft, env),
         "pairs": lambda: make_pairs(cfg.pairs, cfg.sft.dtype, cfg.seed, env),

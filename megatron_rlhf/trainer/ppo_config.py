@@ -45,12 +45,11 @@ class PromptDataConfig(DataFilesConfig):
     """Validation prompts, same formats (e.g. [builtin:arithmetic-test]); empty: no validation."""
     extra_keys: list[str] = dataclasses.field(default_factory=list)
     """Columns passed to reward rules with each sample (e.g. [answer])."""
-    max_prompt_length: int = 256
+    max_prompt_length: int = 512
     """Longest prompt in tokens; longer rows follow ``on_overlong``."""
     apply_chat_template: bool = True
     """Render a prompt that is a list of {role, content} messages with the model's chat template (and
     the generation prompt); plain-text prompts are tokenized as they are."""
-
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """More variables for the chat template, as transformers' apply_chat_template(**kwargs) passes
     them (verl: data.apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3."""
@@ -151,7 +150,7 @@ class PPOConfig(LoopConfig, ModelsConfig):
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     actor_optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6))
-    critic_optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))
+    critic_optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
     prompts_per_step: int = 16
     """Prompts per RL step (the rollout holds prompts_per_step x rollout.sampling.n sequences)."""
     mini_batch_size: int = 0

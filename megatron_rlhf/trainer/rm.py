@@ -51,7 +51,7 @@ class RMConfig(SupervisedConfig):
 
     ``global_batch_size`` counts pairs (each pair is two sequences)."""
 
-    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama-rm"))
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """A *ForSequenceClassification model (score head; HF dir, megatron-rlhf checkpoint or
     builtin:NAME) and its TP/PP layout."""
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))

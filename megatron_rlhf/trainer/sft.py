@@ -45,7 +45,7 @@ class SFTDataConfig(SupervisedDataConfig):
 class SFTConfig(SupervisedConfig):
     """``megatron-rlhf sft``: the fields of ``SupervisedConfig`` plus the SFT data."""
 
-    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(path="builtin:tiny-llama"))
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """A *ForCausalLM model (HF dir, megatron-rlhf checkpoint or builtin:NAME) and its TP/PP layout."""
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Adam, warmup and LR decay."""

@@ -141,7 +141,7 @@ def main() -> None:
     if ppo_overrides:
         from megatron_rlhf.cli import main as cli_main
 
-        sys.exit(cli_main(["ppo", *ppo_overrides]))
+        sys.exit(cli_main(["ppo", "--config", "ppo-tiny", *ppo_overrides]))
 
 
 if __name__ == "__main__":  # the checkpoint writer spawns processes that import this file

@@ -133,7 +133,7 @@ def test_output_dir_under_a_file_is_a_named_error_not_a_traceback(command: str, 
     blocker.write_text("")
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "a", "response": "b", "chosen": "b", "rejected": "c"}\n')
-    proc = _cli(command, f"output_dir={blocker / 'run'}", f"data.train=[{rows}]")
+    proc = _cli(command, "--config", f"{command}-tiny", f"output_dir={blocker / 'run'}", f"data.train=[{rows}]")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"output_dir='{blocker / 'run'}': {blocker} is a file, not a directory" in proc.stderr
     assert "Traceback" not in proc.stderr and "build+load" not in proc.stdout
@@ -142,12 +142,12 @@ def test_output_dir_under_a_file_is_a_named_error_not_a_traceback(command: str, 
 @pytest.mark.parametrize("command", ["ppo", "sft", "rm"])
 def test_unusable_data_fails_before_the_run_writes_or_builds_anything(command: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    missing = _cli(command, f"output_dir={out}", "data.train=[/nope.jsonl]")
+    missing = _cli(command, "--config", f"{command}-tiny", f"output_dir={out}", "data.train=[/nope.jsonl]")
     assert missing.returncode == 2, missing.stderr[-3000:]
     assert "data.train: dataset path '/nope.jsonl' does not exist" in missing.stderr
     no_columns = tmp_path / "rows.jsonl"
     no_columns.write_text('{"question": "a"}\n')
-    bad_rows = _cli(command, f"output_dir={out}", f"data.train=[{no_columns}]")
+    bad_rows = _cli(command, "--config", f"{command}-tiny", f"output_dir={out}", f"data.train=[{no_columns}]")
     assert bad_rows.returncode == 2, bad_rows.stderr[-3000:]
     assert str(no_columns) in bad_rows.stderr and "no column 'prompt'" in bad_rows.stderr
     for proc in (missing, bad_rows):

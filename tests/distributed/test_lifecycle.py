@@ -106,7 +106,7 @@ def _result(out: Path) -> dict:
     return {key: value for key, value in result.items() if key not in ("train_seconds", "hf_dir")}
 
 
-PPO_ARGS = ("ppo", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
+PPO_ARGS = ("ppo", "--config", "ppo-tiny", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
             "algorithm.advantage_estimator=gae", "scoring.use_reward_model=true", "algorithm.kl_penalty.type=adaptive",
             "algorithm.kl_penalty.coef=0.05", "algorithm.kl_penalty.horizon=10", "algorithm.loss.kl_loss_coef=0",
             "reference.update=ema", "reference.ema_decay=0.5", "rollout.sampling.max_new_tokens=12")  # fmt: skip
@@ -140,7 +140,7 @@ def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(tmp_path: Pa
 
 @pytest.mark.distributed
 def test_grpo_resumes_exactly(tmp_path: Path) -> None:
-    _check_resume_matches(1, ("ppo", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
+    _check_resume_matches(1, ("ppo", "--config", "ppo-tiny", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
                               "rollout.sampling.max_new_tokens=12"), tmp_path, 6)  # fmt: skip
 
 
@@ -184,7 +184,7 @@ def test_checkpoint_resumes_in_another_layout(tmp_path: Path, saved_layout: str)
 def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -> None:
     """SIGTERM mid-run: a checkpoint at the next step boundary, exit 0 (no export yet); the same
     command again continues from it and exports the uninterrupted run's weights."""
-    args = ("ppo", "max_steps=8", "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=12")
+    args = ("ppo", "--config", "ppo-tiny", "max_steps=8", "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=12")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert _run(1, (*args, f"output_dir={straight}")).returncode == 0
     proc = subprocess.Popen(_command(1, (*args, f"output_dir={stopped}")), env=subprocess_env(),

@@ -64,7 +64,7 @@ def _lowercase_fraction(text: str) -> float:
 def test_default_grpo_run_learns_its_rule_reward(tmp_path: Path) -> None:
     """The built-in run (GRPO, tiny random actor, lowercase-letter reward): the mean reward climbs."""
     out = tmp_path / "run"
-    proc = _cli("ppo", f"output_dir={out}", "max_steps=30", "log_every=10")
+    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=30", "log_every=10")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "step 30/30" in proc.stdout and "ppo done: mean reward" in proc.stdout
     records = _records(out)
@@ -107,9 +107,9 @@ COMPARED = ("reward/mean", "reward/reward_model", "reward/rule/lowercase_fractio
 def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
     """PPO with a critic (PP2), reward model and KL penalty: every model sharded over 2 ranks
     (data-parallel size 1 everywhere, so the rollout is the same) gives the TP1 run's figures."""
-    single = _cli("ppo", f"output_dir={tmp_path / 'one'}", *PPO_ARGS)
+    single = _cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'one'}", *PPO_ARGS)
     assert single.returncode == 0, single.stderr[-6000:]
-    sharded = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path / 'two'}", *PPO_ARGS, "actor.tp=2", "reference.tp=2",
+    sharded = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'two'}", *PPO_ARGS, "actor.tp=2", "reference.tp=2",
                            "reward.tp=2", "critic.pp=2", "rollout.tp=2")  # fmt: skip
     assert sharded.returncode == 0, sharded.stderr[-6000:]
     for one, two in zip(_records(tmp_path / "one"), _records(tmp_path / "two"), strict=True):
@@ -121,7 +121,7 @@ def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
 def test_ppo_generates_from_resharded_weights(tmp_path: Path) -> None:
     """Actor trained at TP2, generation at TP1 x DP2 from resharded weights: the engine's log-probs
     equal the trainer's recomputation, and the reference (TP1) agrees with the actor at step 1."""
-    proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1")
+    proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1")
     assert proc.returncode == 0, proc.stderr[-6000:]
     records = _records(tmp_path)
     assert all("timing_s/gen/generation_weights_reshard" in r for r in records)
@@ -142,7 +142,7 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
     computed each row; the figures and the exported actor equal those of the run that recomputes."""
     runs = {}
     for mode in ("auto", "always"):
-        proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path / mode}", *ONE_STEP_PER_ROLLOUT, *layout,
+        proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / mode}", *ONE_STEP_PER_ROLLOUT, *layout,
                             f"algorithm.recompute_old_logprobs={mode}")  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-6000:]
         runs[mode] = _records(tmp_path / mode)
@@ -159,7 +159,7 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
 def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
     """A run with every part on (critic, reward model, rule, KL penalty, KL loss, entropy bonus):
     its metric keys have no spaces, follow the scheme and are listed in the README."""
-    proc = _cli("ppo", f"output_dir={tmp_path}", *PPO_ARGS, "max_steps=1", "algorithm.loss.kl_loss_coef=0.001",
+    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *PPO_ARGS, "max_steps=1", "algorithm.loss.kl_loss_coef=0.001",
                 "algorithm.loss.entropy_coef=0.01")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     (record,) = _records(tmp_path)
@@ -212,7 +212,7 @@ def test_wandb_offline_history_equals_metrics_jsonl(tmp_path: Path, monkeypatch:
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb, or the test extra): "
                                         "no offline wandb run to check")  # fmt: skip
     monkeypatch.setenv("WANDB_MODE", "offline")
-    proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", "max_steps=3",
+    proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=3",
                         "loggers=[console,jsonl,tensorboard,wandb]", "wandb.project=megatron-rlhf-tests")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")  # rank 0 only

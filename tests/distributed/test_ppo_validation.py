@@ -23,7 +23,7 @@ def test_validation_figures_match_the_samples_and_run_at_the_asked_steps(tmp_pat
     prompts.write_text("".join(json.dumps({"prompt": f"Say something about item {i}:", "data_source": src}) + "\n"
                                for i, src in enumerate(["alpha"] * 3 + ["beta"] * 3)))  # fmt: skip
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", f"output_dir={out}", "max_steps=4", "eval_every=2",
+    proc = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=4", "eval_every=2",
                            f"data.train=[{train}]", f"data.validation=[{prompts}]", "eval.n=3", "eval.correct_score=0.5", "eval.samples=6",
                            "data.extra_keys=[data_source]"],
                           env=subprocess_env(), capture_output=True, text=True, timeout=600)  # fmt: skip

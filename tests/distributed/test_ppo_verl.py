@@ -67,7 +67,7 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
     _verl_parquet(tmp_path / "train.parquet", 16)
     (tmp_path / "my_reward.py").write_text(COMPUTE_SCORE)
     out = tmp_path / "run"
-    proc = _cli("ppo", f"output_dir={out}", f"actor.path={model}", f"reference.path={model}",
+    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", f"actor.path={model}", f"reference.path={model}",
                 f"data.train=[{tmp_path / 'train.parquet'}]", "data.max_prompt_length=64", "max_steps=3",
                 "prompts_per_step=4", "mini_batch_size=16", "samples_per_step=16", "scoring.use_reward_model=false",
                 "scoring.rules=[]", f"scoring.custom_function.path={tmp_path / 'my_reward.py'}",
@@ -92,7 +92,7 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
 @pytest.mark.distributed
 def test_dynamic_sampling_keeps_only_groups_with_signal_and_fills_the_batch(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _cli("ppo", f"output_dir={out}", "max_steps=3", "samples_per_step=32", "rollout.filter_groups=true",
+    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=3", "samples_per_step=32", "rollout.filter_groups=true",
                 "rollout.max_sample_batches=0", "scoring.rules=[tests.distributed.reward_fixtures:half_uniform]")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")

@@ -78,7 +78,7 @@ def rm_single(rm_data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     """The reward model trained at TP1 in one process: 16 steps, evaluated every 8."""
     out = tmp_path_factory.mktemp("rm-single")
     train, val = rm_data
-    proc = _cli("rm", *RM_ARGS, f"data.train=[{train}]", f"data.validation=[{val}]", f"output_dir={out}",
+    proc = _cli("rm", "--config", "rm-tiny", *RM_ARGS, f"data.train=[{train}]", f"data.validation=[{val}]", f"output_dir={out}",
                 "max_steps=16", "eval_every=8")  # fmt: skip
     return out, proc
 
@@ -223,7 +223,7 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
     assert single_proc.returncode == 0, single_proc.stderr[-3000:]
     train, val = rm_data
     out = tmp_path / "dp2"
-    proc = run_torchrun(MAIN, 2, "rm", *RM_ARGS, f"data.train=[{train}]", f"data.validation=[{val}]",
+    proc = run_torchrun(MAIN, 2, "rm", "--config", "rm-tiny", *RM_ARGS, f"data.train=[{train}]", f"data.validation=[{val}]",
                         f"output_dir={out}", "max_steps=8", timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "TP1xPP1xDP2" in proc.stdout and "(8 per DP rank x 2)" in proc.stdout
@@ -246,7 +246,7 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
 def test_missing_response_column_fails_naming_file_and_column(tmp_path: Path, num_workers: int) -> None:
     """The same message whether the row is read here or in a data-loading worker process."""
     bad = _write_jsonl(tmp_path / "no-response.jsonl", [{"prompt": "a b c =", "answer": " c b a"}])
-    proc = _cli("sft", f"data.train=[{bad}]", f"output_dir={tmp_path / 'run'}", f"data.num_workers={num_workers}")
+    proc = _cli("sft", "--config", "sft-tiny", f"data.train=[{bad}]", f"output_dir={tmp_path / 'run'}", f"data.num_workers={num_workers}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert str(bad) in proc.stderr and "no column 'response'" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -254,7 +254,7 @@ def test_missing_response_column_fails_naming_file_and_column(tmp_path: Path, nu
 
 @pytest.mark.distributed
 def test_global_batch_not_divisible_by_dp_is_a_config_error(rm_data, tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 2, "rm", f"data.train=[{rm_data[0]}]", "global_batch_size=3",
+    proc = run_torchrun(MAIN, 2, "rm", "--config", "rm-tiny", f"data.train=[{rm_data[0]}]", "global_batch_size=3",
                         f"output_dir={tmp_path}", timeout=300)  # fmt: skip
     assert proc.returncode != 0
     message = "global_batch_size=3 must be divisible by the data-parallel size dp=2"
@@ -284,7 +284,7 @@ def test_sft_of_an_hf_model_uses_and_exports_its_tokenizer(tmp_path: Path) -> No
     _write_word_tokenizer(tmp_path / "model", VOCAB)
     train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(32, 0))
     out = tmp_path / "run"
-    proc = _cli("sft", f"model.path={tmp_path / 'model'}", f"data.train=[{train}]", f"output_dir={out}",
+    proc = _cli("sft", "--config", "sft-tiny", f"model.path={tmp_path / 'model'}", f"data.train=[{train}]", f"output_dir={out}",
                 "global_batch_size=8", "max_steps=3", "optim.lr=1e-4", "log_every=1")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "tokenizer: HFTokenizer(" in proc.stdout

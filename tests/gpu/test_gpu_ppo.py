@@ -39,14 +39,14 @@ def _check(out: Path, generation: str, *, captured_once: bool = False, warmed_up
 @pytest.mark.gpu
 @pytest.mark.parametrize("warmup", ["auto", "never"])
 def test_ppo_on_one_gpu(warmup: str, tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 1, "ppo", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never", f"warmup={warmup}")
+    proc = run_torchrun(MAIN, 1, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never", f"warmup={warmup}")
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "zero_copy", captured_once=True, warmed_up=warmup == "auto")
 
 
 @pytest.mark.gpu
 def test_ppo_offloading_frees_and_recaptures_the_graphs(tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 1, "ppo", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=always")
+    proc = run_torchrun(MAIN, 1, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=always")
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "zero_copy")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -74,7 +74,7 @@ def test_hybrid_engine_captures_once_and_matches_a_fresh_engine(mode: str, tmp_p
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ppo_on_two_gpus_with_resharded_generation(tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 2, "ppo", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never", "actor.tp=2",
+    proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never", "actor.tp=2",
                         "rollout.tp=1", "critic.pp=2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "reshard", captured_once=True)

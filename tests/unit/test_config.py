@@ -153,7 +153,8 @@ def test_yaml_file_path(tmp_path):
     assert cfg.seed == 5 and cfg.output_dir == "out/x"
     assert cfg.actor.tp == 2 and cfg.actor.pp == 1
     assert cfg.critic.path == "/models/rm" and cfg.critic.tp == 1
-    assert cfg.reward.path == "builtin:tiny-llama-rm"  # schema default for what the file omits
+    assert cfg.reward.path == ""  # schema default for what the file omits
+    assert cfg.reference.path == cfg.actor.path == ""  # an empty reference path follows the actor's
 
 
 def test_a_file_overrides_its_base(tmp_path):
@@ -278,7 +279,7 @@ def test_reward_pointing_at_causal_lm_refused():
 
 
 def test_critic_may_start_from_a_causal_lm():
-    archs = validate(load_config(None, ["critic.path=builtin:tiny-llama"]), 1)
+    archs = validate(load_config("smoke", ["critic.path=builtin:tiny-llama"]), 1)
     assert archs["critic"].score_head and archs["critic"].hf_class_name == "LlamaForSequenceClassification"
 
 

@@ -107,7 +107,8 @@ def _generate_help_defaults() -> dict[str, str]:
 def test_generate_flags_and_ppo_rollout_settings_share_their_defaults(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
-    printed = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", "--config", str(empty), "--print-config"],
+    printed = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", "--config", str(empty), "--print-config",
+                              "actor.path=builtin:tiny-llama", "data.train=[builtin:lowercase-prompts]", "scoring.rules=[lowercase_fraction]"],
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
     rollout = yaml.safe_load(printed)["rollout"]
     flags = _generate_help_defaults()

@@ -21,7 +21,7 @@ def _check_ppo(overrides: list[str]) -> None:
 
 def _check_supervised(schema: type, score_head: bool) -> Callable[[list[str]], None]:
     def check(overrides: list[str]) -> None:
-        check_config(load_config(None, overrides, schema=schema), 1, score_head=score_head)
+        check_config(load_config("rm-tiny" if score_head else "sft-tiny", overrides, schema=schema), 1, score_head=score_head)
 
     return check
 

@@ -1,0 +1,144 @@
+"""A user's run builds on the library defaults and nothing else, says where each setting came from,
+and refuses at --print-config what the run would refuse; verl's keys are answered with ours."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.cli import TRAINERS, _trainer, build_parser, main
+from megatron_rlhf.config.docs import DOCS, PAGES, rendered
+from megatron_rlhf.config.loader import COMMAND_LINE, ConfigError, load_config, load_config_with_sources, presets
+from megatron_rlhf.config.verl_names import VERL_NAMES, verl_key_hint
+
+USER_RUNS = {
+    "ppo": ["actor.path=/models/policy", "data.train=[train.parquet]", "scoring.custom_function.path=reward.py",
+            "scoring.custom_function.name=default_compute_score"],
+    "sft": ["model.path=/models/base", "data.train=[train.jsonl]", "optim.lr=2e-5"],
+    "rm": ["model.path=/models/base", "data.train=[prefs.jsonl]"],
+}  # fmt: skip
+DERIVED = {"ppo": {"critic.path", "reference.path"}, "sft": set(), "rm": set()}
+
+
+@pytest.mark.parametrize("command", ["ppo", "sft", "rm", "plan"])
+def test_a_trainer_command_without_config_builds_on_no_preset(command: str) -> None:
+    assert build_parser().parse_args([command]).config is None
+
+
+@pytest.mark.parametrize("command", list(USER_RUNS))
+def test_a_users_run_differs_from_the_library_defaults_only_where_it_says(command: str) -> None:
+    """Nothing reaches a run without --config but its own settings (a preset that leaked in would
+    show up here with its own origin)."""
+    cfg, sources = load_config_with_sources(None, USER_RUNS[command], schema=_trainer(command).schema)
+    given = {item.split("=")[0] for item in USER_RUNS[command]}
+    assert {c.key for c in sources.changed} == given | DERIVED[command]
+    assert all(c.origin == COMMAND_LINE for c in sources.changed if c.key in given)
+    assert all(c.origin == "derived from other settings" for c in sources.changed if c.key in DERIVED[command])
+    assert sources.report().startswith("settings: library defaults (no --config)")
+    if command == "ppo":
+        assert cfg.scoring.rules == [] and not cfg.scoring.use_reward_model
+        assert cfg.critic.path == cfg.reference.path == "/models/policy"
+        assert cfg.actor_optim.lr == 1e-6 and cfg.algorithm.loss.kl_loss_coef == 0.0
+        assert cfg.algorithm.loss.clip_low == cfg.algorithm.loss.clip_high == 0.2
+
+
+@pytest.mark.parametrize("preset", presets())
+def test_every_preset_is_named_and_is_the_origin_of_what_it_sets(preset: str) -> None:
+    from megatron_rlhf.smoke import SmokeConfig
+
+    command = next((c for c in TRAINERS if preset.startswith(f"{c}-")), None)
+    schema = _trainer(command).schema if command else SmokeConfig
+    _, sources = load_config_with_sources(preset, [], schema=schema)
+    assert sources.report().startswith(f"settings: built on preset {preset}")
+    assert sources.changed
+    assert all(c.origin.startswith("preset ") or c.origin == "derived from other settings" for c in sources.changed)
+
+
+def test_origins_follow_the_merge_order(tmp_path: Path) -> None:
+    run = tmp_path / "run.yaml"
+    run.write_text("_base_: ppo-tiny\nactor_optim: {lr: 3.0e-6}\nrollout:\n  sampling: {n: 8}\n")
+    cfg, sources = load_config_with_sources(str(run), ["rollout.sampling.n=6", "seed=7"], schema=_trainer("ppo").schema)
+    origin = {c.key: c.origin for c in sources.changed}
+    assert origin["actor_optim.lr"] == str(run) and cfg.actor_optim.lr == 3e-6
+    assert origin["rollout.sampling.n"] == COMMAND_LINE and cfg.rollout.sampling.n == 6
+    assert origin["seed"] == COMMAND_LINE
+    assert origin["scoring.rules"] == origin["algorithm.loss.kl_loss_coef"] == "preset ppo-tiny"
+    assert "algorithm.loss.clip_low" not in origin  # ppo-tiny sets it to the default: not a difference
+    report = sources.report()
+    assert report.startswith(f"settings: built on {run}")
+    assert "actor_optim.lr" in report and f"(default 1e-06; {run})" in report
+
+
+def test_print_config_runs_the_checks_a_run_makes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A wrong group size, a missing reward model and a zero timeout are refused by --print-config,
+    and a good config is printed with its differences from the defaults as comments."""
+    base = ["--config", "ppo-tiny", f"output_dir={tmp_path / 'run'}"]
+    assert main(["ppo", *base, "rollout.sampling.n=1", "scoring.use_reward_model=true",
+                 f"reward.path={tmp_path / 'no-rm'}", "dist_timeout_s=0", "--print-config"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "rollout.sampling.n=1: the grpo estimator compares the samples of a prompt" in err
+    assert f"reward.path='{tmp_path / 'no-rm'}'" in err and "is not a directory" in err
+    assert "dist_timeout_s=0.0 must be > 0" in err
+    assert main(["ppo", *base, "seed=3", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# settings: built on preset ppo-tiny;")
+    assert "#   seed  " in out and "(default 1234; command line)" in out and "\nseed: 3\n" in out
+
+
+def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed as dist
+
+    assert main(["sft", "--config", "sft-tiny", "data.train=[builtin:lowercase-prompts]", "dist_timeout_s=0",
+                 f"output_dir={tmp_path}"]) == 2  # fmt: skip
+    assert "dist_timeout_s=0.0 must be > 0" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("actor_rollout_ref.rollout.n=4", "this is verl's name; here it is rollout.sampling.n"),
+    ("trainer.total_epochs=1", "here it is num_epochs"),
+    ("data.val_files=[v.parquet]", "here it is data.validation"),
+    ("trainer.save_freq=-1", "verl's -1 (never) is `save_every=0 save_final=false`"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=true", "verl's actor_rollout_ref.rollout.multi_turn.*; it has no counterpart"),
+    ("trainer.made_up=1", "a verl key with no counterpart here"),
+])  # fmt: skip
+def test_a_verl_key_is_answered_with_this_projects_key(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override], schema=_trainer("ppo").schema)
+    assert f"unknown key '{override.split('=')[0]}'" in str(info.value) and expected in str(info.value)
+
+
+def _is_key(schema: type, dotted: str) -> bool:
+    cls: typing.Any = schema
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return False
+        cls = hints[part]
+    return True
+
+
+def test_every_key_the_verl_table_names_exists() -> None:
+    schema = _trainer("ppo").schema
+    named = [key for rows in VERL_NAMES.values() for row in rows for key in row.here]
+    assert named and [key for key in named if not _is_key(schema, key)] == []
+    assert verl_key_hint("rollout.sampling.n") is None and verl_key_hint("data.train") is None
+
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_generated_doc_pages_are_up_to_date(page: str) -> None:
+    assert (DOCS / page).read_text() == rendered(page), f"run: python -m megatron_rlhf.config.docs (docs/{page})"
+
+
+def test_the_defaults_page_lists_every_key_of_every_trainer() -> None:
+    from megatron_rlhf.config.loader import to_yaml
+
+    text = (DOCS / "defaults.md").read_text()
+    for command in ("ppo", "sft", "rm"):
+        schema = _trainer(command).schema
+        assert to_yaml(load_config(None, [], schema=schema)) == to_yaml(schema())
+        for field in dataclasses.fields(schema):
+            assert f"| `{field.name}" in text
