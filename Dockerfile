@@ -37,4 +37,4 @@ ENV NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 HEALTHCHECK --interval=30m --timeout=5m --retries=1 \
   CMD megatron-rlhf smoke device=cpu output_dir=/tmp/megatron-rlhf-health || exit 1
 
-CMD ["launch/torchrun.sh", "ppo"]
+CMD ["launch/torchrun.sh", "ppo", "--config", "ppo-tiny"]

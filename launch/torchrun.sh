@@ -26,8 +26,8 @@ Options:
 Environment: PYTHON (default .venv/bin/python if the repo has a .venv, else python),
 OMP_NUM_THREADS (default 1), NCCL_NVLS_ENABLE (default 0),
 TORCH_SYMM_MEM_DISABLE_MULTICAST (default 1).
-Examples: launch/torchrun.sh --nproc 2 ppo actor.tp=2 rollout.tp=1
-  on each of 2 nodes: launch/torchrun.sh --nnodes 2 --rdzv-endpoint node0:29500 --rdzv-id run1 ppo actor.tp=8
+Examples: launch/torchrun.sh --nproc 2 ppo --config ppo-tiny actor.tp=2 rollout.tp=1
+  on each of 2 nodes: launch/torchrun.sh --nnodes 2 --rdzv-endpoint node0:29500 --rdzv-id run1 ppo --config my-run.yaml actor.tp=8
 USAGE
 }
 

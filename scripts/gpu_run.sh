@@ -39,7 +39,7 @@ if [ "$stage" = big ]; then  # the first run writes the random 7B checkpoint (15
   (while sleep 5; do echo "$(date +%T) host used $(free -m | awk '/Mem:/{print $3}') MiB," \
     "gpu used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0)"; done) > "$OUT/big_memory.log" &
   sampler=$!
-  python3 -m megatron_rlhf ppo actor.path=builtin:llama-7b reference.path=builtin:llama-7b \
+  python3 -m megatron_rlhf ppo --config ppo-tiny actor.path=builtin:llama-7b reference.path=builtin:llama-7b \
     data.max_prompt_length=128 rollout.sampling.max_new_tokens=256 rollout.sampling.n=4 prompts_per_step=16 \
     mini_batch_size=16 max_steps=3 max_tokens_per_micro_batch=4096 log_every=1 save_hf=false save_final=false \
     actor_optim.cpu_offload_fraction="${FRACTION:-1.0}" output_dir=/tmp/big-run resume=never overwrite=true \

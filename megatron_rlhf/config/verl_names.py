@@ -3,7 +3,7 @@
 A verl user types verl's keys (``actor_rollout_ref.rollout.n=4``, ``trainer.total_epochs=1``). The
 loader answers an unknown key that is verl's with this project's name for it (``verl_key_hint``),
 and ``docs/migrating-from-verl.md``'s "Config keys" tables are rendered from ``VERL_NAMES``
-(``config/docs.py``; a unit test checks that the page is up to date and that every key named here
+(``megatron_rlhf/docs.py``; a unit test checks that the page is up to date and that every key named here
 exists).
 
 Keys are verl's full dotted keys, as in its ``ppo_trainer.yaml`` / ``ppo_megatron_trainer.yaml``;

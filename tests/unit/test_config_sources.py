@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.cli import TRAINERS, _trainer, build_parser, main
-from megatron_rlhf.config.docs import DOCS, PAGES, rendered
+from megatron_rlhf.docs import DOCS, PAGES, rendered
 from megatron_rlhf.config.loader import COMMAND_LINE, ConfigError, load_config, load_config_with_sources, presets
 from megatron_rlhf.config.verl_names import VERL_NAMES, verl_key_hint
 
@@ -130,7 +130,7 @@ def test_every_key_the_verl_table_names_exists() -> None:
 
 @pytest.mark.parametrize("page", list(PAGES))
 def test_generated_doc_pages_are_up_to_date(page: str) -> None:
-    assert (DOCS / page).read_text() == rendered(page), f"run: python -m megatron_rlhf.config.docs (docs/{page})"
+    assert (DOCS / page).read_text() == rendered(page), f"run: python -m megatron_rlhf.docs (docs/{page})"
 
 
 def test_the_defaults_page_lists_every_key_of_every_trainer() -> None:
