@@ -13,6 +13,15 @@ every EOS id those files name (``generation_config.json`` often lists several, e
 ``pad_id`` is always an int: the model's pad token, else EOS, else 0. Padded positions are masked
 out (``attention_mask``/``loss_mask``), so any valid id will do there.
 
+``decode`` skips special tokens unless told otherwise: a response's text is what reward functions,
+rules and samples.jsonl read, and verl decodes it with ``skip_special_tokens=True`` (vLLM's output
+text too), so a ``<|im_start|>`` sampled mid-response must not reach a reward's regex.
+``skip_special_tokens=False`` keeps them (transformers' default), for debugging. What is special, per
+backend: ``tokenizer.json``, the added tokens marked special (as transformers' fast tokenizers);
+SentencePiece, its control and unknown pieces and the ids named bos/eos/pad (transformers'
+``all_special_ids`` for such a model; user-defined pieces are text); bytes, pad/bos/eos, which carry no
+text in either mode (the built-in models' ``tokenizer.json`` decodes them to nothing as well).
+
 ``chat_template`` is the model's chat template, found where transformers looks: ``chat_template.jinja``
 first, else ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of named templates
 of which ``default`` is used). It is rendered with the special-token strings of
@@ -66,9 +75,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens skipped unless ``skip_special_tokens=False`` (module docstring)."""
+        ...
 
-    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
         """``[decode(ids) for ids in rows]``, in one call: a rollout's responses are decoded
         together (in parallel threads where the library has them)."""
         ...
@@ -205,11 +216,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
-        return self._tok.decode_batch([list(ids) for ids in rows], skip_special_tokens=False)
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        return self._tok.decode_batch([list(ids) for ids in rows], skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -239,6 +250,9 @@ class SentencePieceTokenizer:
         self.pad_id: int = _pad_of(ids["pad"], ids["eos"])
         self.stop_ids: tuple[int, ...] = stop or ((self.eos_id,) if self.eos_id is not None else ())
         self.chat_template: ChatTemplate | None = None  # see the module docstring
+        named = {i for i in (self.bos_id, self.eos_id, ids["pad"], *self.stop_ids) if i is not None}
+        pieces = {i for i in range(self.vocab_size) if self._sp.is_control(i) or self._sp.is_unknown(i)}
+        self._special = frozenset(named | pieces)
 
     def _piece_id(self, piece: str) -> int | None:
         # piece_to_id answers unk for unknown pieces: check the round trip.
@@ -248,11 +262,16 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode(list(ids))
+    def _text_ids(self, ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
+        """``ids`` without the special ones when skipping them; SentencePiece's own decode otherwise
+        (which writes control pieces as nothing and the unknown piece as ' ⁇ ')."""
+        return [i for i in ids if i not in self._special] if skip_special_tokens else list(ids)
 
-    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
-        return self._sp.decode([list(ids) for ids in rows])
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._sp.decode(self._text_ids(ids, skip_special_tokens))
+
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        return self._sp.decode([self._text_ids(ids, skip_special_tokens) for ids in rows])
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -283,7 +302,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Either way pad/bos/eos carry no text (``skip_special_tokens`` is there for the protocol)."""
         out = bytearray()
         for i in ids:
             i = int(i)
@@ -296,7 +316,7 @@ class ByteTokenizer:
             # pad / bos / eos are structure, not text
         return out.decode("utf-8", errors="replace")
 
-    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids) for ids in rows]
 
     def __repr__(self) -> str:

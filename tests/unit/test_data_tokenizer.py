@@ -244,3 +244,77 @@ def test_tokenizers_pickle_for_worker_processes(hf_dir, sp_dir):
         specials = ("bos_id", "eos_id", "pad_id", "stop_ids")
         assert [getattr(copy, name) for name in specials] == [getattr(tok, name) for name in specials]
         assert [copy.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
+
+
+# --------------------------------------------------------------------------- special tokens in a response
+
+# Responses as a policy samples them: special tokens in the middle of the text, next to ordinary ones.
+CHAT_RESPONSES = ["ang 3 ####<|im_start|> 3", "<|im_start|>assistant\nIt is five.<|im_end|>", "two<|endoftext|>three",
+                  "Bonjour<|im_end|><|im_end|>très bien", "plain text, no specials"]  # fmt: skip
+
+
+def test_hf_decode_skips_special_tokens_as_transformers_does(tmp_path):
+    """verl scores ``tokenizer.decode(ids, skip_special_tokens=True)``: the default decode gives that
+    text for responses with special tokens mid-text (e.g. '... ####<|im_start|> 3' reads '... #### 3',
+    which verl's gsm8k scores 1.0); ``skip_special_tokens=False`` gives transformers' default decode."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import make_chat_tokenizer
+
+    model_dir = make_chat_tokenizer("qwen2", tmp_path / "qwen2")
+    ours, theirs = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    rows = [theirs.encode(text, add_special_tokens=False) for text in CHAT_RESPONSES]
+    special = {i for i, token in theirs.added_tokens_decoder.items() if token.special}
+    assert sum(i in special for ids in rows for i in ids) == 6  # each special is one token
+    skipped = [theirs.decode(ids, skip_special_tokens=True) for ids in rows]
+    assert skipped[0] == "ang 3 #### 3" and skipped[3] == "Bonjourtrès bien"
+    assert [ours.decode(ids) for ids in rows] == ours.decode_batch(rows) == skipped
+    kept = [theirs.decode(ids) for ids in rows]
+    assert kept == CHAT_RESPONSES
+    assert [ours.decode(ids, skip_special_tokens=False) for ids in rows] == kept
+    assert ours.decode_batch(rows, skip_special_tokens=False) == kept
+
+
+def test_built_in_tokenizer_skips_nothing_that_is_text():
+    """The byte tokenizer's specials (pad, bos, eos) carry no text whether skipped or not, in
+    ByteTokenizer and in the built-in models' tokenizer.json, here and in transformers; ids past the
+    bytes are no specials (U+FFFD either way)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.models.builtin import builtin_checkpoint
+
+    model_dir = builtin_checkpoint("builtin:tiny-llama")
+    reference, ours, theirs = ByteTokenizer(512), load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(2)
+    rows = [[rng.choice([rng.randrange(512), rng.randrange(3)]) for _ in range(rng.randrange(30))] for _ in range(300)]
+    rows.append([ord("a") + 3, 2, 1, 0, ord("b") + 3, 300])
+    for ids in rows:
+        expected = theirs.decode(ids, skip_special_tokens=True)
+        assert expected == theirs.decode(ids), ids
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip) == expected
+    assert reference.decode(rows[-1]) == "ab\ufffd"
+    assert ours.decode_batch(rows) == reference.decode_batch(rows) == [theirs.decode(ids, skip_special_tokens=True)
+                                                                      for ids in rows]  # fmt: skip
+
+
+def test_sentencepiece_skips_control_unknown_and_named_pieces(tmp_path):
+    """SentencePiece: control pieces, the unknown piece and the ids named bos/eos/pad are special and
+    skipped (transformers' all_special_ids for such a model); a user-defined piece is text.
+    ``skip_special_tokens=False`` is SentencePiece's own decode. Expected texts written by hand."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([f"hello world number {i} <user> again" for i in range(60)]), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=80,
+                                   model_type="bpe", pad_id=3, unk_id=0, bos_id=1, eos_id=2, minloglevel=2,
+                                   control_symbols=["<ctrl>"], user_defined_symbols=["<user>"], num_threads=1)  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    tok = load_tokenizer(tmp_path)
+    ctrl, user = sp.piece_to_id("<ctrl>"), sp.piece_to_id("<user>")
+    assert sp.is_control(ctrl) and not sp.is_control(user)
+    hello, world = tok.encode("hello"), tok.encode(" world")
+    ids = [1, *hello, ctrl, 0, 3, user, 2, *world, 2]
+    assert tok.decode(ids) == tok.decode_batch([ids])[0] == "hello<user> world"
+    assert tok.decode(ids, skip_special_tokens=False) == sp.decode(ids) == "hello ⁇ <user> world"
+    assert tok.decode_batch([ids, hello], skip_special_tokens=False) == [sp.decode(ids), "hello"]
