@@ -13,11 +13,11 @@ every EOS id those files name (``generation_config.json`` often lists several, e
 ``pad_id`` is always an int: the model's pad token, else EOS, else 0. Padded positions are masked
 out (``attention_mask``/``loss_mask``), so any valid id will do there.
 
-``decode`` skips special tokens unless told otherwise: a response's text is what reward functions,
-rules and samples.jsonl read, and verl decodes it with ``skip_special_tokens=True`` (vLLM's output
-text too), so a ``<|im_start|>`` sampled mid-response must not reach a reward's regex.
-``skip_special_tokens=False`` keeps them (transformers' default), for debugging. What is special, per
-backend: ``tokenizer.json``, the added tokens marked special (as transformers' fast tokenizers);
+``decode`` keeps special tokens, as transformers' does by default (a rendered prompt shows its chat
+markup); ``skip_special_tokens=True`` skips them, as verl decodes the responses (and prompts) its
+reward functions read and vLLM its output text: the trainers decode what rewards, rules and
+samples.jsonl read that way, so that a ``<|im_start|>`` sampled mid-response never reaches a
+reward's regex. What is special, per backend: ``tokenizer.json``, the added tokens marked special (as transformers' fast tokenizers);
 SentencePiece, its control and unknown pieces and the ids named bos/eos/pad (transformers'
 ``all_special_ids`` for such a model; user-defined pieces are text); bytes, pad/bos/eos, which carry no
 text in either mode (the built-in models' ``tokenizer.json`` decodes them to nothing as well).
@@ -75,11 +75,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """The text of ``ids``; special tokens skipped unless ``skip_special_tokens=False`` (module docstring)."""
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; special tokens kept unless ``skip_special_tokens`` (module docstring)."""
         ...
 
-    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = False) -> list[str]:
         """``[decode(ids) for ids in rows]``, in one call: a rollout's responses are decoded
         together (in parallel threads where the library has them)."""
         ...
@@ -216,10 +216,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = False) -> list[str]:
         return self._tok.decode_batch([list(ids) for ids in rows], skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
@@ -267,10 +267,10 @@ class SentencePieceTokenizer:
         (which writes control pieces as nothing and the unknown piece as ' ⁇ ')."""
         return [i for i in ids if i not in self._special] if skip_special_tokens else list(ids)
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._sp.decode(self._text_ids(ids, skip_special_tokens))
 
-    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = False) -> list[str]:
         return self._sp.decode([self._text_ids(ids, skip_special_tokens) for ids in rows])
 
     def __repr__(self) -> str:
@@ -302,7 +302,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Either way pad/bos/eos carry no text (``skip_special_tokens`` is there for the protocol)."""
         out = bytearray()
         for i in ids:
@@ -316,7 +316,7 @@ class ByteTokenizer:
             # pad / bos / eos are structure, not text
         return out.decode("utf-8", errors="replace")
 
-    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+    def decode_batch(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids) for ids in rows]
 
     def __repr__(self) -> str:

@@ -254,9 +254,9 @@ CHAT_RESPONSES = ["ang 3 ####<|im_start|> 3", "<|im_start|>assistant\nIt is five
 
 
 def test_hf_decode_skips_special_tokens_as_transformers_does(tmp_path):
-    """verl scores ``tokenizer.decode(ids, skip_special_tokens=True)``: the default decode gives that
-    text for responses with special tokens mid-text (e.g. '... ####<|im_start|> 3' reads '... #### 3',
-    which verl's gsm8k scores 1.0); ``skip_special_tokens=False`` gives transformers' default decode."""
+    """verl scores ``tokenizer.decode(ids, skip_special_tokens=True)``: ours gives that text for
+    responses with special tokens mid-text (e.g. '... ####<|im_start|> 3' reads '... #### 3', which
+    verl's gsm8k scores 1.0); by default, as transformers' default decode, it keeps them."""
     from transformers import AutoTokenizer
 
     from tests.helpers import make_chat_tokenizer
@@ -268,11 +268,11 @@ def test_hf_decode_skips_special_tokens_as_transformers_does(tmp_path):
     assert sum(i in special for ids in rows for i in ids) == 6  # each special is one token
     skipped = [theirs.decode(ids, skip_special_tokens=True) for ids in rows]
     assert skipped[0] == "ang 3 #### 3" and skipped[3] == "Bonjourtrès bien"
-    assert [ours.decode(ids) for ids in rows] == ours.decode_batch(rows) == skipped
+    assert [ours.decode(ids, skip_special_tokens=True) for ids in rows] == skipped
+    assert ours.decode_batch(rows, skip_special_tokens=True) == skipped
     kept = [theirs.decode(ids) for ids in rows]
     assert kept == CHAT_RESPONSES
-    assert [ours.decode(ids, skip_special_tokens=False) for ids in rows] == kept
-    assert ours.decode_batch(rows, skip_special_tokens=False) == kept
+    assert [ours.decode(ids) for ids in rows] == ours.decode_batch(rows) == kept
 
 
 def test_built_in_tokenizer_skips_nothing_that_is_text():
@@ -294,14 +294,14 @@ def test_built_in_tokenizer_skips_nothing_that_is_text():
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip) == expected
     assert reference.decode(rows[-1]) == "ab\ufffd"
-    assert ours.decode_batch(rows) == reference.decode_batch(rows) == [theirs.decode(ids, skip_special_tokens=True)
-                                                                      for ids in rows]  # fmt: skip
+    expected = [theirs.decode(ids, skip_special_tokens=True) for ids in rows]
+    assert ours.decode_batch(rows, skip_special_tokens=True) == reference.decode_batch(rows, skip_special_tokens=True) == expected
 
 
 def test_sentencepiece_skips_control_unknown_and_named_pieces(tmp_path):
     """SentencePiece: control pieces, the unknown piece and the ids named bos/eos/pad are special and
     skipped (transformers' all_special_ids for such a model); a user-defined piece is text.
-    ``skip_special_tokens=False`` is SentencePiece's own decode. Expected texts written by hand."""
+    Without ``skip_special_tokens`` it is SentencePiece's own decode. Expected texts written by hand."""
     import sentencepiece as spm
 
     corpus = tmp_path / "corpus.txt"
@@ -315,6 +315,7 @@ def test_sentencepiece_skips_control_unknown_and_named_pieces(tmp_path):
     assert sp.is_control(ctrl) and not sp.is_control(user)
     hello, world = tok.encode("hello"), tok.encode(" world")
     ids = [1, *hello, ctrl, 0, 3, user, 2, *world, 2]
-    assert tok.decode(ids) == tok.decode_batch([ids])[0] == "hello<user> world"
-    assert tok.decode(ids, skip_special_tokens=False) == sp.decode(ids) == "hello ⁇ <user> world"
-    assert tok.decode_batch([ids, hello], skip_special_tokens=False) == [sp.decode(ids), "hello"]
+    assert tok.decode(ids, skip_special_tokens=True) == "hello<user> world"
+    assert tok.decode_batch([ids, hello], skip_special_tokens=True) == ["hello<user> world", "hello"]
+    assert tok.decode(ids) == sp.decode(ids) == "hello ⁇ <user> world"
+    assert tok.decode_batch([ids, hello]) == [sp.decode(ids), "hello"]
