@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -66,9 +67,13 @@ class RunConfig:
         only, not the file system)."""
         path = Path(self.output_dir)
         existing = next(p for p in (path, *path.parents) if p.exists())
-        if existing.is_dir():
-            return []
-        return [f"output_dir={self.output_dir!r}: {existing} is a file, not a directory"]
+        if not existing.is_dir():
+            return [f"output_dir={self.output_dir!r}: {existing} is a file, not a directory"]
+        try:  # permission bits do not stop root; a read-only file system does: try it
+            tempfile.NamedTemporaryFile(dir=existing).close()
+        except OSError as err:
+            return [f"output_dir={self.output_dir!r}: cannot write in {existing} ({err.strerror})"]
+        return []
 
 
 def _offloads_optimizer(cfg: object) -> bool:

@@ -76,6 +76,9 @@ def data_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
         elif p.is_file():
             _check_extension(p)
             files.append(p)
+        elif p.exists():  # /dev/null, a pipe, a socket: nothing to read rows from twice
+            raise DataError(f"dataset path '{p}' is not a regular file or a directory (expected "
+                            f"{'/'.join(EXTENSIONS)} files or a directory of them)")
         else:
             raise FileNotFoundError(f"dataset path '{p}' does not exist")
     return files

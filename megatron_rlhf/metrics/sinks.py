@@ -13,7 +13,10 @@ import dataclasses
 import importlib.util
 import json
 import math
+import netrc
+import os
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -221,15 +224,31 @@ SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
 """The ``loggers`` a run may name, and how each sink is made."""
 
 
-def logger_errors(field: str, names: Sequence[str]) -> list[str]:
+def logger_errors(field: str, names: Sequence[str], wandb: WandbConfig) -> list[str]:
     """Problems with a ``loggers`` list: unknown or repeated names, and wandb without its package
-    (found here, at start-up, rather than after the models are built)."""
+    or, online, without credentials (found here, at start-up, rather than after the models are built)."""
     errors = [f"{field}={list(names)}: unknown logger {name!r}; choose from {list(SINKS)}" for name in names if name not in SINKS]
     errors += [f"{field}={list(names)}: {name!r} is listed twice" for name in sorted(set(names)) if names.count(name) > 1]
     if "wandb" in names and importlib.util.find_spec("wandb") is None:
         errors.append(f"{field}={list(names)} lists wandb, but the wandb package is not installed: "
                       "pip install wandb (or leave wandb out of loggers)")  # fmt: skip
+    elif "wandb" in names and (wandb.mode or os.environ.get("WANDB_MODE") or "online") == "online" \
+            and not _has_wandb_credentials():  # fmt: skip
+        errors.append(f"{field}={list(names)} lists wandb online, but no wandb credentials were found (WANDB_API_KEY, "
+                      "or `wandb login`'s entry in ~/.netrc): log in, or set wandb.mode=offline (files under "
+                      "output_dir/wandb, `wandb sync` later)")  # fmt: skip
     return errors
+
+
+def _has_wandb_credentials() -> bool:
+    """What wandb reads to log in without asking: WANDB_API_KEY, or its host's entry in the netrc file."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def build_sinks(names: Sequence[str], setup: SinkSetup) -> Sinks:

@@ -111,7 +111,7 @@ class LoopConfig(RunConfig):
     def errors(self) -> list[str]:
         return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last",
                                                  "max_bad_steps")
-                + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers)
+                + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers, self.wandb)
                 + ([] if self.resume.strip() else ["resume='' must be auto, never or a checkpoint directory"])
                 + ([f"profile_steps={self.profile_steps}: steps count from 1"] if any(s < 1 for s in self.profile_steps) else []))  # fmt: skip
 

@@ -86,3 +86,29 @@ def test_unreadable_data_files_are_named(tmp_path: Path, data_file: Path, monkey
     monkeypatch.setattr(Path, "open", refuse)
     message = _error("sft", [f"data.train=[{tmp_path}]"])
     assert f"data.train: [Errno 13] Permission denied: '{data_file}'" in message
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_device_file_as_data_is_named_as_what_it_is(command: str, tmp_path: Path) -> None:
+    message = _error(command, [f"output_dir={tmp_path / 'run'}", "data.train=[/dev/null]"])
+    assert "data.train: dataset path '/dev/null' is not a regular file or a directory" in message
+    assert "does not exist" not in message
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A read-only file system (a tmpfs mounted ro): root writes through permission bits, not through this."""
+    import subprocess
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root in a namespace that allows mounts)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_dir_that_cannot_be_written_is_named_up_front(command: str, read_only_dir: Path, data_file: Path) -> None:
+    message = _error(command, [f"output_dir={read_only_dir / 'run'}", f"data.train=[{data_file}]"])
+    assert f"output_dir='{read_only_dir / 'run'}': cannot write in {read_only_dir} (Read-only file system)" in message

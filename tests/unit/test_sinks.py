@@ -103,3 +103,21 @@ def test_non_finite_figures_are_written_as_null_and_listed() -> None:
 
     row = json.loads(strict_json({"step": 3, "loss": float("nan"), "lr": 1.0, "validation": {"nll": float("inf")}}))
     assert row == {"step": 3, "loss": None, "lr": 1.0, "validation": {"nll": None}, "nonfinite": ["loss", "validation.nll"]}
+
+
+def test_wandb_online_without_credentials_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch,
+                                                                              tmp_path: Path) -> None:  # fmt: skip
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine example.org login me password secret\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    message = "loggers=['console', 'wandb'] lists wandb online, but no wandb credentials were found"
+    assert any(e.startswith(message) for e in _errors("loggers=[console,wandb]"))
+    assert not any(e.startswith(message) for e in _errors("loggers=[console,wandb]", "wandb.mode=offline"))
+    netrc_file.write_text("machine api.wandb.ai login user password k3y\n")
+    assert not any(e.startswith(message) for e in _errors("loggers=[console,wandb]"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    monkeypatch.setenv("WANDB_API_KEY", "k3y")
+    assert not any(e.startswith(message) for e in _errors("loggers=[console,wandb]"))
