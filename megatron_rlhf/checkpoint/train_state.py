@@ -45,6 +45,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest
 from megatron_rlhf.engine.optim import TrainState, fuse_device_adam, torch_optimizers
@@ -156,7 +157,9 @@ def save_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
 
 
 def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
-    """Collective. Fills ``state`` (any layout) from ``save_train_state``'s output."""
+    """Collective. Fills ``state`` (any layout) from ``save_train_state``'s output. The optimizer's
+    moments and step come from the checkpoint; its hyperparameters and the LR schedule are the
+    ones ``state`` was built with (a resumed run's config), followed at the saved step."""
     ckpt = Path(ckpt_dir)
     meta_path = ckpt / STATE_FILE
     if not meta_path.is_file():
@@ -166,12 +169,14 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
     loaded = dist_checkpointing.load(_sharded(state, is_loading=True), str(ckpt / "dist"),
                                      verify_integrity=has_integrity_manifest(ckpt / "dist"))  # fmt: skip
     state.role.model.load_state_dict(loaded["model"], strict=True)
+    _keep_current_hyperparameters(state.optimizer, loaded["optimizer"])
     with _tolerate_missing_step():
         state.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(state.optimizer)
     fuse_device_adam(state.optimizer)
     # megatron's scheduler adds the saved step count to its own: start from 0 so that loading into a
-    # state that has stepped (a rollback within a run) does not count those steps twice.
+    # state that has stepped (a rollback within a run) does not count those steps twice. Its
+    # schedule is this state's (``make_train_state`` overrides the checkpoint's).
     state.scheduler.num_steps = 0
     state.scheduler.load_state_dict(meta["scheduler"])
     state.step = meta["step"]
@@ -181,6 +186,26 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _keep_current_hyperparameters(optimizer: object, loaded: dict) -> None:
+    """Give the checkpoint's parameter groups the hyperparameters of ``optimizer``'s (lr, min/max lr,
+    weight decay, betas, eps), so that a resumed run follows its own config. megatron pairs saved
+    with current groups by a tuple that includes max_lr and min_lr: without this, a changed learning
+    rate fails the load (``KeyError: (None, 1e-05, ...)``), and torch would restore the old values.
+    Groups are paired by megatron's other identifier keys (weight-decay and lr multipliers, expert
+    and decoupled-lr flags), which do not come from the config."""
+    structural = [key for key in param_group_identifier_keys if key not in ("max_lr", "min_lr", "start_wd", "end_wd")]
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    saved_dicts = [loaded] if len(inners) == 1 else [loaded[index] for index in sorted(loaded)]
+    for inner, saved in zip(inners, saved_dicts, strict=True):
+        current = {tuple(group.get(key) for key in structural): group for group in inner.optimizer.param_groups}
+        for group in saved["optimizer"]["param_groups"]:
+            ours = current.get(tuple(group.get(key) for key in structural))
+            if ours is None:
+                raise ValueError(f"the checkpoint's optimizer has a parameter group {({k: group.get(k) for k in structural})} "
+                                 f"that this model's optimizer does not (it has {list(current)})")  # fmt: skip
+            group.update({key: value for key, value in ours.items() if key not in ("params", "step")})
 
 
 @contextlib.contextmanager

@@ -186,6 +186,10 @@ def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
         end_wd=cfg.weight_decay,
         wd_incr_steps=1,
         wd_incr_style="constant",
+        # A resumed run follows its own config's schedule at the checkpoint's step; megatron's
+        # default takes the checkpoint's schedule instead.
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
     config = model.config
     config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg)

@@ -13,7 +13,13 @@ Checkpoints (``checkpoint/run_checkpoint.py``): the loop decides when (``save_ev
 end) and where (``output_dir/checkpoints``); the task says what (its trained models, weights that
 change without an optimizer, and its own small state). The data order is a pure function of
 (seed, epoch, step), so the step is the data position: a resumed run skips the batches of the
-steps it has done and continues bit for bit.
+steps it has done and continues bit for bit. A resumed run follows the config it is given: the
+settings that may change take their new values (the optimizer's hyperparameters and LR schedule too,
+at the checkpoint's step), the changes are reported, and those a checkpoint cannot follow are refused
+at start-up, before any model is built (``resume_check.RULES``). The final checkpoint is written
+before the HF export, so a failed export loses no step.
+
+One run per output_dir: ``write_run_files`` takes its lock (``run_lock``) and ``run_loop`` releases it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +38,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.run_checkpoint import (
+    RUN_STATE_FILE,
     RunCheckpointWriter,
     UnusableCheckpoint,
     checkpoints_root,
@@ -48,7 +56,10 @@ from megatron_rlhf.metrics.curves import read_metrics, validation_table, write_c
 from megatron_rlhf.metrics.kernels import profiled
 from megatron_rlhf.metrics.log import environment_report, is_rank0, log
 from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
+from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.trainer import run_lock
+from megatron_rlhf.trainer.resume_check import ResumeRefused, review_resume, tokenizer_fingerprint
 from megatron_rlhf.trainer.stop import RunStopped, StopSignals
 
 StepRows = dict[str, list[dict[str, Any]]]
@@ -179,25 +190,98 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "hf")
 """What a run leaves in its output_dir (besides checkpoints/)."""
 
 
-def write_run_files(cfg: LoopConfig, out_dir: Path) -> None:
-    """Collective: refuse an output_dir that holds another run's files and nothing to resume (one
-    decision, made by rank 0, so that no rank sees files another rank has just written), then write
-    config.yaml."""
-    problem = [_output_dir_problem(cfg, out_dir) if is_rank0() else None]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise ConfigError(problem[0])
+@dataclasses.dataclass(frozen=True)
+class RunClaim:
+    """What ``write_run_files`` established for a run in its output_dir, for ``run_loop``: the lock
+    (rank 0) and what each checkpoint records of the models and tokenizer (``resume_check``)."""
+
+    lock: Path | None
+    models: dict[str, Architecture]
+    """Role -> architecture of every model the run uses."""
+    tokenizer: str
+    """``tokenizer_fingerprint`` of the run's tokenizer."""
+
+
+_claims: dict[Path, RunClaim] = {}
+"""Output dir -> its run's claim, from ``write_run_files`` (before the models are built) to the end
+of ``run_loop``."""
+
+
+def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architecture], tokenizer: Tokenizer) -> None:
+    """Collective, before any model is built: take the output_dir's lock (``run_lock``); refuse an
+    output_dir that holds another run's files and nothing to resume, and a resume whose config
+    changes what a checkpoint cannot follow (``resume_check``), reporting what it does change;
+    then write config.yaml. One decision, made by rank 0, so that no rank sees files another rank
+    has just written. ``models``: role -> architecture of every model the run uses."""
+    claim = RunClaim(lock=None, models=models, tokenizer=tokenizer_fingerprint(tokenizer))
+    refusal: list[ConfigError | None] = [None]
     if is_rank0():
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            claim = dataclasses.replace(claim, lock=run_lock.acquire(out_dir))
+            _check_output_dir(cfg, out_dir)
+            _check_resume(cfg, claim)
+        except ConfigError as err:
+            refusal[0] = err
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        if claim.lock is not None:
+            run_lock.release(claim.lock)
+        raise refusal[0]
+    _claims[out_dir.resolve()] = claim
+    if is_rank0():
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
 
-def _output_dir_problem(cfg: LoopConfig, out_dir: Path) -> str | None:
+def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
+    """Raise ``ConfigError`` if this run may not write ``out_dir``. Files of an earlier attempt that
+    never completed a step (a start-up or step-1 failure) are not another run's: the corrected
+    command replaces them."""
     found = [name for name in RUN_FILES if (out_dir / name).exists()]
     if not found or cfg.overwrite or (cfg.resume != "never" and cfg.resume_from() is not None):
-        return None
-    return (f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and no checkpoint to "
-            f"resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another output_dir")
+        return
+    if not _completed_a_step(out_dir):
+        log(f"output_dir={cfg.output_dir!r}: replacing the files of an earlier run that completed no step "
+            f"({', '.join(found)})")  # fmt: skip
+        return
+    raise ConfigError(f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and no checkpoint "
+                      f"to resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another "
+                      "output_dir")  # fmt: skip
+
+
+def _completed_a_step(out_dir: Path) -> bool:
+    """Whether the run that wrote ``out_dir`` got through a training step: it wrote a result, an
+    export, or a training line to metrics.jsonl (validation before step 1 does not count)."""
+    if (out_dir / "result.json").exists() or (out_dir / "hf").exists():
+        return True
+    metrics = out_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            if json.loads(line).get("split") == "train":
+                return True
+    return False
+
+
+def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
+    """Rank 0: report how the config differs from the config.yaml of the checkpoint it resumes;
+    raise ``ResumeRefused`` naming the changes a checkpoint cannot follow (``resume_check.RULES``)."""
+    ckpt = cfg.resume_from() if cfg.resume != "never" else None
+    if ckpt is None or not (ckpt / "config.yaml").is_file() or not (ckpt / RUN_STATE_FILE).is_file():
+        return  # a fresh run; a checkpoint that cannot be read is reported when it is loaded
+    try:
+        run_state = json.loads((ckpt / RUN_STATE_FILE).read_text())
+    except ValueError:
+        return  # reported as unusable when it is loaded
+    review = review_resume(cfg, to_yaml(cfg), (ckpt / "config.yaml").read_text(), run_state, claim.models,
+                           claim.tokenizer)  # fmt: skip
+    if review.changed:
+        log(f"resuming {ckpt} with {len(review.changed)} settings changed from its config.yaml:\n  "
+            + "\n  ".join(review.changed))  # fmt: skip
+    if review.refused:
+        raise ResumeRefused(f"resume={cfg.resume!r} continues {ckpt}, and this config changes what its state cannot "
+                            f"follow: {'; '.join(review.refused)}. Keep those settings as they were "
+                            f"({ckpt / 'config.yaml'}), or start a new run: resume=never, or another output_dir")  # fmt: skip
 
 
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
@@ -240,35 +324,66 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     start = time.perf_counter()
 
     writer = RunCheckpointWriter(checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save)
+    claim = _claims.pop(out_dir.resolve(), None)
+    recorded = {} if claim is None else {"models": {role: arch.hf_config for role, arch in claim.models.items()},
+                                         "tokenizer": claim.tokenizer}  # fmt: skip
 
     def save(step: int) -> None:
         run_state = {"summary": summary, "loop": {**loop_state, "train_seconds": loop_state["train_seconds"]
-                                                  + time.perf_counter() - start}, "task": task.state_dict()}  # fmt: skip
+                                                  + time.perf_counter() - start}, "task": task.state_dict(), **recorded}  # fmt: skip
         writer.save(step, train_states=task.train_states(), weights=task.changing_weights(), run_state=run_state,
                     config_yaml=to_yaml(cfg))  # fmt: skip
 
-    with StopSignals() as signals:
-        try:
-            _train(cfg, task, total, per_epoch, resumed_step, summary, loop_state, sink, save, writer, signals)
-        except RunStopped:
-            writer.wait()  # the stop's checkpoint is complete before the process exits
-            raise
-        finally:
-            sink.close()
-            gc.unfreeze()
-    summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
-    if cfg.save_hf:
-        export_hf(task.export_role, task.tokenizer, out_dir / "hf")
-        summary["hf_dir"] = str(out_dir / "hf")
-    if cfg.save_final and resumed_step != total:  # after the export: a save that fails cannot cost the trained model
-        save(total)
-    writer.wait()
-    if is_rank0():
-        (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
-        _report_curves(out_dir, task)
+    try:
+        with StopSignals() as signals:
+            try:
+                _train(cfg, task, total, per_epoch, resumed_step, summary, loop_state, sink, save, writer, signals)
+            except RunStopped:
+                writer.wait()  # the stop's checkpoint is complete before the process exits
+                raise
+            finally:
+                sink.close()
+                gc.unfreeze()
+        summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
+        if cfg.save_final and resumed_step != total:  # before the export: a failed export costs no step
+            save(total)
+        writer.wait()
+        if cfg.save_hf:
+            _export(cfg, task, out_dir, total if cfg.save_final or resumed_step == total else None)
+            summary["hf_dir"] = str(out_dir / "hf")
+        if is_rank0():
+            (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
+            _report_curves(out_dir, task)
+    finally:
+        if claim is not None and claim.lock is not None:
+            run_lock.release(claim.lock)
     log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
         f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
     return summary
+
+
+class ExportFailed(ValueError):
+    """The final HF export failed; the message says what the checkpoint holds and how to redo it."""
+
+
+def _export(cfg: LoopConfig, task: Task, out_dir: Path, final_step: int | None) -> None:
+    """Export ``task.export_role`` to ``out_dir/hf``. On failure (a full disk, an unwritable
+    directory) say what the final checkpoint (``final_step``; None: none was saved) holds and give
+    the ``convert`` command that redoes the export from it."""
+    hf = out_dir / "hf"
+    try:
+        export_hf(task.export_role, task.tokenizer, hf)
+    except OSError as err:
+        if final_step is None:
+            what = (f"no checkpoint holds the final step (save_final={cfg.save_final}): the steps since the last "
+                    "checkpoint are lost")  # fmt: skip
+        else:
+            ckpt = checkpoints_root(out_dir) / f"step_{final_step}"
+            name = next(n for n, s in task.train_states().items() if s.role is task.export_role)
+            what = (f"the checkpoint {ckpt} holds every step; redo the export with: megatron-rlhf convert mcore-to-hf "
+                    f"{ckpt / 'models' / name} {hf} (then copy the tokenizer files from {task.export_role.source}), "
+                    "or run the same command again (it resumes at the last step and exports)")  # fmt: skip
+        raise ExportFailed(f"the HF export to {hf} failed: {err}; {what}") from err
 
 
 def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step: int | None, summary: dict[str, Any],

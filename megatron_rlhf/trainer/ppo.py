@@ -37,7 +37,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms.advantages import compute_advantages
-from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLController, apply_kl_penalty, build_kl_controller, controller_kl
+from megatron_rlhf.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    KLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    controller_kl,
+)
 from megatron_rlhf.algorithms.utils import masked_mean
 from megatron_rlhf.checkpoint.sources import build_role, local_dir
 from megatron_rlhf.config.run import resolve_dtype
@@ -113,7 +120,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
 
     prompts = load(data.train, "prompts")
     validation = load(data.validation, "validation prompts") if data.validation else None
-    write_run_files(cfg, Path(cfg.output_dir))  # after the data: a run that fails on its data leaves none
+    write_run_files(cfg, Path(cfg.output_dir), archs, tokenizer)  # after the data: a run that fails on its data leaves none
 
     def build(role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
         with timed(f"{role}: build+load", env.device):
@@ -218,7 +225,10 @@ class PPOTask:
         return {"kl_coef": self.run.kl_controller.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run.kl_controller.value = state["kl_coef"]
+        """An adaptive controller continues from its saved coefficient (its state; the config's coef
+        is only its start); a fixed one keeps the config's, which a resumed run may change."""
+        if isinstance(self.run.kl_controller, AdaptiveKLController):
+            self.run.kl_controller.value = state["kl_coef"]
 
 
 def run_ppo(cfg: PPOConfig, env: DistEnv) -> dict[str, Any]:

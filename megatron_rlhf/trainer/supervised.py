@@ -137,7 +137,7 @@ def set_up_run(
     data = cfg.data  # type: ignore[attr-defined]
     train = load(resolve_data_paths(data.train), tokenizer, data, "train")
     validation = load(resolve_data_paths(data.validation), tokenizer, data, "validation") if data.validation else None
-    write_run_files(cfg, Path(cfg.output_dir))
+    write_run_files(cfg, Path(cfg.output_dir), {role: arch}, tokenizer)
     with timed("build+load model", env.device):
         model = build_role(role, cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
         state = make_train_state(model, cfg.optim)

@@ -1,0 +1,180 @@
+"""What a resumed run may change from the config of the checkpoint it continues.
+
+Every leaf key of a trainer's config is classified once, in ``RULES``, by the dataclass that
+declares it (so ``actor_optim.lr``, ``critic_optim.lr`` and ``optim.lr`` share ``OptimConfig.lr``):
+
+* ``MAY_CHANGE``: the new value applies from the first resumed step (learning rates and schedules,
+  clipping, KL and loss coefficients, sampling, the run's length, evaluation, saving, loggers).
+* ``FIXED``: what the checkpoint's state means depends on it: the dtype, the seed and the data that
+  make the step the data position (files, columns, lengths, batch size), the optimizer's kind.
+* ``LAYOUT``: where things run (TP/PP, device): checkpoints reshard on load, so it may change.
+* ``MODEL``: a model's ``path`` may change (a moved directory); what may not is the architecture
+  and tokenizer behind it, compared with the ones the checkpoint records, nor which models the run
+  uses (a critic or reference appearing or disappearing).
+
+A unit test checks that every leaf of PPOConfig, SFTConfig and RMConfig has a rule, and that every
+rule is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from megatron_rlhf.config.loader import ConfigError
+from megatron_rlhf.data import Tokenizer
+from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
+
+MAY_CHANGE, FIXED, LAYOUT, MODEL = "may change", "may not change", "layout", "model"
+
+RULES: dict[str, dict[str, str]] = {
+    "RunConfig": {"device": LAYOUT, "dtype": FIXED, "seed": FIXED, "output_dir": MAY_CHANGE, "dist_timeout_s": MAY_CHANGE,
+                  "host_threads": MAY_CHANGE},
+    "ModelConfig": {"path": MODEL, "tp": LAYOUT, "pp": LAYOUT},
+    # none <-> periodic/ema decides whether the checkpoint holds the reference's weights.
+    "ReferenceConfig": {"update": FIXED, "update_every": MAY_CHANGE, "ema_decay": MAY_CHANGE},
+    "LoopConfig": {key: MAY_CHANGE for key in (
+        "max_tokens_per_micro_batch", "pack_sequences", "num_epochs", "max_steps", "log_every", "loggers", "save_hf",
+        "save_every", "save_final", "keep_last", "async_save", "resume", "overwrite", "profile_steps", "max_bad_steps",
+        "trust_unverified_checkpoint")},
+    "WandbConfig": {"project": MAY_CHANGE, "name": MAY_CHANGE, "mode": MAY_CHANGE},
+    # What the examples are and how many: the step is the data position.
+    "DataFilesConfig": {"train": FIXED, "prompt_key": FIXED, "on_overlong": FIXED, "on_invalid": FIXED, "add_bos": FIXED,
+                        "num_workers": MAY_CHANGE},
+    "PromptDataConfig": {"validation": MAY_CHANGE, "extra_keys": MAY_CHANGE, "max_prompt_length": FIXED,
+                         "apply_chat_template": FIXED, "chat_template_kwargs": FIXED, "tools_file": FIXED, "tools_key": FIXED},
+    "SupervisedDataConfig": {"validation": MAY_CHANGE, "max_length": FIXED},
+    "SFTDataConfig": {"response_key": FIXED},
+    "PreferenceDataConfig": {"chosen_key": FIXED, "rejected_key": FIXED},
+    "RolloutConfig": {"tp": LAYOUT, "filter_groups": MAY_CHANGE, "max_sample_batches": MAY_CHANGE},
+    "SamplingParams": {key: MAY_CHANGE for key in (
+        "temperature", "top_k", "top_p", "max_new_tokens", "n", "stop_token_ids", "ignore_eos", "seed")},
+    "NativeEngineConfig": {key: MAY_CHANGE for key in (
+        "max_batch_size", "max_seq_len", "on_long_prompt", "eos_token_ids", "cuda_graphs", "graph_kv_bucket")},
+    "HybridConfig": {"offload": MAY_CHANGE},
+    "ScoringConfig": {"use_reward_model": MAY_CHANGE, "rules": MAY_CHANGE, "weights": MAY_CHANGE, "timeout_s": MAY_CHANGE},
+    "CustomFunctionConfig": {"path": MAY_CHANGE, "name": MAY_CHANGE},
+    "OverlongConfig": {"buffer": MAY_CHANGE, "penalty": MAY_CHANGE},
+    # An estimator that needs a critic the checkpoint lacks is refused by the models' comparison.
+    "AlgorithmConfig": {"advantage_estimator": MAY_CHANGE, "kl_penalty_estimator": MAY_CHANGE,
+                        "recompute_old_logprobs": MAY_CHANGE},
+    "AdvantageConfig": {key: MAY_CHANGE for key in ("gamma", "lam", "whiten", "eps", "norm_by_std", "reset_return_at_gaps")},
+    "KLControllerConfig": {key: MAY_CHANGE for key in ("type", "coef", "target_kl", "horizon", "kl_measure")},
+    "PPOLossConfig": {key: MAY_CHANGE for key in (
+        "clip_low", "clip_high", "dual_clip_c", "value_clip", "entropy_coef", "kl_loss_coef", "kl_estimator", "agg_mode",
+        "loss_scale_factor")},
+    # The optimizer's hyperparameters are applied after its state is loaded; its kind and where its
+    # state lives decide the checkpoint's format.
+    "OptimConfig": {**{key: MAY_CHANGE for key in (
+        "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "warmup_steps", "decay_style",
+        "decay_steps")}, "distributed_optimizer": FIXED, "cpu_offload_fraction": FIXED},
+    "PPOConfig": {"prompts_per_step": FIXED, "mini_batch_size": MAY_CHANGE, "ppo_epochs": MAY_CHANGE,
+                  "samples_per_step": MAY_CHANGE, "eval_every": MAY_CHANGE, "eval_before_train": MAY_CHANGE,
+                  "warmup": MAY_CHANGE},
+    "EvalConfig": {key: MAY_CHANGE for key in ("n", "temperature", "correct_score", "judged_by", "samples")},
+    "SupervisedConfig": {"global_batch_size": FIXED, "eval_every": MAY_CHANGE, "eval_before_train": MAY_CHANGE},
+}  # fmt: skip
+"""Class name -> field -> rule: the one place that says what a resumed run may change."""
+
+NOTES = {
+    "KLControllerConfig.coef": "with type=adaptive this is only the starting value: the checkpoint's current "
+                               "coefficient continues; with type=fixed the new value applies",
+    "ModelConfig.path": "compared by architecture and tokenizer, not by path",
+}
+"""What a reported change means where the new value is not simply what the run uses."""
+
+
+
+class ResumeRefused(ConfigError):
+    """A resumed run's config changes what its checkpoint cannot follow (the message lists it)."""
+
+
+_PROBE = "Resume probe: Hello, world! 123 + 456 = 579.\n\tdéjà vu — ünïcödé 日本語 🙂 <|endoftext|> def f(x): return x"
+
+
+def leaf_rules(cfg: Any) -> dict[str, tuple[str, str]]:
+    """Every leaf key of a config (dotted) -> (its rule, ``Class.field`` of the dataclass declaring it).
+    Raises ``KeyError`` naming a key that ``RULES`` does not classify."""
+    found: dict[str, tuple[str, str]] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{field.name}.")
+                continue
+            owner = next(c for c in type(obj).__mro__ if field.name in getattr(c, "__annotations__", {}))
+            rule = RULES.get(owner.__name__, {}).get(field.name)
+            if rule is None:
+                raise KeyError(f"{prefix}{field.name} ({owner.__name__}.{field.name}) has no rule in "
+                               "trainer/resume_check.py RULES: classify it as may change, may not change or layout")  # fmt: skip
+            found[prefix + field.name] = (rule, f"{owner.__name__}.{field.name}")
+
+    walk(cfg, "")
+    return found
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """How a tokenizer behaves (a probe text's ids, its special ids and vocabulary size), not where
+    it was read from: a moved model directory keeps its fingerprint."""
+    ids = [tokenizer.encode(_PROBE), tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id,
+           sorted(tokenizer.stop_ids)]  # fmt: skip
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeReview:
+    """A resumed run's config against its checkpoint's: lines to report and changes refused."""
+
+    changed: list[str]
+    refused: list[str]
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree}
+    return {key: value for name, sub in tree.items() for key, value in _flat(sub, f"{prefix}{name}.").items()}
+
+
+def review_resume(cfg: Any, new_yaml: str, old_yaml: str, run_state: dict[str, Any], models: dict[str, Architecture],
+                  tokenizer: str) -> ResumeReview:  # fmt: skip
+    """Compare the resolved config (``new_yaml``) with the checkpoint's (``old_yaml``), and the
+    models the run uses (role -> architecture) and its ``tokenizer`` fingerprint with the ones the
+    checkpoint's ``run_state`` records."""
+    rules = leaf_rules(cfg)
+    old, new = _flat(yaml.safe_load(old_yaml)), _flat(yaml.safe_load(new_yaml))
+    changed, refused = [], []
+    for key in sorted(old.keys() | new.keys()):
+        before, after = old.get(key, "(not set)"), new.get(key, "(not a setting now)")
+        if before == after:
+            continue
+        rule, owner = rules.get(key, (MAY_CHANGE, ""))
+        note = NOTES.get(owner, "" if rule == MAY_CHANGE else rule)
+        changed.append(f"{key}: {before!r} -> {after!r}" + (f" ({note})" if note else ""))
+        if rule == FIXED and key in old and key in new:
+            refused.append(f"{key}: {before!r} -> {after!r}")
+        if rule == MODEL and "models" not in run_state:  # a checkpoint that records no architectures
+            refused.append(f"{key}: {before!r} -> {after!r} (the checkpoint records no architectures to compare)")
+    saved = run_state.get("models")
+    if saved is not None:
+        refused += _model_changes(saved, models)
+        if run_state.get("tokenizer") not in (None, tokenizer):
+            refused.append("the tokenizer encodes text differently from the checkpoint's")
+    return ResumeReview(changed, refused)
+
+
+def _model_changes(saved: dict[str, dict[str, Any]], models: dict[str, Architecture]) -> list[str]:
+    """Models that appear, disappear or whose architecture differs from the checkpoint's."""
+    refused = [f"the run uses a {role} that the checkpoint's run did not" for role in models if role not in saved]
+    refused += [f"the checkpoint's run used a {role} that this run does not" for role in saved if role not in models]
+    for role in models.keys() & saved.keys():
+        before, after = architecture_from_hf_config(saved[role], source=f"the checkpoint's {role}"), models[role]
+        differ = [f"{f.name} {getattr(before, f.name)} -> {getattr(after, f.name)}" for f in dataclasses.fields(after)
+                  if f.compare and getattr(before, f.name) != getattr(after, f.name)]  # fmt: skip
+        if differ:
+            refused.append(f"the {role}'s architecture: {', '.join(differ)}")
+    return refused

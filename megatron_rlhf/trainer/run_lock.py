@@ -1,0 +1,107 @@
+"""One run per output_dir: ``output_dir/run.lock`` names the run that holds it (host, pid, start).
+
+Two runs writing one output_dir corrupt each other (the second resumes from the first's
+checkpoint; both append to metrics.jsonl). The lock file is created by a hard link of a written file (atomic,
+never empty), so of two runs started together exactly one gets it. A lock whose holder is a dead process on this host is taken
+over (with a message); one held by a live process, or by another host (whose processes cannot be
+checked from here), is refused with ``OutputDirLocked``. The holder deletes it at exit (normal, an
+error, a stop signal); a killed run leaves it behind, and the next run on the same host takes it
+over. Process ids are compared with their start time, so a reused pid is not taken for the holder.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import psutil
+
+from megatron_rlhf.config.loader import ConfigError
+from megatron_rlhf.metrics.log import log
+
+LOCK_FILE = "run.lock"
+
+
+class OutputDirLocked(ConfigError):
+    """Another run holds the output_dir's lock."""
+
+
+def _me() -> dict[str, object]:
+    started = psutil.Process().create_time()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "process_started": started,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))}  # fmt: skip
+
+
+def _alive(holder: dict[str, object]) -> bool:
+    """Whether the holder (a process of this host) still runs: same pid, same start time."""
+    try:
+        return abs(psutil.Process(int(holder["pid"])).create_time() - float(holder["process_started"])) < 1.0
+    except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
+        return False
+
+
+def acquire(out_dir: Path) -> Path:
+    """Take ``out_dir/run.lock`` for this process (creating ``out_dir``); returns its path. A lock this
+    process holds already is kept. Raises ``OutputDirLocked`` naming the holder and the file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_FILE
+    me = _me()
+    for _ in range(2):  # a stale lock: taken over once
+        if _create(path, me):
+            atexit.register(release, path)
+            return path
+        holder = _read(path)
+        if holder is None:
+            continue  # deleted by its holder meanwhile
+        if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+            return path
+        if holder.get("host") != me["host"]:
+            raise OutputDirLocked(
+                f"output_dir={str(out_dir)!r} is in use by a run on host {holder.get('host')} (pid {holder.get('pid')}, "
+                f"started {holder.get('started')}): {path}. Its process cannot be checked from {me['host']}; if you are "
+                f"sure that run has ended, delete {path} and start again")  # fmt: skip
+        if _alive(holder):
+            raise OutputDirLocked(
+                f"output_dir={str(out_dir)!r} is in use by another run: pid {holder['pid']} on {holder['host']}, started "
+                f"{holder.get('started')} ({path}); wait for it to end, stop it, or choose another output_dir")  # fmt: skip
+        log(f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')} (started "
+            f"{holder.get('started')}), is no longer running")  # fmt: skip
+        path.unlink(missing_ok=True)
+    raise OutputDirLocked(f"output_dir={str(out_dir)!r}: another run took {path} while this one took over a stale lock")
+
+
+def _create(path: Path, holder: dict[str, object]) -> bool:
+    """Create the lock file with its content in one step (a hard link of a written file: never seen
+    empty); False if it exists."""
+    tmp = path.with_name(f"{path.name}.{holder['pid']}.tmp")
+    tmp.write_text(json.dumps(holder) + "\n")
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+
+
+def release(path: Path) -> None:
+    """Delete the lock if this process holds it (a lock another run has taken over stays)."""
+    holder = _read(path)
+    if holder is not None and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+        path.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> dict[str, object] | None:
+    """The holder a lock file names (None: no lock file); an unreadable one names an unknown host, which
+    is refused with the hint to delete it."""
+    try:
+        holder = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        holder = None
+    return holder if isinstance(holder, dict) else {"host": "unknown (unreadable lock file)"}

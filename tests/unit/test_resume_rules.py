@@ -1,0 +1,65 @@
+"""What a resumed run may change (``trainer/resume_check.RULES``) and the output_dir lock
+(``trainer/run_lock``), without a run: every config key is classified, and the lock refuses a live
+or foreign holder and takes over a dead one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_rlhf.trainer.ppo_config import PPOConfig
+from megatron_rlhf.trainer.resume_check import RULES, leaf_rules
+from megatron_rlhf.trainer.rm import RMConfig
+from megatron_rlhf.trainer.run_lock import LOCK_FILE, OutputDirLocked, acquire, release
+from megatron_rlhf.trainer.sft import SFTConfig
+
+
+def test_every_config_key_has_exactly_one_resume_rule_and_every_rule_is_used() -> None:
+    used = set()
+    for schema in (PPOConfig, SFTConfig, RMConfig):
+        rules = leaf_rules(schema())  # raises KeyError naming an unclassified key
+        used |= {owner for _, owner in rules.values()}
+    declared = {f"{cls}.{field}" for cls, fields in RULES.items() for field in fields}
+    assert declared == used, f"rules for no key: {sorted(declared - used)}"
+
+
+def _holder(out: Path, **fields: object) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOCK_FILE).write_text(json.dumps(fields) + "\n")
+
+
+def test_a_lock_of_a_live_process_is_refused_and_a_dead_ones_taken_over(tmp_path: Path) -> None:
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(live.pid).create_time()
+        _holder(tmp_path, host=socket.gethostname(), pid=live.pid, process_started=started, started="then")
+        with pytest.raises(OutputDirLocked, match=rf"in use by another run: pid {live.pid} on .*{LOCK_FILE}"):
+            acquire(tmp_path)
+    finally:
+        live.kill()
+        live.wait()
+    lock = acquire(tmp_path)  # the same holder, now dead
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert acquire(tmp_path) == lock  # held by this process already
+    release(lock)
+    assert not lock.exists()
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path: Path) -> None:
+    """This process's pid with another start time: the holder died and its pid was given again."""
+    _holder(tmp_path, host=socket.gethostname(), pid=os.getppid(), process_started=1.0, started="long ago")
+    assert json.loads(acquire(tmp_path).read_text())["pid"] == os.getpid()
+
+
+def test_a_lock_of_another_host_is_refused_with_how_to_remove_it(tmp_path: Path) -> None:
+    _holder(tmp_path, host="node-17", pid=4242, process_started=1.0, started="yesterday")
+    with pytest.raises(OutputDirLocked, match=rf"host node-17 \(pid 4242.*delete {tmp_path / LOCK_FILE}"):
+        acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == "node-17"
