@@ -32,8 +32,9 @@ class Completion:
     """Tokens cut from the front of an over-long prompt (on_long_prompt=truncate), else 0."""
 
     def text_ids(self, stop_ids: Sequence[int]) -> list[int]:
-        """The response's ids without its final stop token: what its text is decoded from (verl
-        decodes responses with special tokens skipped)."""
+        """The response's ids without its final stop token: what its text is decoded from, with
+        special tokens skipped as verl decodes the responses it scores (a stop id that is no special
+        token would otherwise stay in the text). ``token_ids`` keeps every token."""
         ends_with_stop = self.finish_reason == "stop" and self.token_ids and self.token_ids[-1] in stop_ids
         return self.token_ids[:-1] if ends_with_stop else self.token_ids
 

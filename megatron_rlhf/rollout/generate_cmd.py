@@ -4,8 +4,12 @@ Input rows hold ``prompt`` (text, tokenized with the model's tokenizer, or a lis
 rendered with its chat template) or ``prompt_ids``. Under torchrun the world is split into
 generation groups of ``--tp`` ranks; each data-parallel group takes every dp-th prompt, and rank 0
 writes all completions in prompt order. Output rows:
-``prompt_index``, ``sample_index``, ``token_ids``, ``text`` (decoded), ``logprobs``,
-``finish_reason`` and ``prompt_tokens_dropped``.
+``prompt_index``, ``sample_index``, ``token_ids`` (every generated token, a final stop token
+included), ``text``, ``logprobs``, ``finish_reason`` and ``prompt_tokens_dropped``.
+
+``text`` is the response as the trainers' reward functions read it: decoded with special tokens
+skipped and without its final stop token, as vLLM's output text and verl's reward input are (not
+transformers' default ``decode``, which keeps them); ``token_ids`` holds what was generated.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def run_generate(
             for c in rows:
                 out.write(json.dumps({
                     "prompt_index": c.prompt_index, "sample_index": c.sample_index, "token_ids": c.token_ids,
-                    "text": tokenizer.decode(c.token_ids), "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                    "text": tokenizer.decode(c.text_ids(tokenizer.stop_ids), skip_special_tokens=True), "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason,
                     "prompt_tokens_dropped": c.prompt_tokens_dropped,
                 }) + "\n")  # fmt: skip
         dropped = sum(1 for c in rows if c.prompt_tokens_dropped)

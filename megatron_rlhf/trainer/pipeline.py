@@ -180,7 +180,7 @@ def sample_and_judge(
     completions: list[Completion] = generate_data_parallel(engine, [e.prompt_ids.tolist() for e in examples], params)
     responses: list[list[str]] = [[] for _ in examples]
     verdicts: list[list[str]] = [[] for _ in examples]
-    texts = tokenizer.decode_batch([c.text_ids(tokenizer.stop_ids) for c in completions])
+    texts = tokenizer.decode_batch([c.text_ids(tokenizer.stop_ids) for c in completions], skip_special_tokens=True)
     for c, text in zip(completions, texts):
         responses[c.prompt_index].append(text)
         verdicts[c.prompt_index].append(judge(text, examples[c.prompt_index].extras["answer"],

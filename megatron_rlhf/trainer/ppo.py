@@ -95,6 +95,11 @@ class PPORun:
     """Whether the actor's log-probs before the update get a forward pass of their own (else the
     update's forward supplies them; ``ppo_config.old_logprob_pass``)."""
 
+    def texts(self, rows: list[list[int]]) -> list[str]:
+        """Token rows as rewards, rules and samples.jsonl read them: special tokens skipped, as verl
+        decodes the prompts and responses its reward functions read."""
+        return self.tokenizer.decode_batch(rows, skip_special_tokens=True)
+
 
 def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     checked = check_ppo_config(cfg, env.world_size)
@@ -429,7 +434,7 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
             phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
         with timed("reward", device, times, quiet=True, peaks=peaks):
             batch = rollout_batch(completions, run.tokenizer.pad_id)
-            pending = run.scorer.start(batch, completions, [run.prompts[i].extras for i in indices], run.tokenizer.decode_batch)
+            pending = run.scorer.start(batch, completions, [run.prompts[i].extras for i in indices], run.texts)
         draws += 1
         if not rollout.filter_groups:
             return completions, batch, phase_seconds, pending.result, {}
@@ -470,7 +475,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
         """Completions, their raw scores and whether each is correct, (prompts, n)."""
         params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
         completions, _ = run.hybrid.generate(ids, params)
-        scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.tokenizer.decode_batch)
+        scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.texts)
         judged = scores.parts[ev.judged_by] if ev.judged_by else scores.raw
         return completions, scores.raw.view(len(ids), n), (judged >= ev.correct_score).view(len(ids), n)
 
@@ -512,12 +517,16 @@ def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState],
 
 
 def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor) -> list[dict[str, Any]]:
-    """samples.jsonl rows: each response as the reward functions read it (no trailing EOS), and the
-    reward it got."""
-    samples = run.scorer.samples(completions, run.tokenizer.decode_batch)
+    """samples.jsonl rows: each prompt and response as the reward functions read them (special
+    tokens skipped, no final stop token) and the reward it got; where skipping dropped special
+    tokens from a response, also ``raw_response``, its text with them (what the policy wrote, for
+    debugging; rows without such tokens stay small)."""
+    samples = run.scorer.samples(completions, run.texts)
+    raw = run.tokenizer.decode_batch([c.text_ids(run.tokenizer.stop_ids) for c in completions])
     return [{"group": c.prompt_index, "prompt": sample.prompt_text, "response": sample.response_text,
+             **({"raw_response": text} if text != sample.response_text else {}),
              "finish_reason": c.finish_reason, "reward": float(score)}
-            for c, sample, score in zip(completions, samples, scores)]  # fmt: skip
+            for c, sample, text, score in zip(completions, samples, raw, scores)]  # fmt: skip
 
 
 def _step_seed(cfg: PPOConfig, step: int) -> int:
