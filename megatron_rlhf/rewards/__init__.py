@@ -1,27 +1,23 @@
 """Rewards of a rollout: rule functions (registered, or any ``module:function``), verl-style reward
-functions from a file, and the reward model's score."""
+functions from a file, and the reward model's score; the user's code called through ``calls.py``."""
 
-from .custom import (
-    CustomFunctionConfig,
-    CustomRewardFunction,
-    CustomScores,
-    RewardFunctionError,
-    load_custom_function,
-    metric_means,
-)
-from .rules import REWARD_RULES, RewardRule, Sample, as_score, resolve_rule, rule_scores
+from .calls import RewardCalls, RewardFunctionError
+from .custom import CustomFunctionConfig, CustomRewardFunction, CustomScores, load_custom_function, metric_means
+from .rules import REWARD_RULES, RewardRule, Sample, as_number, resolve_rule, rule_scores, score_of
 
 __all__ = [
     "REWARD_RULES",
     "CustomFunctionConfig",
     "CustomRewardFunction",
     "CustomScores",
+    "RewardCalls",
     "RewardFunctionError",
     "RewardRule",
     "Sample",
-    "as_score",
+    "as_number",
     "load_custom_function",
     "metric_means",
     "resolve_rule",
     "rule_scores",
+    "score_of",
 ]

@@ -8,8 +8,14 @@ is the reward and whose other keys are logged. The same file works here as is: t
 keeps those row fields with each prompt (``Sample.extras``), and ``scoring.custom_function.path`` /
 ``.name`` (``CustomFunctionConfig``) name the file and the function.
 
-Stricter than verl on purpose: a score must be one finite number (Python, numpy, or a 0-d torch
-tensor), never a NaN or a string carried into the advantages. Other keys that are numbers become
+The response is decoded with special tokens skipped, as verl's reward manager decodes it.
+
+Stricter than verl on purpose: the function's signature is checked when it is loaded (a function
+that cannot take those four keywords, e.g. verl's own ``gsm8k.compute_score(solution_str,
+ground_truth, ...)``, is refused at start-up, not at step 1); a score must be one number finite in
+float32 (Python, numpy, or a 0-d torch tensor), never a NaN or a string carried into the advantages;
+whatever the function raises (``SystemExit`` included) or a call past ``scoring.timeout_s`` is an
+error naming it, its file and the sample (``calls.py``). Other keys that are numbers become
 metrics, averaged over the samples that return them; the rest (e.g. a predicted answer string)
 are not metrics and are left out.
 """
@@ -18,21 +24,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import inspect
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .rules import Sample, as_score
+from .calls import RewardCalls, RewardFunctionError, formatted, users_own
+from .rules import Sample, as_number, on_sample, score_of
 
 __all__ = ["CustomFunctionConfig", "CustomRewardFunction", "CustomScores", "RewardFunctionError",
            "load_custom_function", "metric_means"]  # fmt: skip
 
 _VERL_INPUTS = ("data_source", "ground_truth", "extra_info")  # the prompt loader's names for them
+_VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")  # how verl's reward manager calls it
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -41,10 +49,6 @@ class CustomFunctionConfig:
     """Python file defining a verl-style reward function (empty: none); the file runs on every rank."""
     name: str = "compute_score"
     """The function in that file, called as name(data_source=, solution_str=, ground_truth=, extra_info=)."""
-
-
-class RewardFunctionError(RuntimeError):
-    """The user's reward function raised; the message names it, its file, the sample, and the traceback."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,42 +76,34 @@ class CustomRewardFunction:
     def __init__(self, function: Callable[..., Any], name: str, path: Path) -> None:
         self.function, self.name, self.path = function, name, path
 
-    def _where(self, index: int, sample: Sample) -> str:
-        return (f"custom reward function {self.name!r} ({self.path}) on sample {index} (data_source "
-                f"{sample.extras.get('data_source')!r}, response {sample.response_text[:60]!r})")  # fmt: skip
-
-    def score(self, samples: Sequence[Sample]) -> CustomScores:
+    def score(self, samples: Sequence[Sample], calls: RewardCalls | None = None,
+              rows: Sequence[int] | None = None) -> CustomScores:  # fmt: skip
+        """The function on each sample, called through ``calls`` (the scorer's, with its timeout; by
+        default one without); ``rows[i]`` is sample i's row in the rollout (default: i), for messages."""
+        calls = calls if calls is not None else RewardCalls()
+        rows = rows if rows is not None else range(len(samples))
+        what = f"custom reward function {self.name!r} ({self.path})"
         scores: list[float] = []
         metrics: dict[str, list[float]] = {}
-        for index, sample in enumerate(samples):
+        for row, sample in zip(rows, samples, strict=True):
+            where = functools.partial(on_sample, what, row, sample)
             missing = [key for key in _VERL_INPUTS if key not in sample.extras]
             if missing:
-                raise ValueError(f"{self._where(index, sample)}: the prompt row has no {missing}; a verl reward "
+                raise ValueError(f"{where()}: the prompt row has no {missing}; a verl reward "
                                  "function needs the rows' data_source and reward_model.ground_truth columns "
                                  "(verl's parquet format)")  # fmt: skip
-            try:
-                result = self.function(
-                    data_source=sample.extras["data_source"],
-                    solution_str=sample.response_text,
-                    ground_truth=sample.extras["ground_truth"],
-                    extra_info=copy.deepcopy(sample.extras["extra_info"]),  # the function may edit it, as verl's does
-                )
-            except Exception as exc:
-                trace = "".join(traceback.format_exception(exc))
-                raise RewardFunctionError(f"{self._where(index, sample)} raised:\n{trace}") from exc
+            result = calls(where, self.function, data_source=sample.extras["data_source"],
+                           solution_str=sample.response_text, ground_truth=sample.extras["ground_truth"],
+                           extra_info=copy.deepcopy(sample.extras["extra_info"]))  # the function may edit it, as verl's does
             if isinstance(result, dict):
                 if "score" not in result:
-                    raise ValueError(f"{self._where(index, sample)} returned a dict without 'score' "
-                                     f"(keys: {sorted(map(str, result))})")  # fmt: skip
+                    raise RewardFunctionError(f"{where()} returned a dict without 'score' (keys: {sorted(map(str, result))})")
                 value, extra = result["score"], {k: v for k, v in result.items() if k != "score"}
             else:
                 value, extra = result, {}
-            score = as_score(value)
-            if score is None:
-                raise ValueError(f"{self._where(index, sample)} returned score {value!r}: expected a finite number")
-            scores.append(score)
+            scores.append(score_of(value, where))
             for key, raw in extra.items():
-                number = as_score(raw)
+                number = as_number(raw)
                 if number is not None:
                     metrics.setdefault(str(key), []).append(number)
         return CustomScores(scores, metrics)
@@ -131,9 +127,11 @@ def load_custom_function(path: str | Path, name: str = "compute_score") -> Custo
     sys.modules[module_name] = module  # dataclasses (and pickle) look a class's module up there
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except BaseException as exc:  # whatever its top level raises, sys.exit included
         del sys.modules[module_name]
-        raise ValueError(f"{setting}: importing {file} failed:\n{''.join(traceback.format_exception(exc))}") from exc
+        if not users_own(exc):
+            raise
+        raise ValueError(f"{setting}: importing {file} failed:\n{formatted(exc)}") from exc
     function = getattr(module, name, None)
     if not callable(function):
         defined = sorted(k for k, v in vars(module).items()
@@ -143,4 +141,22 @@ def load_custom_function(path: str | Path, name: str = "compute_score") -> Custo
                          f"functions defined there: {defined}")  # fmt: skip
     if inspect.iscoroutinefunction(function):
         raise ValueError(f"scoring.custom_function.name={name!r}: {name} in {file} is async; give a plain function")
+    _check_signature(function, name, file)
     return CustomRewardFunction(function, name, file)
+
+
+def _check_signature(function: Callable[..., Any], name: str, file: Path) -> None:
+    """Refuse, at start-up, a function that cannot be called as verl calls it (keywords; ``**kwargs``
+    takes any): it would fail at the first step's scores."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # some callables (builtins) have none: nothing to check
+        return
+    try:
+        signature.bind(**dict.fromkeys(_VERL_KEYWORDS))
+    except TypeError as err:
+        expected = ", ".join(f"{key}=" for key in _VERL_KEYWORDS)
+        raise ValueError(f"scoring.custom_function.name={name!r}: {name}{signature} in {file} cannot be called as "
+                         f"verl calls a reward function, {name}({expected}) ({err}); take those keywords (or "
+                         "**kwargs), e.g. def compute_score(data_source, solution_str, ground_truth, extra_info=None) "
+                         "calling yours") from err  # fmt: skip

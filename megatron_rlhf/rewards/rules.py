@@ -1,15 +1,22 @@
 """Rule rewards: plain functions of one sample, looked up by name or imported by path.
 
 A rule takes a ``Sample`` (ids, decoded text, finish reason, the prompt row's extra columns) and
-returns a float. ``reward.rules`` lists names registered in ``REWARD_RULES`` or import paths
+returns a float. ``scoring.rules`` lists names registered in ``REWARD_RULES`` or import paths
 ``package.module:function`` to the user's own; the trainer sums every rule's score (and the reward
-model's, when used) into the sequence reward.
+model's, when used) into the sequence reward. The texts are decoded with special tokens skipped, as
+verl decodes what its reward functions read.
+
+A rule is checked where it is named (it imports, and takes one sample) and called through
+``RewardCalls`` (``calls.py``): whatever it raises, or a score that is no finite float32, is an error
+naming the rule, its file and the sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -20,6 +27,12 @@ import torch
 
 from megatron_rlhf.algorithms.registry import Registry
 from megatron_rlhf.tasks.arithmetic import Verdict, judge
+
+from .calls import RewardCalls, RewardFunctionError, Where, formatted, origin, users_own
+
+SCORE_DTYPE = torch.float32
+"""The dtype scores are gathered and summed into rewards in: a score must be finite in it."""
+_SCORE_MAX = torch.finfo(SCORE_DTYPE).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +89,9 @@ def lowercase_fraction(sample: Sample) -> float:
 
 
 def resolve_rule(name: str) -> RewardRule:
-    """A registered rule, or ``package.module:function``; errors name the rule and what was expected."""
+    """A registered rule, or ``package.module:function``; errors name the rule and what was expected:
+    a module that does not import (with its traceback when the module itself failed), no such
+    function, or one that cannot be called with one sample."""
     if ":" not in name:
         return REWARD_RULES.get(name)
     module_name, _, attribute = name.partition(":")
@@ -84,13 +99,32 @@ def resolve_rule(name: str) -> RewardRule:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward rule {name!r}: cannot import module {module_name!r} ({err})") from err
+    except BaseException as err:  # a SyntaxError, or whatever its top level raises (sys.exit included)
+        if not users_own(err):
+            raise
+        raise ValueError(f"reward rule {name!r}: importing module {module_name!r} failed:\n{formatted(err)}") from err
     rule = getattr(module, attribute, None)
     if not callable(rule):
         raise ValueError(f"reward rule {name!r}: module {module_name!r} has no callable {attribute!r}")
+    try:
+        signature = inspect.signature(rule)
+    except (TypeError, ValueError):  # some builtins have none: nothing to check
+        return rule
+    try:
+        signature.bind(None)
+    except TypeError as err:
+        raise ValueError(f"reward rule {name!r}: {attribute}{signature} ({origin(rule)}) cannot be called as a rule "
+                         f"is, {attribute}(sample) -> float ({err})") from err  # fmt: skip
     return rule
 
 
-def as_score(value: Any) -> float | None:
+def on_sample(what: str, row: int, sample: Sample) -> str:
+    """``what`` (a function and its file) on a sample, for messages: its row, data_source, response."""
+    source = f"data_source {sample.extras['data_source']!r}, " if "data_source" in sample.extras else ""
+    return f"{what} on sample {row} ({source}response {sample.response_text[:60]!r})"
+
+
+def as_number(value: Any) -> float | None:
     """``value`` as a float if it is one finite real number (Python, numpy, or a 0-d tensor or array;
     a bool counts as 0 / 1), else None: reward code returns all of these."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
@@ -103,18 +137,32 @@ def as_score(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def rule_scores(rules: dict[str, RewardRule], samples: Sequence[Sample]) -> dict[str, list[float]]:
-    """Each rule's score for each sample; a non-finite or non-numeric score is an error naming the
-    rule and the sample, never a silent NaN in the advantages."""
+def score_of(value: Any, where: Where) -> float:
+    """``value`` as a score: one real number, finite in ``SCORE_DTYPE`` (1e300 is a finite float64 but
+    inf in float32); else a ``RewardFunctionError`` naming the call (``where``) and the value."""
+    number = as_number(value)
+    if number is None:
+        raise RewardFunctionError(f"{where()} returned score {value!r}: expected a finite number")
+    if abs(number) > _SCORE_MAX:
+        raise RewardFunctionError(f"{where()} returned score {value!r}: outside the range of float32 (|score| <= "
+                                  f"{_SCORE_MAX:.4g}), the dtype the scores are summed into rewards in")  # fmt: skip
+    return number
+
+
+def rule_scores(rules: dict[str, RewardRule], samples: Sequence[Sample], calls: RewardCalls | None = None,
+                rows: Sequence[int] | None = None) -> dict[str, list[float]]:  # fmt: skip
+    """Each rule's score for each sample, called through ``calls`` (the scorer's, with its timeout;
+    by default one without); ``rows[i]`` is sample i's row in the rollout (default: i), for messages.
+    Whatever a rule raises and a score that is no finite number are errors naming the rule and the
+    sample, never a silent NaN in the advantages."""
+    calls = calls if calls is not None else RewardCalls()
+    rows = rows if rows is not None else range(len(samples))
     scores: dict[str, list[float]] = {}
     for name, rule in rules.items():
+        what = f"reward rule {name!r} ({origin(rule)})"
         column = []
-        for index, sample in enumerate(samples):
-            value = rule(sample)
-            score = as_score(value)
-            if score is None:
-                raise ValueError(f"reward rule {name!r} returned {value!r} for sample {index} "
-                                 f"(response {sample.response_text[:60]!r}): expected a finite number")  # fmt: skip
-            column.append(score)
+        for row, sample in zip(rows, samples, strict=True):
+            where = functools.partial(on_sample, what, row, sample)
+            column.append(score_of(calls(where, rule, sample), where))
         scores[name] = column
     return scores

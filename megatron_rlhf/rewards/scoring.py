@@ -10,11 +10,20 @@ samples per rank and are gathered; the reward model scores every row in its own 
 
 ``Scorer.start`` runs this rank's share of the rules and the function (decoding, then plain
 Python) on a host thread and returns at once, so that the trainer queues the reference and value
-passes on the GPU meanwhile; ``PendingScores.result()`` gathers the shares and runs the reward
-model's pass.
+passes on the GPU meanwhile; ``PendingScores.result()`` runs the reward model's pass and gathers
+the shares.
 
-The response text a rule or function reads has no trailing end-of-sequence token (verl decodes
-responses with special tokens skipped); the token ids are untouched.
+The prompt and response texts a rule or function reads are decoded with special tokens skipped, as
+verl decodes them for its reward functions (a ``<|im_start|>`` sampled mid-response is not in the
+text), and the response has no final stop token; the token ids are untouched.
+
+The user's code fails the run, never hangs it or ends it quietly: whatever it raises, a call longer
+than ``timeout_s`` and a score that is no finite float32 are a ``RewardFunctionError`` naming the
+function, its file and the sample (``calls.py``). A share that fails on one rank fails every rank
+with that message: each rank's share goes into the same gather, failed or not, so that no rank is
+left waiting in it. A stop signal that comes while a call hangs is recorded, but the loop acts on it
+at the step's end only (where it saves): the timeout then ends the run with the call's error and
+no stop checkpoint (the newest one is ``save_every``'s); a second signal ends the process at once.
 """
 
 from __future__ import annotations
@@ -22,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,8 +44,12 @@ from megatron_rlhf.metrics.log import snake_case
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 
-from .custom import CustomFunctionConfig, CustomRewardFunction, load_custom_function, metric_means
-from .rules import RewardRule, Sample, resolve_rule, rule_scores
+from .calls import RewardCalls, RewardFunctionError, Watched, formatted
+from .custom import CustomFunctionConfig, CustomRewardFunction, CustomScores, load_custom_function, metric_means
+from .rules import SCORE_DTYPE, RewardRule, Sample, resolve_rule, rule_scores
+
+Share = tuple[dict[str, list[float]], CustomScores | None]
+"""A rank's rule and function scores of its samples, by part, and what the function returned."""
 
 REWARD_MODEL, CUSTOM_FUNCTION, OVERLONG = "reward_model", "custom_function", "overlong_penalty"
 
@@ -70,10 +82,16 @@ class ScoringConfig:
     """Weight of each part: reward_model, a rule's name, custom_function (e.g. {reward_model: 0.7,
     exact_answer: 0.3}); a part not named has weight 1."""
     overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+    timeout_s: float = 60.0
+    """Longest one call of a rule or the custom function may take, in seconds; 0: no limit. A call that
+    runs longer ends the run with an error naming it, the sample and the line it is at, where a hung
+    function would hang every rank (Python cannot stop it, so the run ends rather than skip the
+    sample). Keep it well below dist_timeout_s: the other ranks wait that long for this rank's scores."""
 
     def errors(self) -> list[str]:
         return [f"weights.{name}={value} must be a finite number" for name, value in self.weights.items()
-                if not math.isfinite(value)]  # fmt: skip
+                if not math.isfinite(value)] + (  # fmt: skip
+            [] if 0 <= self.timeout_s < math.inf else [f"timeout_s={self.timeout_s} must be >= 0 and finite (0: no limit)"])
 
     def parts(self) -> list[str]:
         """The names of the configured parts, in scoring order."""
@@ -150,13 +168,13 @@ class Scorer:
         self.cfg, self.rules, self.function, self.reward_model = cfg, rules, function, reward_model
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
         self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
-        self._thread: ThreadPoolExecutor | None = None  # made at the first ``start`` with rules
 
     def samples(self, completions: Sequence[Completion], decode_batch: Callable[[list[list[int]]], list[str]],
                 extras: Sequence[dict[str, Any]] | None = None) -> list[Sample]:  # fmt: skip
         """The completions as rules read them (``extras[c.prompt_index]`` the prompt row's extra
-        columns, none if not given), decoded by one ``decode_batch`` call (a tokenizer's): each
-        prompt once, not once per sample of it, and every response."""
+        columns, none if not given), decoded by one ``decode_batch`` call (a tokenizer's, skipping
+        special tokens: ``PPORun.texts``): each prompt once, not once per sample of it, and every
+        response without its final stop token."""
         prompts = {c.prompt_index: c.prompt_ids for c in completions}
         texts = decode_batch([*prompts.values(), *(c.text_ids(self.stop_ids) for c in completions)])
         prompt_texts = dict(zip(prompts, texts))
@@ -184,39 +202,44 @@ class Scorer:
         share = None
         if self.rules or self.function is not None:
             rank, world = dist.get_rank(), dist.get_world_size()
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
-            share = self._thread.submit(self._share_scores, completions[rank::world], extras, decode_batch)
+            calls = RewardCalls(self.cfg.timeout_s)
+            rows = range(rank, len(completions), world)
+            share = Watched(lambda: self._share_scores(completions[rank::world], rows, extras, decode_batch, calls), calls)
         return PendingScores(self, batch, completions, share)
 
-    def _share_scores(self, completions: list[Completion], extras: list[dict[str, Any]],
-                      decode_batch: Callable[[list[list[int]]], list[str]]) -> tuple[dict[str, list[float]], Any]:  # fmt: skip
-        """The rules' and the custom function's scores of ``completions`` (this rank's share)."""
+    def _share_scores(self, completions: list[Completion], rows: Sequence[int], extras: list[dict[str, Any]],
+                      decode_batch: Callable[[list[list[int]]], list[str]], calls: RewardCalls) -> Share:  # fmt: skip
+        """The rules' and the custom function's scores of ``completions`` (this rank's share, rows
+        ``rows`` of the rollout)."""
         mine = self.samples(completions, decode_batch, extras)
-        local = rule_scores(self.rules, mine)
-        custom = self.function.score(mine) if self.function is not None else None
+        local = rule_scores(self.rules, mine, calls, rows)
+        custom = self.function.score(mine, calls, rows) if self.function is not None else None
         if custom is not None:
             local[CUSTOM_FUNCTION] = custom.scores
         return local, custom
 
-    def _combine(self, batch: Batch, completions: list[Completion], share: Future | None) -> Scores:
+    def _combine(self, batch: Batch, completions: list[Completion], share: Watched[Share] | None) -> Scores:
         parts: dict[str, torch.Tensor] = {}
         custom_metrics: dict[str, float] = {}
         if self.reward_model is not None:
             parts[REWARD_MODEL] = self.reward_model_scores(batch)
         if share is not None:
-            local, custom = share.result()  # re-raises what the thread raised
-            world = dist.get_world_size()
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, (local, custom))
-            for name in local:
-                column = torch.empty(len(completions))
-                for r, (part, _) in enumerate(gathered):
-                    column[r::world] = torch.tensor(part[name])
+            shares = _gather_shares(share)
+            world = len(shares)
+            for name in shares[0][0]:
+                column = torch.empty(len(completions), dtype=SCORE_DTYPE)
+                for r, (part, _) in enumerate(shares):
+                    column[r::world] = torch.tensor(part[name], dtype=SCORE_DTYPE)
                 parts[name] = column
-            if custom is not None:
-                custom_metrics = metric_means([c for _, c in gathered])
+            if self.function is not None:
+                custom_metrics = metric_means([c for _, c in shares])
         raw = sum(self.cfg.weights.get(name, 1.0) * value for name, value in parts.items())
+        unusable = (~torch.isfinite(raw)).nonzero()
+        if len(unusable):
+            row = int(unusable[0])
+            values = ", ".join(f"{name} {float(value[row]):g}" for name, value in parts.items())
+            raise ValueError(f"sample {row}'s score {float(raw[row]):g} is not finite in float32: its parts are "
+                             f"{values}, weighted by scoring.weights={self.cfg.weights} (1 where not named)")  # fmt: skip
         rewards = raw
         if self.cfg.overlong.buffer:
             parts[OVERLONG] = self.overlong_penalty(torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32))
@@ -237,9 +260,28 @@ class PendingScores:
     scorer: Scorer
     batch: Batch
     completions: list[Completion]
-    share: Future | None  # this rank's rule and function scores, on the scorer's thread
+    share: Watched[Share] | None  # this rank's rule and function scores, on a thread of their own
 
     def result(self) -> Scores:
-        """Waits for this rank's share, gathers every rank's, and runs the reward model's pass.
-        Collective over the world."""
+        """Runs the reward model's pass, waits for this rank's share and gathers every rank's.
+        Collective over the world; a share that failed on any rank raises on every rank."""
         return self.scorer._combine(self.batch, self.completions, self.share)
+
+
+def _gather_shares(share: Watched[Share]) -> list[Share]:
+    """Every rank's share, in rank order. Collective: a rank whose share failed still joins the
+    gather (with its error), so that all ranks fail together instead of some waiting for it there;
+    that rank raises its own exception, the others a ``RewardFunctionError`` with its message."""
+    try:
+        mine, error = share.result(), None
+    except Exception as err:  # a real Ctrl-C (KeyboardInterrupt) is no share's failure: it passes
+        mine, error = None, err
+    gathered: list[Any] = [None] * dist.get_world_size()
+    message = None if error is None else str(error) if isinstance(error, ValueError) else formatted(error)
+    dist.all_gather_object(gathered, (mine, message))
+    if error is not None:
+        raise error
+    for rank, (_, failed) in enumerate(gathered):
+        if failed is not None:
+            raise RewardFunctionError(f"scoring failed on rank {rank}: {failed}")
+    return [part for part, _ in gathered]

@@ -88,7 +88,7 @@ def test_bad_rule_names(name: str, message: str) -> None:
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, "1.0", None])
 def test_a_non_finite_or_non_numeric_score_is_an_error_naming_rule_and_sample(value) -> None:
-    with pytest.raises(ValueError, match=r"reward rule 'bad' returned .* for sample 1 \(response 'two'\)"):
+    with pytest.raises(ValueError, match=r"reward rule 'bad' \(.*test_rewards.py\) on sample 1 \(response 'two'\) returned score .*: expected a finite number"):
         rule_scores({"bad": lambda s: 0.0 if s.response_text == "one" else value}, [_sample("one"), _sample("two")])
 
 
@@ -258,3 +258,309 @@ def test_custom_function_config_defaults() -> None:
 def test_rules_accept_numpy_and_0d_torch_scores() -> None:
     rules = {"np": lambda s: np.float32(0.5), "t": lambda s: torch.tensor(2)}
     assert rule_scores(rules, [_sample("a")]) == {"np": [0.5], "t": [2.0]}
+
+
+# --------------------------------------------------------------------------- text with special tokens
+
+# verl's gsm8k scorer (verl/utils/reward_score/gsm8k.py, strict format), written here: the answer
+# after '#### ' scores 1.0, anything else 0.
+GSM8K_STRICT = '''
+import re
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    found = re.search("#### (\\\\-?[0-9\\\\.\\\\,]+)", solution_str)
+    return 1.0 if found and found.group(1).replace(",", "") == ground_truth else 0.0
+'''
+
+
+def test_rewards_read_responses_decoded_with_special_tokens_skipped_as_verl(world_of_one, tmp_path: Path) -> None:
+    """A '<|im_start|>' sampled mid-response is not in the text a reward reads: the scorer's texts
+    equal transformers' decode(ids, skip_special_tokens=True) of the response without its final
+    stop token, so 'ang 3 ####<|im_start|> 3' scores 1.0 with verl's gsm8k rule, as in verl (0 if
+    the special token stayed in the text); the ids are untouched."""
+    import functools
+
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data import load_tokenizer
+    from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
+    from megatron_rlhf.rollout.engine import Completion
+    from megatron_rlhf.trainer.ppo import rollout_batch
+    from tests.helpers import make_chat_tokenizer
+
+    model_dir = make_chat_tokenizer("qwen2", tmp_path / "qwen2")
+    tok, theirs = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    responses = ["ang 3 ####<|im_start|> 3", "#### 3<|endoftext|>", "#### <|im_start|>4"]
+    prompt = theirs.encode("<|im_start|>user\nWhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n")
+    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=prompt, token_ids=ids, logprobs=[0.0] * len(ids),
+                              finish_reason="stop")
+                   for i, text in enumerate(responses) for ids in [theirs.encode(text) + [tok.eos_id]]]  # fmt: skip
+    function = load_custom_function(write_reward_file(tmp_path, GSM8K_STRICT))
+    scorer = Scorer(ScoringConfig(), {}, function, None, stop_ids=tok.stop_ids, max_new_tokens=16,
+                    max_tokens_per_micro_batch=256)  # fmt: skip
+    extras = [{"data_source": "openai/gsm8k", "ground_truth": "3", "extra_info": {}}]
+    texts = functools.partial(tok.decode_batch, skip_special_tokens=True)
+    samples = scorer.samples(completions, texts, extras)
+    assert [s.response_text for s in samples] == [theirs.decode(c.token_ids[:-1], skip_special_tokens=True)
+                                                  for c in completions] == ["ang 3 #### 3", "#### 3", "#### 4"]  # fmt: skip
+    assert samples[0].prompt_text == theirs.decode(prompt, skip_special_tokens=True) == "user\nWhat is 1 plus 2?\nassistant\n"
+    assert [s.response_ids for s in samples] == [c.token_ids for c in completions]
+    scores = scorer.score(rollout_batch(completions, tok.pad_id), completions, extras, texts)
+    assert scores.parts["custom_function"].tolist() == [1.0, 1.0, 0.0]
+    namespace: dict = {}
+    exec(GSM8K_STRICT, namespace)
+    assert namespace["compute_score"]("openai/gsm8k", responses[0], "3") == 0.0  # the text with its special token
+
+
+# --------------------------------------------------------------------------- every way out of reward code
+
+
+class _NotAnException(BaseException):
+    """What a library may raise that ``except Exception`` lets through."""
+
+
+def _leaves(how: str):
+    def rule(sample: Sample) -> float:
+        if sample.response_text != "two":
+            return 1.0
+        if how == "exit":
+            sys.exit(0)
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        if how == "generator_exit":
+            raise GeneratorExit
+        if how == "base":
+            raise _NotAnException("deep in a library")
+        if how == "key":
+            return {"a": 1}["answer"]
+        raise ValueError("no answer in the response")
+
+    return rule
+
+
+LEAVES = {"exit": "SystemExit: 0", "interrupt": "KeyboardInterrupt", "generator_exit": "GeneratorExit",
+          "base": "_NotAnException: deep in a library", "key": "KeyError: 'answer'",
+          "value": "ValueError: no answer in the response"}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", sorted(LEAVES))
+def test_every_way_out_of_a_rule_is_its_error_with_name_sample_and_traceback(world_of_one, how: str) -> None:
+    """A rule that exits, raises KeyboardInterrupt/GeneratorExit/a BaseException, a KeyError or a
+    ValueError, on the scorer's thread: a RewardFunctionError naming the rule, its file, the sample
+    (its row in the rollout), with the rule's traceback (its frames, not the caller's)."""
+    from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
+    from megatron_rlhf.rollout.engine import Completion
+    from megatron_rlhf.trainer.ppo import rollout_batch
+
+    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7] * n, logprobs=[0.0] * n)
+                   for i, n in enumerate((1, 2, 3))]  # fmt: skip
+    scorer = Scorer(ScoringConfig(), {"mine": _leaves(how)}, None, None, stop_ids=(), max_new_tokens=8,
+                    max_tokens_per_micro_batch=64)  # fmt: skip
+    decode = lambda rows: [["one", "two", "three"][len(ids) - 1] if len(ids) < 4 else "p" for ids in rows]  # noqa: E731
+    with pytest.raises(RewardFunctionError) as info:
+        scorer.score(rollout_batch(completions, 0), completions, [{}], decode)
+    message = str(info.value)
+    assert message.startswith(f"reward rule 'mine' ({__file__}) on sample 1 (response 'two') raised:\n"
+                              "Traceback (most recent call last):\n")  # fmt: skip
+    assert ", in rule\n" in message and "calls.py" not in message
+    assert message.rstrip().endswith(LEAVES[how])
+    assert isinstance(info.value, ValueError) and isinstance(info.value, RuntimeError)
+
+
+def test_a_keyboard_interrupt_on_the_main_thread_passes_through() -> None:
+    """On the main thread a KeyboardInterrupt may be the user's Ctrl-C: it is not made the rule's error."""
+    with pytest.raises(KeyboardInterrupt):
+        rule_scores({"mine": _leaves("interrupt")}, [_sample("one"), _sample("two")])
+    with pytest.raises(RewardFunctionError, match=r"(?s)'mine' .* on sample 1 .*SystemExit: 0"):
+        rule_scores({"mine": _leaves("exit")}, [_sample("one"), _sample("two")])
+
+
+def test_a_custom_function_that_exits_is_its_error(tmp_path: Path) -> None:
+    path = write_reward_file(tmp_path, "import sys\n\ndef compute_score(data_source, solution_str, ground_truth, "
+                                       "extra_info=None):\n    sys.exit(0)\n")  # fmt: skip
+    with pytest.raises(RewardFunctionError) as info:
+        load_custom_function(path).score([verl_sample("x")])
+    assert str(info.value).startswith(f"custom reward function 'compute_score' ({path}) on sample 0 (data_source "
+                                      "'openai/gsm8k', response 'x') raised:\nTraceback")  # fmt: skip
+    assert f'File "{path}", line 4, in compute_score' in str(info.value)
+    assert str(info.value).rstrip().endswith("SystemExit: 0")
+
+
+def test_rule_modules_that_fail_to_import_name_the_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "syntax_rule.py").write_text("def f(sample):\n    return 1 +\n")
+    (tmp_path / "exits_rule.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reward rule 'syntax_rule:f': importing module 'syntax_rule' failed:\n"
+                                         r"(.|\n)*syntax_rule.py\", line 2(.|\n)*SyntaxError"):  # fmt: skip
+        resolve_rule("syntax_rule:f")
+    with pytest.raises(ValueError, match=r"reward rule 'exits_rule:f': importing module 'exits_rule' failed:\n"
+                                         r"(.|\n)*SystemExit: 3"):  # fmt: skip
+        resolve_rule("exits_rule:f")
+    exits = write_reward_file(tmp_path, "import sys\nsys.exit(0)\n", name="exits_file.py")
+    with pytest.raises(ValueError, match=re.escape(f"scoring.custom_function.path='{exits}': importing {exits} "
+                                                   "failed:") + r"(.|\n)*SystemExit: 0"):  # fmt: skip
+        load_custom_function(exits)
+
+
+# --------------------------------------------------------------------------- scores in float32
+
+
+@pytest.mark.parametrize("value", [1e300, -1e39, np.float64(4e38), torch.tensor(1e300, dtype=torch.float64)])
+def test_a_score_past_float32_names_function_and_value(tmp_path: Path, value) -> None:
+    """1e300 is a finite float64 but inf in float32, the dtype the scores are summed in."""
+    shown = re.escape(repr(value))
+    with pytest.raises(RewardFunctionError, match=rf"reward rule 'big' .* on sample 0 \(response 'x'\) returned score "
+                                                  rf"{shown}: outside the range of float32 \(\|score\| <= 3.403e\+38\)"):
+        rule_scores({"big": lambda s: value}, [_sample("x")])
+    function = CustomRewardFunction(lambda **kwargs: {"score": value}, "f", tmp_path / "f.py")
+    with pytest.raises(RewardFunctionError, match=rf"custom reward function 'f' .* returned score {shown}: outside"):
+        function.score([verl_sample("x")])
+    largest = float(torch.finfo(torch.float32).max)
+    assert rule_scores({"edge": lambda s: -largest}, [_sample("x")]) == {"edge": [-largest]}
+
+
+def test_a_weighted_sum_past_float32_is_an_error_naming_the_parts(world_of_one) -> None:
+    from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
+    from megatron_rlhf.rollout.engine import Completion
+    from megatron_rlhf.trainer.ppo import rollout_batch
+
+    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7], logprobs=[0.0]) for i in range(2)]
+    cfg = ScoringConfig(rules=["big", "one"], weights={"big": 10.0})
+    scorer = Scorer(cfg, {"big": lambda s: 3e38 if s.response_ids == [7] and s.extras else 0.0, "one": lambda s: 1.0},
+                    None, None, stop_ids=(), max_new_tokens=8, max_tokens_per_micro_batch=64)  # fmt: skip
+    with pytest.raises(ValueError, match=r"sample 0's score inf is not finite in float32: its parts are big 3e\+38, "
+                                         r"one 1, weighted by scoring.weights=\{'big': 10.0\}"):  # fmt: skip
+        scorer.score(rollout_batch(completions, 0), completions, [{"a": 1}], lambda rows: ["x"] * len(rows))
+
+
+# --------------------------------------------------------------------------- signatures, checked at start-up
+
+GSM8K_VERL_SIGNATURE = "def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n    return 0.0\n"
+
+
+def test_a_function_verl_could_not_call_is_refused_when_loaded(tmp_path: Path) -> None:
+    """verl's gsm8k.compute_score takes no data_source/extra_info: refused at start-up (scoring_errors,
+    which check_ppo_config reports), naming what verl calls and what the function takes."""
+    from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
+
+    path = write_reward_file(tmp_path, GSM8K_VERL_SIGNATURE)
+    expected = (f"scoring.custom_function.name='compute_score': compute_score(solution_str, ground_truth, "
+                f"method='strict', format_score=0.0, score=1.0) in {path} cannot be called as verl calls a reward "
+                "function, compute_score(data_source=, solution_str=, ground_truth=, extra_info=) (got an unexpected "
+                "keyword argument 'data_source'); take those keywords (or **kwargs)")  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        load_custom_function(path)
+    errors, _, _ = scoring_errors(ScoringConfig(custom_function=CustomFunctionConfig(path=str(path))))
+    assert len(errors) == 1 and errors[0].startswith(expected)
+    for text in ["def compute_score(data_source, solution_str, ground_truth, extra_info, /):\n    return 0\n",
+                 "def compute_score(data_source, solution_str, ground_truth, extra_info, tokenizer):\n    return 0\n"]:
+        with pytest.raises(ValueError, match="cannot be called as verl calls a reward function"):
+            load_custom_function(write_reward_file(tmp_path, text, name="other.py"))
+    for text in ["def compute_score(**kwargs):\n    return 0\n", "def compute_score(*, solution_str, **kwargs):\n    return 0\n",
+                 "def compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None, "
+                 "concurrent_semaphore=None, memory_limit_mb=None):\n    return 0\n",
+                 "class Scorer:\n    def __call__(self, solution_str, **kwargs):\n        return 0\n\ncompute_score = Scorer()\n"]:  # fmt: skip
+        load_custom_function(write_reward_file(tmp_path, text, name="fine.py"))
+
+
+def test_a_rule_must_take_one_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("shaped_rules")
+    module.two = lambda sample, answer: 0.0
+    module.keyword = lambda *, sample: 0.0
+    module.none = lambda: 0.0
+    module.fine = lambda sample, scale=1.0: 0.0
+    module.star = lambda *args: 0.0
+    monkeypatch.setitem(sys.modules, "shaped_rules", module)
+    for name, problem in [("two", r"\(sample, answer\).*missing a required argument: 'answer'"),
+                          ("keyword", r"\(\*, sample\).*too many positional arguments"),
+                          ("none", r"\(\).*too many positional arguments")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"reward rule 'shaped_rules:{name}': {name}{problem}"):
+            resolve_rule(f"shaped_rules:{name}")
+    with pytest.raises(ValueError, match=r"cannot be called as a rule is, two\(sample\) -> float"):
+        resolve_rule("shaped_rules:two")
+    assert resolve_rule("shaped_rules:fine") is module.fine and resolve_rule("shaped_rules:star") is module.star
+
+
+# --------------------------------------------------------------------------- scoring.timeout_s
+
+
+def _hanging_scorer(timeout_s: float, release: "threading.Event"):
+    """A scorer whose rule waits on ``release`` for sample 1 ('two'), and its rollout."""
+    from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
+    from megatron_rlhf.rollout.engine import Completion
+    from megatron_rlhf.trainer.ppo import rollout_batch
+
+    def hangs(sample: Sample) -> float:
+        if sample.response_text == "two":
+            release.wait(60)
+        return 1.0
+
+    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7] * n, logprobs=[0.0] * n)
+                   for i, n in enumerate((1, 2, 3))]  # fmt: skip
+    scorer = Scorer(ScoringConfig(timeout_s=timeout_s), {"hangs": hangs}, None, None, stop_ids=(), max_new_tokens=8,
+                    max_tokens_per_micro_batch=64)  # fmt: skip
+    decode = lambda rows: [["one", "two", "three"][len(ids) - 1] if len(ids) < 4 else "p" for ids in rows]  # noqa: E731
+    return lambda: scorer.start(rollout_batch(completions, 0), completions, [{}], decode)
+
+
+def test_a_hung_rule_fails_after_the_timeout_naming_rule_sample_and_line(world_of_one) -> None:
+    """The waiter gives up after scoring.timeout_s with the rule, its file, the sample and the line
+    the rule is at (its own frames); the stuck thread is left behind (here released afterwards)."""
+    import threading
+    import time
+
+    release = threading.Event()
+    start = time.monotonic()
+    pending = _hanging_scorer(0.5, release)()
+    with pytest.raises(RewardFunctionError) as info:
+        pending.result()
+    waited = time.monotonic() - start
+    release.set()
+    assert 0.5 <= waited < 5
+    message = str(info.value)
+    assert re.match(re.escape(f"reward rule 'hangs' ({__file__}) on sample 1 (response 'two') has run ") + r"0\.\d s, "
+                    + re.escape("longer than scoring.timeout_s=0.5 (raise scoring.timeout_s, or set it to 0 for no "
+                                "limit); the run ends. It is at:\n"), message)  # fmt: skip
+    assert ", in hangs\n    release.wait(60)\n" in message and message.rstrip().endswith("waiter.acquire(True, timeout)")
+    assert "calls.py" not in message and "scoring.py" not in message  # the stack starts at the rule
+
+
+def test_a_stop_signal_while_a_rule_hangs_is_recorded_and_the_timeout_ends_the_wait(world_of_one) -> None:
+    """SIGTERM while the main thread waits for a hung rule: the handler runs (the stop is recorded)
+    and the wait still ends at the timeout instead of hanging."""
+    import os
+    import signal
+    import threading
+
+    from megatron_rlhf.trainer.stop import StopSignals
+
+    release = threading.Event()
+    with StopSignals() as signals:
+        pending = _hanging_scorer(1.0, release)()
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(RewardFunctionError, match=r"has run 1\.\d s, longer than scoring.timeout_s=1 "):
+            pending.result()
+    release.set()
+    assert signals.code == 0
+
+
+def test_a_call_that_returns_past_the_timeout_fails_and_zero_means_no_limit() -> None:
+    import time
+
+    from megatron_rlhf.rewards import RewardCalls
+
+    where = lambda: "reward rule 'slow' (slow.py) on sample 0 (response 'x')"  # noqa: E731
+    with pytest.raises(RewardFunctionError, match=r"^reward rule 'slow' \(slow.py\) on sample 0 \(response 'x'\) took "
+                                                  r"0\.\d s, longer than scoring.timeout_s=0.1 \(raise"):  # fmt: skip
+        RewardCalls(0.1)(where, time.sleep, 0.3)
+    assert RewardCalls(0)(where, lambda: time.sleep(0.3) or 2.0) == 2.0
+    assert RewardCalls(10)(where, lambda a, *, b: a + b, 1, b=2) == 3
+
+
+@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf])
+def test_timeout_setting_errors(value: float) -> None:
+    from megatron_rlhf.rewards.scoring import ScoringConfig
+
+    assert ScoringConfig(timeout_s=value).errors() == [f"timeout_s={value} must be >= 0 and finite (0: no limit)"]
+    assert ScoringConfig().timeout_s == 60.0 and ScoringConfig(timeout_s=0).errors() == []
