@@ -1,0 +1,73 @@
+"""torchrun worker (gloo, 2 ranks): a rollout's rule scores gathered over the ranks, when every
+share succeeds and when one rank's share fails (a rule raises there, or hangs past scoring.timeout_s).
+
+    scoring_worker.py OUT
+
+Rows split over the ranks as the scorer splits them (row i on rank i % 2). Each rank writes
+OUT/rank<r>.json: per case, the gathered scores or the error it raised (type, message) and the
+seconds the case took.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megatron_rlhf.parallel.distributed import init_distributed  # noqa: E402
+from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig  # noqa: E402
+from megatron_rlhf.rollout.engine import Completion  # noqa: E402
+from megatron_rlhf.trainer.ppo import rollout_batch  # noqa: E402
+
+RELEASE = threading.Event()
+
+
+def length(sample) -> float:
+    return float(len(sample.response_ids))
+
+
+def raises_on_row_3(sample) -> float:
+    if len(sample.response_ids) == 4:  # row 3: rank 1's share
+        return {"score": 1.0}["answer"]
+    return 1.0
+
+
+def hangs_on_row_2(sample) -> float:
+    if len(sample.response_ids) == 3:  # row 2: rank 0's share
+        RELEASE.wait(120)
+    return 1.0
+
+
+CASES = {"ok": (length, 60.0), "raises_on_rank_1": (raises_on_row_3, 60.0), "hangs_on_rank_0": (hangs_on_row_2, 1.0)}
+
+
+def main(out: Path) -> None:
+    init_distributed("cpu")
+    rank = dist.get_rank()
+    completions = [Completion(prompt_index=i // 2, sample_index=i % 2, prompt_ids=[5], token_ids=[7] * (i + 1),
+                              logprobs=[0.0] * (i + 1)) for i in range(6)]  # fmt: skip
+    batch = rollout_batch(completions, 0)
+    decode = lambda rows: [f"r{len(ids)}" for ids in rows]  # noqa: E731
+    results = {}
+    for case, (rule, timeout_s) in CASES.items():
+        scorer = Scorer(ScoringConfig(timeout_s=timeout_s), {"rule": rule}, None, None, stop_ids=(), max_new_tokens=8,
+                        max_tokens_per_micro_batch=64)  # fmt: skip
+        start = time.monotonic()
+        try:
+            scores = scorer.score(batch, completions, [{}] * 3, decode)
+            results[case] = {"scores": scores.raw.tolist()}
+        except Exception as err:
+            results[case] = {"error": type(err).__name__, "message": str(err)}
+        results[case]["seconds"] = time.monotonic() - start
+    RELEASE.set()
+    dist.barrier()  # the collectives still line up after the failed cases
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
