@@ -6,14 +6,25 @@ Layout under ``<output_dir>/checkpoints/``::
     step_N/                 one complete checkpoint (written as step_N.tmp/, renamed when complete)
       models/<name>/        train_state.py's format (weights + optimizer + LR schedule), per trained model
       weights/<name>/       mcore.py's model checkpoint, per model whose weights change without an optimizer
-      rng/rankXXXXX.pt      python, numpy, torch and megatron tracker RNG states of each rank
+      rng/rankXXXXX.pt      python, numpy, torch and megatron tracker RNG states of each rank, as
+                            tensors and plain values (``torch.load(weights_only=True)``: no pickle)
       config.yaml           the resolved config of the run that wrote it
-      run_state.json        step, loop summary, the trainer's state; written last, inside the .tmp dir
+      run_state.json        step, loop summary, the trainer's state
+      manifest.json         SHA-256 of every file above, written last, inside the .tmp dir
     latest                  ``step_N``: the newest complete checkpoint (written to latest.tmp, renamed)
 
 A crash at any point leaves the previous checkpoint and ``latest`` intact: a ``.tmp`` directory is
 never read, and older checkpoints are deleted only after a newer one is complete and ``latest``
-names it.
+names it. A failed write (a full disk) raises an error naming the file, and leaves the same.
+
+Every file is covered by the manifest: the small files by their hash in ``manifest.json``, each
+model's dist_checkpointing files by megatron's ``integrity.json`` in their directory (hashed as
+they were written, checked when they load), whose own hash is in ``manifest.json``. Loading checks
+the manifest first, before anything is read: a changed, missing or unexpected file, or a missing
+manifest, makes the checkpoint unusable (``UnusableCheckpoint``, naming the file), and
+``resume=auto`` falls back to the previous one. dist_checkpointing unpickles ``.metadata`` and the
+shards' non-tensor items, so a checkpoint without a manifest (written before manifests were kept)
+is loaded only with ``trust_unverified_checkpoint=true``.
 
 Saves are synchronous, or written in the background by a forked process while training continues
 (``RunCheckpointWriter``, ``async_save``); either way ``step_N.tmp`` is renamed only after every
@@ -22,9 +33,13 @@ rank's files are complete.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -36,11 +51,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingException
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, mcore_save_request
+from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, mcore_save_request, write_bytes
 from megatron_rlhf.checkpoint.train_state import load_train_state, train_state_save_request
 from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.metrics.log import log
@@ -49,6 +66,7 @@ from megatron_rlhf.models.roles import RoleModel
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
+MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 TEST_SLOW_SAVE_ENV = "MEGATRON_RLHF_TEST_SLOW_SAVE"
@@ -137,13 +155,16 @@ class RunCheckpointWriter:
                 shutil.rmtree(tmp)
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        torch.save(_rng_states(), tmp / "rng" / f"rank{rank:05d}.pt")
+        buffer = io.BytesIO()
+        torch.save(_rng_states(), buffer)
+        write_bytes(tmp / "rng" / f"rank{rank:05d}.pt", buffer.getvalue())
         # As JSON now: the caller's objects change while a background save is written.
         run_state_json = json.dumps({"step": step, **run_state}, indent=2) + "\n"
         requests = _save_requests(tmp, train_states, weights)
         if self._in_flight is None:
-            for request in requests:
-                request.execute_sync()
+            with _failed_writes_named():
+                for request in requests:
+                    request.execute_sync()
             _pause_for_test(step)
             self._complete(step, run_state_json, config_yaml, started=None)
             return
@@ -155,20 +176,24 @@ class RunCheckpointWriter:
     def poll(self) -> None:
         """Completes the checkpoint in flight if every rank's writer is done; never waits."""
         if self._in_flight is not None:
-            self._in_flight.maybe_finalize_async_calls(blocking=False)
+            with _failed_writes_named():
+                self._in_flight.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
         """Waits for the checkpoint in flight and completes it."""
         if self._in_flight is not None:
-            self._in_flight.maybe_finalize_async_calls(blocking=True)
+            with _failed_writes_named():
+                self._in_flight.maybe_finalize_async_calls(blocking=True)
 
     def _complete(self, step: int, run_state_json: str, config_yaml: str, started: float | None) -> None:
         """After every model's files are complete on every rank. ``started``: when a background
         write began."""
         tmp, final = self.root / f"step_{step}.tmp", self.root / f"step_{step}"
+        dist.barrier()  # every rank's files are written before rank 0 hashes them
         if dist.get_rank() == 0:
-            (tmp / "config.yaml").write_text(config_yaml)
-            (tmp / RUN_STATE_FILE).write_text(run_state_json)
+            write_bytes(tmp / "config.yaml", config_yaml.encode())
+            write_bytes(tmp / RUN_STATE_FILE, run_state_json.encode())
+            _write_manifest(tmp)
             if final.exists():  # a checkpoint of the same step from an earlier run (resume=never)
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -178,6 +203,20 @@ class RunCheckpointWriter:
         dist.barrier()
         background = "" if started is None else f" (written in the background in {time.perf_counter() - started:.1f} s)"
         log(f"step {step}: saved checkpoint {final}{background}")
+
+
+@contextlib.contextmanager
+def _failed_writes_named() -> Iterator[None]:
+    """A shard write that failed (in megatron's writer, in this process or the background one)
+    reaches the save's finalize as torch's ``CheckpointException``: a ``BaseException``, which
+    passes every ``except Exception``, whose text is a traceback per rank. Raised instead as a
+    ``RuntimeError`` with each rank's error (the file and the cause: ``mcore._write_error``)."""
+    try:
+        yield
+    except CheckpointException as err:
+        causes = "; ".join(f"rank {rank}: {failure[0]}" for rank, failure in sorted(err.failures.items()))
+        raise RuntimeError(f"a checkpoint could not be written ({causes}); latest still names the previous one, and "
+                           "the next start deletes the partial step_N.tmp") from err
 
 
 def _save_requests(tmp: Path, train_states: dict[str, TrainState], weights: dict[str, RoleModel]) -> Iterator[AsyncRequest]:
@@ -210,32 +249,130 @@ def _one_writer(requests: list[AsyncRequest], complete: Callable[[], None], step
 
 
 class UnusableCheckpoint(Exception):
-    """A complete checkpoint that cannot be read: changed bytes (its integrity manifest names the
-    file), a missing file, unreadable JSON. Raised on every rank alike (the checks are made by one
-    rank and shared, or read the same files)."""
+    """A complete checkpoint that cannot be read: a file changed, missing or not part of it (named),
+    no manifest (without ``trust_unverified_checkpoint``), unreadable contents. Raised on every rank
+    alike (the checks are made by one rank and shared, or read the same files)."""
 
 
-def load_run_checkpoint(ckpt: Path, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel]) -> dict[str, Any]:
-    """Collective. Fills the models (any layout) and restores this rank's RNG states when the
-    checkpoint has them (same world size); returns the saved ``run_state`` (with ``step``)."""
+def load_run_checkpoint(ckpt: Path, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel],
+                        trust_unverified: bool) -> dict[str, Any]:  # fmt: skip
+    """Collective. Checks the checkpoint against its manifest (``trust_unverified``: one without a
+    manifest is loaded unchecked), fills the models (any layout) and restores this rank's RNG states
+    when the checkpoint has them (same world size); returns the saved ``run_state`` (with ``step``)."""
     if not is_complete(ckpt):
         raise FileNotFoundError(f"{ckpt / RUN_STATE_FILE}: missing; {ckpt} is not a complete run checkpoint")
+    verified = _verify_manifest(ckpt, trust_unverified=trust_unverified)
+    run_state = _read(ckpt, ckpt / RUN_STATE_FILE, lambda path: json.loads(path.read_bytes()))
+    rng_file = ckpt / "rng" / f"rank{dist.get_rank():05d}.pt"
+    # Unverified means trusted by the user: it may hold the pickled RNG states of the format before.
+    rng = _read(ckpt, rng_file, functools.partial(torch.load, weights_only=verified)) if rng_file.is_file() else None
     try:
-        run_state = json.loads((ckpt / RUN_STATE_FILE).read_text())
         for name, state in train_states.items():
             load_train_state(state, ckpt / "models" / name)
         for name, role in weights.items():
             load_mcore_checkpoint(role.model, role.groups, ckpt / "weights" / name)
-    except (CheckpointingException, FileNotFoundError, json.JSONDecodeError) as err:
+    except (CheckpointingException, FileNotFoundError, ValueError) as err:  # ValueError: bytes that do not decode
         raise UnusableCheckpoint(f"checkpoint {ckpt} is unusable: {err}") from err
-    rng_file = ckpt / "rng" / f"rank{dist.get_rank():05d}.pt"
-    if rng_file.is_file():
-        _set_rng_states(torch.load(rng_file, weights_only=False))
+    if rng is not None:
+        _set_rng_states(rng)
     return run_state
 
 
+def _read(ckpt: Path, path: Path, read: Callable[[Path], Any]) -> Any:
+    """``read(path)``; a file that does not parse (or, read weights-only, holds more than tensors
+    and plain values) makes ``ckpt`` unusable, naming the file."""
+    try:
+        return read(path)
+    except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise UnusableCheckpoint(f"checkpoint {ckpt} is unusable: {path}: {err}") from err
+
+
+def _write_manifest(ckpt: Path) -> None:
+    """Rank 0, once every other file of ``ckpt`` is written: ``manifest.json``, the SHA-256 of each
+    file, except those a dist_checkpointing directory's ``integrity.json`` lists (megatron hashed
+    them as it wrote them; that ``integrity.json`` is hashed here)."""
+    dist_manifests = [rel for rel in _files_under(ckpt) if Path(rel).name == INTEGRITY_FNAME]
+    covered = _listed_in(ckpt, dist_manifests)
+    files = {rel: _sha256(ckpt / rel) for rel in _files_under(ckpt) if rel not in covered}
+    write_bytes(ckpt / MANIFEST_FILE, (json.dumps({"algorithm": "sha256", "files": files}, indent=2) + "\n").encode())
+
+
+def _verify_manifest(ckpt: Path, *, trust_unverified: bool) -> bool:
+    """Collective: checks every file of ``ckpt`` against ``manifest.json`` (rank 0 hashes, every
+    rank gets the verdict) before anything in it is read. Returns False for a checkpoint without a
+    manifest, loaded unverified because ``trust_unverified``; raises ``UnusableCheckpoint`` naming
+    each changed, missing or unexpected file, or the missing manifest."""
+    verdict: list[list[str] | None] = [None]
+    if dist.get_rank() == 0 and (ckpt / MANIFEST_FILE).is_file():
+        verdict = [_manifest_problems(ckpt)]
+    dist.broadcast_object_list(verdict, src=0)
+    problems = verdict[0]
+    if problems is None:
+        if not trust_unverified:
+            raise UnusableCheckpoint(
+                f"checkpoint {ckpt} is unusable: {ckpt / MANIFEST_FILE} is missing, so no file of it can be checked "
+                "before it is read (dist_checkpointing unpickles its metadata, which can run code); if you trust "
+                "this checkpoint (e.g. one written before manifests were kept), set trust_unverified_checkpoint=true")
+        log(f"warning: {ckpt} has no {MANIFEST_FILE}: loading it unverified (trust_unverified_checkpoint=true)")
+        return False
+    if problems:
+        raise UnusableCheckpoint(f"checkpoint {ckpt} is unusable: " + "; ".join(problems))
+    return True
+
+
+def _manifest_problems(ckpt: Path) -> list[str]:
+    """Each file of ``ckpt`` that differs from its manifest: changed, missing, or in neither
+    ``manifest.json`` nor a (verified) ``integrity.json``."""
+    manifest = ckpt / MANIFEST_FILE
+    try:
+        listed = json.loads(manifest.read_bytes())["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return [f"{manifest}: unreadable ({err!r})"]
+    problems = []
+    for rel, expected in listed.items():
+        path = ckpt / rel
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in {MANIFEST_FILE})")
+        elif (actual := _sha256(path)) != expected:
+            problems.append(f"{path}: changed since the save (SHA-256 {actual[:16]}..., expected {expected[:16]}...)")
+    if problems:  # the dist directories' integrity.json are trusted only once they are unchanged
+        return problems
+    covered = _listed_in(ckpt, [rel for rel in listed if Path(rel).name == INTEGRITY_FNAME])
+    return [f"{ckpt / rel}: not part of the checkpoint (listed in neither {MANIFEST_FILE} nor an {INTEGRITY_FNAME})"
+            for rel in _files_under(ckpt) if rel not in listed and rel not in covered and rel != MANIFEST_FILE]  # fmt: skip
+
+
+def _files_under(ckpt: Path) -> list[str]:
+    """Every file under ``ckpt``, as a path relative to it."""
+    return sorted(path.relative_to(ckpt).as_posix() for path in ckpt.rglob("*") if path.is_file())
+
+
+def _listed_in(ckpt: Path, dist_manifests: list[str]) -> set[str]:
+    """The files (relative to ``ckpt``) that the dist_checkpointing ``integrity.json`` files list and
+    check before they are read: all but ``metadata.json``, which dist_checkpointing reads first (to
+    recognise the directory) and ``manifest.json`` therefore hashes too."""
+    listed: set[str] = set()
+    for rel in dist_manifests:
+        folder = Path(rel).parent
+        listed.update((folder / name).as_posix() for name in json.loads((ckpt / rel).read_bytes())["files"]
+                      if name != CONFIG_FNAME)  # fmt: skip
+    return listed
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """This rank's generators, as tensors and plain values that ``torch.load(weights_only=True)``
+    reads back: python's state is a tuple of ints, numpy's key array a tensor."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                              "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
                               "tracker": get_cuda_rng_tracker().get_states()}  # fmt: skip
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
@@ -244,7 +381,8 @@ def _rng_states() -> dict[str, Any]:
 
 def _set_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    name, key, *rest = states["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))  # a tensor, or a checkpoint's older array
     torch.set_rng_state(states["torch"])
     get_cuda_rng_tracker().set_states(states["tracker"])
     if "cuda" in states and torch.cuda.is_available():
@@ -261,5 +399,5 @@ def _pause_for_test(step: int) -> None:
 
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    write_bytes(tmp, text.encode())
     os.replace(tmp, path)

@@ -4,9 +4,11 @@ Weights and optimizer states go through megatron's dist_checkpointing with the d
 optimizer's ``fully_reshardable`` format, so a checkpoint reloads into another TP/PP/DP layout.
 The step counter, LR-scheduler state and per-rank RNG states are stored beside it.
 
-Two megatron-core 0.19.2 traps on the torch-Adam path (no apex/TE), both handled here:
-* Building the loading state dict of an optimizer that has not stepped yet fails (it reads a
-  ``step`` from every parameter's state): ``_allocate_adam_state`` creates zero state first.
+Megatron-core 0.19.2 traps on the torch-Adam path (no apex/TE), all handled here:
+* Building the state dict of an optimizer that has not stepped yet fails (``DistributedOptimizer.
+  state_dict`` asserts that the parameters share one ``step``): on load, and on a save when every
+  update so far was skipped (non-finite gradients). ``_allocate_adam_state`` creates zero state
+  first, which is what Adam's first step would create: a resumed run continues bit for bit.
 * Loading the ``fully_reshardable`` format copies every tensor of a parameter's Adam state from the
   checkpoint, ``step`` included, which that format does not store (KeyError 'step'):
   ``_tolerate_missing_step`` keeps the step that ``load_state_dict`` has just set.
@@ -30,6 +32,7 @@ offloading or precision-aware optimizer, a partial parameter) takes megatron's p
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 from collections import ChainMap
 from dataclasses import replace
@@ -47,7 +50,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest
+from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest, write_bytes
 from megatron_rlhf.engine.optim import TrainState, fuse_device_adam, torch_optimizers
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -135,11 +138,15 @@ def train_state_save_request(state: TrainState, ckpt_dir: str | Path) -> AsyncRe
         (ckpt / "dist").mkdir(parents=True, exist_ok=True)
         (ckpt / "rng").mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    _allocate_adam_state(state.optimizer)  # no update yet (all skipped): megatron cannot describe empty state
+    fuse_device_adam(state.optimizer)  # the fused kernel reads the new steps on the device
     request = dist_save_request(_sharded(state, is_loading=False), ckpt / "dist")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, ckpt / "rng" / f"rank{dist.get_rank():05d}.pt")
+    buffer = io.BytesIO()
+    torch.save(rng, buffer)
+    write_bytes(ckpt / "rng" / f"rank{dist.get_rank():05d}.pt", buffer.getvalue())
     meta = {"step": state.step, "scheduler": state.scheduler.state_dict(), "layout": str(state.role.groups.layout)}
 
     def write_meta() -> None:

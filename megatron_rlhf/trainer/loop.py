@@ -107,6 +107,11 @@ class LoopConfig(RunConfig):
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
     never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
+    trust_unverified_checkpoint: bool = False
+    """Resume (or roll back) from a checkpoint that has no integrity manifest (``manifest.json``),
+    e.g. one written before manifests were kept: its files are then read unchecked, and
+    dist_checkpointing unpickles its metadata (pickle can run code). Only for checkpoints you trust;
+    without it such a checkpoint is refused (resume=auto tries the previous one)."""
     overwrite: bool = False
     """Allow an output_dir that holds another run's files (and no checkpoint to resume) to be
     written over; without it such a run is refused before anything is built."""
@@ -464,7 +469,8 @@ def _roll_back(cfg: LoopConfig, task: Task, step: int, summary: dict[str, Any], 
     if ckpt is None:
         raise RunStopped(f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "
                          "lower the learning rate or check the data", 3)  # fmt: skip
-    run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
+    run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights(),
+                                    trust_unverified=cfg.trust_unverified_checkpoint)
     good = int(run_state["step"])
     reseeded = loop_state["reseeded"]
     if any(first == good + 1 for first, _ in reseeded):
@@ -495,7 +501,8 @@ def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: di
     candidates = [newest, *older] if cfg.resume == "auto" else [newest]
     for ckpt in candidates:
         try:
-            run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights())
+            run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights(),
+                                            trust_unverified=cfg.trust_unverified_checkpoint)
             break
         except FileNotFoundError as err:
             raise ConfigError(f"resume={cfg.resume!r}: {err}") from err

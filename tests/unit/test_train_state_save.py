@@ -7,8 +7,8 @@ import pytest
 import torch
 
 
-def _train_state(dtype: torch.dtype, tie: bool):
-    from megatron_rlhf.checkpoint.train_state import _allocate_adam_state
+def tiny_train_state(dtype: torch.dtype, tie: bool):
+    """A 2-layer Llama's train state that has made no update (no Adam state yet)."""
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.models.architecture import architecture_from_hf_config
     from megatron_rlhf.models.builder import build_model
@@ -22,7 +22,14 @@ def _train_state(dtype: torch.dtype, tie: bool):
     })  # fmt: skip
     groups = parallel_groups(Layout.for_world(1, 1, 1))
     model = build_model(arch, groups, dtype=dtype, device=torch.device("cpu"))
-    state = make_train_state(RoleModel(role="actor", arch=arch, groups=groups, model=model, source=None), OptimConfig(lr=1e-3))
+    return make_train_state(RoleModel(role="actor", arch=arch, groups=groups, model=model, source=None), OptimConfig(lr=1e-3))
+
+
+def _train_state(dtype: torch.dtype, tie: bool):
+    """``tiny_train_state`` with random parameters and Adam moments."""
+    from megatron_rlhf.checkpoint.train_state import _allocate_adam_state
+
+    state = tiny_train_state(dtype, tie)
     _allocate_adam_state(state.optimizer)
     generator = torch.Generator().manual_seed(0)
     for inner in state.optimizer.chained_optimizers:
