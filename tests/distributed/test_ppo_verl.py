@@ -23,8 +23,10 @@ import numpy as np
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """verl's signature: the share of the ground-truth's characters found in the response."""
+    """verl's signature: the share of the ground-truth's characters found in the response, decoded
+    as verl decodes it (no special tokens)."""
     assert data_source == "openai/gsm8k" and isinstance(extra_info, dict) and "index" in extra_info
+    assert not any(special in solution_str for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
     hits = sum(ch in solution_str for ch in ground_truth) / len(ground_truth)
     return {"score": np.float32(hits), "length": len(solution_str)}
 '''
@@ -75,6 +77,12 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    # The random policy samples special tokens mid-response: the rows show them in raw_response
+    # only, and the function read the response without them (the bytes on either side of a special
+    # token may join into one character once it is gone: U+FFFD left out of the comparison).
+    raw = [s for s in samples if "raw_response" in s]
+    text = lambda t: t.replace("<|im_start|>", "").replace("<|endoftext|>", "").replace("\ufffd", "")  # noqa: E731
+    assert raw and all(text(s["raw_response"]) == text(s["response"]) for s in raw)
     _check_keys(metrics)
     namespace: dict = {}
     exec(COMPUTE_SCORE, namespace)
@@ -108,3 +116,33 @@ def test_dynamic_sampling_keeps_only_groups_with_signal_and_fills_the_batch(tmp_
         assert sorted(groups) == list(range(8)) and all(len(r) == 4 for r in groups.values())  # the batch is full
         assert all(max(r) > min(r) for r in groups.values()), groups  # no zero-variance group
         assert not any(math.isclose(r[0], 0.5) and len(set(r)) == 1 for r in groups.values())
+
+
+@pytest.mark.distributed
+def test_a_reward_function_that_exits_or_cannot_take_verls_call_fails_the_run_by_name(tmp_path: Path) -> None:
+    """A compute_score that calls sys.exit(0) ends the run with exit 2 and the function's error (it
+    used to end it with exit 0, no message and no model); one with verl's gsm8k signature, which
+    lacks data_source and extra_info, is refused before anything is built."""
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                     "    sys.exit(0)\n")  # fmt: skip
+    gsm8k = tmp_path / "gsm8k.py"
+    gsm8k.write_text("def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n"
+                     "    return 0.0\n")  # fmt: skip
+    _verl_parquet(tmp_path / "train.parquet", 8)
+    common = ("--config", "ppo-tiny", f"data.train=[{tmp_path / 'train.parquet'}]", "max_steps=2", "prompts_per_step=4",
+              "scoring.use_reward_model=false", "scoring.rules=[]", "data.apply_chat_template=false",
+              "data.prompt_key=ability")  # fmt: skip
+    proc = _cli("ppo", *common, f"output_dir={tmp_path / 'exits'}", f"scoring.custom_function.path={exits}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
+    error = proc.stderr[proc.stderr.index("megatron-rlhf: error: "):]
+    assert error.startswith(f"megatron-rlhf: error: custom reward function 'compute_score' ({exits}) on sample 0 "
+                            "(data_source 'openai/gsm8k', response ")  # fmt: skip
+    assert f'File "{exits}", line 5, in compute_score' in error and error.rstrip().endswith("SystemExit: 0")
+    assert not (tmp_path / "exits" / "hf").exists()
+    proc = _cli("ppo", *common, f"output_dir={tmp_path / 'gsm8k'}", f"scoring.custom_function.path={gsm8k}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert ("scoring.custom_function.name='compute_score': compute_score(solution_str, ground_truth, method='strict', "
+            f"format_score=0.0, score=1.0) in {gsm8k} cannot be called as verl calls a reward function, "
+            "compute_score(data_source=, solution_str=, ground_truth=, extra_info=)") in proc.stderr
+    assert "build+load" not in proc.stdout
