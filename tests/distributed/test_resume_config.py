@@ -1,0 +1,154 @@
+"""A run's output_dir as a user meets it (CPU mode, CLI subprocesses): a resumed run follows the
+config it is given (a new learning rate at once, changed settings reported, an architecture change
+refused before anything is built), two runs on one output_dir (the second refused), a run that
+failed at step 1 corrected in place, and a failed HF export redone from the final checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.checkpoint.run_checkpoint import is_complete
+from megatron_rlhf.trainer.run_lock import LOCK_FILE
+from tests.distributed.test_lifecycle import _command, _records, _run
+from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
+from tests.helpers import subprocess_env
+
+PPO = ("ppo", "--config", "ppo-tiny", "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=8",
+       "log_every=1")  # fmt: skip
+SFT = ("sft", "--config", "sft-tiny", "optim.warmup_steps=0", "optim.decay_style=constant", "log_every=1")
+TRAINERS = {
+    # args, the model's key, the lr key and its metric, a sampling-like change and how it is reported
+    "ppo": (PPO, "actor.path", "actor_optim.lr", "actor/lr", "rollout.sampling.n=8", "rollout.sampling.n: 4 -> 8"),
+    "sft": (SFT, "model.path", "optim.lr", "lr", "log_every=2", "log_every: 1 -> 2"),
+}
+
+
+@pytest.fixture(scope="module")
+def sft_train(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", _sft_rows(64, 0))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory, sft_train: Path) -> dict[str, tuple[tuple[str, ...], Path]]:
+    """One finished 2-step run per trainer (checkpoint step_2, hf/), copied by each test that resumes it."""
+    runs = {}
+    for name, (args, *_) in TRAINERS.items():
+        args = (*args, f"data.train=[{sft_train}]") if name == "sft" else args
+        out = tmp_path_factory.mktemp(name) / "run"
+        proc = _run(1, (*args, "max_steps=2", f"output_dir={out}"))
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        runs[name] = (args, out)
+    return runs
+
+
+def _copy(saved_run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_new_learning_rate_applies_at_the_first_resumed_step_and_changes_are_reported(
+    tmp_path: Path, saved: dict, trainer: str
+) -> None:  # fmt: skip
+    """Before: megatron's KeyError (its param groups are keyed by their lr), and no word of the
+    other changes."""
+    args, saved_run = saved[trainer]
+    _, _, lr_key, lr_metric, change, reported = TRAINERS[trainer]
+    out = _copy(saved_run, tmp_path)
+    old_lr = _records(out)[-1][lr_metric]
+    proc = _run(1, (*args, "max_steps=3", f"{lr_key}={old_lr * 2}", change, f"output_dir={out}"))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in proc.stdout
+    assert f"{lr_key}: {old_lr!r} -> {old_lr * 2!r}" in proc.stdout and reported in proc.stdout, proc.stdout[-3000:]
+    (resumed,) = [r for r in _records(out) if r["split"] == "train" and r["step"] == 3]
+    assert resumed[lr_metric] == pytest.approx(old_lr * 2, rel=1e-12)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_another_architecture_is_refused_before_anything_is_built(tmp_path: Path, saved: dict, trainer: str) -> None:
+    """With half the layers the model is refused, naming the difference and the ways out, before
+    set-up; the saved run's own export, moved elsewhere, resumes (same architecture; the path change
+    is reported; sft only, to keep the test short)."""
+    args, saved_run = saved[trainer]
+    model_key = TRAINERS[trainer][1]
+    out = _copy(saved_run, tmp_path)
+    smaller = shutil.copytree(out / "hf", tmp_path / "smaller")
+    config = json.loads((smaller / "config.json").read_text())
+    (smaller / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] // 2}))
+    refused = _run(1, (*args, "max_steps=3", f"{model_key}={smaller}", f"output_dir={out}"))
+    assert refused.returncode == 2, refused.stderr[-6000:]
+    assert f"num_layers {config['num_hidden_layers']} -> {config['num_hidden_layers'] // 2}" in refused.stderr
+    assert "resume=never, or another output_dir" in refused.stderr and "build+load" not in refused.stdout + refused.stderr
+    assert max(r["step"] for r in _records(out)) == 2 and not (out / LOCK_FILE).exists()
+    if trainer == "ppo":
+        return
+    moved = shutil.copytree(out / "hf", tmp_path / "moved")
+    accepted = _run(1, (*args, "max_steps=3", f"{model_key}={moved}", f"output_dir={out}"))
+    assert accepted.returncode == 0, accepted.stderr[-6000:]
+    assert f"-> '{moved}' (compared by architecture and tokenizer" in accepted.stdout
+
+
+@pytest.mark.distributed
+def test_a_second_run_on_a_busy_output_dir_is_refused_and_the_first_is_unharmed(tmp_path: Path, sft_train: Path) -> None:
+    """Before: the second resumed from the first's checkpoint and both wrote metrics.jsonl. The
+    first, stopped with SIGTERM once the second is refused, has every step once."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "save_every=4", f"output_dir={out}")
+    first = subprocess.Popen(_command(1, args), env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (out / "checkpoints" / "latest").is_file():
+        assert first.poll() is None, first.communicate()[1][-6000:]
+        time.sleep(0.02)
+    second = _run(1, args)
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=600)
+    assert second.returncode == 2, second.stderr[-6000:]
+    assert f"in use by another run: pid {first.pid}" in second.stderr and str(out / LOCK_FILE) in second.stderr
+    assert first.returncode == 0, err[-6000:]
+    steps = [r["step"] for r in _records(out) if r["split"] == "train"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
+    assert not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.distributed
+def test_a_run_that_failed_at_step_1_is_corrected_in_the_same_output_dir(tmp_path: Path) -> None:
+    """A reward rule that raises: the run dies at step 1 after writing config.yaml. Before: the
+    corrected command was refused ('holds another run's files') without overwrite=true."""
+    out = tmp_path / "run"
+    failed = _run(1, (*PPO, "max_steps=2", "scoring.rules=[tests.distributed.failing_reward:fails]", f"output_dir={out}"))
+    assert failed.returncode != 0 and "failing_reward.fails" in failed.stderr, failed.stderr[-6000:]
+    assert (out / "config.yaml").is_file() and not (out / LOCK_FILE).exists()
+    again = _run(1, (*PPO, "max_steps=2", f"output_dir={out}"))
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert "replacing the files of an earlier run that completed no step (config.yaml" in again.stdout
+
+
+@pytest.mark.distributed
+def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes_it(tmp_path: Path, sft_train: Path) -> None:
+    """output_dir/hf is a file: the export fails after the final checkpoint (before: the export
+    came first and its failure lost the steps since the last save); the command it names writes an
+    HF directory that transformers loads."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hf").write_text("not a directory\n")
+    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=2", "overwrite=true", f"output_dir={out}"))
+    assert proc.returncode == 2, proc.stderr[-6000:]
+    ckpt = out / "checkpoints" / "step_2"
+    assert is_complete(ckpt) and f"the checkpoint {ckpt} holds every step" in proc.stderr
+    command = proc.stderr.split("redo the export with: megatron-rlhf ")[1].split(" (then")[0].split()
+    assert command == ["convert", "mcore-to-hf", str(ckpt / "models" / "actor"), str(out / "hf")]
+    converted = _run(1, (*command[:-1], str(tmp_path / "hf")))
+    assert converted.returncode == 0, converted.stderr[-6000:]
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.num_hidden_layers == json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"]
