@@ -158,7 +158,9 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         ("reward_model.overlong_buffer.penalty_factor", "scoring.overlong.penalty"),
         ("custom_reward_function.path", "scoring.custom_function.path", "the same file, unchanged: "
          "`compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`, returning a number or a dict "
-         "with `score` (other numeric keys are logged as `reward/custom/<key>`)"),
+         "with `score` (other numeric keys are logged as `reward/custom/<key>`); `solution_str` is decoded with "
+         "special tokens skipped, as in verl; a signature that cannot take those keywords is refused at start-up, "
+         "and a call is limited to `scoring.timeout_s`"),
         ("custom_reward_function.name", "scoring.custom_function.name", "`compute_score` in both"),
     ),
     "`algorithm.*`": _rows(
