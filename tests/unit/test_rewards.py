@@ -88,7 +88,8 @@ def test_bad_rule_names(name: str, message: str) -> None:
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, "1.0", None])
 def test_a_non_finite_or_non_numeric_score_is_an_error_naming_rule_and_sample(value) -> None:
-    with pytest.raises(ValueError, match=r"reward rule 'bad' \(.*test_rewards.py\) on sample 1 \(response 'two'\) returned score .*: expected a finite number"):
+    with pytest.raises(ValueError, match=r"reward rule 'bad' \(.*test_rewards.py\) on sample 1 \(response 'two'\) "
+                                         r"returned score .*: expected a finite number"):  # fmt: skip
         rule_scores({"bad": lambda s: 0.0 if s.response_text == "one" else value}, [_sample("one"), _sample("two")])
 
 
