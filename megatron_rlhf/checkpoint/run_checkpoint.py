@@ -255,7 +255,7 @@ class UnusableCheckpoint(Exception):
 
 
 def load_run_checkpoint(ckpt: Path, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel],
-                        trust_unverified: bool) -> dict[str, Any]:  # fmt: skip
+                        trust_unverified: bool = False) -> dict[str, Any]:  # fmt: skip
     """Collective. Checks the checkpoint against its manifest (``trust_unverified``: one without a
     manifest is loaded unchecked), fills the models (any layout) and restores this rank's RNG states
     when the checkpoint has them (same world size); returns the saved ``run_state`` (with ``step``)."""
