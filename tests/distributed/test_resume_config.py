@@ -103,17 +103,21 @@ def test_a_second_run_on_a_busy_output_dir_is_refused_and_the_first_is_unharmed(
     """Before: the second resumed from the first's checkpoint and both wrote metrics.jsonl. The
     first, stopped with SIGTERM once the second is refused, has every step once."""
     out = tmp_path / "run"
-    args = (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "save_every=4", f"output_dir={out}")
-    first = subprocess.Popen(_command(1, args), env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = (*SFT, f"data.train=[{sft_train}]", "save_every=4", f"output_dir={out}")
+    log = tmp_path / "first.log"
+    with log.open("w") as sink:  # a file, not a pipe: a pipe nobody reads fills and stops the run
+        first = subprocess.Popen(_command(1, (*args, "max_steps=100000")), env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT)
     while not (out / "checkpoints" / "latest").is_file():
-        assert first.poll() is None, first.communicate()[1][-6000:]
+        assert first.poll() is None, log.read_text()[-6000:]
         time.sleep(0.02)
-    second = _run(1, args)
-    first.send_signal(signal.SIGTERM)
-    _, err = first.communicate(timeout=600)
+    try:
+        second = _run(1, (*args, "max_steps=8"))  # ends by itself where it is not refused
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=600)
     assert second.returncode == 2, second.stderr[-6000:]
     assert f"in use by another run: pid {first.pid}" in second.stderr and str(out / LOCK_FILE) in second.stderr
-    assert first.returncode == 0, err[-6000:]
+    assert first.returncode == 0, log.read_text()[-6000:]
     steps = [r["step"] for r in _records(out) if r["split"] == "train"]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
     assert not (out / LOCK_FILE).exists()
