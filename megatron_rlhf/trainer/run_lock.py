@@ -1,12 +1,14 @@
 """One run per output_dir: ``output_dir/run.lock`` names the run that holds it (host, pid, start).
 
 Two runs writing one output_dir corrupt each other (the second resumes from the first's
-checkpoint; both append to metrics.jsonl). The lock file is created by a hard link of a written file (atomic,
-never empty), so of two runs started together exactly one gets it. A lock whose holder is a dead process on this host is taken
-over (with a message); one held by a live process, or by another host (whose processes cannot be
-checked from here), is refused with ``OutputDirLocked``. The holder deletes it at exit (normal, an
-error, a stop signal); a killed run leaves it behind, and the next run on the same host takes it
-over. Process ids are compared with their start time, so a reused pid is not taken for the holder.
+checkpoint; both append to metrics.jsonl). The lock file is created by a hard link of a written
+file (atomic, never empty), so of two runs started together exactly one gets it. A lock whose
+holder is a dead process on this host is taken over (with a message); one held by a live process,
+or by another host (whose processes cannot be checked from here), is refused with
+``OutputDirLocked``. Under torchrun only rank 0 takes it (``loop.write_run_files``). The holder
+deletes it at the end of the run and at exit (an error, a stop signal); a killed run leaves it
+behind, and the next run on the same host takes it over. Process ids are compared with their start
+time, so a reused pid is not taken for the holder.
 """
 
 from __future__ import annotations
