@@ -320,9 +320,14 @@ def _verify_manifest(ckpt: Path, *, trust_unverified: bool) -> bool:
     return True
 
 
-def _manifest_problems(ckpt: Path) -> list[str]:
+def manifest_problems(ckpt: Path) -> list[str] | None:
     """Each file of ``ckpt`` that differs from its manifest: changed, missing, or in neither
-    ``manifest.json`` nor a (verified) ``integrity.json``."""
+    ``manifest.json`` nor a (verified) ``integrity.json``; None without a manifest. One process's
+    check (``load_run_checkpoint`` shares rank 0's with the others)."""
+    return _manifest_problems(ckpt) if (ckpt / MANIFEST_FILE).is_file() else None
+
+
+def _manifest_problems(ckpt: Path) -> list[str]:
     manifest = ckpt / MANIFEST_FILE
     try:
         listed = json.loads(manifest.read_bytes())["files"]

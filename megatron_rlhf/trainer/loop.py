@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
+import yaml
 
 from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.run_checkpoint import (
@@ -44,6 +45,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     checkpoints_root,
     complete_checkpoints,
     load_run_checkpoint,
+    manifest_problems,
     newest_checkpoint,
     remove_partial,
 )
@@ -128,8 +130,15 @@ class LoopConfig(RunConfig):
         return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last",
                                                  "max_bad_steps")
                 + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers, self.wandb)
-                + ([] if self.resume.strip() else ["resume='' must be auto, never or a checkpoint directory"])
+                + self._resume_errors()
                 + ([f"profile_steps={self.profile_steps}: steps count from 1"] if any(s < 1 for s in self.profile_steps) else []))  # fmt: skip
+
+    def _resume_errors(self) -> list[str]:
+        if self.resume in ("auto", "never") or Path(self.resume).is_dir():
+            return []
+        why = "does not exist" if not Path(self.resume).exists() else "is not a directory"
+        return [f"resume={self.resume!r} must be auto, never, or a checkpoint directory (.../checkpoints/step_N); "
+                f"{self.resume!r} {why}"]
 
     def resume_from(self) -> Path | None:
         """The checkpoint this run continues from (None: a fresh run)."""
@@ -138,6 +147,17 @@ class LoopConfig(RunConfig):
         if self.resume == "auto":
             return newest_checkpoint(checkpoints_root(self.output_dir))
         return Path(self.resume)
+
+    def resume_candidates(self) -> list[Path]:
+        """The checkpoints a resume tries, in order: ``resume_from``, then with resume=auto the
+        older complete ones (a checkpoint that turns out unusable falls back to the previous)."""
+        first = self.resume_from()
+        if first is None:
+            return []
+        if self.resume != "auto":
+            return [first]
+        older = [ckpt for ckpt in reversed(complete_checkpoints(checkpoints_root(self.output_dir))) if ckpt != first]
+        return [first, *older]
 
 
 class Task(Protocol):
@@ -271,15 +291,19 @@ def _completed_a_step(out_dir: Path) -> bool:
 def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
     """Rank 0: report how the config differs from the config.yaml of the checkpoint it resumes;
     raise ``ResumeRefused`` naming the changes a checkpoint cannot follow (``resume_check.RULES``)."""
-    ckpt = cfg.resume_from() if cfg.resume != "never" else None
-    if ckpt is None or not (ckpt / "config.yaml").is_file() or not (ckpt / RUN_STATE_FILE).is_file():
-        return  # a fresh run; a checkpoint that cannot be read is reported when it is loaded
+    # The checkpoint the load will take: the first whose files match its manifest (without a
+    # manifest, only if trusted). Its files are read only once they are checked.
+    usable = (ckpt for ckpt in cfg.resume_candidates() if (ckpt / "config.yaml").is_file()
+              and manifest_problems(ckpt) in ([], *([None] if cfg.trust_unverified_checkpoint else [])))  # fmt: skip
+    ckpt = next(usable, None)
+    if ckpt is None:
+        return  # a fresh run; an unusable checkpoint is reported when it is loaded
     try:
         run_state = json.loads((ckpt / RUN_STATE_FILE).read_text())
-    except ValueError:
+        old_yaml = (ckpt / "config.yaml").read_text()
+        review = review_resume(cfg, to_yaml(cfg), old_yaml, run_state, claim.models, claim.tokenizer)
+    except (ValueError, yaml.YAMLError):  # an unverified checkpoint's bytes that do not parse
         return  # reported as unusable when it is loaded
-    review = review_resume(cfg, to_yaml(cfg), (ckpt / "config.yaml").read_text(), run_state, claim.models,
-                           claim.tokenizer)  # fmt: skip
     if review.changed:
         log(f"resuming {ckpt} with {len(review.changed)} settings changed from its config.yaml:\n  "
             + "\n  ".join(review.changed))  # fmt: skip
@@ -493,12 +517,11 @@ def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: di
     if is_rank0():
         for partial in remove_partial(root):
             log(f"removed {partial}: an interrupted save")
-    newest = cfg.resume_from()
-    if newest is None:
+    candidates = cfg.resume_candidates()
+    if not candidates:
         log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
         return None
-    older = [ckpt for ckpt in reversed(complete_checkpoints(root)) if ckpt != newest]
-    candidates = [newest, *older] if cfg.resume == "auto" else [newest]
+    older = candidates[1:]
     for ckpt in candidates:
         try:
             run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights(),

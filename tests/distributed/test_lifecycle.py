@@ -300,24 +300,28 @@ def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sf
 
 @pytest.mark.distributed
 def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(tmp_path: Path, sft_train: Path) -> None:
-    """The newest checkpoint has a flipped byte in a shard, and an interrupted save left step_8.tmp/
-    and latest.tmp (what a SIGKILL mid-save leaves): the run names the changed file, resumes from
-    the previous checkpoint, deletes the leftovers, and redoes the steps with the same losses."""
+    """The newest checkpoint has bytes that are not UTF-8 in its config.yaml, the one before a flipped
+    byte in a shard, and an interrupted save left step_8.tmp/ and latest.tmp (what a SIGKILL mid-save
+    leaves): the run names the changed files, resumes from the newest good checkpoint (comparing the
+    config with that one's), deletes the leftovers, and redoes the steps with the same losses."""
     out = tmp_path / "run"
     args = (*SFT, f"data.train=[{sft_train}]", "save_every=2", "keep_last=3", f"output_dir={out}")
     first = _run(1, (*args, "max_steps=6"))
     assert first.returncode == 0, first.stderr[-6000:]
     losses = {r["step"]: r["loss"] for r in _records(out)}
-    shard = out / "checkpoints" / "step_6" / "models" / "actor" / "dist" / "__0_0.distcp"
+    shard = out / "checkpoints" / "step_4" / "models" / "actor" / "dist" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    config = out / "checkpoints" / "step_6" / "config.yaml"
+    config.write_bytes(b"\xff\xfe" + config.read_bytes())
     (out / "checkpoints" / "step_8.tmp" / "models").mkdir(parents=True)
     (out / "checkpoints" / "latest.tmp").write_text("step_8\n")
     again = _run(1, (*args, "max_steps=8"))
     assert again.returncode == 0, again.stderr[-6000:]
-    assert "step_6 is unusable" in again.stdout and "__0_0.distcp" in again.stdout
-    assert f"resumed from {out / 'checkpoints' / 'step_4'} at step 4" in again.stdout
+    assert f"step_6 is unusable: {config}: changed since the save" in again.stdout
+    assert "step_4 is unusable" in again.stdout and "__0_0.distcp" in again.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
     assert f"removed {out / 'checkpoints' / 'step_8.tmp'}: an interrupted save" in again.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6", "step_8"]
     redone = {r["step"]: r["loss"] for r in _records(out)}

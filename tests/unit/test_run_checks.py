@@ -112,3 +112,10 @@ def read_only_dir(tmp_path: Path):
 def test_an_output_dir_that_cannot_be_written_is_named_up_front(command: str, read_only_dir: Path, data_file: Path) -> None:
     message = _error(command, [f"output_dir={read_only_dir / 'run'}", f"data.train=[{data_file}]"])
     assert f"output_dir='{read_only_dir / 'run'}': cannot write in {read_only_dir} (Read-only file system)" in message
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_resume_value_that_is_no_mode_and_no_directory_is_named(command: str, tmp_path: Path, data_file: Path) -> None:
+    message = _error(command, [f"output_dir={tmp_path / 'run'}", f"data.train=[{data_file}]", "resume=sometimes"])
+    assert ("resume='sometimes' must be auto, never, or a checkpoint directory (.../checkpoints/step_N); 'sometimes' "
+            "does not exist") in message  # fmt: skip
