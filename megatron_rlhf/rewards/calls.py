@@ -38,6 +38,11 @@ TIMEOUT_SETTING = "scoring.timeout_s"
 _ADVICE = f"(raise {TIMEOUT_SETTING}, or set it to 0 for no limit)"
 
 
+class ScoringInterrupted(Exception):
+    """A stop was requested while this step waited on reward code (``Watched.result``'s
+    ``interrupted``): the step is abandoned on every rank, and the run saves the step before it."""
+
+
 class RewardFunctionError(ValueError, RuntimeError):
     """The user's reward code failed: it raised, overran ``scoring.timeout_s``, or returned no usable
     score. The message names the function, its file and the sample (and has the traceback). A
@@ -146,13 +151,28 @@ class Watched(Generic[T]):
         finally:
             self._done.set()
 
-    def result(self) -> T:
-        """The job's value, or what it raised; a ``RewardFunctionError`` when a call overruns.
-        Signals are handled meanwhile (the wait is interruptible)."""
-        while not self._done.wait(self.calls.time_left()):
+    def result(self, interrupted: Callable[[], bool] | None = None) -> T:
+        """The job's value, or what it raised; a ``RewardFunctionError`` when a call overruns, a
+        ``ScoringInterrupted`` when ``interrupted()`` turns true while the job runs (looked at every
+        ``INTERRUPT_POLL_S``). Signals are handled meanwhile (the wait is interruptible)."""
+        while not self._done.wait(_wait_slice(self.calls.time_left(), interrupted)):
             late = self.calls.overdue()
             if late is not None:
                 raise RewardFunctionError(late)
+            if interrupted is not None and interrupted():
+                raise ScoringInterrupted("a stop was requested while reward code ran (it had not returned)")
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+
+INTERRUPT_POLL_S = 1.0
+"""How often a wait on reward code looks for a stop request."""
+
+
+def _wait_slice(time_left: float | None, interrupted: Callable[[], bool] | None) -> float | None:
+    """How long one wait for the job may block: until the call in progress overruns, and at most
+    ``INTERRUPT_POLL_S`` when a stop request is watched (None: no bound)."""
+    if interrupted is None:
+        return time_left
+    return INTERRUPT_POLL_S if time_left is None else min(time_left, INTERRUPT_POLL_S)

@@ -21,9 +21,10 @@ The user's code fails the run, never hangs it or ends it quietly: whatever it ra
 than ``timeout_s`` and a score that is no finite float32 are a ``RewardFunctionError`` naming the
 function, its file and the sample (``calls.py``). A share that fails on one rank fails every rank
 with that message: each rank's share goes into the same gather, failed or not, so that no rank is
-left waiting in it. A stop signal that comes while a call hangs is recorded, but the loop acts on it
-at the step's end only (where it saves): the timeout then ends the run with the call's error and
-no stop checkpoint (the newest one is ``save_every``'s); a second signal ends the process at once.
+left waiting in it. A stop signal that comes while this rank waits on a call that has not returned
+(the trainer's ``interrupted``: ``trainer/stop.py``'s ``stop_requested``) abandons the step on
+every rank (``ScoringInterrupted``, through the same gather): the loop saves the step before it and
+stops, as a stop at a step boundary does; a second signal ends the process at once.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from megatron_rlhf.metrics.log import snake_case
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 
-from .calls import RewardCalls, RewardFunctionError, Watched, formatted
+from .calls import RewardCalls, RewardFunctionError, ScoringInterrupted, Watched, formatted
 from .custom import CustomFunctionConfig, CustomRewardFunction, CustomScores, load_custom_function, metric_means
 from .rules import SCORE_DTYPE, RewardRule, Sample, resolve_rule, rule_scores
 
@@ -164,8 +165,12 @@ class Scorer:
 
     def __init__(self, cfg: ScoringConfig, rules: dict[str, RewardRule], function: CustomRewardFunction | None,
                  reward_model: RoleModel | None, *, stop_ids: Sequence[int], max_new_tokens: int,
-                 max_tokens_per_micro_batch: int, pack_sequences: bool = True) -> None:  # fmt: skip
+                 max_tokens_per_micro_batch: int, pack_sequences: bool = True,
+                 interrupted: Callable[[], bool] | None = None) -> None:  # fmt: skip
+        """``interrupted``: a stop request, watched while this rank waits on reward code (its
+        share raises ``ScoringInterrupted`` on every rank when it turns true)."""
         self.cfg, self.rules, self.function, self.reward_model = cfg, rules, function, reward_model
+        self.interrupted = interrupted
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
         self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
 
@@ -224,7 +229,7 @@ class Scorer:
         if self.reward_model is not None:
             parts[REWARD_MODEL] = self.reward_model_scores(batch)
         if share is not None:
-            shares = _gather_shares(share)
+            shares = _gather_shares(share, self.interrupted)
             world = len(shares)
             for name in shares[0][0]:
                 column = torch.empty(len(completions), dtype=SCORE_DTYPE)
@@ -268,20 +273,28 @@ class PendingScores:
         return self.scorer._combine(self.batch, self.completions, self.share)
 
 
-def _gather_shares(share: Watched[Share]) -> list[Share]:
-    """Every rank's share, in rank order. Collective: a rank whose share failed still joins the
-    gather (with its error), so that all ranks fail together instead of some waiting for it there;
-    that rank raises its own exception, the others a ``RewardFunctionError`` with its message."""
+def _gather_shares(share: Watched[Share], interrupted: Callable[[], bool] | None) -> list[Share]:
+    """Every rank's share, in rank order. Collective: a rank whose share failed, or was interrupted
+    by a stop request, still joins the gather (saying so), so that all ranks end the step together
+    instead of some waiting for it there: an interruption on any rank raises ``ScoringInterrupted``
+    on every rank; otherwise a failed rank raises its own exception, the others a
+    ``RewardFunctionError`` with its message."""
+    stopped = False
     try:
-        mine, error = share.result(), None
+        mine, error = share.result(interrupted), None
+    except ScoringInterrupted:
+        mine, error, stopped = None, None, True
     except Exception as err:  # a real Ctrl-C (KeyboardInterrupt) is no share's failure: it passes
         mine, error = None, err
     gathered: list[Any] = [None] * dist.get_world_size()
     message = None if error is None else str(error) if isinstance(error, ValueError) else formatted(error)
-    dist.all_gather_object(gathered, (mine, message))
+    dist.all_gather_object(gathered, (mine, message, stopped))
+    waiting = [rank for rank, (_, _, was_stopped) in enumerate(gathered) if was_stopped]
+    if waiting:
+        raise ScoringInterrupted(f"a stop was requested while reward code ran on rank(s) {waiting}")
     if error is not None:
         raise error
-    for rank, (_, failed) in enumerate(gathered):
+    for rank, (_, failed, _) in enumerate(gathered):
         if failed is not None:
             raise RewardFunctionError(f"scoring failed on rank {rank}: {failed}")
-    return [part for part, _ in gathered]
+    return [part for part, _, _ in gathered]

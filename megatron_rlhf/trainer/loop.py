@@ -32,7 +32,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch.distributed as dist
 import yaml
@@ -60,6 +60,7 @@ from megatron_rlhf.metrics.log import environment_report, is_rank0, log
 from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.rewards.calls import ScoringInterrupted
 from megatron_rlhf.trainer import run_lock
 from megatron_rlhf.trainer.resume_check import ResumeRefused, review_resume, tokenizer_fingerprint
 from megatron_rlhf.trainer.stop import RunStopped, StopSignals
@@ -430,8 +431,11 @@ def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step
     while step < total:
         step += 1
         epoch, indices = _batch(cfg, task, per_epoch, step, loop_state["reseeded"])
-        with _profiled(cfg, step):
-            metrics, rows = task.step(step, epoch, indices)
+        try:
+            with _profiled(cfg, step):
+                metrics, rows = task.step(step, epoch, indices)
+        except ScoringInterrupted as interrupted:
+            _stop_mid_step(cfg, step - 1, bad_steps, save, signals, interrupted)
         sink.write("train", step, {"epoch": epoch, **metrics})
         for name, file_rows in rows.items():
             sink.write_rows(name, [{"step": step, **row} for row in file_rows])
@@ -454,6 +458,23 @@ def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step
     if task.evaluate is not None and loop_state["last_eval_step"] != total:
         summary["validation"] = _evaluate(task.evaluate, total, sink)
         loop_state["last_eval_step"] = total
+
+
+def _stop_mid_step(cfg: LoopConfig, done: int, bad_steps: int, save: Callable[[int], None], signals: StopSignals,
+                   why: ScoringInterrupted) -> NoReturn:  # fmt: skip
+    """Collective (every rank's step was interrupted alike): a stop request arrived while step
+    ``done + 1`` waited on reward code that had not returned. Nothing of that step is kept: save
+    step ``done`` (its models, optimizer and the loop's state are still as that step left them;
+    the RNG has moved on, so the redone step samples anew) unless no step is done, a checkpoint of
+    it exists, or it ends a run of skipped updates (which a rollback goes back before); then stop."""
+    code = signals.agreed() or 0
+    root = checkpoints_root(cfg.output_dir)
+    newest = newest_checkpoint(root)
+    if done and not bad_steps and (newest is None or newest.name != f"step_{done}"):
+        save(done)
+        newest = newest_checkpoint(root)
+    where = f"continues from {newest}" if newest is not None else "starts over"
+    raise RunStopped(f"stopped on request during step {done + 1} ({why}); the same command {where}", code)
 
 
 def _profiled(cfg: LoopConfig, step: int) -> contextlib.AbstractContextManager[Any]:

@@ -69,6 +69,7 @@ from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.trainer.loop import StepRows, run_loop, write_run_files
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, old_logprob_pass
+from megatron_rlhf.trainer.stop import stop_requested
 
 # --------------------------------------------------------------------------- the run
 
@@ -151,7 +152,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
                           offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env))  # fmt: skip
     scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
                     max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                    pack_sequences=cfg.pack_sequences)  # fmt: skip
+                    pack_sequences=cfg.pack_sequences, interrupted=stop_requested)  # fmt: skip
     recompute, reason = old_logprob_pass(cfg)
     log(reason)
     run = PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer,

@@ -3,7 +3,9 @@ Ctrl-C (SIGINT) end the run at the next step boundary, after a checkpoint, so th
 started again continues where it stopped. A second signal ends the process at once.
 
 Signals reach ranks at different times (or only one rank): at every step boundary the ranks agree
-(one small all-reduce) so that all of them stop after the same step.
+(one small all-reduce) so that all of them stop after the same step. A step that waits on reward
+code when a stop arrives (a hung function) is abandoned instead (``stop_requested`` is what that
+wait watches): the run saves the step before it and stops.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class StopSignals:
     """A context manager: while it is active the signals of ``EXIT_CODES`` are recorded instead of
     ending the process (the first one) or end it at once (a second one, exit 128 + signal number)."""
 
+    active: StopSignals | None = None
+    """The one in force: signal handlers are the process's, so at most one is."""
+
     def __init__(self) -> None:
         self.code: int | None = None
         self._previous: dict[signal.Signals, Any] = {}
@@ -42,9 +47,11 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         for sig in EXIT_CODES:
             self._previous[sig] = signal.signal(sig, self._handle)
+        StopSignals.active = self
         return self
 
     def __exit__(self, *exc: object) -> None:
+        StopSignals.active = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -63,3 +70,8 @@ class StopSignals:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
         return None if code < 0 else code
+
+
+def stop_requested() -> bool:
+    """Whether this process has been asked to stop during the run (its first signal recorded)."""
+    return StopSignals.active is not None and StopSignals.active.code is not None

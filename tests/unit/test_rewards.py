@@ -486,7 +486,7 @@ def test_a_rule_must_take_one_sample(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- scoring.timeout_s
 
 
-def _hanging_scorer(timeout_s: float, release: "threading.Event"):
+def _hanging_scorer(timeout_s: float, release: "threading.Event", interrupted=None):
     """A scorer whose rule waits on ``release`` for sample 1 ('two'), and its rollout."""
     from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
     from megatron_rlhf.rollout.engine import Completion
@@ -500,7 +500,7 @@ def _hanging_scorer(timeout_s: float, release: "threading.Event"):
     completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7] * n, logprobs=[0.0] * n)
                    for i, n in enumerate((1, 2, 3))]  # fmt: skip
     scorer = Scorer(ScoringConfig(timeout_s=timeout_s), {"hangs": hangs}, None, None, stop_ids=(), max_new_tokens=8,
-                    max_tokens_per_micro_batch=64)  # fmt: skip
+                    max_tokens_per_micro_batch=64, interrupted=interrupted)  # fmt: skip
     decode = lambda rows: [["one", "two", "three"][len(ids) - 1] if len(ids) < 4 else "p" for ids in rows]  # noqa: E731
     return lambda: scorer.start(rollout_batch(completions, 0), completions, [{}], decode)
 
@@ -544,6 +544,29 @@ def test_a_stop_signal_while_a_rule_hangs_is_recorded_and_the_timeout_ends_the_w
             pending.result()
     release.set()
     assert signals.code == 0
+
+
+def test_a_stop_signal_while_a_rule_hangs_interrupts_the_wait_when_the_trainer_watches_for_it(world_of_one) -> None:
+    """The trainer's scorer watches ``stop_requested``: SIGTERM while a rule hangs ends the wait
+    within a poll (not at scoring.timeout_s) with ``ScoringInterrupted``, so that the run can save."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from megatron_rlhf.rewards import ScoringInterrupted
+    from megatron_rlhf.trainer.stop import StopSignals, stop_requested
+
+    release = threading.Event()
+    with StopSignals():
+        pending = _hanging_scorer(60.0, release, interrupted=stop_requested)()
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        with pytest.raises(ScoringInterrupted, match=r"a stop was requested while reward code ran on rank\(s\) \[0\]"):
+            pending.result()
+    release.set()
+    assert time.monotonic() - start < 5
+    assert not stop_requested()  # only while a run's signals are in force
 
 
 def test_a_call_that_returns_past_the_timeout_fails_and_zero_means_no_limit() -> None:
