@@ -521,11 +521,12 @@ def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor
     """samples.jsonl rows: each prompt and response as the reward functions read them (special
     tokens skipped, no final stop token) and the reward it got; where skipping dropped special
     tokens from a response, also ``raw_response``, its text with them (what the policy wrote, for
-    debugging; rows without such tokens stay small)."""
+    debugging; rows without such tokens stay small); with ``samples_token_ids``, ``response_ids``."""
     samples = run.scorer.samples(completions, run.texts)
     raw = run.tokenizer.decode_batch([c.text_ids(run.tokenizer.stop_ids) for c in completions])
     return [{"group": c.prompt_index, "prompt": sample.prompt_text, "response": sample.response_text,
              **({"raw_response": text} if text != sample.response_text else {}),
+             **({"response_ids": list(c.token_ids)} if run.cfg.samples_token_ids else {}),
              "finish_reason": c.finish_reason, "reward": float(score)}
             for c, sample, text, score in zip(completions, samples, raw, scores)]  # fmt: skip
 

@@ -159,6 +159,9 @@ class PPOConfig(LoopConfig, ModelsConfig):
     """Passes over each rollout."""
     samples_per_step: int = 4
     """Rollouts written to output_dir/samples.jsonl each step (prompt, response, reward); 0: none."""
+    samples_token_ids: bool = False
+    """Also write each of those rollouts' response token ids (``response_ids``: every token sampled,
+    a final stop token included), for debugging what a tokenizer made of them."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     eval_every: int = 0
     """With data.validation: evaluate every this many steps (and always at the end)."""

@@ -73,7 +73,7 @@ RULES: dict[str, dict[str, str]] = {
         "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "warmup_steps", "decay_style",
         "decay_steps")}, "distributed_optimizer": FIXED, "cpu_offload_fraction": FIXED},
     "PPOConfig": {"prompts_per_step": FIXED, "mini_batch_size": MAY_CHANGE, "ppo_epochs": MAY_CHANGE,
-                  "samples_per_step": MAY_CHANGE, "eval_every": MAY_CHANGE, "eval_before_train": MAY_CHANGE,
+                  "samples_per_step": MAY_CHANGE, "samples_token_ids": MAY_CHANGE, "eval_every": MAY_CHANGE, "eval_before_train": MAY_CHANGE,
                   "warmup": MAY_CHANGE},
     "EvalConfig": {key: MAY_CHANGE for key in ("n", "temperature", "correct_score", "judged_by", "samples")},
     "SupervisedConfig": {"global_batch_size": FIXED, "eval_every": MAY_CHANGE, "eval_before_train": MAY_CHANGE},

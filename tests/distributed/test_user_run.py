@@ -32,7 +32,7 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
     given = [f"actor.path={model}", f"data.train=[{tmp_path / 'train.parquet'}]",
              f"scoring.custom_function.path={tmp_path / 'reward.py'}", "scoring.custom_function.name=default_compute_score",
              f"output_dir={out}", "max_steps=2", "prompts_per_step=8", "samples_per_step=8",
-             "data.max_prompt_length=64", "rollout.sampling.max_new_tokens=12"]  # fmt: skip
+             "data.max_prompt_length=64", "rollout.sampling.max_new_tokens=12", "samples_token_ids=true"]  # fmt: skip
     proc = _cli("ppo", *given)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = proc.stdout.split("settings: library defaults (no --config); ", 1)[1].split("\n\n")[0]
@@ -40,6 +40,7 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
         assert f"  {item.split('=')[0]} " in report and "command line" in report
     assert "preset" not in report and "lowercase" not in proc.stdout
 
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     namespace: dict = {}
     exec(DEFAULT_COMPUTE_SCORE, namespace)
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
@@ -49,5 +50,8 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
         rows = [s for s in samples if s["step"] == m["step"]]
         expected = [namespace["default_compute_score"]("openai/gsm8k", s["response"], "abcde") for s in rows]
         assert len(rows) == 8 and [s["reward"] for s in rows] == pytest.approx(expected, abs=1e-6)
+        # The text the function read is transformers' decode of the ids, special tokens skipped (as verl's).
+        assert [s["response"] for s in rows] == [tokenizer.decode(s["response_ids"], skip_special_tokens=True)
+                                                 for s in rows]  # fmt: skip
         assert m["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
         assert m["actor/lr"] == pytest.approx(1e-6)  # the library default, not a demo's
