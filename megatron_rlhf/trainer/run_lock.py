@@ -3,12 +3,16 @@
 Two runs writing one output_dir corrupt each other (the second resumes from the first's
 checkpoint; both append to metrics.jsonl). The lock file is created by a hard link of a written
 file (atomic, never empty), so of two runs started together exactly one gets it. A lock whose
-holder is a dead process on this host is taken over (with a message); one held by a live process,
-or by another host (whose processes cannot be checked from here), is refused with
-``OutputDirLocked``. Under torchrun only rank 0 takes it (``loop.write_run_files``). The holder
-deletes it at the end of the run and at exit (an error, a stop signal); a killed run leaves it
-behind, and the next run on the same host takes it over. Process ids are compared with their start
-time, so a reused pid is not taken for the holder.
+holder is a dead process on this host is taken over (with a message); one held by a live process
+is refused with ``OutputDirLocked``. Under torchrun only rank 0 takes it (``loop.write_run_files``).
+The holder deletes it at the end of the run and at exit (an error, a stop signal); a killed run
+leaves it behind, and the next run on the same host takes it over. Process ids are compared with
+their start time, so a reused pid is not taken for the holder.
+
+Another host's processes cannot be checked from here, so the holder also refreshes the file's
+modification time every ``HEARTBEAT_S`` (a thread of its own): another host's lock is refused while
+it is fresh and taken over once it has not been refreshed for ``STALE_AFTER_S``, as when a Slurm job
+is requeued onto another node after its first node died.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import atexit
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +31,13 @@ from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.metrics.log import log
 
 LOCK_FILE = "run.lock"
+HEARTBEAT_S = 30.0
+"""How often the holder refreshes its lock file's modification time."""
+STALE_AFTER_S = 300.0
+"""Another host's lock not refreshed for this long is taken over (ten heartbeats: clocks of a
+shared file system's hosts may differ by some seconds)."""
+_heartbeats: dict[Path, threading.Event] = {}
+"""Lock file -> the event that stops its holder's heartbeat (this process's locks)."""
 
 
 class OutputDirLocked(ConfigError):
@@ -55,6 +67,7 @@ def acquire(out_dir: Path) -> Path:
     for _ in range(2):  # a stale lock: taken over once
         if _create(path, me):
             atexit.register(release, path)
+            _start_heartbeat(path)
             return path
         holder = _read(path)
         if holder is None:
@@ -62,10 +75,19 @@ def acquire(out_dir: Path) -> Path:
         if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
             return path
         if holder.get("host") != me["host"]:
-            raise OutputDirLocked(
-                f"output_dir={str(out_dir)!r} is in use by a run on host {holder.get('host')} (pid {holder.get('pid')}, "
-                f"started {holder.get('started')}): {path}. Its process cannot be checked from {me['host']}; if you are "
-                f"sure that run has ended, delete {path} and start again")  # fmt: skip
+            quiet = _seconds_since_refreshed(path)
+            if quiet is None:
+                continue  # deleted by its holder meanwhile
+            if quiet < STALE_AFTER_S:
+                raise OutputDirLocked(
+                    f"output_dir={str(out_dir)!r} is in use by a run on host {holder.get('host')} (pid "
+                    f"{holder.get('pid')}, started {holder.get('started')}): {path}, refreshed {quiet:.0f} s ago. Its "
+                    f"process cannot be checked from {me['host']}; a lock not refreshed for {STALE_AFTER_S:.0f} s is "
+                    f"taken over, or, if you are sure that run has ended, delete {path} and start again")  # fmt: skip
+            log(f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')}, has not refreshed it "
+                f"for {quiet:.0f} s (a run refreshes its lock every {HEARTBEAT_S:.0f} s)")  # fmt: skip
+            path.unlink(missing_ok=True)
+            continue
         if _alive(holder):
             raise OutputDirLocked(
                 f"output_dir={str(out_dir)!r} is in use by another run: pid {holder['pid']} on {holder['host']}, started "
@@ -90,8 +112,33 @@ def _create(path: Path, holder: dict[str, object]) -> bool:
         tmp.unlink()
 
 
+def _seconds_since_refreshed(path: Path) -> float | None:
+    try:
+        return max(time.time() - path.stat().st_mtime, 0.0)
+    except FileNotFoundError:
+        return None
+
+
+def _start_heartbeat(path: Path) -> None:
+    """Refresh ``path``'s modification time every ``HEARTBEAT_S`` until ``release`` (a daemon thread:
+    it never keeps the process alive)."""
+    stop = _heartbeats[path] = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(path)
+            except OSError:  # deleted or taken over: nothing left to refresh
+                return
+
+    threading.Thread(target=beat, name="run-lock-heartbeat", daemon=True).start()
+
+
 def release(path: Path) -> None:
     """Delete the lock if this process holds it (a lock another run has taken over stays)."""
+    beat = _heartbeats.pop(path, None)
+    if beat is not None:
+        beat.set()
     holder = _read(path)
     if holder is not None and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
         path.unlink(missing_ok=True)

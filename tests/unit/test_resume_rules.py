@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -17,7 +18,7 @@ import pytest
 from megatron_rlhf.trainer.ppo_config import PPOConfig
 from megatron_rlhf.trainer.resume_check import RULES, leaf_rules
 from megatron_rlhf.trainer.rm import RMConfig
-from megatron_rlhf.trainer.run_lock import LOCK_FILE, OutputDirLocked, acquire, release
+from megatron_rlhf.trainer.run_lock import LOCK_FILE, STALE_AFTER_S, OutputDirLocked, acquire, release
 from megatron_rlhf.trainer.sft import SFTConfig
 
 
@@ -58,8 +59,29 @@ def test_a_reused_pid_is_not_the_holder(tmp_path: Path) -> None:
     assert json.loads(acquire(tmp_path).read_text())["pid"] == os.getpid()
 
 
-def test_a_lock_of_another_host_is_refused_with_how_to_remove_it(tmp_path: Path) -> None:
+def test_a_lock_of_another_host_is_refused_while_fresh_and_taken_over_once_stale(tmp_path: Path) -> None:
+    """Another host's process cannot be checked: its lock counts while its holder refreshes it (a
+    requeued Slurm job on a new node after its first node died takes it over once it is stale)."""
     _holder(tmp_path, host="node-17", pid=4242, process_started=1.0, started="yesterday")
-    with pytest.raises(OutputDirLocked, match=rf"host node-17 \(pid 4242.*delete {tmp_path / LOCK_FILE}"):
+    lock = tmp_path / LOCK_FILE
+    with pytest.raises(OutputDirLocked, match=rf"host node-17 \(pid 4242.*refreshed 0 s ago.*delete {lock}"):
         acquire(tmp_path)
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == "node-17"
+    assert json.loads(lock.read_text())["host"] == "node-17"
+    stale = time.time() - STALE_AFTER_S - 1
+    os.utime(lock, (stale, stale))
+    assert acquire(tmp_path) == lock and json.loads(lock.read_text())["pid"] == os.getpid()
+    release(lock)
+
+
+def test_the_holder_refreshes_its_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_rlhf.trainer import run_lock
+
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    lock = acquire(tmp_path)
+    os.utime(lock, (1.0, 1.0))
+    deadline = time.time() + 5
+    while lock.stat().st_mtime < 2.0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert time.time() - lock.stat().st_mtime < 5
+    release(lock)
+    assert not lock.exists()
