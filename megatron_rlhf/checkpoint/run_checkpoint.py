@@ -198,7 +198,7 @@ class RunCheckpointWriter:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _write_atomically(self.root / LATEST_FILE, final.name + "\n")
-            for old in complete_checkpoints(self.root)[:-self.keep_last]:
+            for old in complete_checkpoints(self.root)[:-self.keep_last] if self.keep_last else []:
                 shutil.rmtree(old)
         dist.barrier()
         background = "" if started is None else f" (written in the background in {time.perf_counter() - started:.1f} s)"

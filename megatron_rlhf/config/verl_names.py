@@ -201,7 +201,7 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
          "`save_every=0` alone still saves when the run completes. The HF export is `save_hf`"),
         ("trainer.resume_mode", "resume", "`auto`, `never`, or a checkpoint path (verl's `resume_path`)"),
         ("trainer.resume_from_path", "resume"),
-        ("trainer.max_actor_ckpt_to_keep", "keep_last", "**verl keeps all (null), here 2**"),
+        ("trainer.max_actor_ckpt_to_keep", "keep_last", "**verl keeps all (null), here 2**; `keep_last=0` keeps all"),
         ("trainer.max_critic_ckpt_to_keep", "keep_last", "one setting for the whole run checkpoint"),
         ("trainer.test_freq", "eval_every", "with `data.validation`"),
         ("trainer.val_before_train", "eval_before_train", "true in both"),

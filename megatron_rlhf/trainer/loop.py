@@ -99,7 +99,8 @@ class LoopConfig(RunConfig):
     """Write a resumable checkpoint when the run completes. false: only save_every's and a stop's
     (for a benchmark whose optimizer state, e.g. a 7B model's 91 GB, should not go to disk)."""
     keep_last: int = 2
-    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete. 0: keep every
+    one (verl's default)."""
     async_save: bool = False
     """Write checkpoints in the background (a forked process per checkpoint) while training
     continues; a checkpoint is completed (renamed, named by ``latest``) at the first step boundary
@@ -128,9 +129,9 @@ class LoopConfig(RunConfig):
     rollback over the same steps (or none to roll back to) stops the run with exit code 3."""
 
     def errors(self) -> list[str]:
-        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "keep_last",
+        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every",
                                                  "max_bad_steps")
-                + at_least(self, 0, "max_steps", "save_every") + logger_errors("loggers", self.loggers, self.wandb)
+                + at_least(self, 0, "max_steps", "save_every", "keep_last") + logger_errors("loggers", self.loggers, self.wandb)
                 + self._resume_errors()
                 + ([f"profile_steps={self.profile_steps}: steps count from 1"] if any(s < 1 for s in self.profile_steps) else []))  # fmt: skip
 

@@ -215,3 +215,14 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
         assert newest_checkpoint(root) == root / "step_1"
         assert _load(root / "step_1", saved)["step"] == 1
         assert remove_partial(root) == [root / "step_2.tmp"]
+
+
+@pytest.mark.parametrize(("keep_last", "kept"), [(2, ["step_2", "step_3"]), (0, ["step_1", "step_2", "step_3"])])
+def test_keep_last_prunes_older_checkpoints_and_zero_keeps_all(tmp_path: Path, world_of_one, keep_last: int,
+                                                                kept: list[str]) -> None:  # fmt: skip
+    from megatron_rlhf.checkpoint.run_checkpoint import RunCheckpointWriter
+
+    writer = RunCheckpointWriter(tmp_path, keep_last=keep_last, background=False)
+    for step in (1, 2, 3):
+        writer.save(step, train_states={}, weights={}, run_state={}, config_yaml="")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == kept
