@@ -84,8 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
             "ppo",
             "RL from prompts: PPO (critic, GAE) or GRPO-style group baselines, with the hybrid engine",
             "Each step: generate responses with the hybrid engine, score them (reward model and/or rule functions), "
-            "compute reference log-probs and values, advantages, then update the actor and critic. With no "
-            f"arguments: GRPO on built-in tiny models and prompts (no download; GPU if present, else CPU). {outputs}",
+            "compute reference log-probs and values, advantages, then update the actor and critic. Without "
+            "--config it builds on the library defaults (docs/defaults.md): name the model (actor.path), the prompts "
+            "(data.train) and the reward (scoring.*). The demo, --config ppo-tiny: GRPO on built-in tiny models and "
+            f"prompts (no download; GPU if present, else CPU). {outputs}",
             "actor.tp=2 rollout.tp=1 prompts_per_step=64",
         ),
         (
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
             "reward-model training on preference pairs (Bradley-Terry)",
             "Train a *ForSequenceClassification (score head) on prompt/chosen/rejected rows with the Bradley-Terry "
             f"loss; validation reports preference accuracy. {outputs} Example: megatron-rlhf rm "
-            "data.train=[prefs.jsonl] data.validation=[prefs-val.jsonl]",
+            "model.path=/models/rm-init data.train=[prefs.jsonl] data.validation=[prefs-val.jsonl]",
             "data.train=[prefs.jsonl] optim.lr=1e-5",
         ),
         (
