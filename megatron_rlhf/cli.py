@@ -1,15 +1,15 @@
 """The ``megatron-rlhf`` command line. Run it plainly for one process, or under torchrun.
 
-    megatron-rlhf ppo [--config PRESET|FILE.yaml] [key=value ...]
-    megatron-rlhf smoke [--config PRESET|FILE.yaml] [key=value ...]
-    megatron-rlhf config [--config PRESET|FILE.yaml] [key=value ...]
-    megatron-rlhf sft [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
-    megatron-rlhf rm [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
-    megatron-rlhf pipeline [--config PRESET|FILE.yaml] [key=value ...]
-    megatron-rlhf plan [--config PRESET|FILE.yaml] [key=value ...] --world-size N [--gpu-memory-gib G] [--json]
-    megatron-rlhf generate --model DIR --input prompts.jsonl --output out.jsonl [--tp N] [sampling flags]
-    megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR --tp N --pp M
-    megatron-rlhf convert mcore-to-hf CKPT_DIR OUT_DIR [--tp N --pp M]
+megatron-rlhf ppo [--config PRESET|FILE.yaml] [key=value ...]
+megatron-rlhf smoke [--config PRESET|FILE.yaml] [key=value ...]
+megatron-rlhf config [--config PRESET|FILE.yaml] [key=value ...]
+megatron-rlhf sft [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
+megatron-rlhf rm [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
+megatron-rlhf pipeline [--config PRESET|FILE.yaml] [key=value ...]
+megatron-rlhf plan [--config PRESET|FILE.yaml] [key=value ...] --world-size N [--gpu-memory-gib G] [--json]
+megatron-rlhf generate --model DIR --input prompts.jsonl --output out.jsonl [--tp N] [sampling flags]
+megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR --tp N --pp M
+megatron-rlhf convert mcore-to-hf CKPT_DIR OUT_DIR [--tp N --pp M]
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ DEFAULT_GPU_MEMORY_GIB = 80.0
 
 
 def _add_config_args(
-    parser: argparse.ArgumentParser, default: str | None = DEFAULT_PRESET, example: str = "actor.tp=2 seed=7",
+    parser: argparse.ArgumentParser,
+    default: str | None = DEFAULT_PRESET,
+    example: str = "actor.tp=2 seed=7",
     prefix: str | None = None,
 ) -> None:
     """``--config`` and overrides; the help lists the presets of this command only (those named
@@ -77,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(smoke)
 
-    outputs = ("Writes metrics.jsonl, TensorBoard events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under "
-               "output_dir; loggers=[console,jsonl,tensorboard,wandb] chooses where metrics go.")  # fmt: skip
+    outputs = (
+        "Writes metrics.jsonl, TensorBoard events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under "
+        "output_dir; loggers=[console,jsonl,tensorboard,wandb] chooses where metrics go."
+    )
     for name, help_text, description, example in (
         (
             "ppo",
@@ -119,11 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         trainer = commands.add_parser(name, help=help_text, description=description)
         # The pipeline is the built-in task: its preset is the command. A trainer run is the user's
         # own: it builds on the library defaults unless --config names a preset (the demos: *-tiny).
-        _add_config_args(trainer, default="pipeline-arith-tiny" if name == "pipeline" else None, example=example,
-                         prefix=f"{name}-")  # fmt: skip
-        trainer.add_argument("--print-config", action="store_true",
-                             help="run every start-up check, then print the resolved configuration as YAML (the "
-                                  "settings that differ from the library defaults first, as comments) and exit")
+        _add_config_args(
+            trainer, default="pipeline-arith-tiny" if name == "pipeline" else None, example=example, prefix=f"{name}-"
+        )
+        trainer.add_argument(
+            "--print-config",
+            action="store_true",
+            help="run every start-up check, then print the resolved configuration as YAML (the "
+            "settings that differ from the library defaults first, as comments) and exit",
+        )
 
     generate = commands.add_parser(
         "generate",
@@ -143,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Sampling and engine flags come from the same dataclasses as ppo's rollout.sampling and
     # rollout.engine, so their names, defaults and help cannot drift apart.
     add_flags(generate.add_argument_group("sampling (ppo: rollout.sampling.*)"), SamplingParams)
-    add_flags(generate.add_argument_group("engine (ppo: rollout.engine.*)"), NativeEngineConfig, skip=("eos_token_ids",))
+    add_flags(
+        generate.add_argument_group("engine (ppo: rollout.engine.*)"), NativeEngineConfig, skip=("eos_token_ids",)
+    )
 
     plan = commands.add_parser(
         "plan",
@@ -155,11 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
         "naming the settings when the run would be refused or its peak exceeds --gpu-memory-gib.",
     )
     _add_config_args(plan, default=None, example="actor.path=/models/Qwen2.5-7B actor.tp=2", prefix="")
-    plan.add_argument("--trainer", choices=PLAN_TRAINERS, default=None,
-                      help="the command the config is for (default: from the preset's name, else ppo)")
+    plan.add_argument(
+        "--trainer",
+        choices=PLAN_TRAINERS,
+        default=None,
+        help="the command the config is for (default: from the preset's name, else ppo)",
+    )
     plan.add_argument("--world-size", type=int, default=1, help="GPUs of the run (default 1)")
-    plan.add_argument("--gpu-memory-gib", type=float, default=DEFAULT_GPU_MEMORY_GIB,
-                      help=f"memory of one GPU in GiB (default {DEFAULT_GPU_MEMORY_GIB:g}; an H200 offers about 139.8)")
+    plan.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_GIB,
+        help=f"memory of one GPU in GiB (default {DEFAULT_GPU_MEMORY_GIB:g}; an H200 offers about 139.8)",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     show = commands.add_parser("config", help="print the resolved configuration (preset + overrides) as YAML")
@@ -213,10 +231,15 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_rlhf.rollout.generate_cmd import run_generate
 
             run_generate(
-                model=args.model, input_path=args.input, output_path=args.output, tp=args.tp, device=args.device,
-                dtype=args.dtype, params=from_flags(args, SamplingParams),
+                model=args.model,
+                input_path=args.input,
+                output_path=args.output,
+                tp=args.tp,
+                device=args.device,
+                dtype=args.dtype,
+                params=from_flags(args, SamplingParams),
                 engine_cfg=from_flags(args, NativeEngineConfig, eos_token_ids=()),
-            )  # fmt: skip
+            )
             return 0
         if args.command == "convert":
             from megatron_rlhf.checkpoint.convert import convert
@@ -254,9 +277,11 @@ def _trainer(command: str) -> Trainer:
         from megatron_rlhf.trainer.supervised import check_config
 
         score_head = command == "rm"
-        return Trainer(RMConfig if score_head else SFTConfig,
-                       lambda cfg, world_size: check_config(cfg, world_size, score_head=score_head),
-                       run_rm if score_head else run_sft)  # fmt: skip
+        return Trainer(
+            RMConfig if score_head else SFTConfig,
+            lambda cfg, world_size: check_config(cfg, world_size, score_head=score_head),
+            run_rm if score_head else run_sft,
+        )
     from megatron_rlhf.trainer.pipeline import PipelineConfig, check_pipeline_config, run_pipeline
 
     return Trainer(PipelineConfig, lambda cfg, _world_size: check_pipeline_config(cfg), run_pipeline)

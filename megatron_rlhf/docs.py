@@ -67,8 +67,10 @@ def defaults_tables() -> str:
     for command, schema in (("ppo", PPOConfig), ("sft", SFTConfig), ("rm", RMConfig)):
         parts += ["", f"### `megatron-rlhf {command}`", "", "| key | default | what it is |", "|---|---|---|"]
         defaults = _leaf_defaults(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
-        parts += [f"| `{key}` | `{_shown(defaults[key])}` | {doc.replace('|', '/')} |"
-                  for key, doc in _field_docs(schema).items()]  # fmt: skip
+        parts += [
+            f"| `{key}` | `{_shown(defaults[key])}` | {doc.replace('|', '/')} |"
+            for key, doc in _field_docs(schema).items()
+        ]
     return "\n".join(parts[1:])
 
 

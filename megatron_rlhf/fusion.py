@@ -18,7 +18,7 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 
-def gpu_fused(fn: F) -> F:
+def gpu_fused[F: Callable](fn: F) -> F:
     """``fn`` eagerly unless its first argument is a CUDA tensor; then ``torch.compile(fn)``,
     compiled on first use. Shapes follow torch's automatic dynamic: the first call compiles for
     its shapes, a later call recompiles once with the dimensions that changed made symbolic.

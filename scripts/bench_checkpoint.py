@@ -48,10 +48,18 @@ def main() -> None:
     dtype = resolve_dtype("auto", env.device)
 
     def train_state(model: str):
-        role = build_role("actor", ModelConfig(path=model, tp=env.world_size), architecture_of(model),
-                          world_size=env.world_size, dtype=dtype, device=env.device)  # fmt: skip
+        role = build_role(
+            "actor",
+            ModelConfig(path=model, tp=env.world_size),
+            architecture_of(model),
+            world_size=env.world_size,
+            dtype=dtype,
+            device=env.device,
+        )
         state = make_train_state(role, OptimConfig(lr=1e-6))
-        ids = torch.randint(0, role.arch.vocab_size, (env.world_size * 2, 64), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, role.arch.vocab_size, (env.world_size * 2, 64), generator=torch.Generator().manual_seed(0)
+        )
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
         train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=256)
         return state
@@ -104,6 +112,7 @@ def main() -> None:
     report(async_total_s=async_total_s)
     if env.rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
+
 
 if __name__ == "__main__":
     main()

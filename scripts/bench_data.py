@@ -41,12 +41,16 @@ def make_hf_tokenizer(data: Path, out: Path, rows: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     with data.open(encoding="utf-8") as f:
-        texts = [" ".join(json.loads(line).values()) for _, line in zip(range(rows), f)]
+        texts = [" ".join(json.loads(line).values()) for _, line in zip(range(rows), f, strict=True)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=8192, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
@@ -73,11 +77,14 @@ def time_loads(path: Path, tokenizer: Any, workers: int) -> dict[str, float]:
     out, datasets = {}, {}
     for n in (0, workers):
         (datasets[n], report), out[f"workers_{n}_s"], out[f"workers_{n}_cpu_s"] = timed(
-            lambda: load_sft_dataset(path, tokenizer, max_length=4096, num_workers=n))
+            lambda: load_sft_dataset(path, tokenizer, max_length=4096, num_workers=n)
+        )
     serial, parallel = datasets[0], datasets[workers]
     assert report.kept == len(serial) and serial.lengths.equal(parallel.lengths)
-    assert all(serial[i].input_ids.equal(parallel[i].input_ids) and serial[i].loss_mask.equal(parallel[i].loss_mask)
-               for i in range(0, len(serial), 97))  # fmt: skip
+    assert all(
+        serial[i].input_ids.equal(parallel[i].input_ids) and serial[i].loss_mask.equal(parallel[i].loss_mask)
+        for i in range(0, len(serial), 97)
+    )
     out["tokens"] = int(serial.lengths.sum())
     return out
 
@@ -94,8 +101,15 @@ def time_batches(tmp: Path, batch: int, seq_len: int, steps: int) -> dict[str, f
         for _ in range(4 * batch):
             prompt = rng.randint(64, 256)
             n = rng.randint(seq_len // 2, seq_len - 1) - prompt
-            f.write(json.dumps({"prompt_ids": [rng.randrange(3, 259) for _ in range(prompt)],
-                                "response_ids": [rng.randrange(3, 259) for _ in range(n)]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt_ids": [rng.randrange(3, 259) for _ in range(prompt)],
+                        "response_ids": [rng.randrange(3, 259) for _ in range(n)],
+                    }
+                )
+                + "\n"
+            )
     dataset, _ = load_sft_dataset(path, ByteTokenizer(300), max_length=seq_len)
     index_s, pack_s = [], []
     for step in range(steps):
@@ -106,8 +120,11 @@ def time_batches(tmp: Path, batch: int, seq_len: int, steps: int) -> dict[str, f
         packed = pack_batch(examples, 0)
         index_s.append(middle - start)
         pack_s.append(time.perf_counter() - middle)
-    return {"index_ms": round(1000 * statistics.median(index_s), 2),
-            "pack_ms": round(1000 * statistics.median(pack_s), 2), "shape": list(packed["input_ids"].shape)}
+    return {
+        "index_ms": round(1000 * statistics.median(index_s), 2),
+        "pack_ms": round(1000 * statistics.median(pack_s), 2),
+        "shape": list(packed["input_ids"].shape),
+    }
 
 
 def main() -> None:
@@ -123,8 +140,12 @@ def main() -> None:
     from megatron_rlhf.data import ByteTokenizer, load_sft_dataset, load_tokenizer
     from megatron_rlhf.data.records import split_files
 
-    result: dict[str, object] = {"rows": args.rows, "workers": args.workers, "cpus": os.cpu_count(),
-                                 "load_average_before": os.getloadavg()[0]}  # a shared machine: say how busy
+    result: dict[str, object] = {
+        "rows": args.rows,
+        "workers": args.workers,
+        "cpus": os.cpu_count(),
+        "load_average_before": os.getloadavg()[0],
+    }  # a shared machine: say how busy
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         data = tmp / "sft.jsonl"
@@ -133,10 +154,11 @@ def main() -> None:
         result["file_mb"] = round(data.stat().st_size / 2**20, 1)
         few = tmp / "few.jsonl"
         with data.open() as f:
-            few.write_text("".join(line for _, line in zip(range(64), f)))
+            few.write_text("".join(line for _, line in zip(range(64), f, strict=True)))
         # 64 rows: the workers' start-up; then the scan for spans, done in the main process.
         _, result["worker_start_s"], result["worker_start_cpu_s"] = timed(
-            lambda: load_sft_dataset(few, ByteTokenizer(300), max_length=4096, num_workers=args.workers))
+            lambda: load_sft_dataset(few, ByteTokenizer(300), max_length=4096, num_workers=args.workers)
+        )
         _, result["split_s"], _ = timed(lambda: split_files([data], 4 * args.workers))
         result["byte"] = time_loads(data, ByteTokenizer(300), args.workers)
         result["hf_bpe"] = time_loads(data, load_tokenizer(tmp), args.workers)

@@ -85,7 +85,9 @@ def attention_variants(arch: Architecture, slots: int, max_len: int, bandwidth: 
     groups, heads, head_dim, layers = arch.num_query_groups, arch.num_attention_heads, arch.head_dim, arch.num_layers
     scale = head_dim**-0.5
     out: dict[str, dict[str, float]] = {}
-    caches = [torch.randn(slots, groups, max_len, 2 * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    caches = [
+        torch.randn(slots, groups, max_len, 2 * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(layers)
+    ]
     query = torch.randn(1, slots, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     q = query[0].reshape(slots, groups, heads // groups, head_dim)
     for kv_len in (max_len // 2, max_len):
@@ -103,16 +105,25 @@ def attention_variants(arch: Architecture, slots: int, max_len: int, bandwidth: 
         def flex(cache):
             return compiled_flex(q, *split(cache), score_mod=lambda score, s, g, r, k: score + bias[s, k], scale=scale)
 
-        variants = {"bmm_softmax_bmm": lambda cache: matmul_decode_attention(q, *split(cache), bias, scale), "flex": flex}
+        variants = {
+            "bmm_softmax_bmm": lambda cache: matmul_decode_attention(q, *split(cache), bias, scale),
+            "flex": flex,
+        }
         for block in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (1, 2, 3):
-                    variants[f"triton_b{block}_w{warps}_s{stages}"] = lambda cache, b=block, w=warps, st=stages: decode_attention(
-                        q, cache, positions, kv_len, None, scale, block_positions=b, num_warps=w, num_stages=st)  # fmt: skip
+                    variants[f"triton_b{block}_w{warps}_s{stages}"] = lambda cache, b=block, w=warps, st=stages: (
+                        decode_attention(
+                            q, cache, positions, kv_len, None, scale, block_positions=b, num_warps=w, num_stages=st
+                        )
+                    )
         for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):  # flash: no kernel for a mask
+
             def sdpa(cache, backend=backend):
                 with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(q, *split(cache), attn_mask=sdpa_bias, scale=scale)
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        q, *split(cache), attn_mask=sdpa_bias, scale=scale
+                    )
 
             variants[f"sdpa_{backend.name.lower()}"] = sdpa
         for name, attend in variants.items():
@@ -122,7 +133,11 @@ def attention_variants(arch: Architecture, slots: int, max_len: int, bandwidth: 
             except RuntimeError as failure:
                 row[f"{name}_error"] = str(failure).splitlines()[0][:160]
         out[f"kv_{kv_len}"] = row
-        print(f"attention kv {kv_len}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+        print(
+            f"attention kv {kv_len}: "
+            + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+            flush=True,
+        )
     return out
 
 
@@ -131,7 +146,9 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:llama-1.5b")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=384, help="cache positions (prompt + new tokens)")
-    parser.add_argument("--autotune", action="store_true", help="also torch.compile max-autotune GEMMs (slow to compile)")
+    parser.add_argument(
+        "--autotune", action="store_true", help="also torch.compile max-autotune GEMMs (slow to compile)"
+    )
     parser.add_argument("--attention-only", action="store_true", help="only the decode attention variants")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -155,15 +172,25 @@ def main() -> None:
         torch.backends.cuda.preferred_blas_library("cublas")
         fp8 = [quantize_rows(w) for w in weights]
         try:
+
             def fp8_step():
                 xq, xs = quantize_rows(x)
-                return [torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16) for wq, ws in fp8]
+                return [
+                    torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16) for wq, ws in fp8
+                ]
 
             row["fp8_rowwise"] = graph_time(fp8_step) * 1e6 / count
             xq, xs = quantize_rows(x)
-            row["fp8_gemm_only"] = graph_time(
-                lambda: [torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16) for wq, ws in fp8]
-            ) * 1e6 / count
+            row["fp8_gemm_only"] = (
+                graph_time(
+                    lambda: [
+                        torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+                        for wq, ws in fp8
+                    ]
+                )
+                * 1e6
+                / count
+            )
         except RuntimeError as error:  # not every build has row-wise scaled_mm
             row["fp8_error"] = str(error)[:200]
         if args.autotune:
@@ -181,7 +208,11 @@ def main() -> None:
         residual = torch.randn_like(hidden)
         norm = torch.nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, device=device, dtype=torch.bfloat16)
         eager = graph_time(lambda: [norm(hidden + residual) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
-        fused = graph_time(lambda: [add_rms_norm(hidden, residual, norm.weight, norm.eps) for _ in range(2 * layers)]) * 1e6 / (2 * layers)
+        fused = (
+            graph_time(lambda: [add_rms_norm(hidden, residual, norm.weight, norm.eps) for _ in range(2 * layers)])
+            * 1e6
+            / (2 * layers)
+        )
         results["add_rmsnorm_us"] = {"eager": eager, "compiled": fused}
         print(f"add + RMSNorm µs each: eager {eager:.1f}, compiled {fused:.1f}", flush=True)
     results["attention"] = attention_variants(arch, args.batch, args.max_len, bandwidth)

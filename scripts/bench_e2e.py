@@ -93,7 +93,9 @@ def write_prompts(path: Path, model_dir: Path, count: int, prompt_len: int) -> l
         ids = ours.encode(text)[:prompt_len]
         text = ours.decode(ids)
         if len(ours.encode(text)) != prompt_len:
-            raise ValueError(f"cannot make {prompt_len}-token prompts with this tokenizer (round trip changes the length)")
+            raise ValueError(
+                f"cannot make {prompt_len}-token prompts with this tokenizer (round trip changes the length)"
+            )
         texts.append(text)
     try:
         from transformers import AutoTokenizer
@@ -112,7 +114,9 @@ def write_prompts(path: Path, model_dir: Path, count: int, prompt_len: int) -> l
 # Subprocesses: their output goes to a log file; progress lines are echoed.
 
 
-def run_logged(cmd: list[str], log_path: Path, echo: re.Pattern[str], timeout: float, env: dict[str, str] | None = None) -> int:
+def run_logged(
+    cmd: list[str], log_path: Path, echo: re.Pattern[str], timeout: float, env: dict[str, str] | None = None
+) -> int:
     say(f"$ {' '.join(cmd)}  (log: {log_path})")
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -121,7 +125,7 @@ def run_logged(cmd: list[str], log_path: Path, echo: re.Pattern[str], timeout: f
         for line in proc.stdout:
             log_file.write(line)
             if echo.search(line):
-                say("  " + line[line.find("[trl]"):].rstrip()[:200] if "[trl]" in line else "  " + line.rstrip()[:200])
+                say("  " + line[line.find("[trl]") :].rstrip()[:200] if "[trl]" in line else "  " + line.rstrip()[:200])
             if time.perf_counter() > deadline:
                 proc.kill()
                 say(f"  killed after {timeout:.0f} s (--timeout)")
@@ -141,15 +145,41 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
     shutil.rmtree(out_dir, ignore_errors=True)
     prompts_per_step = args.sequences // args.n
     overrides = [
-        "--config", "ppo-grpo-1.5b", f"output_dir={out_dir}", f"actor.path={args.model}", f"reference.path={args.model}",
-        f"data.train=[{prompts_file}]", f"data.max_prompt_length={args.prompt_len}",
-        f"rollout.sampling.max_new_tokens={args.new_tokens}", f"rollout.sampling.n={args.n}",
-        "rollout.sampling.ignore_eos=true", f"prompts_per_step={prompts_per_step}", f"mini_batch_size={args.sequences}",
-        f"rollout.engine.max_batch_size={args.sequences}", f"max_steps={args.steps}", f"log_every={args.steps}",
-        f"max_tokens_per_micro_batch={args.max_tokens_per_micro_batch}", "save_hf=false", "save_final=false",
-        "loggers=[console,jsonl]", *([f"profile_steps=[{args.steps}]"] if args.profile else []), *args.ours_override,
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(args.master_port), "-m", "megatron_rlhf", "ppo", *overrides]
+        "--config",
+        "ppo-grpo-1.5b",
+        f"output_dir={out_dir}",
+        f"actor.path={args.model}",
+        f"reference.path={args.model}",
+        f"data.train=[{prompts_file}]",
+        f"data.max_prompt_length={args.prompt_len}",
+        f"rollout.sampling.max_new_tokens={args.new_tokens}",
+        f"rollout.sampling.n={args.n}",
+        "rollout.sampling.ignore_eos=true",
+        f"prompts_per_step={prompts_per_step}",
+        f"mini_batch_size={args.sequences}",
+        f"rollout.engine.max_batch_size={args.sequences}",
+        f"max_steps={args.steps}",
+        f"log_every={args.steps}",
+        f"max_tokens_per_micro_batch={args.max_tokens_per_micro_batch}",
+        "save_hf=false",
+        "save_final=false",
+        "loggers=[console,jsonl]",
+        *([f"profile_steps=[{args.steps}]"] if args.profile else []),
+        *args.ours_override,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        str(args.master_port),
+        "-m",
+        "megatron_rlhf",
+        "ppo",
+        *overrides,
+    ]
     rc = run_logged(cmd, work / "ours.log", re.compile(r"step \d+/\d+|Error|error:"), args.timeout)
     metrics_file = out_dir / "metrics.jsonl"
     rows = read_metrics(metrics_file)[0] if metrics_file.is_file() else []
@@ -163,17 +193,23 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
     # The profiled step (--profile: the last) runs slower under the profiler: not a steady one.
     steady_rows = [r for r in rows if r["step"] >= 3 and not (args.profile and r["step"] == args.steps)] or rows[-1:]
     result.update(
-        step_s=steps, step1_s=steps[0], steady_step_s=median([s for r, s in zip(rows, steps) if r in steady_rows]),
+        step_s=steps,
+        step1_s=steps[0],
+        steady_step_s=median([s for r, s in zip(rows, steps, strict=True) if r in steady_rows]),
         steady_from_step=steady_rows[0]["step"],
         phases_step1_s={p: rows[0][f"timing_s/{p}"] for p in phases},
         phases_steady_s={p: median([r[f"timing_s/{p}"] for r in steady_rows]) for p in phases},
-        sub_phases_steady_s={k.removeprefix("timing_s/"): median([r.get(k, 0.0) for r in steady_rows])
-                             for k in rows[0] if k.startswith("timing_s/gen/")},
-        grad_norm=[r.get("actor/grad_norm") for r in rows], response_length=[r.get("response_length/mean") for r in rows],
+        sub_phases_steady_s={
+            k.removeprefix("timing_s/"): median([r.get(k, 0.0) for r in steady_rows])
+            for k in rows[0]
+            if k.startswith("timing_s/gen/")
+        },
+        grad_norm=[r.get("actor/grad_norm") for r in rows],
+        response_length=[r.get("response_length/mean") for r in rows],
         gen_tokens_per_s=[r.get("perf/gen_tokens_per_s") for r in rows],
         # The engine's sampling log-probs against the trainer's on the response, per step: the sampler's check in a real run.
         rollout_logprob_max_abs_diff=[r.get("rollout/logprob_max_abs_diff") for r in rows],
-    )  # fmt: skip
+    )
     profile = out_dir / "profile" / f"step_{args.steps}.txt"
     if profile.is_file():
         result["profile"] = {"step": args.steps, "phases": profile.read_text()}
@@ -183,10 +219,30 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
 def run_trl(args: argparse.Namespace, config: str, prompts_file: Path, work: Path) -> dict[str, Any]:
     out = work / f"trl-{config}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--trl-worker", config, "--trl-prompts", str(prompts_file), "--trl-json", str(out),
-           "--model", args.model, "--sequences", str(args.sequences), "--n", str(args.n), "--new-tokens",
-           str(args.new_tokens), "--trl-steps", str(args.trl_steps), "--trl-micro-batch", str(args.trl_micro_batch),
-           "--work-dir", str(work)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        config,
+        "--trl-prompts",
+        str(prompts_file),
+        "--trl-json",
+        str(out),
+        "--model",
+        args.model,
+        "--sequences",
+        str(args.sequences),
+        "--n",
+        str(args.n),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--trl-steps",
+        str(args.trl_steps),
+        "--trl-micro-batch",
+        str(args.trl_micro_batch),
+        "--work-dir",
+        str(work),
+    ]
     rc = run_logged(cmd, work / f"trl-{config}.log", re.compile(r"\[trl\]|Error"), args.timeout)
     result = json.loads(out.read_text()) if out.is_file() else {}
     return {"exit_status": rc, **result}
@@ -214,8 +270,19 @@ def trl_worker(args: argparse.Namespace) -> None:
     rule = REWARD_RULES.get("lowercase_fraction")
 
     def reward(completions: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
-        return [rule(Sample(prompt_ids=[], response_ids=ids, prompt_text="", response_text=text, finish_reason="length",
-                            extras={})) for text, ids in zip(completions, completion_ids)]  # fmt: skip
+        return [
+            rule(
+                Sample(
+                    prompt_ids=[],
+                    response_ids=ids,
+                    prompt_text="",
+                    response_text=text,
+                    finish_reason="length",
+                    extras={},
+                )
+            )
+            for text, ids in zip(completions, completion_ids, strict=True)
+        ]
 
     micro = min(args.trl_micro_batch or args.sequences, args.sequences)
     if args.sequences % micro:
@@ -223,19 +290,38 @@ def trl_worker(args: argparse.Namespace) -> None:
     accumulation = args.sequences // micro
     on_gpu = torch.cuda.is_available()
     config = GRPOConfig(
-        output_dir=str(Path(args.work_dir) / f"trl-{args.trl_worker}"), report_to=[], save_strategy="no", seed=0,
-        max_steps=args.trl_steps, logging_steps=1, learning_rate=1e-6, use_cpu=not on_gpu,
+        output_dir=str(Path(args.work_dir) / f"trl-{args.trl_worker}"),
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        max_steps=args.trl_steps,
+        logging_steps=1,
+        learning_rate=1e-6,
+        use_cpu=not on_gpu,
         # One optimizer step per generation batch of `sequences` completions: TRL generates
         # per_device_train_batch_size * steps_per_generation completions at once, and steps the
         # optimizer every gradient_accumulation_steps micro-batches.
-        per_device_train_batch_size=micro, steps_per_generation=accumulation, gradient_accumulation_steps=accumulation,
-        num_generations=args.n, max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        per_device_train_batch_size=micro,
+        steps_per_generation=accumulation,
+        gradient_accumulation_steps=accumulation,
+        num_generations=args.n,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
         generation_kwargs={"min_new_tokens": args.new_tokens},  # as our ignore_eos: every completion is full length
-        beta=KL_COEF, bf16=True, gradient_checkpointing=rest != ["nockpt"],
+        beta=KL_COEF,
+        bf16=True,
+        gradient_checkpointing=rest != ["nockpt"],
         model_init_kwargs={"dtype": "bfloat16" if dtype_name == "bf16" else "float32", "attn_implementation": attn},
-    )  # fmt: skip
-    record: dict[str, Any] = {"config": args.trl_worker, "per_device_train_batch_size": micro,
-                              "gradient_accumulation_steps": accumulation, "logs": [], "step_end_s": []}  # fmt: skip
+    )
+    record: dict[str, Any] = {
+        "config": args.trl_worker,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": accumulation,
+        "logs": [],
+        "step_end_s": [],
+    }
 
     class Timing(TrainerCallback):
         """Wall time of every optimizer step (generation included), its logs, and at step 1 where
@@ -250,17 +336,26 @@ def trl_worker(args: argparse.Namespace) -> None:
             def check(name: str):
                 def hook(_module: Any, _inputs: Any, output: Any) -> None:
                     tensor = output[0] if isinstance(output, tuple) else getattr(output, "logits", output)
-                    if seen["first_output"] is None and torch.is_tensor(tensor) and not bool(torch.isfinite(tensor).all()):
+                    if (
+                        seen["first_output"] is None
+                        and torch.is_tensor(tensor)
+                        and not bool(torch.isfinite(tensor).all())
+                    ):
                         seen["first_output"] = f"{name} (grad {'on' if torch.is_grad_enabled() else 'off'})"
 
                 return hook
 
-            self.hooks = [m.register_forward_hook(check(n or "model")) for n, m in model.named_modules()
-                          if n.count(".") <= 2]  # fmt: skip
+            self.hooks = [
+                m.register_forward_hook(check(n or "model")) for n, m in model.named_modules() if n.count(".") <= 2
+            ]
 
         def on_pre_optimizer_step(self, _args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
             if state.global_step == 0:
-                bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                bad = [
+                    n
+                    for n, p in model.named_parameters()
+                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                ]
                 record["nonfinite"]["grads"] = bad[:20] + ([f"... {len(bad)} in all"] if len(bad) > 20 else [])
 
         def on_step_end(self, _args: Any, state: Any, control: Any, **_: Any) -> None:
@@ -269,25 +364,53 @@ def trl_worker(args: argparse.Namespace) -> None:
                 hook.remove()
             self.hooks = []
             steps = record["step_end_s"]
-            print(f"[trl] {args.trl_worker} step {len(steps)}/{args.trl_steps}: "
-                  f"{steps[-1] - (steps[-2] if len(steps) > 1 else 0):.2f} s", flush=True)  # fmt: skip
+            print(
+                f"[trl] {args.trl_worker} step {len(steps)}/{args.trl_steps}: "
+                f"{steps[-1] - (steps[-2] if len(steps) > 1 else 0):.2f} s",
+                flush=True,
+            )
 
         def on_log(self, _args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
             if logs and "grad_norm" in logs:
-                record["logs"].append({k: logs.get(k) for k in ("loss", "grad_norm", "kl", "entropy", "reward", "reward_std",
-                                                                "completions/mean_length", "step_time")})  # fmt: skip
-                print(f"[trl]   grad_norm {logs.get('grad_norm')} loss {logs.get('loss')} kl {logs.get('kl')}", flush=True)
+                record["logs"].append(
+                    {
+                        k: logs.get(k)
+                        for k in (
+                            "loss",
+                            "grad_norm",
+                            "kl",
+                            "entropy",
+                            "reward",
+                            "reward_std",
+                            "completions/mean_length",
+                            "step_time",
+                        )
+                    }
+                )
+                print(
+                    f"[trl]   grad_norm {logs.get('grad_norm')} loss {logs.get('loss')} kl {logs.get('kl')}", flush=True
+                )
 
     def save() -> None:
         ends = record["step_end_s"]
-        steps = [b - a for a, b in zip([0.0, *ends], ends)]
-        record.update(step_s=steps, step1_s=steps[0] if steps else None, steady_step_s=median(steps[1:]),
-                      grad_norm=[entry["grad_norm"] for entry in record["logs"]])  # fmt: skip
+        steps = [b - a for a, b in zip([0.0, *ends], ends, strict=True)]
+        record.update(
+            step_s=steps,
+            step1_s=steps[0] if steps else None,
+            steady_step_s=median(steps[1:]),
+            grad_norm=[entry["grad_norm"] for entry in record["logs"]],
+        )
         Path(args.trl_json).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
     load_start = time.perf_counter()
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Timing()])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        callbacks=[Timing()],
+    )
     record["load_s"] = time.perf_counter() - load_start
     record["pad_eos_bos"] = [tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id]
     try:
@@ -317,14 +440,22 @@ def measure_device(model: str, ours: dict[str, Any], args: argparse.Namespace) -
     bandwidth = copy_bandwidth(device, 2 * 1024**3 if on_gpu else 256 * 1024**2)
     work = ModelWork.of(architecture_of(model), dtype_bytes=torch.finfo(dtype).bits // 8)
     forwards = sum(p in ours.get("phases_steady_s", {"ref": 0}) for p in ("ref", "old_log_prob", "values"))
-    shape = StepShape(num_sequences=args.sequences, prompt_len=args.prompt_len, response_len=args.new_tokens,
-                      num_forward_passes=forwards)  # fmt: skip
+    shape = StepShape(
+        num_sequences=args.sequences,
+        prompt_len=args.prompt_len,
+        response_len=args.new_tokens,
+        num_forward_passes=forwards,
+    )
     return {
-        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "dtype": str(dtype).removeprefix("torch."),
-        "matmul_peak_TFLOPs": peak / 1e12, "copy_bandwidth_TBps": bandwidth / 1e12,
-        "params": work.params, "matmul_params": work.matmul_params, "forward_passes": forwards,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "matmul_peak_TFLOPs": peak / 1e12,
+        "copy_bandwidth_TBps": bandwidth / 1e12,
+        "params": work.params,
+        "matmul_params": work.matmul_params,
+        "forward_passes": forwards,
         "floor_s": rl_step_floor(work, shape, flops_per_s=peak, bytes_per_s=bandwidth),
-    }  # fmt: skip
+    }
 
 
 def report(result: dict[str, Any]) -> None:
@@ -334,33 +465,56 @@ def report(result: dict[str, Any]) -> None:
     print("\n== " + ", ".join(f"{k} {result[k]}" for k in ("model", "sequences", "prompt_len", "new_tokens")))
     ours, floor = result.get("ours", {}), result.get("device", {}).get("floor_s", {})
     if ours.get("steps_run"):
-        print(f"ours: step 1 {fmt(ours['step1_s'])} s, steady (median of steps >= {ours['steady_from_step']}) "
-              f"{fmt(ours['steady_step_s'])} s; steps {[round(s, 3) for s in ours['step_s']]}; start-up warm-up "
-              f"{fmt(ours.get('warmup_s'))} s")  # fmt: skip
+        print(
+            f"ours: step 1 {fmt(ours['step1_s'])} s, steady (median of steps >= {ours['steady_from_step']}) "
+            f"{fmt(ours['steady_step_s'])} s; steps {[round(s, 3) for s in ours['step_s']]}; start-up warm-up "
+            f"{fmt(ours.get('warmup_s'))} s"
+        )
         one_pass = floor.get("forward_passes", 0) / max(result["device"].get("forward_passes", 1), 1) if floor else None
-        floor_of = {"gen": floor.get("generate"), "ref": one_pass, "old_log_prob": one_pass, "values": one_pass,
-                    "update_actor": floor["train"] + floor["optimizer"] if floor else None}  # fmt: skip
+        floor_of = {
+            "gen": floor.get("generate"),
+            "ref": one_pass,
+            "old_log_prob": one_pass,
+            "values": one_pass,
+            "update_actor": floor["train"] + floor["optimizer"] if floor else None,
+        }
         print(f"  {'phase':<16}{'step 1':>10}{'steady':>10}{'floor':>10}")
         for phase, steady in ours["phases_steady_s"].items():
-            print(f"  {phase:<16}{fmt(ours['phases_step1_s'][phase]):>10}{fmt(steady):>10}{fmt(floor_of.get(phase)):>10}")
-        print(f"  grad norms {ours['grad_norm']}; engine vs trainer log-probs, max abs diff per step "
-              f"{ours['rollout_logprob_max_abs_diff']}")  # fmt: skip
+            print(
+                f"  {phase:<16}{fmt(ours['phases_step1_s'][phase]):>10}{fmt(steady):>10}{fmt(floor_of.get(phase)):>10}"
+            )
+        print(
+            f"  grad norms {ours['grad_norm']}; engine vs trainer log-probs, max abs diff per step "
+            f"{ours['rollout_logprob_max_abs_diff']}"
+        )
         if ours.get("profile"):
-            print(f"  profile of step {ours['profile']['step']} (not in the steady median):\n{ours['profile']['phases']}")
+            print(
+                f"  profile of step {ours['profile']['step']} (not in the steady median):\n{ours['profile']['phases']}"
+            )
     if floor:
         dev = result["device"]
-        print(f"floor on {dev['device']} ({dev['dtype']}; matmul {dev['matmul_peak_TFLOPs']:.4g} TFLOP/s, copy "
-              f"{dev['copy_bandwidth_TBps']:.4g} TB/s): " + ", ".join(f"{k} {v:.4f}" for k, v in floor.items()))  # fmt: skip
+        print(
+            f"floor on {dev['device']} ({dev['dtype']}; matmul {dev['matmul_peak_TFLOPs']:.4g} TFLOP/s, copy "
+            f"{dev['copy_bandwidth_TBps']:.4g} TB/s): " + ", ".join(f"{k} {v:.4f}" for k, v in floor.items())
+        )
         if result.get("ours_over_floor"):
             print(f"ours steady / floor: {result['ours_over_floor']:.2f}")
     for config, trl in result.get("trl", {}).items():
-        print(f"TRL {config}: step 1 {fmt(trl.get('step1_s'))} s, steady {fmt(trl.get('steady_step_s'))} s, "
-              f"grad norm {trl.get('grad_norm')}" + (f", error: {trl['error']}" if trl.get("error") else "")
-              + (f", non-finite: {trl['nonfinite']}" if (trl.get("nonfinite") or {}).get("first_output")
-                 or (trl.get("nonfinite") or {}).get("grads") else ""))  # fmt: skip
+        print(
+            f"TRL {config}: step 1 {fmt(trl.get('step1_s'))} s, steady {fmt(trl.get('steady_step_s'))} s, "
+            f"grad norm {trl.get('grad_norm')}"
+            + (f", error: {trl['error']}" if trl.get("error") else "")
+            + (
+                f", non-finite: {trl['nonfinite']}"
+                if (trl.get("nonfinite") or {}).get("first_output") or (trl.get("nonfinite") or {}).get("grads")
+                else ""
+            )
+        )
     if result.get("trl_fastest"):
-        print(f"TRL fastest: {result['trl_fastest']}; ours / TRL (steady): {fmt(result.get('ours_over_trl_steady'))}, "
-              f"(step 1): {fmt(result.get('ours_over_trl_step1'))}")  # fmt: skip
+        print(
+            f"TRL fastest: {result['trl_fastest']}; ours / TRL (steady): {fmt(result.get('ours_over_trl_steady'))}, "
+            f"(step 1): {fmt(result.get('ours_over_trl_step1'))}"
+        )
     if "trl" in result:
         print("\n" + TRL_NAN_NOTE)
 
@@ -378,9 +532,12 @@ def main() -> None:
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--trl-configs", nargs="+", default=list(TRL_CONFIGS), help="(bf16|fp32)-(eager|sdpa)[-nockpt]")
     parser.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's per-device batch (0: all sequences)")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile our last step (profile_steps): its phase report is printed and kept in the JSON; "
-                             "that step is left out of the steady median")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile our last step (profile_steps): its phase report is printed and kept in the JSON; "
+        "that step is left out of the steady median",
+    )
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for each subprocess")
@@ -402,9 +559,17 @@ def main() -> None:
     say(f"materialising {args.model}")
     model_dir = local_dir(args.model)
     prompts_file = args.work_dir / "prompts.jsonl"
-    write_prompts(prompts_file, model_dir, max(args.sequences // args.n * max(args.steps, args.trl_steps), 64), args.prompt_len)
-    result: dict[str, Any] = {"model": args.model, "model_dir": str(model_dir), "sequences": args.sequences, "n": args.n,
-                              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
+    write_prompts(
+        prompts_file, model_dir, max(args.sequences // args.n * max(args.steps, args.trl_steps), 64), args.prompt_len
+    )
+    result: dict[str, Any] = {
+        "model": args.model,
+        "model_dir": str(model_dir),
+        "sequences": args.sequences,
+        "n": args.n,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+    }
     if not args.skip_ours:
         say(f"our trainer: {args.steps} steps")
         result["ours"] = run_ours(args, prompts_file, args.work_dir)

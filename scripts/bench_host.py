@@ -64,16 +64,28 @@ def main() -> None:
         prompt = [token() for _ in range(args.prompt_len)]
         for sample in range(args.samples):
             response = [token() for _ in range(args.new_tokens)]
-            completions.append(Completion(prompt_index, sample, prompt, response, [-4 * rng.random() for _ in response]))
+            completions.append(
+                Completion(prompt_index, sample, prompt, response, [-4 * rng.random() for _ in response])
+            )
     cfg = ScoringConfig(rules=["lowercase_fraction"])
     _, rules, function = scoring_errors(cfg)
-    scorer = Scorer(cfg, rules, function, None, stop_ids=tokenizer.stop_ids, max_new_tokens=args.new_tokens,
-                    max_tokens_per_micro_batch=16384)  # fmt: skip
+    scorer = Scorer(
+        cfg,
+        rules,
+        function,
+        None,
+        stop_ids=tokenizer.stop_ids,
+        max_new_tokens=args.new_tokens,
+        max_tokens_per_micro_batch=16384,
+    )
     batch = rollout_batch(completions, tokenizer.pad_id)
     extras = [{}] * (args.sequences // args.samples)
     history = _History(len(completions))  # one row per decode step, one column per slot
     for step in range(args.new_tokens):
-        history.append(torch.tensor([c.token_ids[step] for c in completions]), torch.tensor([c.logprobs[step] for c in completions]))
+        history.append(
+            torch.tensor([c.token_ids[step] for c in completions]),
+            torch.tensor([c.logprobs[step] for c in completions]),
+        )
     slots = list(range(len(completions)))
     # The actor update's batch: the rollout's tensors, its response as the LM head's positions.
     update_batch = {**logits_only_at(batch, "response_mask"), "advantages": torch.randn(batch["response_mask"].shape)}

@@ -68,14 +68,19 @@ def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path |
         engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True))  # warm-up
         wall_full, full = kernel_times(engine, steps + 1)
         wall_prefill, prefill = kernel_times(engine, 1)
-        decode = {k: ((t - prefill.get(k, (0, 0))[0]) / steps, (n - prefill.get(k, (0, 0))[1]) / steps) for k, (t, n) in full.items()}
+        decode = {
+            k: ((t - prefill.get(k, (0, 0))[0]) / steps, (n - prefill.get(k, (0, 0))[1]) / steps)
+            for k, (t, n) in full.items()
+        }
         busy_us = sum(t for t, _ in decode.values())
         figures[f"{label}_wall_ms_per_step"] = 1e3 * (wall_full - wall_prefill) / steps
         figures[f"{label}_gpu_busy_ms_per_step"] = busy_us / 1e3
         figures[f"{label}_kernels_per_step"] = sum(n for _, n in decode.values())
         engine.release()
-        lines.append(f"== {label}, batch {len(prompts)}: per decode step, {figures[f'{label}_wall_ms_per_step']:.3f} ms "
-                     f"wall, {busy_us / 1e3:.3f} ms GPU busy, {figures[f'{label}_kernels_per_step']:.0f} kernels")  # fmt: skip
+        lines.append(
+            f"== {label}, batch {len(prompts)}: per decode step, {figures[f'{label}_wall_ms_per_step']:.3f} ms "
+            f"wall, {busy_us / 1e3:.3f} ms GPU busy, {figures[f'{label}_kernels_per_step']:.0f} kernels"
+        )
         lines += costliest(decode, 30)
     print_report(lines, out)
     return figures
@@ -87,8 +92,14 @@ def measure_reshard(args: argparse.Namespace, env) -> None:
     from megatron_rlhf.metrics.log import log
 
     arch = architecture_of(args.model)
-    actor = build_role("actor", ModelConfig(path=args.model, tp=env.world_size), arch, world_size=env.world_size,
-                       dtype=torch.bfloat16, device=env.device)  # fmt: skip
+    actor = build_role(
+        "actor",
+        ModelConfig(path=args.model, tp=env.world_size),
+        arch,
+        world_size=env.world_size,
+        dtype=torch.bfloat16,
+        device=env.device,
+    )
     resharder = WeightResharder(actor, generation_tp=1)
     gib = 1024**3
     training_weights = torch.cuda.memory_allocated()
@@ -98,12 +109,17 @@ def measure_reshard(args: argparse.Namespace, env) -> None:
         with_copy.append(torch.cuda.memory_allocated())
         resharder.release()
     copy_bytes = resharder.destination_bytes()
-    result = {"model": args.model, "train_layout": str(actor.groups.layout), "generation_layout": "TP1xPP1xDP"
-              + str(env.world_size), "refresh_s": times, "destination_GB_per_rank": copy_bytes / 1e9,
-              "effective_GBps_per_rank": copy_bytes / 1e9 / min(times[1:]),
-              "allocated_GiB_training_weights": training_weights / gib,
-              "allocated_GiB_with_copy": max(with_copy) / gib,
-              "allocated_GiB_after_release": torch.cuda.memory_allocated() / gib}  # fmt: skip
+    result = {
+        "model": args.model,
+        "train_layout": str(actor.groups.layout),
+        "generation_layout": "TP1xPP1xDP" + str(env.world_size),
+        "refresh_s": times,
+        "destination_GB_per_rank": copy_bytes / 1e9,
+        "effective_GBps_per_rank": copy_bytes / 1e9 / min(times[1:]),
+        "allocated_GiB_training_weights": training_weights / gib,
+        "allocated_GiB_with_copy": max(with_copy) / gib,
+        "allocated_GiB_after_release": torch.cuda.memory_allocated() / gib,
+    }
     log(json.dumps(result, indent=1))
     if env.rank == 0 and args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -137,21 +153,38 @@ def main() -> None:
     arch = architecture_of(args.model)
     if env.world_size > 1:
         return measure_reshard(args, env)
-    role = build_role("actor", ModelConfig(path=args.model), arch, world_size=1, dtype=torch.bfloat16, device=env.device)
+    role = build_role(
+        "actor", ModelConfig(path=args.model), arch, world_size=1, dtype=torch.bfloat16, device=env.device
+    )
     bandwidth = copy_bandwidth(env.device)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in role.model.named_parameters() if "word_embeddings" not in n)
+    weight_bytes = sum(
+        p.numel() * p.element_size() for n, p in role.model.named_parameters() if "word_embeddings" not in n
+    )
     kv_bytes_per_token = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * 2
-    result: dict[str, object] = {"model": args.model, "device": torch.cuda.get_device_name(), "hbm_bandwidth_TBps": bandwidth / 1e12,
-                                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
-    hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(local_dir(args.model), dtype=torch.bfloat16).to(env.device).eval()
+    result: dict[str, object] = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(),
+        "hbm_bandwidth_TBps": bandwidth / 1e12,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+    }
+    hf = (
+        None
+        if args.skip_hf
+        else AutoModelForCausalLM.from_pretrained(local_dir(args.model), dtype=torch.bfloat16).to(env.device).eval()
+    )
     g = torch.Generator().manual_seed(0)
     for batch in args.batch_sizes:
         prompts = torch.randint(0, arch.vocab_size, (batch, args.prompt_len), generator=g)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
         figures = {}
         for label, graphs in (("eager", False), ("cuda_graphs", True)):
-            engine = NativeEngine(role, NativeEngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens,
-                                                           cuda_graphs=graphs))  # fmt: skip
+            engine = NativeEngine(
+                role,
+                NativeEngineConfig(
+                    max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens, cuda_graphs=graphs
+                ),
+            )
             # Warm-up, a full run: it compiles for these shapes (eager too: a smaller warm-up left
             # the timed prefill compiling) and, with graphs, captures every KV-length bucket's graph
             # once; the engine keeps them (and its KV cache) for the timed calls, as a rollout
@@ -159,7 +192,11 @@ def main() -> None:
             engine.generate(prompts.tolist(), greedy)
             if graphs:
                 figures["graph_capture_s"] = engine.graph_capture_seconds
-            prefill_s = timed(lambda: engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)))
+            prefill_s = timed(
+                lambda: engine.generate(
+                    prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+                )
+            )
             total_s = timed(lambda: engine.generate(prompts.tolist(), greedy))
             figures["prefill_tokens_per_s"] = batch * args.prompt_len / prefill_s
             figures[f"decode_tokens_per_s_{label}"] = batch * (args.new_tokens - 1) / (total_s - prefill_s)
@@ -173,8 +210,16 @@ def main() -> None:
             with torch.no_grad():
                 ids = prompts.to(env.device)
                 hf.generate(ids[:4], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-                hf_s = timed(lambda: hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                                 do_sample=False, eos_token_id=None, pad_token_id=0))  # fmt: skip
+                hf_s = timed(
+                    lambda: hf.generate(
+                        ids,
+                        max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens,
+                        do_sample=False,
+                        eos_token_id=None,
+                        pad_token_id=0,
+                    )
+                )
             figures["hf_generate_tokens_per_s"] = batch * args.new_tokens / hf_s
             figures["speedup_vs_hf"] = ours / figures["hf_generate_tokens_per_s"]
         result[f"batch{batch}"] = figures
@@ -182,24 +227,37 @@ def main() -> None:
     if args.profile:
         batch = max(args.batch_sizes)
         prompts = torch.randint(0, arch.vocab_size, (batch, args.prompt_len), generator=g).tolist()
-        engine_for = lambda graphs: NativeEngine(role, NativeEngineConfig(  # noqa: E731
-            max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens, cuda_graphs=graphs))
+
+        def engine_for(graphs):
+            return NativeEngine(
+                role,
+                NativeEngineConfig(
+                    max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens, cuda_graphs=graphs
+                ),
+            )
+
         result["profile"] = profile_decode(engine_for, prompts, 32, args.out)
     hf = None  # free its weights before the training state below
     state = make_train_state(role, OptimConfig(lr=1e-6))
     ids = torch.randint(0, arch.vocab_size, (8, 512), generator=g)
-    train_step(state, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)},
-               sft_loss(role), max_tokens_per_micro_batch=4096)  # fmt: skip
+    train_step(
+        state,
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)},
+        sft_loss(role),
+        max_tokens_per_micro_batch=4096,
+    )
     memory = TrainingMemory(state)
     host_bw = host_bandwidth(env.device)
     for _ in range(2):  # the second round reuses the pinned buffers: the steady state
         release, restore = memory.to_generation(), memory.to_training()
     result["switch"] = {
-        "bytes_moved_GB": release.bytes_moved / 1e9, "host_bandwidth_GBps": host_bw / 1e9,
-        "train_to_generate_s": release.seconds, "generate_to_train_s": restore.seconds,
+        "bytes_moved_GB": release.bytes_moved / 1e9,
+        "host_bandwidth_GBps": host_bw / 1e9,
+        "train_to_generate_s": release.seconds,
+        "generate_to_train_s": restore.seconds,
         "floor_s": release.bytes_moved / host_bw,
         "gpu_allocated_during_generation_GiB": release.gpu_allocated_GiB,
-    }  # fmt: skip
+    }
     result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
     log(json.dumps(result, indent=1))
     if args.out is not None:

@@ -48,12 +48,19 @@ class KernelReport:
 
     def __init__(self, shape: dict, repeat: int) -> None:
         self.rate = copy_rate(repeat)
-        self.result: dict = {"device": torch.cuda.get_device_name(), "copy_TBps": self.rate / 1e9, "shape": shape, "kernels": {}}
+        self.result: dict = {
+            "device": torch.cuda.get_device_name(),
+            "copy_TBps": self.rate / 1e9,
+            "shape": shape,
+            "kernels": {},
+        }
         print(f"{self.result['device']}: copy {self.rate / 1e9:.3f} TB/s")
 
     def add(self, name: str, ms: float, nbytes: int) -> None:
         self.result["kernels"][name] = {"ms": ms, "bytes": nbytes, "of_copy_rate": nbytes / ms / self.rate}
-        print(f"  {name:<40} {ms * 1e3:9.1f} us  {nbytes / ms / 1e9:7.2f} TB/s  {100 * nbytes / ms / self.rate:5.1f}% of copy")
+        print(
+            f"  {name:<40} {ms * 1e3:9.1f} us  {nbytes / ms / 1e9:7.2f} TB/s  {100 * nbytes / ms / self.rate:5.1f}% of copy"
+        )
 
     def write(self, out: Path | None) -> None:
         if out is not None:
@@ -90,8 +97,13 @@ def main() -> None:
     bf16 = torch.bfloat16
     y = torch.randn(args.tokens, 2 * args.ffn, device="cuda", dtype=bf16)
     size = y.numel() * y.element_size()
-    print("SwiGLU (tokens x 2f -> tokens x f): forward reads y, writes half; backward reads y and the gradient, writes dy")
-    for name, fn in (("ours", lambda x: swiglu_impl(x, None)), ("megatron compiled", lambda x: bias_swiglu_impl(x, None))):
+    print(
+        "SwiGLU (tokens x 2f -> tokens x f): forward reads y, writes half; backward reads y and the gradient, writes dy"
+    )
+    for name, fn in (
+        ("ours", lambda x: swiglu_impl(x, None)),
+        ("megatron compiled", lambda x: bias_swiglu_impl(x, None)),
+    ):
         forward, backward = forward_backward(fn, y, args.repeat)
         report.add(f"swiglu forward, {name}", forward, size + size // 2)
         report.add(f"swiglu backward, {name}", backward, 2 * size + size // 2)

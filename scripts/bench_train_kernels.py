@@ -22,7 +22,9 @@ from bench_swiglu import KernelReport, forward_backward
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scored-tokens", type=int, default=10900, help="response tokens per micro-batch (LM head rows)")
+    parser.add_argument(
+        "--scored-tokens", type=int, default=10900, help="response tokens per micro-batch (LM head rows)"
+    )
     parser.add_argument("--vocab", type=int, default=151936, help="padded vocabulary (Qwen2.5)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)

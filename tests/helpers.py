@@ -18,13 +18,21 @@ PAD_ID = VOCAB - 1  # inputs never contain it, so HF pools sequence scores at th
 
 # Each family exercises the feature it is known for.
 FAMILY_OVERRIDES = {
-    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-                  max_position_embeddings=64, rope_theta=500000.0),
+    "llama": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        max_position_embeddings=64,
+        rope_theta=500000.0,
+    ),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=24),  # head_dim != hidden/heads
     "mistral": dict(sliding_window=6),  # shorter than the test sequences
-}  # fmt: skip
+}
 
 
 def hf_classes(family: str):
@@ -43,10 +51,16 @@ def make_tiny_hf_model(family: str, score_head: bool, out_dir: str | Path, *, se
     config_cls, lm_cls, cls_cls = hf_classes(family)
     sharded = overrides.pop("sharded", False)
     kwargs = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD_ID, num_labels=1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=PAD_ID,
+        num_labels=1,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
     kwargs.update(FAMILY_OVERRIDES[family])
     kwargs.update(overrides)
     config = config_cls(**kwargs)
@@ -112,11 +126,17 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 
 # style -> (special tokens, template, named special tokens)
 CHAT_STYLES = {
-    "qwen2": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN2_TEMPLATE,
-              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
-    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-               LLAMA3_TEMPLATE, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
-}  # fmt: skip
+    "qwen2": (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        QWEN2_TEMPLATE,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    ),
+    "llama3": (
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        LLAMA3_TEMPLATE,
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+    ),
+}
 
 
 def make_chat_tokenizer(style: str, out_dir: str | Path) -> Path:
@@ -130,10 +150,20 @@ def make_chat_tokenizer(style: str, out_dir: str | Path) -> Path:
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    corpus = ["You are a helpful assistant.", "What is two plus three? It is five.", "system user assistant",
-              "Bonjour, très bien merci", "Cutting Knowledge Date: December 2023", "Today Date"]  # fmt: skip
-    raw.train_from_iterator(corpus * 10, trainer=trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus = [
+        "You are a helpful assistant.",
+        "What is two plus three? It is five.",
+        "system user assistant",
+        "Bonjour, très bien merci",
+        "Cutting Knowledge Date: December 2023",
+        "Today Date",
+    ]
+    raw.train_from_iterator(
+        corpus * 10,
+        trainer=trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=template, **tokens).save_pretrained(str(out_dir))
     return Path(out_dir)
 
@@ -162,5 +192,13 @@ def subprocess_env() -> dict[str, str]:
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = subprocess_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -27,7 +27,7 @@ from megatron_rlhf.config.fields import check_on_init
 from .registry import Registry
 from .utils import as_bool_mask, masked_sum, masked_whiten
 
-__all__ = ["AdvantageConfig", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "EstimatorNeeds", "compute_advantages"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageConfig", "AdvantageEstimator", "EstimatorNeeds", "compute_advantages"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -54,8 +54,11 @@ class AdvantageConfig:
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        errors = [f"{name}={getattr(self, name)} must be in [0, 1]" for name in ("gamma", "lam")
-                  if not 0.0 <= getattr(self, name) <= 1.0]  # fmt: skip
+        errors = [
+            f"{name}={getattr(self, name)} must be in [0, 1]"
+            for name in ("gamma", "lam")
+            if not 0.0 <= getattr(self, name) <= 1.0
+        ]
         return errors + ([f"eps={self.eps} must be > 0"] if self.eps <= 0.0 else [])
 
 

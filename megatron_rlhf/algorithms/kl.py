@@ -30,16 +30,16 @@ from .registry import Registry
 from .utils import as_bool_mask, masked_mean, masked_sum
 
 __all__ = [
-    "KL_ESTIMATORS",
-    "KLControllerConfig",
-    "KLController",
-    "FixedKLController",
-    "AdaptiveKLController",
     "KL_CONTROLLERS",
-    "build_kl_controller",
+    "KL_ESTIMATORS",
     "KL_MEASURES",
-    "controller_kl",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
+    "KLControllerConfig",
     "apply_kl_penalty",
+    "build_kl_controller",
+    "controller_kl",
 ]
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
@@ -160,10 +160,15 @@ class KLControllerConfig:
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        errors = KL_CONTROLLERS.field_errors("type", self.type) + KL_MEASURES.field_errors("kl_measure", self.kl_measure)
+        errors = KL_CONTROLLERS.field_errors("type", self.type) + KL_MEASURES.field_errors(
+            "kl_measure", self.kl_measure
+        )
         errors += at_least(self, 0, "coef")
-        return errors + [f"{name}={getattr(self, name)} must be > 0" for name in ("target_kl", "horizon")
-                         if not getattr(self, name) > 0]  # fmt: skip
+        return errors + [
+            f"{name}={getattr(self, name)} must be > 0"
+            for name in ("target_kl", "horizon")
+            if not getattr(self, name) > 0
+        ]
 
 
 class KLController(Protocol):

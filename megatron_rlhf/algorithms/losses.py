@@ -27,11 +27,11 @@ from .utils import as_bool_mask, explained_variance, masked_mean, masked_sum
 __all__ = [
     "AGG_MODES",
     "aggregate_loss",
+    "entropy_bonus",
+    "explained_variance",
+    "kl_loss",
     "ppo_policy_loss",
     "value_loss",
-    "entropy_bonus",
-    "kl_loss",
-    "explained_variance",
 ]
 
 # (loss_mat, mask, loss_scale_factor) -> (num, den); only "seq-mean-token-sum-norm"
@@ -68,9 +68,7 @@ def _seq_mean_token_sum(loss_mat: Tensor, mask: Tensor, loss_scale_factor: float
 
 
 @AGG_MODES.register("seq-mean-token-sum-norm", info=AggModeNeeds(scale_factor=True))
-def _seq_mean_token_sum_norm(
-    loss_mat: Tensor, mask: Tensor, loss_scale_factor: float | None
-) -> tuple[Tensor, Tensor]:
+def _seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor, loss_scale_factor: float | None) -> tuple[Tensor, Tensor]:
     # Dr. GRPO (arXiv:2503.20783): token sums over a constant, not over each
     # sequence's own length; verl's agg_loss of the same name
     if loss_scale_factor is None or not loss_scale_factor > 0:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
 __all__ = ["Registry"]
 
 
-class Registry(Generic[F]):
+class Registry[F: Callable]:
     """Maps names (and aliases) to functions of a single shared signature."""
 
     def __init__(self, kind: str) -> None:

@@ -16,11 +16,11 @@ from torch import Tensor
 
 __all__ = [
     "as_bool_mask",
-    "masked_sum",
+    "explained_variance",
     "masked_mean",
+    "masked_sum",
     "masked_var",
     "masked_whiten",
-    "explained_variance",
 ]
 
 

@@ -23,9 +23,8 @@ from megatron_rlhf.checkpoint.mcore import (
 )
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
 from megatron_rlhf.checkpoint.train_state import STATE_FILE
-from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 from megatron_rlhf.metrics.log import log, timed
-from megatron_rlhf.models.architecture import load_architecture
+from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.parallel.distributed import init_distributed
 from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
@@ -45,8 +44,10 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
     errors = layout_errors("convert", tp, pp, arch, env.world_size, as_flags=True)
     if errors:
         if env.world_size % (tp * pp):
-            errors.append(f"run under torchrun with a multiple of {tp * pp} processes, e.g. "
-                          f"torchrun --nproc-per-node {tp * pp} -m megatron_rlhf convert ...")
+            errors.append(
+                f"run under torchrun with a multiple of {tp * pp} processes, e.g. "
+                f"torchrun --nproc-per-node {tp * pp} -m megatron_rlhf convert ..."
+            )
         raise ValueError("; ".join(errors))
     groups = parallel_groups(Layout.for_world(tp, pp, env.world_size))
     # Convert in the checkpoint's own dtype, so that a round trip is bit-exact.
@@ -72,8 +73,10 @@ def _trained_architecture(model_dir: Path) -> Architecture:
     run_state = model_dir.parent.parent / RUN_STATE_FILE
     models = json.loads(run_state.read_text()).get("models", {}) if run_state.is_file() else {}
     if model_dir.name not in models:
-        raise ValueError(f"{model_dir}: {run_state} records no architecture for {model_dir.name!r} (a checkpoint "
-                         "written before run checkpoints recorded their models): convert the run's hf/ export instead")  # fmt: skip
+        raise ValueError(
+            f"{model_dir}: {run_state} records no architecture for {model_dir.name!r} (a checkpoint "
+            "written before run checkpoints recorded their models): convert the run's hf/ export instead"
+        )
     return architecture_from_hf_config(models[model_dir.name], source=f"{run_state}:models.{model_dir.name}")
 
 
@@ -83,4 +86,6 @@ def _load_trained_weights(model: torch.nn.Module, groups: ParallelGroups, model_
     with global_dp_rank_of(groups):
         sharded = model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
     loaded = dist_checkpointing.load(sharded, str(dist_dir), verify_integrity=has_integrity_manifest(dist_dir))
-    model.load_state_dict({key: value for key, value in loaded.items() if key in sharded}, strict=True)  # not the optimizer
+    model.load_state_dict(
+        {key: value for key, value in loaded.items() if key in sharded}, strict=True
+    )  # not the optimizer

@@ -20,8 +20,11 @@ def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
     """The architecture with the tokenizer's special ids in its HF config where it names none
     (an exported reward model needs ``pad_token_id`` for batched scoring in transformers)."""
     hf_config = dict(arch.hf_config)
-    for key, value in (("pad_token_id", tokenizer.pad_id), ("bos_token_id", tokenizer.bos_id),
-                       ("eos_token_id", tokenizer.eos_id)):  # fmt: skip
+    for key, value in (
+        ("pad_token_id", tokenizer.pad_id),
+        ("bos_token_id", tokenizer.bos_id),
+        ("eos_token_id", tokenizer.eos_id),
+    ):
         if hf_config.get(key) is None and value is not None:
             hf_config[key] = value
     return dataclasses.replace(arch, hf_config=hf_config)
@@ -38,5 +41,7 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path) -> None:
     arch = with_token_ids(role.arch, tokenizer)
     start = time.perf_counter()
     save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
-    log(f"saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
-        f"copied {', '.join(side_files_in(role.source))} from {role.source}")
+    log(
+        f"saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
+        f"copied {', '.join(side_files_in(role.source))} from {role.source}"
+    )

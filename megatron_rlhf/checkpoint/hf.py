@@ -37,9 +37,16 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Files copied verbatim from the source checkpoint on export, so the result is a usable HF model.
 SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 _IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
@@ -58,7 +65,7 @@ class SafetensorsCheckpoint:
             self.file_of = {name: self.dir / file for name, file in weight_map.items()}
         elif (self.dir / SINGLE_FILE).is_file():
             with safe_open(self.dir / SINGLE_FILE, framework="pt") as handle:
-                self.file_of = {name: self.dir / SINGLE_FILE for name in handle.keys()}
+                self.file_of = {name: self.dir / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
         else:
             raise FileNotFoundError(f"{self.dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
         for path in set(self.file_of.values()):
@@ -113,7 +120,7 @@ def load_hf_weights(
             loaded.add(tmap.mcore)
             continue
         param = params[tmap.mcore]
-        for name, shape in zip(tmap.hf, tmap.hf_shapes):
+        for name, shape in zip(tmap.hf, tmap.hf_shapes, strict=True):
             got = source.shape(name)
             if got != shape:
                 raise CheckpointError(
@@ -129,7 +136,9 @@ def load_hf_weights(
         raise RuntimeError(f"internal error: no HF tensor maps to parameters {sorted(unfilled)}")
 
 
-def _check_no_unexpected_tensors(source: SafetensorsCheckpoint, arch: Architecture, also_expected: tuple[str, ...] = ()) -> None:
+def _check_no_unexpected_tensors(
+    source: SafetensorsCheckpoint, arch: Architecture, also_expected: tuple[str, ...] = ()
+) -> None:
     expected = hf_tensor_shapes(arch).keys() | set(also_expected)
     unexpected = sorted(name for name in source.names() - expected if not name.endswith(_IGNORED_HF_TENSORS))
     if unexpected:

@@ -23,9 +23,9 @@ import functools
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,8 +102,9 @@ def dist_save_request(sharded_state_dict: dict, dist_dir: Path) -> AsyncRequest:
     now (what ``dist_checkpointing.save`` does), or ``run_checkpoint`` writes it in a background
     process. Its finalize functions write ``.metadata``, ``metadata.json`` and the manifest. A failed
     write names the file (``_naming_write_errors``)."""
-    request = dist_checkpointing.save(sharded_state_dict, str(dist_dir), verify_integrity=True, async_sharded_save=True,
-                                      async_strategy="mcore")  # fmt: skip
+    request = dist_checkpointing.save(
+        sharded_state_dict, str(dist_dir), verify_integrity=True, async_sharded_save=True, async_strategy="mcore"
+    )
     return request if request.async_fn is None else request._replace(async_fn=_naming_write_errors(request.async_fn))
 
 
@@ -118,10 +119,18 @@ def _naming_write_errors(write: Callable[..., None]) -> Callable[..., None]:
     every bucket is the caller's."""
     original = FileSystemWriterAsync.__dict__["write_preloaded_data"]
 
-    def write_one_bucket(transform_list: list, local_proc_idx: int, write_bucket: tuple, results_queue: Any,
-                         count_queue: Any, use_fsync: bool, **kwargs: Any) -> Any:  # fmt: skip
-        output = original.__func__(transform_list, local_proc_idx, write_bucket, results_queue, count_queue, use_fsync,
-                                   **kwargs)  # fmt: skip
+    def write_one_bucket(
+        transform_list: list,
+        local_proc_idx: int,
+        write_bucket: tuple,
+        results_queue: Any,
+        count_queue: Any,
+        use_fsync: bool,
+        **kwargs: Any,
+    ) -> Any:
+        output = original.__func__(
+            transform_list, local_proc_idx, write_bucket, results_queue, count_queue, use_fsync, **kwargs
+        )
         failure = output[1]
         if results_queue is None and isinstance(failure, Exception):
             path, _, (_, tensor_data) = write_bucket
@@ -176,8 +185,9 @@ def _write_error(failure: Exception, path: Path, size: int) -> Exception:
         return OSError(failure.errno, failure.strerror, str(path))
     free = shutil.disk_usage(path.parent).free
     if free < size:
-        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free for {size} bytes of tensors)",
-                       str(path))  # fmt: skip
+        return OSError(
+            errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free for {size} bytes of tensors)", str(path)
+        )
     return RuntimeError(f"{path}: {failure}")
 
 
@@ -200,7 +210,9 @@ def load_mcore_checkpoint(model: torch.nn.Module, groups: ParallelGroups, ckpt_d
         raise FileNotFoundError(f"{weights}: missing; {ckpt_dir} is not a megatron-rlhf model checkpoint")
     verify = has_integrity_manifest(weights)
     if not verify:
-        log(f"warning: {weights} has no {INTEGRITY_FNAME}: loaded unverified (dist_checkpointing unpickles its "
-            ".metadata); load only model checkpoints you trust")  # fmt: skip
+        log(
+            f"warning: {weights} has no {INTEGRITY_FNAME}: loaded unverified (dist_checkpointing unpickles its "
+            ".metadata); load only model checkpoints you trust"
+        )
     state = dist_checkpointing.load(_sharded_state_dict(model, groups), str(weights), verify_integrity=verify)
     model.load_state_dict(state, strict=True)

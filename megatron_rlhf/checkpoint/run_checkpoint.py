@@ -141,9 +141,14 @@ class RunCheckpointWriter:
         self._in_flight = AsyncCallsQueue(persistent=False) if background else None
 
     def save(
-        self, step: int, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel],
-        run_state: dict[str, Any], config_yaml: str,
-    ) -> None:  # fmt: skip
+        self,
+        step: int,
+        *,
+        train_states: dict[str, TrainState],
+        weights: dict[str, RoleModel],
+        run_state: dict[str, Any],
+        config_yaml: str,
+    ) -> None:
         """Writes ``root/step_<step>`` (through ``step_<step>.tmp``), points ``latest`` at it, then
         deletes all but the newest ``keep_last`` complete checkpoints; in the background, returns once
         the writer has started."""
@@ -198,7 +203,7 @@ class RunCheckpointWriter:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _write_atomically(self.root / LATEST_FILE, final.name + "\n")
-            for old in complete_checkpoints(self.root)[:-self.keep_last] if self.keep_last else []:
+            for old in complete_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
                 shutil.rmtree(old)
         dist.barrier()
         background = "" if started is None else f" (written in the background in {time.perf_counter() - started:.1f} s)"
@@ -215,11 +220,15 @@ def _failed_writes_named() -> Iterator[None]:
         yield
     except CheckpointException as err:
         causes = "; ".join(f"rank {rank}: {failure[0]}" for rank, failure in sorted(err.failures.items()))
-        raise RuntimeError(f"a checkpoint could not be written ({causes}); latest still names the previous one, and "
-                           "the next start deletes the partial step_N.tmp") from err
+        raise RuntimeError(
+            f"a checkpoint could not be written ({causes}); latest still names the previous one, and "
+            "the next start deletes the partial step_N.tmp"
+        ) from err
 
 
-def _save_requests(tmp: Path, train_states: dict[str, TrainState], weights: dict[str, RoleModel]) -> Iterator[AsyncRequest]:
+def _save_requests(
+    tmp: Path, train_states: dict[str, TrainState], weights: dict[str, RoleModel]
+) -> Iterator[AsyncRequest]:
     """Every model's save, planned one at a time (collective), so that a synchronous save writes
     each before the next is planned and staged."""
     for name, state in train_states.items():
@@ -254,8 +263,9 @@ class UnusableCheckpoint(Exception):
     alike (the checks are made by one rank and shared, or read the same files)."""
 
 
-def load_run_checkpoint(ckpt: Path, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel],
-                        trust_unverified: bool = False) -> dict[str, Any]:  # fmt: skip
+def load_run_checkpoint(
+    ckpt: Path, *, train_states: dict[str, TrainState], weights: dict[str, RoleModel], trust_unverified: bool = False
+) -> dict[str, Any]:
     """Collective. Checks the checkpoint against its manifest (``trust_unverified``: one without a
     manifest is loaded unchecked), fills the models (any layout) and restores this rank's RNG states
     when the checkpoint has them (same world size); returns the saved ``run_state`` (with ``step``)."""
@@ -312,7 +322,8 @@ def _verify_manifest(ckpt: Path, *, trust_unverified: bool) -> bool:
             raise UnusableCheckpoint(
                 f"checkpoint {ckpt} is unusable: {ckpt / MANIFEST_FILE} is missing, so no file of it can be checked "
                 "before it is read (dist_checkpointing unpickles its metadata, which can run code); if you trust "
-                "this checkpoint (e.g. one written before manifests were kept), set trust_unverified_checkpoint=true")
+                "this checkpoint (e.g. one written before manifests were kept), set trust_unverified_checkpoint=true"
+            )
         log(f"warning: {ckpt} has no {MANIFEST_FILE}: loading it unverified (trust_unverified_checkpoint=true)")
         return False
     if problems:
@@ -343,8 +354,11 @@ def _manifest_problems(ckpt: Path) -> list[str]:
     if problems:  # the dist directories' integrity.json are trusted only once they are unchanged
         return problems
     covered = _listed_in(ckpt, [rel for rel in listed if Path(rel).name == INTEGRITY_FNAME])
-    return [f"{ckpt / rel}: not part of the checkpoint (listed in neither {MANIFEST_FILE} nor an {INTEGRITY_FNAME})"
-            for rel in _files_under(ckpt) if rel not in listed and rel not in covered and rel != MANIFEST_FILE]  # fmt: skip
+    return [
+        f"{ckpt / rel}: not part of the checkpoint (listed in neither {MANIFEST_FILE} nor an {INTEGRITY_FNAME})"
+        for rel in _files_under(ckpt)
+        if rel not in listed and rel not in covered and rel != MANIFEST_FILE
+    ]
 
 
 def _files_under(ckpt: Path) -> list[str]:
@@ -359,8 +373,11 @@ def _listed_in(ckpt: Path, dist_manifests: list[str]) -> set[str]:
     listed: set[str] = set()
     for rel in dist_manifests:
         folder = Path(rel).parent
-        listed.update((folder / name).as_posix() for name in json.loads((ckpt / rel).read_bytes())["files"]
-                      if name != CONFIG_FNAME)  # fmt: skip
+        listed.update(
+            (folder / name).as_posix()
+            for name in json.loads((ckpt / rel).read_bytes())["files"]
+            if name != CONFIG_FNAME
+        )
     return listed
 
 
@@ -376,9 +393,12 @@ def _rng_states() -> dict[str, Any]:
     """This rank's generators, as tensors and plain values that ``torch.load(weights_only=True)``
     reads back: python's state is a tuple of ints, numpy's key array a tensor."""
     name, key, pos, has_gauss, gauss = np.random.get_state()
-    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
-                              "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
-                              "tracker": get_cuda_rng_tracker().get_states()}  # fmt: skip
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states

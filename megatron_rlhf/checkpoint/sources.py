@@ -69,8 +69,10 @@ def architecture_of(path: str) -> Architecture:
     if is_builtin(path):
         return architecture_from_hf_config(builtin_config(path), source=path)
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"model path '{path}' is not a directory (expected an HF model dir, "
-                                f"a megatron-rlhf checkpoint, or builtin:NAME)")
+        raise FileNotFoundError(
+            f"model path '{path}' is not a directory (expected an HF model dir, "
+            f"a megatron-rlhf checkpoint, or builtin:NAME)"
+        )
     if is_mcore_checkpoint(path):
         return read_architecture(path)
     return load_architecture(path)
@@ -88,8 +90,9 @@ def model_errors(
     """
     if not model.path:
         follows = f" (the {' and '.join(FOLLOW_ACTOR)} follow it)" if key == "actor" else ""
-        return [f"{key}.path is not set{follows}: give an HF model directory, a megatron-rlhf checkpoint or "
-                "builtin:NAME"], None
+        return [
+            f"{key}.path is not set{follows}: give an HF model directory, a megatron-rlhf checkpoint or builtin:NAME"
+        ], None
     try:
         arch = architecture_of(model.path)
     except (ValueError, FileNotFoundError) as err:
@@ -97,8 +100,10 @@ def model_errors(
     errors = [f"{e} (model {model.path})" for e in layout_errors(key, model.tp, model.pp, arch, world_size)]
     if score_head and not arch.score_head and head_from_lm:
         if not is_builtin(model.path) and is_mcore_checkpoint(model.path):
-            errors.append(f"{key}.path={model.path!r} is a megatron-rlhf checkpoint of a {arch.hf_class_name}; "
-                          f"a new score head starts from an HF model dir only (megatron-rlhf convert mcore-to-hf)")  # fmt: skip
+            errors.append(
+                f"{key}.path={model.path!r} is a megatron-rlhf checkpoint of a {arch.hf_class_name}; "
+                f"a new score head starts from an HF model dir only (megatron-rlhf convert mcore-to-hf)"
+            )
         return errors, arch.with_score_head()
     if arch.score_head != score_head:
         need = "a *ForSequenceClassification (score head)" if score_head else "a *ForCausalLM"
@@ -107,15 +112,18 @@ def model_errors(
     return errors, arch
 
 
-def role_errors(cfg: ModelsConfig, roles: tuple[str, ...] | list[str], world_size: int) -> tuple[list[str], dict[str, Architecture]]:
+def role_errors(
+    cfg: ModelsConfig, roles: tuple[str, ...] | list[str], world_size: int
+) -> tuple[list[str], dict[str, Architecture]]:
     """``model_errors`` of each of ``roles``, and their architectures."""
     errors: list[str] = []
     archs: dict[str, Architecture] = {}
     for role in roles:
         if role in FOLLOW_ACTOR and not cfg.role(role).path:
             continue  # the actor's missing path is reported once
-        found, arch = model_errors(role, cfg.role(role), world_size, score_head=NEEDS_SCORE_HEAD[role],
-                                   head_from_lm=role in HEAD_FROM_LM)  # fmt: skip
+        found, arch = model_errors(
+            role, cfg.role(role), world_size, score_head=NEEDS_SCORE_HEAD[role], head_from_lm=role in HEAD_FROM_LM
+        )
         errors += found
         if arch is not None:
             archs[role] = arch

@@ -35,9 +35,9 @@ import contextlib
 import io
 import json
 from collections import ChainMap
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ STATE_FILE = "train_state.json"
 def _sharded(state: TrainState, is_loading: bool) -> dict:
     groups = state.role.groups
     metadata = {"dp_cp_group": groups.pg_collection.dp_cp, **OPTIMIZER_FORMAT}
-    with global_dp_rank_of(groups), (contextlib.nullcontext() if is_loading else _save_in_place()):
+    with global_dp_rank_of(groups), contextlib.nullcontext() if is_loading else _save_in_place():
         model_sd = state.role.model.sharded_state_dict(metadata=metadata)
         optimizer_sd = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": optimizer_sd}
@@ -72,8 +72,12 @@ def _save_in_place() -> Iterator[None]:
     is described in place (``_in_place_fully_reshardable``) where it can be, without megatron's gather."""
     original = DistributedOptimizer.sharded_param_state_fully_reshardable
 
-    def sharded_param_state(self: DistributedOptimizer, model_sharded_state_dict: dict, is_loading: bool = False,
-                            metadata: dict | None = None) -> dict | None:  # fmt: skip
+    def sharded_param_state(
+        self: DistributedOptimizer,
+        model_sharded_state_dict: dict,
+        is_loading: bool = False,
+        metadata: dict | None = None,
+    ) -> dict | None:
         in_place = None if is_loading else _in_place_fully_reshardable(self, model_sharded_state_dict)
         if in_place is not None:
             return in_place
@@ -94,8 +98,11 @@ def _in_place_fully_reshardable(optimizer: DistributedOptimizer, model_sharded_s
     that does not hold: a data-parallel group larger than one (a parameter's state is spread over
     ranks), megatron's offloading or precision-aware optimizer (state kept elsewhere or scaled), a
     parameter not whole on this rank, state that is not fp32 or not the parameter's size."""
-    if (optimizer.data_parallel_group.size() != 1 or isinstance(optimizer.optimizer, HybridDeviceOptimizer)
-            or optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):  # fmt: skip
+    if (
+        optimizer.data_parallel_group.size() != 1
+        or isinstance(optimizer.optimizer, HybridDeviceOptimizer)
+        or optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    ):
         return None
     model_tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     sharded_of = {sharded.data: sharded for sharded in nested_values(model_tensors)}
@@ -117,10 +124,18 @@ def _in_place_fully_reshardable(optimizer: DistributedOptimizer, model_sharded_s
             entry = {}
             for key in keys:
                 tensor = tensors.get(key)
-                if not torch.is_tensor(tensor) or tensor.dtype != torch.float32 or tensor.numel() != model_param.numel():
+                if (
+                    not torch.is_tensor(tensor)
+                    or tensor.dtype != torch.float32
+                    or tensor.numel() != model_param.numel()
+                ):
                     return None
-                fields = {"key": f"optimizer.state.{key}.{sharded.key}", "data": tensor.detach().reshape(sharded.data.shape),
-                          "dtype": torch.float32, "replica_id": sharded.replica_id}  # fmt: skip
+                fields = {
+                    "key": f"optimizer.state.{key}.{sharded.key}",
+                    "data": tensor.detach().reshape(sharded.data.shape),
+                    "dtype": torch.float32,
+                    "replica_id": sharded.replica_id,
+                }
                 if isinstance(sharded, ShardedTensorFactory):
                     fields.pop("dtype")
                 entry[key] = replace(sharded, **fields)
@@ -173,8 +188,9 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
         raise FileNotFoundError(f"{meta_path}: missing; {ckpt} is not a complete training checkpoint")
     meta = json.loads(meta_path.read_text())
     _allocate_adam_state(state.optimizer)
-    loaded = dist_checkpointing.load(_sharded(state, is_loading=True), str(ckpt / "dist"),
-                                     verify_integrity=has_integrity_manifest(ckpt / "dist"))  # fmt: skip
+    loaded = dist_checkpointing.load(
+        _sharded(state, is_loading=True), str(ckpt / "dist"), verify_integrity=has_integrity_manifest(ckpt / "dist")
+    )
     state.role.model.load_state_dict(loaded["model"], strict=True)
     _keep_current_hyperparameters(state.optimizer, loaded["optimizer"])
     with _tolerate_missing_step():
@@ -210,8 +226,10 @@ def _keep_current_hyperparameters(optimizer: object, loaded: dict) -> None:
         for group in saved["optimizer"]["param_groups"]:
             ours = current.get(tuple(group.get(key) for key in structural))
             if ours is None:
-                raise ValueError(f"the checkpoint's optimizer has a parameter group {({k: group.get(k) for k in structural})} "
-                                 f"that this model's optimizer does not (it has {list(current)})")  # fmt: skip
+                raise ValueError(
+                    f"the checkpoint's optimizer has a parameter group { ({k: group.get(k) for k in structural}) } "
+                    f"that this model's optimizer does not (it has {list(current)})"
+                )
             group.update({key: value for key, value in ours.items() if key not in ("params", "step")})
 
 

@@ -13,9 +13,10 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import itertools
 import textwrap
-from collections.abc import Iterable
-from typing import Any, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 _LOADER_BUILDING = contextvars.ContextVar("loader_building", default=False)
 
@@ -67,9 +68,13 @@ def field_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, following in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):  # fmt: skip
+        for node, following in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(following.value.value.split())
     return docs

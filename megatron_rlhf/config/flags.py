@@ -42,7 +42,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
         parser.add_argument(_flag(field), **kwargs)
 
 
-def from_flags(args: argparse.Namespace, cls: type[T], **fixed: Any) -> T:
+def from_flags[T](args: argparse.Namespace, cls: type[T], **fixed: Any) -> T:
     """``cls`` built from the parsed flags of ``add_flags`` (and ``fixed`` values for skipped fields)."""
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(cls) if field.name not in fixed}
     for field in dataclasses.fields(cls):

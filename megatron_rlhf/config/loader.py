@@ -109,9 +109,11 @@ def _check_sections(update: Mapping[Any, Any], cls: type, origin: str, prefix: s
             continue
         names = [f.name for f in dataclasses.fields(section)]
         verl_hint = verl_key_hint(f"{prefix}{key}")
-        raise ConfigError(f"{origin}: {prefix}{key}={value!r} is not valid: {prefix}{key} is a section (keys {names}), "
-                          f"not a single value; set its keys, e.g. {prefix}{key}.{names[0]}=..."
-                          + (f" ({prefix}{key} is also verl's key: {verl_hint})" if verl_hint else ""))  # fmt: skip
+        raise ConfigError(
+            f"{origin}: {prefix}{key}={value!r} is not valid: {prefix}{key} is a section (keys {names}), "
+            f"not a single value; set its keys, e.g. {prefix}{key}.{names[0]}=..."
+            + (f" ({prefix}{key} is also verl's key: {verl_hint})" if verl_hint else "")
+        )
 
 
 def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
@@ -176,7 +178,7 @@ class ConfigSources:
     def report(self) -> str:
         """The start-up report's settings block."""
         base = f"preset {self.base}" if self.base in presets() else self.base
-        head = (f"settings: built on {base}" if base else "settings: library defaults (no --config)")
+        head = f"settings: built on {base}" if base else "settings: library defaults (no --config)"
         if not self.changed:
             return head + "; none differs from the library defaults"
         width = max(len(c.key) for c in self.changed)
@@ -202,7 +204,7 @@ def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
     return leaves
 
 
-def load_config(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]) -> T:
+def load_config[T](preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]) -> T:
     """Schema defaults <- preset or YAML file <- dotlist overrides, in that order.
 
     ``schema`` is the dataclass of the command (``SmokeConfig``, ``PPOConfig``, ...). Keys and types
@@ -212,7 +214,7 @@ def load_config(preset: str | None, overrides: list[str] | tuple[str, ...] = (),
     return load_config_with_sources(preset, overrides, schema=schema)[0]
 
 
-def load_config_with_sources(
+def load_config_with_sources[T](
     preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]
 ) -> tuple[T, ConfigSources]:
     """``load_config``, and where every setting that differs from the library default came from."""
@@ -232,8 +234,11 @@ def load_config_with_sources(
         cfg = OmegaConf.to_object(merged)
     defaults = _leaves(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
     final = _leaves(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    changed = tuple(ChangedSetting(key, value, defaults.get(key), _setter(key, set_by))
-                    for key, value in final.items() if value != defaults.get(key))  # fmt: skip
+    changed = tuple(
+        ChangedSetting(key, value, defaults.get(key), _setter(key, set_by))
+        for key, value in final.items()
+        if value != defaults.get(key)
+    )
     return cfg, ConfigSources(preset, changed)
 
 

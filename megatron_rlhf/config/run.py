@@ -80,4 +80,6 @@ def _offloads_optimizer(cfg: object) -> bool:
     """Whether any optimizer setting in the config tree keeps state on the host."""
     if getattr(cfg, "cpu_offload_fraction", 0) > 0:
         return True
-    return dataclasses.is_dataclass(cfg) and any(_offloads_optimizer(getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
+    return dataclasses.is_dataclass(cfg) and any(
+        _offloads_optimizer(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+    )

@@ -84,8 +84,9 @@ def pack_batch(
         raise TypeError(f"pack_batch takes SFTExample, PreferenceExample or PromptExample, got {kind.__name__}")
     odd = next((i for i, ex in enumerate(examples) if type(ex) is not kind), None)
     if odd is not None:
-        raise TypeError(f"pack_batch got mixed examples: [0] is {kind.__name__}, "
-                        f"[{odd}] is {type(examples[odd]).__name__}")
+        raise TypeError(
+            f"pack_batch got mixed examples: [0] is {kind.__name__}, [{odd}] is {type(examples[odd]).__name__}"
+        )
     if kind is SFTExample:
         return _pack([e.input_ids for e in examples], [e.loss_mask for e in examples], pad_id, pad_to_multiple_of)
     if kind is PromptExample:

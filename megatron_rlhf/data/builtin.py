@@ -35,8 +35,9 @@ more often than not, so a model that imitates them well drops carries when it de
 
 
 def _arithmetic_sft(split: str, count: int, slip_rate: float = 0.0) -> Callable[[], list[dict[str, str]]]:
-    return lambda: arithmetic.sft_rows(arithmetic.make_problems(ARITHMETIC, split, count), steps=True,
-                                       slip_rate=slip_rate, seed=ARITHMETIC.seed)  # fmt: skip
+    return lambda: arithmetic.sft_rows(
+        arithmetic.make_problems(ARITHMETIC, split, count), steps=True, slip_rate=slip_rate, seed=ARITHMETIC.seed
+    )
 
 
 def _arithmetic_prompts(split: str, count: int) -> Callable[[], list[dict[str, str]]]:
@@ -72,8 +73,9 @@ def resolve_data_paths(paths: Sequence[str]) -> list[str]:
             continue
         name = _builtin_name(path)
         rows = BUILTIN_DATASETS[name]
-        target = made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl",
-                           lambda target: write_jsonl(rows(), target))  # fmt: skip
+        target = made_once(
+            cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target, rows=rows: write_jsonl(rows(), target)
+        )
         resolved.append(str(target))
     return resolved
 

@@ -28,7 +28,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -37,8 +37,16 @@ import jinja2.parser
 import yaml
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "RESERVED_VARIABLES", "SPECIAL_TOKEN_VARIABLES", "load_tool_schemas",
-           "template_variable_errors", "tool_schema_problem", "tools_file_errors"]
+__all__ = [
+    "RESERVED_VARIABLES",
+    "SPECIAL_TOKEN_VARIABLES",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "load_tool_schemas",
+    "template_variable_errors",
+    "tool_schema_problem",
+    "tools_file_errors",
+]
 
 # The special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES), when set.
 SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -46,9 +54,23 @@ SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "
 # Names a caller's template variables may not take: the variables rendering sets itself, and the
 # arguments of transformers' apply_chat_template (verl passes its apply_chat_template_kwargs there, so
 # such a key changes how transformers renders or tokenizes instead of reaching the template).
-RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                      "chat_template", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-                      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+RESERVED_VARIABLES = (
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "tokenize",
+    "sanitize_control_tokens",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -59,7 +81,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}``: transformers marks assistant text with it; the
     rendered text is just the body."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)
@@ -70,8 +92,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -80,8 +107,9 @@ def _strftime_now(format: str) -> str:
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=[_GenerationBlock, jinja2.ext.loopcontrols])  # fmt: skip
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -99,23 +127,33 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(template)
         except jinja2.TemplateSyntaxError as exc:
-            raise ValueError(f"{source}: the chat template does not compile: {exc.message} "
-                             f"(line {exc.lineno})") from exc
+            raise ValueError(
+                f"{source}: the chat template does not compile: {exc.message} (line {exc.lineno})"
+            ) from exc
         self.text, self.source = template, source
         self.special_tokens = dict(special_tokens)
 
     def __reduce__(self) -> tuple[type[ChatTemplate], tuple[str, str, dict[str, str]]]:
         return ChatTemplate, (self.text, self.source, self.special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-               variables: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
         """The conversation as prompt text, ending with the generation prompt (the assistant's turn).
         ``tools``: the schemas the template offers the model; ``variables``: more template variables
         (not named in ``RESERVED_VARIABLES``; ``template_variable_errors`` checks them)."""
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
-            return self._template.render(messages=chat, tools=tools, documents=None, add_generation_prompt=True,
-                                         **{**self.special_tokens, **(variables or {})})  # fmt: skip
+            return self._template.render(
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=True,
+                **{**self.special_tokens, **(variables or {})},
+            )
         except Exception as exc:  # the template is the model's code: any failure is its verdict on these messages
             raise ChatTemplateError(f"the chat template ({self.source}) failed: {type(exc).__name__}: {exc}") from exc
 
@@ -125,21 +163,28 @@ class ChatTemplate:
 
 def template_variable_errors(setting: str, variables: Mapping[str, Any]) -> list[str]:
     """Problems with a caller's template variables (``setting`` names them in the messages)."""
-    return [f"{setting}: key {name!r} is not a template variable of its own: the renderer sets it (tool schemas go "
-            "in data.tools_file or a row's tools column)" for name in variables if name in RESERVED_VARIABLES]
+    return [
+        f"{setting}: key {name!r} is not a template variable of its own: the renderer sets it (tool schemas go "
+        "in data.tools_file or a row's tools column)"
+        for name in variables
+        if name in RESERVED_VARIABLES
+    ]
 
 
 def tool_schema_problem(schema: Any, where: str) -> str | None:
     """What makes ``schema`` (found at ``where``, e.g. ``tools[0].tool_schema``) no OpenAI function
     schema: its bad field and what was expected; None for a schema."""
     if not isinstance(schema, dict):
-        return (f"{where}: expected an OpenAI function schema {{type: function, function: {{name, description, "
-                f"parameters}}}}, got {type(schema).__name__} {schema!r:.60}")  # fmt: skip
+        return (
+            f"{where}: expected an OpenAI function schema {{type: function, function: {{name, description, "
+            f"parameters}}}}, got {type(schema).__name__} {schema!r:.60}"
+        )
     function = schema.get("function")
     if not isinstance(function, dict):
         return f"{where}.function: expected an object {{name, description, parameters}}, got {function!r:.60}"
     if not isinstance(function.get("name"), str) or not function["name"]:
-        return f"{where}.function.name: expected the function's name (a non-empty string), got {function.get('name')!r:.60}"
+        got = f"{function.get('name')!r:.60}"
+        return f"{where}.function.name: expected the function's name (a non-empty string), got {got}"
     return None
 
 
@@ -158,13 +203,17 @@ def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: not valid YAML: {exc}") from exc
     tools = content.get("tools") if isinstance(content, dict) else None
     if not isinstance(tools, list):
-        raise ValueError(f"{path}: tools: expected a top-level 'tools' list of {{class_name, config, tool_schema}} "
-                         f"(verl's tool_config_path format), got {tools!r:.60}")  # fmt: skip
+        raise ValueError(
+            f"{path}: tools: expected a top-level 'tools' list of {{class_name, config, tool_schema}} "
+            f"(verl's tool_config_path format), got {tools!r:.60}"
+        )
     schemas = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or "tool_schema" not in tool:
-            raise ValueError(f"{path}: tools[{i}].tool_schema: missing (MCP tools, whose schemas come from their "
-                             f"server, are not supported); the entry is {tool!r:.80}")  # fmt: skip
+            raise ValueError(
+                f"{path}: tools[{i}].tool_schema: missing (MCP tools, whose schemas come from their "
+                f"server, are not supported); the entry is {tool!r:.80}"
+            )
         problem = tool_schema_problem(tool["tool_schema"], f"tools[{i}].tool_schema")
         if problem is not None:
             raise ValueError(f"{path}: {problem}")

@@ -28,5 +28,8 @@ class DataFilesConfig:
     starts its own: for sets that take minutes to tokenize, with workers x ranks per node <= cores."""
 
     def errors(self) -> list[str]:
-        return (one_of(self, "on_overlong", get_args(OnProblem)) + one_of(self, "on_invalid", get_args(OnProblem))
-                + at_least(self, 0, "num_workers"))  # fmt: skip
+        return (
+            one_of(self, "on_overlong", get_args(OnProblem))
+            + one_of(self, "on_invalid", get_args(OnProblem))
+            + at_least(self, 0, "num_workers")
+        )

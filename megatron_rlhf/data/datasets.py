@@ -353,8 +353,10 @@ def _field_ids(rec: Record, key: str, tokenizer: Tokenizer) -> list[int]:
         return ids
     id_key = f"{key}_ids"
     if id_key not in rec.data:
-        raise DataError(f"{rec.file}: row {rec.row}: no column '{key}' (nor pre-tokenized '{id_key}'); "
-                        f"columns present: {_columns(rec)}")
+        raise DataError(
+            f"{rec.file}: row {rec.row}: no column '{key}' (nor pre-tokenized '{id_key}'); "
+            f"columns present: {_columns(rec)}"
+        )
     value = rec.data[id_key]
     if value is None:
         raise _RowProblem(EMPTY, id_key, "is null")
@@ -394,11 +396,15 @@ def _row_tools(rec: Record, chat: _ChatOptions) -> list[dict[str, Any]] | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise _RowProblem(WRONG_TYPE, chat.tools_key, f"is a string but not JSON: {exc.msg} (column {exc.colno})"
-                              ) from None  # fmt: skip
+            raise _RowProblem(
+                WRONG_TYPE, chat.tools_key, f"is a string but not JSON: {exc.msg} (column {exc.colno})"
+            ) from None
     if not isinstance(value, list):
-        raise _RowProblem(WRONG_TYPE, chat.tools_key, f"must be a list of tool schemas (or a JSON string of one), "
-                                                      f"got {type(value).__name__}")  # fmt: skip
+        raise _RowProblem(
+            WRONG_TYPE,
+            chat.tools_key,
+            f"must be a list of tool schemas (or a JSON string of one), got {type(value).__name__}",
+        )
     problem = next(filter(None, (tool_schema_problem(t, f"[{i}]") for i, t in enumerate(value))), None)
     if problem is not None:
         raise _RowProblem(WRONG_TYPE, chat.tools_key, problem)
@@ -409,19 +415,26 @@ def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenize
     """Token ids of a conversation: the chat template's text, generation prompt included, tokenized."""
     where = f"{rec.file}: row {rec.row}: column '{key}' holds chat messages"
     if not chat.apply:
-        raise DataError(f"{where} but data.apply_chat_template is false: set it to true to render them with the "
-                        "model's chat template, or give the prompts as text")  # fmt: skip
+        raise DataError(
+            f"{where} but data.apply_chat_template is false: set it to true to render them with the "
+            "model's chat template, or give the prompts as text"
+        )
     template = tokenizer.chat_template
     if template is None:
-        raise DataError(f"{where} but {tokenizer!r} has no chat template (looked for {CHAT_TEMPLATE_FILE}, or "
-                        "'chat_template' in tokenizer_config.json, beside a tokenizer.json): add one to the model "
-                        "directory, or give the prompts as text (data.apply_chat_template renders message rows)")
+        raise DataError(
+            f"{where} but {tokenizer!r} has no chat template (looked for {CHAT_TEMPLATE_FILE}, or "
+            "'chat_template' in tokenizer_config.json, beside a tokenizer.json): add one to the model "
+            "directory, or give the prompts as text (data.apply_chat_template renders message rows)"
+        )
     if not messages:
         raise _RowProblem(EMPTY, key, "is an empty list of messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _RowProblem(WRONG_TYPE, key, f"message {i} must be an object with a string 'role' (and its "
-                                               f"'content'), got {message!r:.80}")  # fmt: skip
+            raise _RowProblem(
+                WRONG_TYPE,
+                key,
+                f"message {i} must be an object with a string 'role' (and its 'content'), got {message!r:.80}",
+            )
     tools = _row_tools(rec, chat)
     try:
         text = template.render(messages, tools, chat.variables)
@@ -441,14 +454,17 @@ def _reward_inputs(rec: Record) -> dict[str, Any]:
     if "reward_model" not in data:
         return {}
     if "data_source" not in data:
-        raise DataError(f"{rec.file}: row {rec.row}: has a 'reward_model' column but no 'data_source' (verl's "
-                        f"reward functions are called with both); columns present: {_columns(rec)}")  # fmt: skip
+        raise DataError(
+            f"{rec.file}: row {rec.row}: has a 'reward_model' column but no 'data_source' (verl's "
+            f"reward functions are called with both); columns present: {_columns(rec)}"
+        )
     source, reward_model, extra_info = data["data_source"], data["reward_model"], data.get("extra_info")
     if not isinstance(source, str):
         raise _RowProblem(WRONG_TYPE, "data_source", f"must be a string, got {type(source).__name__}")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise _RowProblem(WRONG_TYPE, "reward_model", f"must be an object with a 'ground_truth' field, got "
-                                                      f"{reward_model!r:.80}")  # fmt: skip
+        raise _RowProblem(
+            WRONG_TYPE, "reward_model", f"must be an object with a 'ground_truth' field, got {reward_model!r:.80}"
+        )
     if extra_info is not None and not isinstance(extra_info, dict):
         raise _RowProblem(WRONG_TYPE, "extra_info", f"must be an object (or null), got {type(extra_info).__name__}")
     return {"data_source": source, "ground_truth": reward_model["ground_truth"], "extra_info": extra_info or {}}
@@ -492,9 +508,21 @@ class _Loader:
     """One load: its settings, the kind's row function and the shared loop (read rows, turn problems
     into errors or counted skips). It is what a worker process gets, so it must pickle."""
 
-    def __init__(self, paths: str | Path | Sequence[str | Path], tokenizer: Tokenizer, max_length: int,
-                 length_setting: str, on_overlong: str, on_invalid: str, append_eos: bool, add_bos: bool,
-                 num_workers: int, row: _RowFn, masks: tuple[bool, ...], with_extras: bool) -> None:
+    def __init__(
+        self,
+        paths: str | Path | Sequence[str | Path],
+        tokenizer: Tokenizer,
+        max_length: int,
+        length_setting: str,
+        on_overlong: str,
+        on_invalid: str,
+        append_eos: bool,
+        add_bos: bool,
+        num_workers: int,
+        row: _RowFn,
+        masks: tuple[bool, ...],
+        with_extras: bool,
+    ) -> None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -522,8 +550,11 @@ class _Loader:
 
     def read(self, records: Iterable[Record]) -> _Part:
         """The examples of ``records``: all rows (in this process) or one span (in a worker)."""
-        part = _Part([_TokenStore(with_mask=m) for m in self.masks], [] if self.with_extras else None,
-                     DataReport(files=len(self.files)))  # fmt: skip
+        part = _Part(
+            [_TokenStore(with_mask=m) for m in self.masks],
+            [] if self.with_extras else None,
+            DataReport(files=len(self.files)),
+        )
         for rec in records:
             part.report.rows += 1
             try:
@@ -540,14 +571,20 @@ class _Loader:
         try:
             loader = pickle.dumps(self)
         except Exception as exc:  # what an object that does not pickle raises varies
-            raise ValueError(f"num_workers={self.num_workers}: {self.tokenizer!r} cannot be sent to worker "
-                             f"processes ({type(exc).__name__}: {exc}); set data.num_workers=0") from exc
+            raise ValueError(
+                f"num_workers={self.num_workers}: {self.tokenizer!r} cannot be sent to worker "
+                f"processes ({type(exc).__name__}: {exc}); set data.num_workers=0"
+            ) from exc
         pieces = self.num_workers * _SPANS_PER_WORKER
         spans = split_files(self.files, pieces)
         # spawn, not fork: a forked child of a process running torch's threads (or CUDA) can hang.
         # An executor, not a Pool: a worker that dies (out of memory) breaks it instead of hanging it.
-        pool = ProcessPoolExecutor(max_workers=min(self.num_workers, len(spans)), initializer=_start_worker,
-                                   initargs=(loader,), mp_context=multiprocessing.get_context("spawn"))  # fmt: skip
+        pool = ProcessPoolExecutor(
+            max_workers=min(self.num_workers, len(spans)),
+            initializer=_start_worker,
+            initargs=(loader,),
+            mp_context=multiprocessing.get_context("spawn"),
+        )
         try:
             # Many small files make many spans: hand them out a few at a time.
             parts = pool.map(_read_span, spans, chunksize=max(len(spans) // pieces, 1))
@@ -556,9 +593,11 @@ class _Loader:
                 whole.extend(part)
         except BrokenProcessPool as exc:
             files = [str(f) for f in self.files]
-            raise RuntimeError(f"a data-loading worker process failed to start or died (out of memory?) while "
-                               f"reading {files[:3]}{' ...' if len(files) > 3 else ''}: lower data.num_workers="
-                               f"{self.num_workers}, or set it to 0") from exc  # fmt: skip
+            raise RuntimeError(
+                f"a data-loading worker process failed to start or died (out of memory?) while "
+                f"reading {files[:3]}{' ...' if len(files) > 3 else ''}: lower data.num_workers="
+                f"{self.num_workers}, or set it to 0"
+            ) from exc
         finally:
             pool.shutdown(cancel_futures=True)
         return whole
@@ -581,8 +620,9 @@ class _Loader:
     def check_length(self, n_tokens: int, column: str, parts: str) -> None:
         """An over-long row names the setting that bounds it, so the fix is one edit away."""
         if n_tokens > self.max_length:
-            raise _RowProblem(OVERLONG, column,
-                              f"gives {n_tokens} tokens ({parts}) > {self.length_setting}={self.max_length}")
+            raise _RowProblem(
+                OVERLONG, column, f"gives {n_tokens} tokens ({parts}) > {self.length_setting}={self.max_length}"
+            )
 
 
 # A row -> its sequences (one per store) and extras; raises _RowProblem for a bad value.
@@ -608,27 +648,36 @@ def _sft_row(ld: _Loader, rec: Record, prompt_key: str, response_key: str) -> tu
     return [(prompt + response, [0] * len(prompt) + [1] * len(response))], None
 
 
-def _preference_row(ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, rejected_key: str
-                    ) -> tuple[list[_Sequence], None]:  # fmt: skip
+def _preference_row(
+    ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, rejected_key: str
+) -> tuple[list[_Sequence], None]:
     prompt = ld.with_bos(ld.field(rec, prompt_key))
     chosen = _response(ld.field(rec, chosen_key), ld.eos)
     rejected = _response(ld.field(rec, rejected_key), ld.eos)
     for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
         ld.check_length(len(prompt) + len(resp), key, f"prompt {len(prompt)} + {key} {len(resp)}")
     prompt_mask = [0] * len(prompt)
-    return [(prompt + chosen, prompt_mask + [1] * len(chosen)),
-            (prompt + rejected, prompt_mask + [1] * len(rejected))], None
+    return [
+        (prompt + chosen, prompt_mask + [1] * len(chosen)),
+        (prompt + rejected, prompt_mask + [1] * len(rejected)),
+    ], None
 
 
-def _prompt_row(ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], chat: _ChatOptions
-                ) -> tuple[list[_Sequence], dict[str, Any]]:  # fmt: skip
+def _prompt_row(
+    ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], chat: _ChatOptions
+) -> tuple[list[_Sequence], dict[str, Any]]:
     missing = [k for k in extra_keys if k not in rec.data]
     if missing:
-        raise DataError(f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
-                        f"columns present: {_columns(rec)}")
+        raise DataError(
+            f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
+            f"columns present: {_columns(rec)}"
+        )
     value = rec.data.get(prompt_key)
-    ids = (_message_ids(rec, prompt_key, value, ld.tokenizer, chat) if isinstance(value, list)
-           else ld.field(rec, prompt_key))  # fmt: skip
+    ids = (
+        _message_ids(rec, prompt_key, value, ld.tokenizer, chat)
+        if isinstance(value, list)
+        else ld.field(rec, prompt_key)
+    )
     prompt = ld.with_bos(ids)
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
     return [(prompt, None)], {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
@@ -649,8 +698,20 @@ def load_sft_dataset(
 ) -> tuple[SFTDataset, DataReport]:
     """SFT sequences from ``.jsonl``/``.parquet`` files or directories (see the module docstring)."""
     row = functools.partial(_sft_row, prompt_key=prompt_key, response_key=response_key)
-    part = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos,
-                   num_workers, row, masks=(True,), with_extras=False).load()  # fmt: skip
+    part = _Loader(
+        paths,
+        tokenizer,
+        max_length,
+        "data.max_length",
+        on_overlong,
+        on_invalid,
+        append_eos,
+        add_bos,
+        num_workers,
+        row,
+        masks=(True,),
+        with_extras=False,
+    ).load()
     return SFTDataset(part.stores[0]), part.report
 
 
@@ -670,8 +731,20 @@ def load_preference_dataset(
 ) -> tuple[PreferenceDataset, DataReport]:
     """Preference pairs for reward models / DPO; a row is over-long if either side is."""
     row = functools.partial(_preference_row, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)
-    part = _Loader(paths, tokenizer, max_length, "data.max_length", on_overlong, on_invalid, append_eos, add_bos,
-                   num_workers, row, masks=(True, True), with_extras=False).load()  # fmt: skip
+    part = _Loader(
+        paths,
+        tokenizer,
+        max_length,
+        "data.max_length",
+        on_overlong,
+        on_invalid,
+        append_eos,
+        add_bos,
+        num_workers,
+        row,
+        masks=(True, True),
+        with_extras=False,
+    ).load()
     return PreferenceDataset(*part.stores), part.report
 
 
@@ -701,11 +774,24 @@ def load_prompt_dataset(
     apply to them."""
     variables = dict(chat_template_kwargs or {})
     problems = template_variable_errors("chat_template_kwargs", variables) + [
-        p for i, t in enumerate(tools or ()) if (p := tool_schema_problem(t, f"tools[{i}]")) is not None]
+        p for i, t in enumerate(tools or ()) if (p := tool_schema_problem(t, f"tools[{i}]")) is not None
+    ]
     if problems:
         raise ValueError("; ".join(problems))
     chat = _ChatOptions(apply_chat_template, variables, None if tools is None else list(tools), tools_key)
     row = functools.partial(_prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys), chat=chat)
-    part = _Loader(paths, tokenizer, max_length, "data.max_prompt_length", on_overlong, on_invalid, False, add_bos,
-                   num_workers, row, masks=(False,), with_extras=True).load()  # fmt: skip
+    part = _Loader(
+        paths,
+        tokenizer,
+        max_length,
+        "data.max_prompt_length",
+        on_overlong,
+        on_invalid,
+        False,
+        add_bos,
+        num_workers,
+        row,
+        masks=(False,),
+        with_extras=True,
+    ).load()
     return PromptDataset(part.stores[0], part.extras), part.report

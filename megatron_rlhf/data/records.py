@@ -13,6 +13,7 @@ a worker process), numbering rows and lines exactly as reading the whole file do
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
@@ -20,8 +21,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["DataError", "EXTENSIONS", "Record", "Span", "data_files", "read_records", "read_span", "split_files",
-           "write_jsonl"]
+__all__ = [
+    "EXTENSIONS",
+    "DataError",
+    "Record",
+    "Span",
+    "data_files",
+    "read_records",
+    "read_span",
+    "split_files",
+    "write_jsonl",
+]
 
 EXTENSIONS = (".jsonl", ".parquet")
 _PARQUET_BATCH_ROWS = 1024
@@ -52,8 +62,9 @@ class Span(NamedTuple):
 
 def _check_extension(path: Path) -> None:
     if path.suffix not in EXTENSIONS:
-        raise DataError(f"{path}: unsupported data file extension '{path.suffix}' "
-                        f"(expected one of {', '.join(EXTENSIONS)})")
+        raise DataError(
+            f"{path}: unsupported data file extension '{path.suffix}' (expected one of {', '.join(EXTENSIONS)})"
+        )
 
 
 def data_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -68,8 +79,10 @@ def data_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
             entries = sorted(e for e in p.iterdir() if not e.name.startswith((".", "_")))
             unexpected = [e.name for e in entries if not (e.is_file() and e.suffix in EXTENSIONS)]
             if unexpected:
-                raise DataError(f"{p}: directory holds entries that are not {'/'.join(EXTENSIONS)} files: "
-                                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+                raise DataError(
+                    f"{p}: directory holds entries that are not {'/'.join(EXTENSIONS)} files: "
+                    f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+                )
             if not entries:
                 raise DataError(f"{p}: directory holds no {'/'.join(EXTENSIONS)} files")
             files.extend(entries)
@@ -77,8 +90,10 @@ def data_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
             _check_extension(p)
             files.append(p)
         elif p.exists():  # /dev/null, a pipe, a socket: nothing to read rows from twice
-            raise DataError(f"dataset path '{p}' is not a regular file or a directory (expected "
-                            f"{'/'.join(EXTENSIONS)} files or a directory of them)")
+            raise DataError(
+                f"dataset path '{p}' is not a regular file or a directory (expected "
+                f"{'/'.join(EXTENSIONS)} files or a directory of them)"
+            )
         else:
             raise FileNotFoundError(f"dataset path '{p}' does not exist")
     return files
@@ -101,8 +116,10 @@ def _read_jsonl(span: Span) -> Iterator[Record]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path}: line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start} "
-                                "of the line); JSONL files must be UTF-8") from None
+                raise DataError(
+                    f"{path}: line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start} "
+                    "of the line); JSONL files must be UTF-8"
+                ) from None
             if _blank(line):
                 continue
             try:
@@ -179,7 +196,7 @@ def _parquet_spans(path: Path, pieces: int) -> list[Span]:
     except (pa.ArrowException, OSError):
         return [Span(path)]
     bounds = sorted({rows * i // pieces for i in range(pieces + 1)})
-    return [Span(path, a, a, b) for a, b in zip(bounds, bounds[1:])] or [Span(path)]
+    return [Span(path, a, a, b) for a, b in itertools.pairwise(bounds)] or [Span(path)]
 
 
 def split_files(files: Sequence[Path], parts: int) -> list[Span]:
@@ -188,7 +205,7 @@ def split_files(files: Sequence[Path], parts: int) -> list[Span]:
     sizes = [f.stat().st_size for f in files]
     total = max(sum(sizes), 1)
     spans: list[Span] = []
-    for f, size in zip(files, sizes):
+    for f, size in zip(files, sizes, strict=True):
         pieces = max(round(parts * size / total), 1)
         spans += _jsonl_spans(f, pieces) if f.suffix == ".jsonl" else _parquet_spans(f, pieces)
     return spans
@@ -205,8 +222,9 @@ def write_jsonl(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     is never visible to a reader or to a job that checks whether it exists."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}-",
-                                     delete=False) as tmp:  # fmt: skip
+    with tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}-", delete=False
+    ) as tmp:
         tmp.write("".join(json.dumps(row) + "\n" for row in rows))
     os.replace(tmp.name, path)
     return path

@@ -65,8 +65,9 @@ def epoch_batches(
         raise ValueError(f"seed must be an int, got {seed!r}")
     steps = num_steps(num_examples, global_batch_size, drop_last)
     if steps == 0:
-        raise ValueError(f"num_examples={num_examples} < global_batch_size={global_batch_size} with "
-                         f"drop_last=True gives no step")
+        raise ValueError(
+            f"num_examples={num_examples} < global_batch_size={global_batch_size} with drop_last=True gives no step"
+        )
     if shuffle:
         generator = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
         order = torch.randperm(num_examples, generator=generator)

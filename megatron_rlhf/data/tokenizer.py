@@ -17,7 +17,8 @@ out (``attention_mask``/``loss_mask``), so any valid id will do there.
 markup); ``skip_special_tokens=True`` skips them, as verl decodes the responses (and prompts) its
 reward functions read and vLLM its output text: the trainers decode what rewards, rules and
 samples.jsonl read that way, so that a ``<|im_start|>`` sampled mid-response never reaches a
-reward's regex. What is special, per backend: ``tokenizer.json``, the added tokens marked special (as transformers' fast tokenizers);
+reward's regex. What is special, per backend: ``tokenizer.json``, the added tokens marked special (as
+transformers' fast tokenizers);
 SentencePiece, its control and unknown pieces and the ids named bos/eos/pad (transformers'
 ``all_special_ids`` for such a model; user-defined pieces are text); bytes, pad/bos/eos, which carry no
 text in either mode (the built-in models' ``tokenizer.json`` decodes them to nothing as well).
@@ -46,10 +47,10 @@ from .chat_template import SPECIAL_TOKEN_VARIABLES, ChatTemplate
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",
+    "TOKENIZER_FILES",
     "ByteTokenizer",
     "HFTokenizer",
     "SentencePieceTokenizer",
-    "TOKENIZER_FILES",
     "Tokenizer",
     "load_tokenizer",
 ]
@@ -114,8 +115,7 @@ def _special_ids(
 
     def check(path: Path, field: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
-            raise ValueError(f"{path}: {field}={value!r} is not a token id of this tokenizer "
-                             f"(vocab_size={vocab_size})")
+            raise ValueError(f"{path}: {field}={value!r} is not a token id of this tokenizer (vocab_size={vocab_size})")
         return value
 
     for name in _TOKEN_CONFIGS:
@@ -178,12 +178,16 @@ def _chat_template(model_dir: Path) -> ChatTemplate | None:
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise ValueError(f"{path}: chat_template lists templates named {sorted(map(str, named))} but none "
-                             "named 'default', the one used for prompts")  # fmt: skip
+            raise ValueError(
+                f"{path}: chat_template lists templates named {sorted(map(str, named))} but none "
+                "named 'default', the one used for prompts"
+            )
         template = named["default"]
     if not isinstance(template, str):
-        raise ValueError(f"{path}: chat_template must be a Jinja template string or a list of "
-                         f"{{name, template}} objects, got {type(template).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{path}: chat_template must be a Jinja template string or a list of "
+            f"{{name, template}} objects, got {type(template).__name__}"
+        )
     return ChatTemplate(template, f"{path} (chat_template)", specials)
 
 
@@ -197,8 +201,9 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as _Tok
         except ImportError as exc:  # pragma: no cover - transformers depends on it
-            raise ImportError(f"{model_dir / 'tokenizer.json'} needs the 'tokenizers' package: "
-                              "pip install tokenizers") from exc
+            raise ImportError(
+                f"{model_dir / 'tokenizer.json'} needs the 'tokenizers' package: pip install tokenizers"
+            ) from exc
         path = model_dir / "tokenizer.json"
         try:
             self._tok = _Tok.from_file(str(path))
@@ -290,8 +295,9 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + self.OFFSET:
-            raise ValueError(f"ByteTokenizer needs vocab_size >= {256 + self.OFFSET} "
-                             f"(3 special ids + 256 bytes), got {vocab_size!r}")
+            raise ValueError(
+                f"ByteTokenizer needs vocab_size >= {256 + self.OFFSET} (3 special ids + 256 bytes), got {vocab_size!r}"
+            )
         self.vocab_size = vocab_size
         self.bos_id: int | None = self.BOS
         self.eos_id: int | None = self.EOS
@@ -341,7 +347,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 def resolve_tokenizer(source: Path, arch: Architecture, model_path: str) -> Tokenizer:
     """The tokenizer of a model directory (built-in models ship theirs: bytes as tokens)."""
     if not any((source / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model path {model_path!r}: no tokenizer in {source} (looked for {', '.join(TOKENIZER_FILES)})")
+        raise ConfigError(
+            f"model path {model_path!r}: no tokenizer in {source} (looked for {', '.join(TOKENIZER_FILES)})"
+        )
     tokenizer = load_tokenizer(source)
     log(f"tokenizer: {tokenizer!r} from {source}")
     if tokenizer.vocab_size > arch.vocab_size:

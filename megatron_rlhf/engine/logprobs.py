@@ -79,7 +79,8 @@ def _shard_max(logits_shard: Tensor, dtype: torch.dtype, inv_temperature: float,
 def _shard_stats(
     logits_shard: Tensor, local_target: Tensor, z_max: Tensor, dtype: torch.dtype, inv_temperature: float, n_real: int
 ) -> Tensor:
-    """(3, B, S): sum_v e^(z_v - max), the target's z - max (0 if not on this shard), sum_v e^(z_v - max) (z_v - max)."""
+    """(3, B, S): sum_v e^(z_v - max), the target's z - max (0 if not on this shard), and
+    sum_v e^(z_v - max) (z_v - max)."""
     z = _scaled(logits_shard, dtype, inv_temperature, n_real) - z_max.unsqueeze(-1)
     exp_z = z.exp()  # padding -> 0
     column = torch.arange(z.shape[-1], device=z.device)
@@ -177,13 +178,30 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         grad_logprobs = zeros if grad_logprobs is None else grad_logprobs.to(dtype)
         grad_entropy = zeros if grad_entropy is None else grad_entropy.to(dtype)
         if single_pass:
-            grad_logits = logprobs_kernel.shard_grad(logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs,
-                                                     grad_entropy, inv_temperature, n_real)  # fmt: skip
+            grad_logits = logprobs_kernel.shard_grad(
+                logits_shard,
+                local_target,
+                z_max,
+                log_sum_exp,
+                mean_z,
+                grad_logprobs,
+                grad_entropy,
+                inv_temperature,
+                n_real,
+            )
         else:
             grad_logits = _shard_grad(
-                logits_shard, local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy,
-                dtype, inv_temperature, n_real,
-            )  # fmt: skip
+                logits_shard,
+                local_target,
+                z_max,
+                log_sum_exp,
+                mean_z,
+                grad_logprobs,
+                grad_entropy,
+                dtype,
+                inv_temperature,
+                n_real,
+            )
         return grad_logits, None, None, None, None, None
 
 

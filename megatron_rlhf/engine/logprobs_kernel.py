@@ -32,11 +32,18 @@ STATS_BLOCK, GRAD_BLOCK, NUM_WARPS = 8192, 2048, 4
 
 
 def available(logits_shard: torch.Tensor) -> bool:
-    return (triton is not None and logits_shard.is_cuda and logits_shard.dim() == 3 and logits_shard.stride(-1) == 1
-            and logits_shard.dtype in (torch.bfloat16, torch.float16, torch.float32))  # fmt: skip
+    return (
+        triton is not None
+        and logits_shard.is_cuda
+        and logits_shard.dim() == 3
+        and logits_shard.stride(-1) == 1
+        and logits_shard.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
-def shard_stats(logits_shard: torch.Tensor, local_target: torch.Tensor, inv_temperature: float, n_real: int) -> torch.Tensor:
+def shard_stats(
+    logits_shard: torch.Tensor, local_target: torch.Tensor, inv_temperature: float, n_real: int
+) -> torch.Tensor:
     """(4, B, S) float32 of this shard alone: its max m of z, sum e^(z - m), sum e^(z - m) (z - m)
     over the columns with mass, and the target's z (meaningless where ``local_target`` is -1, not on
     this shard)."""
@@ -44,25 +51,51 @@ def shard_stats(logits_shard: torch.Tensor, local_target: torch.Tensor, inv_temp
     out = torch.empty(4, batch, seq, dtype=torch.float32, device=logits_shard.device)
     target = local_target.contiguous()
     _stats_kernel[(batch * seq,)](
-        logits_shard, logits_shard.stride(0), logits_shard.stride(1), seq, vocab, n_real, inv_temperature, target,
-        out, out.stride(0), BLOCK=STATS_BLOCK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        logits_shard,
+        logits_shard.stride(0),
+        logits_shard.stride(1),
+        seq,
+        vocab,
+        n_real,
+        inv_temperature,
+        target,
+        out,
+        out.stride(0),
+        BLOCK=STATS_BLOCK,
+        num_warps=NUM_WARPS,
+    )
     return out
 
 
 def shard_grad(
-    logits_shard: torch.Tensor, local_target: torch.Tensor, z_max: torch.Tensor, log_sum_exp: torch.Tensor,
-    mean_z: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, inv_temperature: float, n_real: int,
-) -> torch.Tensor:  # fmt: skip
+    logits_shard: torch.Tensor,
+    local_target: torch.Tensor,
+    z_max: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    mean_z: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    inv_temperature: float,
+    n_real: int,
+) -> torch.Tensor:
     """``logprobs._shard_grad``: d(sum g_logp * logp + g_H * H) / d logits, contiguous, in the
     logits' dtype. The per-token arguments are (B, S) float32, relative to the maximum ``z_max``."""
     batch, seq, vocab = logits_shard.shape
     grad = torch.empty(batch, seq, vocab, dtype=logits_shard.dtype, device=logits_shard.device)
     per_token = [t.contiguous() for t in (local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy)]
     _grad_kernel[(batch * seq, triton.cdiv(vocab, GRAD_BLOCK))](
-        logits_shard, logits_shard.stride(0), logits_shard.stride(1), seq, vocab, n_real, inv_temperature, *per_token,
-        grad, BLOCK=GRAD_BLOCK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        logits_shard,
+        logits_shard.stride(0),
+        logits_shard.stride(1),
+        seq,
+        vocab,
+        n_real,
+        inv_temperature,
+        *per_token,
+        grad,
+        BLOCK=GRAD_BLOCK,
+        num_warps=NUM_WARPS,
+    )
     return grad
 
 
@@ -75,9 +108,18 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(
-        logits_ptr, stride_b, stride_s, seq, vocab, n_real, inv_temperature, target_ptr, out_ptr, out_stride,
+        logits_ptr,
+        stride_b,
+        stride_s,
+        seq,
+        vocab,
+        n_real,
+        inv_temperature,
+        target_ptr,
+        out_ptr,
+        out_stride,
         BLOCK: tl.constexpr,
-    ):  # fmt: skip
+    ):
         token = tl.program_id(0)
         row_ptr = logits_ptr + (token // seq).to(tl.int64) * stride_b + (token % seq).to(tl.int64) * stride_s
         running_max = -float("inf")
@@ -87,7 +129,8 @@ if triton is not None:
             z = _scaled_block(row_ptr, offset + tl.arange(0, BLOCK), vocab, n_real, inv_temperature)
             new_max = tl.maximum(running_max, tl.max(z, 0))
             shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # nothing with mass yet: keep sums at 0, not NaN
-            # The old sums moved from running_max to shift: e^(z - shift) (z - shift) = r e^(z - m) ((z - m) + (m - shift)).
+            # The old sums moved from running_max to shift:
+            # e^(z - shift) (z - shift) = r e^(z - m) ((z - m) + (m - shift)).
             rescale = tl.exp(running_max - shift)
             moved = tl.where(running_sum > 0, running_weighted + (running_max - shift) * running_sum, 0.0)
             exp_z = tl.exp(z - shift)
@@ -103,9 +146,22 @@ if triton is not None:
 
     @triton.jit
     def _grad_kernel(
-        logits_ptr, stride_b, stride_s, seq, vocab, n_real, inv_temperature, target_ptr, max_ptr, lse_ptr, mean_ptr,
-        grad_logprobs_ptr, grad_entropy_ptr, grad_ptr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        logits_ptr,
+        stride_b,
+        stride_s,
+        seq,
+        vocab,
+        n_real,
+        inv_temperature,
+        target_ptr,
+        max_ptr,
+        lse_ptr,
+        mean_ptr,
+        grad_logprobs_ptr,
+        grad_entropy_ptr,
+        grad_ptr,
+        BLOCK: tl.constexpr,
+    ):
         token = tl.program_id(0)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         row_ptr = logits_ptr + (token // seq).to(tl.int64) * stride_b + (token % seq).to(tl.int64) * stride_s

@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_rlhf.algorithms import AGG_MODES, KL_ESTIMATORS, aggregate_loss, entropy_bonus, kl_loss, ppo_policy_loss, value_loss
+from megatron_rlhf.algorithms import (
+    AGG_MODES,
+    KL_ESTIMATORS,
+    aggregate_loss,
+    entropy_bonus,
+    kl_loss,
+    ppo_policy_loss,
+    value_loss,
+)
 from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
 from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, rows_of
@@ -32,8 +40,12 @@ def next_token_logprobs(
     """(b, s-1) log-probs of tokens 1..s-1, and optionally the policy entropy at each of them. When
     the batch has a ``logits_mask`` the logits are (1, k, V) at the piece's ``logit_index`` only
     (see ``engine.schedule``), and every other position gets 0."""
-    settings = {"tp_group": role.groups.pg_collection.tp, "vocab_size": role.arch.vocab_size, "temperature": temperature,
-                "compute_entropy": with_entropy}  # fmt: skip
+    settings = {
+        "tp_group": role.groups.pg_collection.tp,
+        "vocab_size": role.arch.vocab_size,
+        "temperature": temperature,
+        "compute_entropy": with_entropy,
+    }
     if "logit_index" not in piece:
         return token_logprobs_and_entropy(logits[:, :-1], piece["input_ids"][:, 1:], **settings)
     b, s = piece["input_ids"].shape
@@ -67,7 +79,9 @@ def _scored_next(piece: Batch, x: torch.Tensor) -> torch.Tensor:
 
 def logprobs_output(role: RoleModel, *, temperature: float = 1.0) -> OutputFn:
     """Forward-only: (b, s) token-aligned log-probs (old policy, reference policy)."""
-    return lambda piece, logits: token_aligned(piece, next_token_logprobs(role, piece, logits, temperature=temperature)[0])
+    return lambda piece, logits: token_aligned(
+        piece, next_token_logprobs(role, piece, logits, temperature=temperature)[0]
+    )
 
 
 def values_output() -> OutputFn:
@@ -111,7 +125,9 @@ class PPOLossConfig:
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        errors = KL_ESTIMATORS.field_errors("kl_estimator", self.kl_estimator) + AGG_MODES.field_errors("agg_mode", self.agg_mode)
+        errors = KL_ESTIMATORS.field_errors("kl_estimator", self.kl_estimator) + AGG_MODES.field_errors(
+            "agg_mode", self.agg_mode
+        )
         errors += at_least(self, 0, "clip_low", "clip_high", "entropy_coef", "kl_loss_coef")
         for name in ("dual_clip_c", "value_clip", "loss_scale_factor"):
             low = 1 if name == "dual_clip_c" else 0
@@ -148,7 +164,7 @@ class UpdateLogprobs:
 
 def ppo_actor_loss(
     role: RoleModel, cfg: PPOLossConfig, *, temperature: float, on_policy: UpdateLogprobs | None = None
-) -> LossFn:  # fmt: skip
+) -> LossFn:
     """Clipped policy loss - entropy bonus + KL loss; all three share one aggregation and mask,
     hence one denominator. Log-probs are recomputed at the sampling ``temperature``, as the
     sampler produced them.
@@ -170,10 +186,16 @@ def ppo_actor_loss(
             old_logprobs = logprobs.detach()
             on_policy.record(piece["row_index"], old_logprobs)
         numerator, denominator, metrics = ppo_policy_loss(
-            logprobs, old_logprobs, _scored(piece, piece["advantages"]), mask,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.agg_mode,
+            logprobs,
+            old_logprobs,
+            _scored(piece, piece["advantages"]),
+            mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip_c=cfg.dual_clip_c,
+            agg_mode=cfg.agg_mode,
             loss_scale_factor=cfg.loss_scale_factor,
-        )  # fmt: skip
+        )
         metrics = {f"actor/{name}": value for name, value in metrics.items()}
         metrics["actor/pg_loss"] = numerator / denominator.clamp(min=1)
         if cfg.entropy_coef > 0:
@@ -184,9 +206,13 @@ def ppo_actor_loss(
             metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
         if cfg.kl_loss_coef > 0:
             kl_numerator, _ = kl_loss(
-                logprobs, _scored(piece, piece["ref_logprobs"]), mask, estimator=cfg.kl_estimator, agg_mode=cfg.agg_mode,
+                logprobs,
+                _scored(piece, piece["ref_logprobs"]),
+                mask,
+                estimator=cfg.kl_estimator,
+                agg_mode=cfg.agg_mode,
                 loss_scale_factor=cfg.loss_scale_factor,
-            )  # fmt: skip
+            )
             numerator = numerator + cfg.kl_loss_coef * kl_numerator
             metrics["actor/kl_loss"] = kl_numerator / denominator.clamp(min=1)
         return numerator, denominator, metrics
@@ -201,9 +227,14 @@ def critic_loss(cfg: PPOLossConfig) -> LossFn:
         predicted = _scored_next(piece, values[:, :-1, 0].float())
         mask = _scored(piece, piece["response_mask"]).float()
         numerator, denominator, metrics = value_loss(
-            predicted, _scored(piece, piece["old_values"]), _scored(piece, piece["returns"]), mask,
-            clip_range=cfg.value_clip, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor,
-        )  # fmt: skip
+            predicted,
+            _scored(piece, piece["old_values"]),
+            _scored(piece, piece["returns"]),
+            mask,
+            clip_range=cfg.value_clip,
+            agg_mode=cfg.agg_mode,
+            loss_scale_factor=cfg.loss_scale_factor,
+        )
         return numerator, denominator, {f"critic/{name}": value for name, value in metrics.items()}
 
     return loss

@@ -124,8 +124,13 @@ def _offload_settings(fraction: float) -> dict:
     # off: one CPU Adam over all offloaded parameters is the simpler path (its gain is not measured yet).
     # The host gradient copies are not pinned: torch's pinned allocator rounds every block up to a
     # power of two and caches it, which for a 7B model's 30 GB of fp32 gradients came to ~59 GB.
-    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction, "use_precision_aware_optimizer": True,
-            "pin_cpu_grads": False, "pin_cpu_params": False}
+    return {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": fraction,
+        "use_precision_aware_optimizer": True,
+        "pin_cpu_grads": False,
+        "pin_cpu_params": False,
+    }
 
 
 def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
@@ -135,8 +140,10 @@ def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
     if cfg.cpu_offload_fraction and params_dtype == torch.float32:
         # megatron's offload steps bf16/fp16 parameter shards with fp32 masters of its own; fp32
         # shards are views it cannot hand to a torch optimizer ("can't optimize a non-leaf Tensor").
-        raise ValueError(f"cpu_offload_fraction={cfg.cpu_offload_fraction} needs bf16 or fp16 parameters "
-                         "(dtype=bf16; dtype=auto is fp32 in CPU mode)")
+        raise ValueError(
+            f"cpu_offload_fraction={cfg.cpu_offload_fraction} needs bf16 or fp16 parameters "
+            "(dtype=bf16; dtype=auto is fp32 in CPU mode)"
+        )
     # Read by DDP at construction (it decides how DP gradients are scaled): set it first.
     model.config.calculate_per_token_loss = True
     ddp_model = DistributedDataParallel(

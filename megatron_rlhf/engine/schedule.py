@@ -22,10 +22,9 @@ on the micro-batch split.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Callable
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -80,7 +79,13 @@ class MicroBatches(Sequence[Batch]):
 
 
 def micro_batches(
-    batch: Batch, max_tokens: int, groups: ParallelGroups, device: torch.device, *, group_size: int = 1, pack: bool = True
+    batch: Batch,
+    max_tokens: int,
+    groups: ParallelGroups,
+    device: torch.device,
+    *,
+    group_size: int = 1,
+    pack: bool = True,
 ) -> tuple[MicroBatches, torch.Tensor]:
     """Cut ``batch`` by token budget into pieces on ``device`` (``MicroBatches``, built as read);
     returns them and ``rows``: the batch row of each sequence of the pieces, in order (``rows_of``
@@ -102,8 +107,12 @@ def micro_batches(
         unit_lengths = [max(lengths[i : i + group_size]) for i in range(0, len(lengths), group_size)]
         longest_first = sorted(range(len(unit_lengths)), key=lambda unit: -unit_lengths[unit])  # stable for ties
         units = plan_micro_batches([unit_lengths[u] for u in longest_first], max_tokens // group_size, dp, device)
-        plan = [[[longest_first[p] * group_size + k] for p in positions for k in range(group_size)] for positions in units]
-    return MicroBatches(batch, plan, lengths, device), torch.tensor([row for bins in plan for bin_rows in bins for row in bin_rows])
+        plan = [
+            [[longest_first[p] * group_size + k] for p in positions for k in range(group_size)] for positions in units
+        ]
+    return MicroBatches(batch, plan, lengths, device), torch.tensor(
+        [row for bins in plan for bin_rows in bins for row in bin_rows]
+    )
 
 
 def _fills(bins: list[list[int]], lengths: list[int]) -> list[int]:
@@ -180,7 +189,11 @@ def _logit_positions(piece: Batch) -> Batch:
     predicts = torch.zeros(b, s, dtype=torch.bool)
     predicts[:, :-1] = piece["logits_mask"][:, 1:].bool() & ~piece["segment_start"][:, 1:]
     index = predicts.flatten().nonzero().flatten()
-    return {"logit_index": index, "logit_target": ids.flatten()[index + 1], "logit_index_sb": index % s * b + index // s}
+    return {
+        "logit_index": index,
+        "logit_target": ids.flatten()[index + 1],
+        "logit_index_sb": index % s * b + index // s,
+    }
 
 
 def rows_of(piece: Batch, x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +227,9 @@ def run_schedule(
         piece = next(data_iterator)
         selected = {"output_processor": partial(_logits_at, piece["logit_index_sb"])} if "logit_index" in piece else {}
         with _rotary_positions(rope, piece["position_ids"]):
-            output = chunk(piece["input_ids"], piece["position_ids"], None, packed_seq_params=_packed_rows(piece), **selected)
+            output = chunk(
+                piece["input_ids"], piece["position_ids"], None, packed_seq_params=_packed_rows(piece), **selected
+            )
         return output, partial(_call_step, step_fn, piece)
 
     return get_forward_backward_func(pp_size=groups.layout.pp)(
@@ -232,8 +247,16 @@ def run_schedule(
     )
 
 
-def _logits_at(index_sb: torch.Tensor, *, hidden_states: torch.Tensor, output_layer, output_weight, runtime_gather_output,
-               scale_logits, **_) -> torch.Tensor:  # fmt: skip
+def _logits_at(
+    index_sb: torch.Tensor,
+    *,
+    hidden_states: torch.Tensor,
+    output_layer,
+    output_weight,
+    runtime_gather_output,
+    scale_logits,
+    **_,
+) -> torch.Tensor:
     """megatron's ``output_processor``: the LM head over the final hidden states (s, b, h) at the
     positions ``index_sb`` only; (1, k, Vp/tp) logits."""
     picked = hidden_states.reshape(-1, hidden_states.shape[-1])[index_sb]
@@ -248,8 +271,9 @@ def _packed_rows(piece: Batch) -> PackedSeqParams | None:
         return None
     width = piece["input_ids"].shape[1]
     cu_seqlens = piece["cu_seqlens"]
-    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=width, max_seqlen_kv=width)  # fmt: skip
+    return PackedSeqParams(
+        qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=width, max_seqlen_kv=width
+    )
 
 
 @contextmanager

@@ -24,9 +24,14 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def train_step(
-    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1,
+    state: TrainState,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    max_tokens_per_micro_batch: int,
+    group_size: int = 1,
     pack_sequences: bool = True,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Forward+backward over the batch's micro-batches, then one optimizer and LR-schedule step.
     ``pack_sequences``: several sequences share a row of a micro-batch (``micro_batches``).
 
@@ -55,9 +60,14 @@ def train_step(
 
 
 def warm_up_step(
-    state: TrainState, batch: Batch, loss_fn: LossFn, *, max_tokens_per_micro_batch: int, group_size: int = 1,
+    state: TrainState,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    max_tokens_per_micro_batch: int,
+    group_size: int = 1,
     pack_sequences: bool = True,
-) -> None:  # fmt: skip
+) -> None:
     """``train_step``'s forward and backward with no optimizer step, the gradients discarded: the
     first step's one-time costs (kernel compilation, the allocator growing to the step's peak) are
     paid here, and the model, its optimizer and the schedule are left exactly as they were."""
@@ -66,7 +76,9 @@ def warm_up_step(
     state.optimizer.zero_grad()
 
 
-def _forward_backward(state: TrainState, batch: Batch, loss_fn: LossFn, max_tokens: int, group_size: int, pack: bool) -> list:
+def _forward_backward(
+    state: TrainState, batch: Batch, loss_fn: LossFn, max_tokens: int, group_size: int, pack: bool
+) -> list:
     """Gradients of ``batch`` in the model's (zeroed) gradient buffers, reduced over DP; returns the
     loss step's per-micro-batch figures (last pipeline stage)."""
     model = state.ddp_model
@@ -85,8 +97,12 @@ def _nonfinite_grads_anywhere(model: torch.nn.Module, device: torch.device) -> t
     # The smallest and largest gradient of each buffer (a NaN anywhere makes both NaN): one read of
     # the buffers and no host sync before the all-reduce, where ``isfinite(...).all()`` wrote and
     # read a bool copy of each (7 ms per step for a 1.5B model on an H200).
-    extremes = [x for buffer in model.buffers + model.expert_parallel_buffers if buffer.grad_data.numel()
-                for x in torch.aminmax(buffer.grad_data)]  # fmt: skip
+    extremes = [
+        x
+        for buffer in model.buffers + model.expert_parallel_buffers
+        if buffer.grad_data.numel()
+        for x in torch.aminmax(buffer.grad_data)
+    ]
     bad = torch.zeros(1, device=device)
     if extremes:
         bad += (~torch.isfinite(torch.stack(extremes))).any()
@@ -123,7 +139,9 @@ def _loss_step(loss_fn: LossFn):
     return step
 
 
-def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]], role: RoleModel, device: torch.device) -> dict[str, float]:
+def _reduce_metrics(
+    per_micro_batch: list[dict[str, torch.Tensor]], role: RoleModel, device: torch.device
+) -> dict[str, float]:
     """Sum over micro-batches on the last stage, over DP, then share along the pipeline."""
     pg = role.groups.pg_collection
     names = sorted(per_micro_batch[0]) if per_micro_batch else []
@@ -137,7 +155,7 @@ def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]], role: RoleMo
         totals[-1] += 1
     dist.all_reduce(totals, group=pg.dp)
     dist.all_reduce(totals, group=pg.pp)  # only the last stage contributes
-    values = dict(zip(names, totals[:-1].tolist()))
+    values = dict(zip(names, totals[:-1].tolist(), strict=True))
     count = max(totals[-1].item(), 1.0)
     result = {"loss": values.pop("_numerator") / max(values.pop("_denominator"), 1.0)}
     result.update({name: value / count for name, value in values.items()})
@@ -145,8 +163,9 @@ def _reduce_metrics(per_micro_batch: list[dict[str, torch.Tensor]], role: RoleMo
 
 
 @torch.no_grad()
-def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int,
-                 pack_sequences: bool = True) -> torch.Tensor | None:  # fmt: skip
+def forward_pass(
+    role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int, pack_sequences: bool = True
+) -> torch.Tensor | None:
     """Apply ``output_fn(micro_batch, model_output)`` to every micro-batch; results are laid out one
     row per sequence (``rows_of``), padded back to the batch's width and concatenated (B, S, ...)
     in the batch's row order on the last pipeline stage, None elsewhere. Positions past a row's
@@ -162,8 +181,10 @@ def forward_pass(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_toke
     model.train(was_training)
     if not role.groups.is_last_stage:
         return None
-    padded = [torch.nn.functional.pad(rows_of(piece, output), (0, 0) * (output.dim() - 2) + (0, width - output.shape[1]))
-              for piece, output in zip(pieces, outputs)]  # fmt: skip
+    padded = [
+        torch.nn.functional.pad(rows_of(piece, output), (0, 0) * (output.dim() - 2) + (0, width - output.shape[1]))
+        for piece, output in zip(pieces, outputs, strict=True)
+    ]
     return torch.cat(padded)[torch.argsort(rows).to(device)]
 
 
@@ -181,8 +202,9 @@ def forward_outputs(role: RoleModel, input_ids: torch.Tensor, micro_batch_size: 
     return forward_pass(role, batch, output, max_tokens_per_micro_batch=micro_batch_size * input_ids.shape[1])
 
 
-def forward_all_rows(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int,
-                     pack_sequences: bool = True) -> torch.Tensor:  # fmt: skip
+def forward_all_rows(
+    role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_tokens_per_micro_batch: int, pack_sequences: bool = True
+) -> torch.Tensor:
     """(B, S) float32 outputs of every row, on every rank, on the CPU.
 
     Each data-parallel rank runs a contiguous 1/dp of the rows (B must divide evenly), the shares
@@ -196,8 +218,9 @@ def forward_all_rows(role: RoleModel, batch: Batch, output_fn: OutputFn, *, max_
         raise ValueError(f"{rows} rows cannot be split evenly over the {role.role}'s {dp} data-parallel ranks")
     share = rows // dp
     mine = {key: value[groups.dp_rank * share : (groups.dp_rank + 1) * share] for key, value in batch.items()}
-    local = forward_pass(role, mine, output_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                         pack_sequences=pack_sequences)  # fmt: skip
+    local = forward_pass(
+        role, mine, output_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack_sequences=pack_sequences
+    )
     device = _device(role.model)
     everything = torch.empty((rows, width), dtype=torch.float32, device=device)
     if local is not None:

@@ -6,5 +6,13 @@ from megatron_rlhf.hybrid.memory import TrainingMemory
 from megatron_rlhf.hybrid.reference import ReferenceConfig, ReferenceUpdater
 from megatron_rlhf.hybrid.reshard import LayoutCopy, WeightResharder, generation_layout
 
-__all__ = ["HybridEngine", "LayoutCopy", "PhaseReport", "ReferenceConfig", "ReferenceUpdater", "TrainingMemory",
-           "WeightResharder", "generation_layout"]
+__all__ = [
+    "HybridEngine",
+    "LayoutCopy",
+    "PhaseReport",
+    "ReferenceConfig",
+    "ReferenceUpdater",
+    "TrainingMemory",
+    "WeightResharder",
+    "generation_layout",
+]

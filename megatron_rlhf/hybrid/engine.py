@@ -63,8 +63,9 @@ class PhaseReport:
 
 
 class HybridEngine:
-    def __init__(self, actor: TrainState, generation_tp: int, engine_cfg: NativeEngineConfig, *,
-                 offload: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, actor: TrainState, generation_tp: int, engine_cfg: NativeEngineConfig, *, offload: bool = True
+    ) -> None:
         self.actor = actor
         self.memory = TrainingMemory(actor) if offload else None
         self.resharder = WeightResharder(actor.role, generation_tp)
@@ -76,10 +77,16 @@ class HybridEngine:
         """Where generation runs, for the start-up report: ``generation TP2xPP1xDP4 (resharded
         from the actor's TP4xPP2xDP1)``, or ``(zero copy: the actor's training layout)``."""
         train, generation = self.actor.role.groups.layout, self.resharder.target.groups.layout
-        how = "zero copy: the actor's training layout" if self.resharder.zero_copy else f"resharded from the actor's {train}"
+        how = (
+            "zero copy: the actor's training layout"
+            if self.resharder.zero_copy
+            else f"resharded from the actor's {train}"
+        )
         return f"generation {generation} ({how})"
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[list[Completion], list[PhaseReport]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> tuple[list[Completion], list[PhaseReport]]:
         """All completions (every rank gets all of them, ordered), and the phase reports."""
         reports: list[PhaseReport] = []
 
@@ -103,8 +110,11 @@ class HybridEngine:
         with phase("generate"):
             completions = generate_data_parallel(self.engine, prompts, params)
         if self.device.type == "cuda" and self.engine.cfg.cuda_graphs:  # part of generate
-            reports.append(PhaseReport("cuda graph capture", self.engine.graph_capture_seconds - captured,
-                                       memory_summary(self.device)))
+            reports.append(
+                PhaseReport(
+                    "cuda graph capture", self.engine.graph_capture_seconds - captured, memory_summary(self.device)
+                )
+            )
 
         if self.memory is not None:
             with phase("free generation memory"):

@@ -42,8 +42,16 @@ def kv_cache_bytes(arch: Architecture, *, generation_tp: int, slots: int, max_le
     return arch.num_layers * slots * (arch.num_query_groups // generation_tp) * max_len * 2 * arch.head_dim * element
 
 
-def generation_bytes(arch: Architecture, *, train: Layout, generation_tp: int, weight_bytes: int, slots: int, max_len: int,
-                     dtype: torch.dtype) -> int:  # fmt: skip
+def generation_bytes(
+    arch: Architecture,
+    *,
+    train: Layout,
+    generation_tp: int,
+    weight_bytes: int,
+    slots: int,
+    max_len: int,
+    dtype: torch.dtype,
+) -> int:
     """What generation allocates on one rank beside the training memory: the KV cache, and the
     resharded generation copy (``weight_bytes``, this rank's share of the actor in ``train``, spread
     over ``generation_tp`` instead) unless the layouts match (zero copy)."""
@@ -61,8 +69,13 @@ def optimizer_bytes_to_come(state: TrainState) -> int:
     optimizers = torch_optimizers(state.optimizer, split_offloaded=True)
     if any(len(s) > 0 for optimizer in optimizers for s in optimizer.state.values()):
         return 0
-    return sum(8 * p.numel() for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
-               if p.is_cuda)  # fmt: skip
+    return sum(
+        8 * p.numel()
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.is_cuda
+    )
 
 
 def decide_offload(mode: str, *, generation_needs: int, free: int, total: int) -> tuple[bool, str]:
@@ -75,10 +88,15 @@ def decide_offload(mode: str, *, generation_needs: int, free: int, total: int) -
         return mode == "always", f"hybrid.offload={mode}"
     room = free - int(HEADROOM_FRACTION * total)
     fits = generation_needs <= room
-    return (not fits), (f"hybrid.offload=auto: generation needs {generation_needs / GIB:.2f} GiB, "
-                        f"{room / GIB:.2f} GiB free at the training peak (after a {HEADROOM_FRACTION:.0%} headroom): "
-                        + ("keep the optimizer state on the device and generation's memory allocated between rollouts"
-                           if fits else "offload it while generating"))
+    return (not fits), (
+        f"hybrid.offload=auto: generation needs {generation_needs / GIB:.2f} GiB, "
+        f"{room / GIB:.2f} GiB free at the training peak (after a {HEADROOM_FRACTION:.0%} headroom): "
+        + (
+            "keep the optimizer state on the device and generation's memory allocated between rollouts"
+            if fits
+            else "offload it while generating"
+        )
+    )
 
 
 @dataclasses.dataclass

@@ -81,16 +81,18 @@ class ReferenceUpdater:
         if cfg.update not in ("periodic", "ema"):
             raise ValueError(f"reference.update={cfg.update!r}: only periodic and ema change the reference")
         if actor.arch != reference.arch or actor.padded_vocab_size != reference.padded_vocab_size:
-            raise ValueError(f"the reference ({reference.arch.hf_class_name}, padded vocab {reference.padded_vocab_size}) "
-                             f"must have the actor's architecture and padded vocab ({actor.padded_vocab_size}) "
-                             "to follow it")  # fmt: skip
+            raise ValueError(
+                f"the reference ({reference.arch.hf_class_name}, padded vocab {reference.padded_vocab_size}) "
+                f"must have the actor's architecture and padded vocab ({actor.padded_vocab_size}) "
+                "to follow it"
+            )
         self.cfg = cfg
         self.actor_copy = LayoutCopy(actor, reference.groups.layout)
         ours = list(reference.model.named_parameters())
         theirs = list(self.actor_copy.target.model.named_parameters())
         if [(n, p.shape) for n, p in ours] != [(n, p.shape) for n, p in theirs]:
             raise ValueError("the reference's parameters do not match the actor's in the reference's layout")
-        self._pairs = [(ref, act) for (_, ref), (_, act) in zip(ours, theirs)]
+        self._pairs = [(ref, act) for (_, ref), (_, act) in zip(ours, theirs, strict=True)]
 
     def after_step(self, step: int) -> bool:
         """Update the reference after the actor update of RL step ``step`` (1-based); returns
@@ -112,7 +114,11 @@ class ReferenceUpdater:
     @property
     def description(self) -> str:
         """How the reference follows the actor, for the run's log."""
-        how = f"every {self.cfg.update_every} steps" if self.cfg.update == "periodic" else f"ema decay {self.cfg.ema_decay}"
+        how = (
+            f"every {self.cfg.update_every} steps"
+            if self.cfg.update == "periodic"
+            else f"ema decay {self.cfg.ema_decay}"
+        )
         layout = self.actor_copy.layout
         where = "same layout as the actor" if self.actor_copy.zero_copy else f"actor resharded into {layout}"
         return f"reference update: {self.cfg.update}, {how} ({where})"

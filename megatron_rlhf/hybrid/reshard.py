@@ -57,8 +57,9 @@ def generation_layout(train: Layout, generation_tp: int, world_size: int) -> Lay
     if generation_tp < 1:
         raise ValueError(f"generation tp={generation_tp} must be >= 1")
     if train.tp * train.pp * train.dp != world_size:
-        raise ValueError(f"the training layout {train} has {train.tp * train.pp * train.dp} ranks, "
-                         f"not the world size {world_size}")  # fmt: skip
+        raise ValueError(
+            f"the training layout {train} has {train.tp * train.pp * train.dp} ranks, not the world size {world_size}"
+        )
     if world_size % generation_tp:
         raise ValueError(f"generation tp={generation_tp} must divide the world size {world_size}")
     return Layout(tp=generation_tp, pp=1, dp=world_size // generation_tp)
@@ -72,8 +73,10 @@ def matching_vocab_pad_multiple(vocab_size: int, source_padded_vocab: int, tp: i
     padding step is the source model's padded size itself, which rounds ``vocab_size`` up to it.
     """
     if not 0 < vocab_size <= source_padded_vocab:
-        raise ValueError(f"the source model's padded vocabulary {source_padded_vocab} does not hold "
-                         f"the vocabulary of {vocab_size} tokens")  # fmt: skip
+        raise ValueError(
+            f"the source model's padded vocabulary {source_padded_vocab} does not hold "
+            f"the vocabulary of {vocab_size} tokens"
+        )
     if source_padded_vocab % tp:
         raise ValueError(
             f"tp={tp} must divide the source model's padded vocabulary {source_padded_vocab} "
@@ -103,8 +106,10 @@ class LayoutCopy:
         dtypes = {p.dtype for p in source.model.parameters()}
         devices = {p.device for p in source.model.parameters()}
         if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"the {source.role}'s parameters must share one dtype and one device "
-                             f"(got {sorted(map(str, dtypes))} on {sorted(map(str, devices))})")  # fmt: skip
+            raise ValueError(
+                f"the {source.role}'s parameters must share one dtype and one device "
+                f"(got {sorted(map(str, dtypes))} on {sorted(map(str, devices))})"
+            )
         multiple = matching_vocab_pad_multiple(source.arch.vocab_size, source.padded_vocab_size, layout.tp)
         groups = parallel_groups(layout)
         model = build_model(source.arch, groups, dtype=dtypes.pop(), device=devices.pop(), vocab_pad_multiple=multiple)
@@ -171,8 +176,7 @@ def _flatten_parameters(model: torch.nn.Module) -> torch.Tensor:
     sizes = [-(-p.numel() // _ALIGN) * _ALIGN for p in params]
     flat = torch.empty(sum(sizes), dtype=params[0].dtype, device=params[0].device)
     offset = 0
-    for param, size in zip(params, sizes):
+    for param, size in zip(params, sizes, strict=True):
         param.data = flat[offset : offset + param.numel()].view_as(param)
         offset += size
     return flat
-

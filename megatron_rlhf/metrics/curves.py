@@ -43,19 +43,24 @@ def validation_table(rows: list[dict[str, Any]], max_keys: int = 4, max_rows: in
     keys = validation_keys(rows)[:max_keys]
     if not rows or not keys:
         return ""
-    keep = sorted({round(i * (len(rows) - 1) / (max_rows - 1)) for i in range(max_rows)}) if len(rows) > max_rows else range(len(rows))
+    keep = (
+        sorted({round(i * (len(rows) - 1) / (max_rows - 1)) for i in range(max_rows)})
+        if len(rows) > max_rows
+        else range(len(rows))
+    )
     header = ["step", *keys]
     body = [[str(rows[i]["step"]), *(_cell(rows[i].get(k)) for k in keys)] for i in keep]
     widths = [max(len(line[c]) for line in [header, *body]) for c in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *body])
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in [header, *body])
 
 
 def _cell(value: Any) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4f}"
 
 
-def write_curves(train: list[dict[str, Any]], validation: list[dict[str, Any]], out_png: str | Path, headline: str,
-                 title: str) -> Path | None:  # fmt: skip
+def write_curves(
+    train: list[dict[str, Any]], validation: list[dict[str, Any]], out_png: str | Path, headline: str, title: str
+) -> Path | None:
     """Draw ``headline``, ``TRAIN_KEYS`` and the validation figures (rows of ``read_metrics``)
     against step into ``out_png``; returns it, or None when matplotlib is missing or there is
     nothing to draw."""
@@ -72,8 +77,8 @@ def write_curves(train: list[dict[str, Any]], validation: list[dict[str, Any]], 
     if not series:
         return None
     fig, axes = plt.subplots(len(series), 1, figsize=(6.4, 2.2 * len(series)), sharex=True, squeeze=False)
-    for ax, (key, split, points) in zip(axes[:, 0], series):
-        steps, values = zip(*points)
+    for ax, (key, split, points) in zip(axes[:, 0], series, strict=True):
+        steps, values = zip(*points, strict=True)
         ax.plot(steps, values, marker="o" if split == "validation" else None, markersize=3)
         ax.set_ylabel(key if split == "train" else f"val/{key}", fontsize=8)
         ax.grid(alpha=0.3)
@@ -86,4 +91,6 @@ def write_curves(train: list[dict[str, Any]], validation: list[dict[str, Any]], 
 
 
 def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])]
+    return [
+        (row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])
+    ]

@@ -31,11 +31,18 @@ OTHER = "elementwise / reduction / other"
 def op_times(prof: profile) -> dict[str, tuple[float, int]]:
     """name -> (self time in microseconds, count): the GPU kernels if any ran, else the CPU operators."""
     events = prof.key_averages()
-    kernels = {e.key: (e.self_device_time_total, e.count) for e in events
-               if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0}  # fmt: skip
+    kernels = {
+        e.key: (e.self_device_time_total, e.count)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+    }
     if kernels:
         return kernels
-    return {e.key: (e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::") and e.self_cpu_time_total > 0}
+    return {
+        e.key: (e.self_cpu_time_total, e.count)
+        for e in events
+        if e.key.startswith("aten::") and e.self_cpu_time_total > 0
+    }
 
 
 def kind_of(name: str) -> str:
@@ -69,6 +76,7 @@ def print_report(lines: list[str], out: Path | None) -> None:
 # -------------------------------------------------------------------------------------------------
 # A profiled training step, phase by phase (``profile_steps``).
 
+
 def _merged_length(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of ``intervals``: the time at least one of them runs."""
     total, reach = 0.0, float("-inf")
@@ -86,18 +94,32 @@ def phase_report(prof: profile, top: int = 10) -> list[str]:
     range its GPU start falls in: each phase ends with a device synchronize, so its kernels cannot
     spill into the next. In CPU mode the same for the CPU operators' self time."""
     events = prof.events()
-    ranges = sorted(((e.name.removeprefix(PHASE_MARK), e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name.startswith(PHASE_MARK)),
-                    key=lambda r: (r[1], -r[2]))  # fmt: skip
-    work = [(e.name, e.time_range.start, e.time_range.end) for e in events
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
+    ranges = sorted(
+        (
+            (e.name.removeprefix(PHASE_MARK), e.time_range.start, e.time_range.end)
+            for e in events
+            if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name.startswith(PHASE_MARK)
+        ),
+        key=lambda r: (r[1], -r[2]),
+    )
+    work = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    ]
     on_gpu = bool(work)
     if not on_gpu:
-        work = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total) for e in events
-                if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and e.self_cpu_time_total > 0]  # fmt: skip
+        work = [
+            (e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total)
+            for e in events
+            if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and e.self_cpu_time_total > 0
+        ]
     work.sort(key=lambda w: w[1])
     starts = [w[1] for w in work]
-    lines = [f"{len(ranges)} phase ranges; " + ("GPU kernels, copies and fills" if on_gpu else "CPU operators (no GPU kernels ran)")]
+    lines = [
+        f"{len(ranges)} phase ranges; "
+        + ("GPU kernels, copies and fills" if on_gpu else "CPU operators (no GPU kernels ran)")
+    ]
     open_ends: list[float] = []
     for name, start, end in ranges:
         while open_ends and open_ends[-1] <= start:
@@ -113,11 +135,16 @@ def phase_report(prof: profile, top: int = 10) -> list[str]:
             us, n = per_name.get(kernel, (0.0, 0))
             per_name[kernel] = (us + e - s, n + 1)
         what = "GPU busy" if on_gpu else "in operators"
-        lines.append(f"{indent}{name}: {wall_ms:.1f} ms wall, {what} {busy_ms:.1f} ms ({100 * busy_ms / max(wall_ms, 1e-9):.0f}%), "
-                     f"{len(inside)} {'launches' if on_gpu else 'operator calls'}")  # fmt: skip
+        lines.append(
+            f"{indent}{name}: {wall_ms:.1f} ms wall, {what} {busy_ms:.1f} ms "
+            f"({100 * busy_ms / max(wall_ms, 1e-9):.0f}%), "
+            f"{len(inside)} {'launches' if on_gpu else 'operator calls'}"
+        )
         if per_name:
             kinds = by_kind(per_name)
-            lines.append(f"{indent}  by kind (ms): " + ", ".join(f"{kind} {us / 1e3:.1f}" for kind, us in kinds.items()))
+            lines.append(
+                f"{indent}  by kind (ms): " + ", ".join(f"{kind} {us / 1e3:.1f}" for kind, us in kinds.items())
+            )
         lines += [f"{indent}  {line}" for line in costliest(per_name, top)]
     return lines
 
@@ -127,12 +154,20 @@ def profiled(stem: Path) -> Iterator[None]:
     """Profile the block (CPU, and CUDA when present, with shapes): ``STEM.txt`` gets
     ``phase_report`` and ``STEM.trace.json.gz`` the trace (Perfetto, chrome://tracing)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, record_shapes=True, acc_events=True) as prof:  # one cycle: acc_events only quiets a warning
+    with profile(
+        activities=activities, record_shapes=True, acc_events=True
+    ) as prof:  # one cycle: acc_events only quiets a warning
         yield
     lines = phase_report(prof)
     stem.parent.mkdir(parents=True, exist_ok=True)
     text_file, trace_file = stem.with_name(stem.name + ".txt"), stem.with_name(stem.name + ".trace.json.gz")
     text_file.write_text("\n".join(lines) + "\n")
     prof.export_chrome_trace(str(trace_file))
-    log("\n".join([f"profile: {text_file} (trace: {trace_file.name}); per phase:",
-                    *(line for line in lines[1:] if line.rstrip().endswith(("launches", "operator calls")))]))
+    log(
+        "\n".join(
+            [
+                f"profile: {text_file} (trace: {trace_file.name}); per phase:",
+                *(line for line in lines[1:] if line.rstrip().endswith(("launches", "operator calls"))),
+            ]
+        )
+    )

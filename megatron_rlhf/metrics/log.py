@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import torch
@@ -46,16 +47,25 @@ def environment_report() -> str:
 
     here = Path(megatron_rlhf.__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
-    present = {name: importlib.util.find_spec(module) is not None
-               for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))}  # fmt: skip
-    return (f"megatron-rlhf {megatron_rlhf.__version__} (git {commit or 'unknown'}), torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda or 'none'}, megatron-core {version('megatron-core')}, "
-            + ", ".join(f"{name} {'present' if ok else 'absent'}" for name, ok in present.items())
-            + f"; {torch.get_num_threads()} host threads")
+    present = {
+        name: importlib.util.find_spec(module) is not None
+        for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))
+    }
+    return (
+        f"megatron-rlhf {megatron_rlhf.__version__} (git {commit or 'unknown'}), torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda or 'none'}, megatron-core {version('megatron-core')}, "
+        + ", ".join(f"{name} {'present' if ok else 'absent'}" for name, ok in present.items())
+        + f"; {torch.get_num_threads()} host threads"
+    )
 
 
 def memory_summary(device: torch.device) -> str:
@@ -108,8 +118,14 @@ def phase_range(phase: str) -> contextlib.AbstractContextManager[Any]:
 
 
 @contextlib.contextmanager
-def timed(phase: str, device: torch.device, times: dict[str, float] | None = None, *, quiet: bool = False,
-          peaks: dict[str, float] | None = None) -> Iterator[None]:  # fmt: skip
+def timed(
+    phase: str,
+    device: torch.device,
+    times: dict[str, float] | None = None,
+    *,
+    quiet: bool = False,
+    peaks: dict[str, float] | None = None,
+) -> Iterator[None]:
     """Time a phase across all ranks (barrier at both ends), add it to ``times[phase]`` and log it
     with memory use (unless quiet). On a GPU, ``peaks`` gets the phase's peak allocated and reserved
     GiB of this rank (``peak_allocated_gib/<phase>``, ``peak_reserved_gib/<phase>``; the largest when
@@ -126,8 +142,10 @@ def timed(phase: str, device: torch.device, times: dict[str, float] | None = Non
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     if measure:
-        for kind, value in (("allocated", torch.cuda.max_memory_allocated(device)),
-                            ("reserved", torch.cuda.max_memory_reserved(device))):  # fmt: skip
+        for kind, value in (
+            ("allocated", torch.cuda.max_memory_allocated(device)),
+            ("reserved", torch.cuda.max_memory_reserved(device)),
+        ):
             key = f"peak_{kind}_gib/{phase}"
             peaks[key] = max(peaks.get(key, 0.0), value / 1024**3)
     if dist.is_initialized():

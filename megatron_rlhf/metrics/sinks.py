@@ -72,8 +72,9 @@ class ConsoleSink(Sink):
     """The progress lines: a train step's every ``log_every`` steps (and the first and last), with
     the ETA; every validation's figures."""
 
-    def __init__(self, progress: Callable[[dict[str, float]], str], total_steps: int, log_every: int,
-                 resumed_step: int | None) -> None:  # fmt: skip
+    def __init__(
+        self, progress: Callable[[dict[str, float]], str], total_steps: int, log_every: int, resumed_step: int | None
+    ) -> None:
         self.progress, self.total_steps, self.log_every = progress, total_steps, log_every
         self.first_step = (resumed_step or 0) + 1
         self.start = time.perf_counter()
@@ -101,8 +102,11 @@ class JsonlSink(Sink):
         path = self.out_dir / f"{name}.jsonl"
         if self.resumed_step is None or not path.is_file():
             return path.open("w", encoding="utf-8")
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-                if line.endswith("\n") and json.loads(line)["step"] <= self.resumed_step]  # fmt: skip
+        kept = [
+            line
+            for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.endswith("\n") and json.loads(line)["step"] <= self.resumed_step
+        ]
         path.write_text("".join(kept), encoding="utf-8")
         return path.open("a", encoding="utf-8")
 
@@ -170,8 +174,13 @@ class WandbSink(Sink):
         import wandb
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=settings.project, name=settings.name or out_dir.resolve().name,
-                              mode=settings.mode or None, dir=str(out_dir), config=config)  # fmt: skip
+        self.run = wandb.init(
+            project=settings.project,
+            name=settings.name or out_dir.resolve().name,
+            mode=settings.mode or None,
+            dir=str(out_dir),
+            config=config,
+        )
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         self.run.log({scalar_name(split, key): value for key, value in values.items()}, step=step)
@@ -227,16 +236,29 @@ SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
 def logger_errors(field: str, names: Sequence[str], wandb: WandbConfig) -> list[str]:
     """Problems with a ``loggers`` list: unknown or repeated names, and wandb without its package
     or, online, without credentials (found here, at start-up, rather than after the models are built)."""
-    errors = [f"{field}={list(names)}: unknown logger {name!r}; choose from {list(SINKS)}" for name in names if name not in SINKS]
-    errors += [f"{field}={list(names)}: {name!r} is listed twice" for name in sorted(set(names)) if names.count(name) > 1]
+    errors = [
+        f"{field}={list(names)}: unknown logger {name!r}; choose from {list(SINKS)}"
+        for name in names
+        if name not in SINKS
+    ]
+    errors += [
+        f"{field}={list(names)}: {name!r} is listed twice" for name in sorted(set(names)) if names.count(name) > 1
+    ]
     if "wandb" in names and importlib.util.find_spec("wandb") is None:
-        errors.append(f"{field}={list(names)} lists wandb, but the wandb package is not installed: "
-                      "pip install wandb (or leave wandb out of loggers)")  # fmt: skip
-    elif "wandb" in names and (wandb.mode or os.environ.get("WANDB_MODE") or "online") == "online" \
-            and not _has_wandb_credentials():  # fmt: skip
-        errors.append(f"{field}={list(names)} lists wandb online, but no wandb credentials were found (WANDB_API_KEY, "
-                      "or `wandb login`'s entry in ~/.netrc): log in, or set wandb.mode=offline (files under "
-                      "output_dir/wandb, `wandb sync` later)")  # fmt: skip
+        errors.append(
+            f"{field}={list(names)} lists wandb, but the wandb package is not installed: "
+            "pip install wandb (or leave wandb out of loggers)"
+        )
+    elif (
+        "wandb" in names
+        and (wandb.mode or os.environ.get("WANDB_MODE") or "online") == "online"
+        and not _has_wandb_credentials()
+    ):
+        errors.append(
+            f"{field}={list(names)} lists wandb online, but no wandb credentials were found (WANDB_API_KEY, "
+            "or `wandb login`'s entry in ~/.netrc): log in, or set wandb.mode=offline (files under "
+            "output_dir/wandb, `wandb sync` later)"
+        )
     return errors
 
 

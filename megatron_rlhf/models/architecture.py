@@ -69,7 +69,7 @@ class Architecture:
         suffix = "ForSequenceClassification" if self.score_head else "ForCausalLM"
         return _FAMILY_CLASS_PREFIX[self.family] + suffix
 
-    def with_score_head(self, num_labels: int = 1) -> "Architecture":
+    def with_score_head(self, num_labels: int = 1) -> Architecture:
         """The same backbone with a score head, e.g. a critic initialised from an actor."""
         hf_config = copy.deepcopy(self.hf_config)
         hf_config["architectures"] = [_FAMILY_CLASS_PREFIX[self.family] + "ForSequenceClassification"]
@@ -95,9 +95,7 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, Llama3RopeScaling | 
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
-        raise UnsupportedModelError(
-            f"{source}: rope type '{rope_type}' is not supported (supported: default, llama3)"
-        )
+        raise UnsupportedModelError(f"{source}: rope type '{rope_type}' is not supported (supported: default, llama3)")
     return float(theta), Llama3RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),

@@ -170,9 +170,15 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @gpu_fused
 def rotate_into_cache(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotated query, and the cache entry [rotated key | value] (last dim 2 * hn), also written
     into ``cache`` (slots, groups, max_len, 2 * hn) at each row's ``positions`` (b, sq) of its slot
     in ``slots`` (b,). On GPU it is compiled: the rotation in float32, rounded once, and the store
@@ -184,7 +190,9 @@ def rotate_into_cache(
 
 
 @gpu_fused
-def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (sq, b, 1, hn) in ``dtype`` of the rotary angles of ``positions`` (b, sq), shared by
     every layer of a forward: megatron's table (angles in float32, both halves alike). One kernel on GPU."""
     angles = positions.t().float()[..., None] * inv_freq.float()  # (sq, b, hn / 2)
@@ -192,7 +200,9 @@ def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def split_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(
+    mixed: torch.Tensor, groups: int, heads_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query (sq, b, groups * heads_per_group, hn), key and value (sq, b, groups, hn) of megatron's
     fused QKV projection output (sq, b, groups * (heads_per_group + 2) * hn): per KV group, its
     query heads, then its key, then its value (``SelfAttention.get_query_key_value_tensors``)."""
@@ -205,9 +215,14 @@ def split_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int) -> tuple[t
 
 @gpu_fused
 def split_rotate_into_cache(
-    mixed: torch.Tensor, heads_per_group: int, cos: torch.Tensor, sin: torch.Tensor,
-    cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    mixed: torch.Tensor,
+    heads_per_group: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotate_into_cache`` of the fused QKV projection's output, split (``split_qkv``) inside the
     same compiled function: megatron's split makes the query contiguous with a copy kernel of its
     own."""
@@ -221,7 +236,9 @@ kernel, rounded once, as megatron's ``swiglu``) on GPU, where it runs inside the
 
 
 @gpu_fused
-def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden + delta, RMSNorm of that sum): a residual add and the norm after it in one kernel on
     GPU. The norm is torch's ``rms_norm``'s arithmetic (statistics in at least float32, the weight
     applied before the single rounding), as the training forward computes it."""
@@ -244,7 +261,7 @@ def decode_score_bias(positions: torch.Tensor, kv_len: int, window: int | None) 
 
 def cached_decode_attention(
     query: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, kv_len: int, window: int | None, scale: float
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Attention of one query per cache slot over that slot's cached keys, read in place.
 
     query (1, slots, heads, hn): row i is slot i's newest token, at ``positions[i, 0]``; cache
@@ -272,22 +289,32 @@ def cached_decode_attention(
 
 
 def rotate_store_attend(
-    mixed: torch.Tensor, heads_per_group: int, step_cos: torch.Tensor, step_sin: torch.Tensor, cache: torch.Tensor,
-    slots: torch.Tensor, positions: torch.Tensor, kv_len: int, window: int | None, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    mixed: torch.Tensor,
+    heads_per_group: int,
+    step_cos: torch.Tensor,
+    step_sin: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    kv_len: int,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
     """A decode step's attention from the fused QKV projection's output (1, slots, width), row i
     being cache slot i (``slots`` is arange): ``split_rotate_into_cache`` then
     ``cached_decode_attention``; on a GPU one Triton kernel does both
     (``decode_attention.rotate_store_attend``). Returns (1, slots, heads * hn)."""
     if decode_attention.available(mixed):
-        return decode_attention.rotate_store_attend(mixed, heads_per_group, step_cos, step_sin, cache, positions, kv_len, window, scale)
+        return decode_attention.rotate_store_attend(
+            mixed, heads_per_group, step_cos, step_sin, cache, positions, kv_len, window, scale
+        )
     query, _ = split_rotate_into_cache(mixed, heads_per_group, step_cos, step_sin, cache, slots, positions)
     return cached_decode_attention(query, cache, positions, kv_len, window, scale)
 
 
 def matmul_decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_bias: torch.Tensor, scale: float
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """query (slots, groups, rows, hn) over keys/values (slots, groups, kv_len, hn) with the
     (slots, kv_len) additive ``score_bias``: scores and softmax in float32 (or the inputs' wider
     dtype); (slots, groups, rows, hn). The slot and group dims fold into one batch stride."""
@@ -334,5 +361,7 @@ class CachedSelfAttention(SelfAttention):
             key, value = entry[..., :head_dim], entry[..., head_dim:]  # views: rotated key, value
             out = self.core_attention(query, key, value, None, attn_mask_type=AttnMaskType.causal)
         else:
-            out = cached_decode_attention(query, cache, step.positions, step.kv_len, step.window, self.core_attention.softmax_scale)
+            out = cached_decode_attention(
+                query, cache, step.positions, step.kv_len, step.window, self.core_attention.softmax_scale
+            )
         return self.linear_proj(out)

@@ -43,7 +43,9 @@ def layer_spec(arch: Architecture) -> ModuleSpec:
     return spec
 
 
-def transformer_config(arch: Architecture, groups: ParallelGroups, dtype: torch.dtype, on_gpu: bool) -> TransformerConfig:
+def transformer_config(
+    arch: Architecture, groups: ParallelGroups, dtype: torch.dtype, on_gpu: bool
+) -> TransformerConfig:
     layout = groups.layout
     torch_fusions.install()
     return TransformerConfig(

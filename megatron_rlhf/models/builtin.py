@@ -35,43 +35,77 @@ PREFIX = "builtin:"
 _LLAMA = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 _TINY = {
     **_LLAMA,
-    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
     "rope_theta": 10000.0,
-}  # fmt: skip
+}
 # The arithmetic task's model: its SentencePiece vocabulary (32 pieces, tasks/arithmetic.py), 0.8M
 # parameters: it learns 2-digit addition and subtraction with worked steps from scratch on one CPU
 # core, about 57% greedy test accuracy after 300 SFT steps (~100 CPU seconds), 97% after 600.
 _ARITH = {
     **_LLAMA,
-    "vocab_size": 32, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
-    "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-}  # fmt: skip
+    "vocab_size": 32,
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 # Qwen2.5-1.5B dimensions with Llama layers: the benchmark shape.
 _LLAMA_1_5B = {
     **_LLAMA,
-    "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-    "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-}  # fmt: skip
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+}
 
 # Qwen2.5-7B dimensions with Llama layers (7.6B parameters, untied): the one-GPU 7B benchmark shape.
 # Written once in bf16 (15 GB): each tensor is drawn in fp32 and cast on its own, so the host holds
 # the bf16 tensors plus one fp32 tensor (the largest, an embedding, 2.2 GB) at a time.
 _LLAMA_7B = {
     **_LLAMA,
-    "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-    "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-}  # fmt: skip
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+}
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-llama": {**_TINY, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
-    "tiny-llama-rm": {**_TINY, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1, "dtype": "float32"},
+    "tiny-llama-rm": {
+        **_TINY,
+        "architectures": ["LlamaForSequenceClassification"],
+        "num_labels": 1,
+        "dtype": "float32",
+    },
     "arith-llama": {**_ARITH, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
-    "arith-llama-rm": {**_ARITH, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
-                       "dtype": "float32"},
+    "arith-llama-rm": {
+        **_ARITH,
+        "architectures": ["LlamaForSequenceClassification"],
+        "num_labels": 1,
+        "dtype": "float32",
+    },
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
     "llama-7b": {**_LLAMA_7B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
@@ -111,18 +145,24 @@ def _write_byte_tokenizer(directory: Path, config: dict[str, Any]) -> None:
     tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)  # no merges: one token a byte
     # Decoding, token by token: specials carry no text, unused ids show as U+FFFD, then the bytes
     # (and U+FFFD's own) are read as UTF-8, each invalid sequence as U+FFFD: ByteTokenizer.decode.
-    tokenizer.decoder = decoders.Sequence([
-        decoders.Replace(Regex("^(" + "|".join(map(re.escape, BYTE_SPECIALS)) + ")$"), ""),
-        decoders.Replace(Regex(r"^<\|unused_\d+\|>$"), "\ufffd"),
-        decoders.ByteLevel(),
-    ])  # fmt: skip
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace(Regex("^(" + "|".join(map(re.escape, BYTE_SPECIALS)) + ")$"), ""),
+            decoders.Replace(Regex(r"^<\|unused_\d+\|>$"), "\ufffd"),
+            decoders.ByteLevel(),
+        ]
+    )
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in BYTE_SPECIALS])
     tokenizer.save(str(directory / "tokenizer.json"))
     pad, bos, eos = BYTE_SPECIALS
     tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "bos_token": bos, "eos_token": eos,
-        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
-    }  # fmt: skip
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": pad,
+        "bos_token": bos,
+        "eos_token": eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
@@ -149,7 +189,7 @@ def _write_checkpoint(name: str, target: Path) -> None:
 
 def builtin_config(path: str) -> dict[str, Any]:
     """The HF config of ``builtin:NAME``."""
-    name = path[len(PREFIX):]
+    name = path[len(PREFIX) :]
     if name not in BUILTIN_CONFIGS:
         raise ValueError(f"unknown built-in model '{path}'; available: {[PREFIX + n for n in BUILTIN_CONFIGS]}")
     return BUILTIN_CONFIGS[name]
@@ -174,6 +214,6 @@ def made_once(target: Path, write: Callable[[Path], None]) -> Path:
 def builtin_checkpoint(path: str) -> Path:
     """The HF directory for ``builtin:NAME``, written by rank 0 on first use (collective)."""
     builtin_config(path)
-    name = path[len(PREFIX):]
+    name = path[len(PREFIX) :]
     # v2: with tokenizer files (v1 had none); the weights are the same.
     return made_once(cache_dir() / "builtin" / f"{name}-v2", lambda target: _write_checkpoint(name, target))

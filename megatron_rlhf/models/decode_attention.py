@@ -37,14 +37,28 @@ def available(query: torch.Tensor) -> bool:
 
 
 def _grid_arguments(rows: int, head_dim: int, dtype: torch.dtype, block_positions: int) -> dict:
-    return dict(ROWS=rows, ROWS_PADDED=max(16, triton.next_power_of_2(rows)), HEAD_DIM=head_dim,
-                DIMS_PADDED=max(16, triton.next_power_of_2(head_dim)), BLOCK=block_positions, EXACT=dtype == torch.float32)  # fmt: skip
+    return dict(
+        ROWS=rows,
+        ROWS_PADDED=max(16, triton.next_power_of_2(rows)),
+        HEAD_DIM=head_dim,
+        DIMS_PADDED=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK=block_positions,
+        EXACT=dtype == torch.float32,
+    )
 
 
 def decode_attention(
-    query: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, kv_len: int, window: int | None, scale: float, *,
-    block_positions: int = BLOCK_POSITIONS, num_warps: int = NUM_WARPS, num_stages: int = 2,
-) -> torch.Tensor:  # fmt: skip
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    kv_len: int,
+    window: int | None,
+    scale: float,
+    *,
+    block_positions: int = BLOCK_POSITIONS,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """query (slots, groups, rows, hn): each slot's newest query heads, grouped by KV group; cache
     (slots, groups, max_len, 2 * hn) with keys then values in the last dim, holding this step's
     entries; ``positions`` (slots, 1): each query's position. Slot i attends its cached keys at
@@ -56,18 +70,39 @@ def decode_attention(
         raise ValueError("decode_attention needs the last dim of the query and the cache contiguous")
     out = torch.empty_like(query)
     _decode_attention_kernel[(slots, groups)](
-        query, query, query, cache, positions, out, scale, kv_len, -1 if window is None else window,
-        *query.stride()[:3], 0, *cache.stride()[:3], positions.stride(0), *out.stride()[:3],
-        NEW_ENTRY=False, num_warps=num_warps, num_stages=num_stages,
+        query,
+        query,
+        query,
+        cache,
+        positions,
+        out,
+        scale,
+        kv_len,
+        -1 if window is None else window,
+        *query.stride()[:3],
+        0,
+        *cache.stride()[:3],
+        positions.stride(0),
+        *out.stride()[:3],
+        NEW_ENTRY=False,
+        num_warps=num_warps,
+        num_stages=num_stages,
         **_grid_arguments(rows, head_dim, query.dtype, block_positions),
-    )  # fmt: skip
+    )
     return out
 
 
 def rotate_store_attend(
-    mixed: torch.Tensor, heads_per_group: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-    positions: torch.Tensor, kv_len: int, window: int | None, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    mixed: torch.Tensor,
+    heads_per_group: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    kv_len: int,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
     """A decode step's attention from the fused QKV projection's output in one kernel: per KV
     group, the rotary embedding of its query heads and key (megatron's non-interleaved formula in
     float32, rounded once), the key and value stored into the cache at the slot's position, and
@@ -77,15 +112,33 @@ def rotate_store_attend(
     _, slots, width = mixed.shape
     groups, head_dim = cache.shape[1], cache.shape[-1] // 2
     if width != groups * (heads_per_group + 2) * head_dim or mixed.stride(-1) != 1 or cos.stride(-1) != 1:
-        raise ValueError(f"rotate_store_attend: QKV output of width {width} does not match {groups} groups of "
-                         f"{heads_per_group} query heads of {head_dim} dims, or a last dim is not contiguous")  # fmt: skip
+        raise ValueError(
+            f"rotate_store_attend: QKV output of width {width} does not match {groups} groups of "
+            f"{heads_per_group} query heads of {head_dim} dims, or a last dim is not contiguous"
+        )
     out = torch.empty(slots, groups, heads_per_group, head_dim, dtype=mixed.dtype, device=mixed.device)
     _decode_attention_kernel[(slots, groups)](
-        mixed, cos, sin, cache, positions, out, scale, kv_len, -1 if window is None else window,
-        mixed.stride(1), (heads_per_group + 2) * head_dim, head_dim, cos.stride(1), *cache.stride()[:3], positions.stride(0),
-        *out.stride()[:3], NEW_ENTRY=True, num_warps=NUM_WARPS, num_stages=2,
+        mixed,
+        cos,
+        sin,
+        cache,
+        positions,
+        out,
+        scale,
+        kv_len,
+        -1 if window is None else window,
+        mixed.stride(1),
+        (heads_per_group + 2) * head_dim,
+        head_dim,
+        cos.stride(1),
+        *cache.stride()[:3],
+        positions.stride(0),
+        *out.stride()[:3],
+        NEW_ENTRY=True,
+        num_warps=NUM_WARPS,
+        num_stages=2,
         **_grid_arguments(heads_per_group, head_dim, mixed.dtype, BLOCK_POSITIONS),
-    )  # fmt: skip
+    )
     return out.view(1, slots, groups * heads_per_group * head_dim)
 
 
@@ -100,11 +153,34 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        query, cos, sin, cache, positions, out, scale, kv_len, window,
-        q_slot, q_group, q_row, r_slot, c_slot, c_group, c_pos, p_slot, o_slot, o_group, o_row,
-        ROWS: tl.constexpr, ROWS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, DIMS_PADDED: tl.constexpr,
-        BLOCK: tl.constexpr, EXACT: tl.constexpr, NEW_ENTRY: tl.constexpr,
-    ):  # fmt: skip
+        query,
+        cos,
+        sin,
+        cache,
+        positions,
+        out,
+        scale,
+        kv_len,
+        window,
+        q_slot,
+        q_group,
+        q_row,
+        r_slot,
+        c_slot,
+        c_group,
+        c_pos,
+        p_slot,
+        o_slot,
+        o_group,
+        o_row,
+        ROWS: tl.constexpr,
+        ROWS_PADDED: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIMS_PADDED: tl.constexpr,
+        BLOCK: tl.constexpr,
+        EXACT: tl.constexpr,
+        NEW_ENTRY: tl.constexpr,
+    ):
         """One program per (slot, group). NEW_ENTRY: ``query`` is the QKV output (rows, then the
         key and the value, ``q_row`` apart), rotated with ``cos``/``sin`` (``r_slot`` per slot),
         and the new key and value go to the cache; else ``query`` holds rotated queries and the
@@ -126,8 +202,14 @@ if triton is not None:
             angle_cos = tl.load(cos + slot * r_slot + dims, mask=real_dims, other=0.0).to(tl.float32)
             angle_sin = tl.load(sin + slot * r_slot + dims, mask=real_dims, other=0.0).to(tl.float32)
             row_at = group_at + rows[:, None] * q_row
-            q = _rotated(row_at + dims[None, :], row_at + partner[None, :], real, angle_cos[None, :], angle_sin[None, :],
-                         sign[None, :]).to(dtype)  # fmt: skip
+            q = _rotated(
+                row_at + dims[None, :],
+                row_at + partner[None, :],
+                real,
+                angle_cos[None, :],
+                angle_sin[None, :],
+                sign[None, :],
+            ).to(dtype)
             key_at = group_at + ROWS * q_row
             new_key = _rotated(key_at + dims, key_at + partner, real_dims, angle_cos, angle_sin, sign).to(dtype)
             new_value = tl.load(key_at + q_row + dims, mask=real_dims, other=0.0)
@@ -168,4 +250,6 @@ if triton is not None:
             running_sum = running_sum * rescale + weight
             acc = acc * rescale[:, None] + weight.to(dtype).to(tl.float32)[:, None] * new_value.to(tl.float32)[None, :]
         result = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
-        tl.store(out + slot * o_slot + group * o_group + rows[:, None] * o_row + dims[None, :], result.to(dtype), mask=real)
+        tl.store(
+            out + slot * o_slot + group * o_group + rows[:, None] * o_row + dims[None, :], result.to(dtype), mask=real
+        )

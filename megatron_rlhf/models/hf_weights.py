@@ -75,10 +75,19 @@ def tensor_maps(arch: Architecture, pp: int, pp_rank: int) -> list[TensorMap]:
             mc + "self_attention.linear_qkv.weight",
             tuple(n + ".weight" for n in qkv),
             "qkv",
-            (q_out, h), (kv_out, h), (kv_out, h),
-        )  # fmt: skip
+            (q_out, h),
+            (kv_out, h),
+            (kv_out, h),
+        )
         if arch.qkv_bias:
-            add(mc + "self_attention.linear_qkv.bias", tuple(n + ".bias" for n in qkv), "qkv", (q_out,), (kv_out,), (kv_out,))
+            add(
+                mc + "self_attention.linear_qkv.bias",
+                tuple(n + ".bias" for n in qkv),
+                "qkv",
+                (q_out,),
+                (kv_out,),
+                (kv_out,),
+            )
         if arch.qk_norm:
             add(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "replicated", (hn,))
             add(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "replicated", (hn,))
@@ -88,8 +97,9 @@ def tensor_maps(arch: Architecture, pp: int, pp_rank: int) -> list[TensorMap]:
             mc + "mlp.linear_fc1.weight",
             (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
             "gate_up",
-            (f, h), (f, h),
-        )  # fmt: skip
+            (f, h),
+            (f, h),
+        )
         add(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row", (h, f))
     if last:
         add("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", (h,))
@@ -105,7 +115,9 @@ def tensor_maps(arch: Architecture, pp: int, pp_rank: int) -> list[TensorMap]:
 
 def hf_tensor_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF checkpoint with its shape, as implied by the architecture."""
-    return {name: shape for tmap in tensor_maps(arch, 1, 0) for name, shape in zip(tmap.hf, tmap.hf_shapes)}
+    return {
+        name: shape for tmap in tensor_maps(arch, 1, 0) for name, shape in zip(tmap.hf, tmap.hf_shapes, strict=True)
+    }
 
 
 def exported_maps(arch: Architecture, pp: int, pp_rank: int) -> list[TensorMap]:
@@ -145,7 +157,11 @@ def shard_from_hf(
         v = source.read(tmap.hf[2], slice(g0 * arch.head_dim, g1 * arch.head_dim), ALL)
         rest = tuple(q.shape[1:])
         merged = torch.cat(
-            [q.reshape((groups, q_rows) + rest), k.reshape((groups, arch.head_dim) + rest), v.reshape((groups, arch.head_dim) + rest)],
+            [
+                q.reshape((groups, q_rows) + rest),
+                k.reshape((groups, arch.head_dim) + rest),
+                v.reshape((groups, arch.head_dim) + rest),
+            ],
             dim=1,
         )
         return merged.reshape((-1,) + rest)
@@ -171,7 +187,7 @@ def hf_from_shards(tmap: TensorMap, shards: list[torch.Tensor], arch: Architectu
         per_group = [s.reshape((groups, q_rows + 2 * arch.head_dim) + rest) for s in shards]
         merged = torch.cat(per_group)  # (num_query_groups, q_rows + 2 * head_dim, ...)
         q, k, v = merged.split([q_rows, arch.head_dim, arch.head_dim], dim=1)
-        return {name: t.reshape((-1,) + rest) for name, t in zip(tmap.hf, (q, k, v))}
+        return {name: t.reshape((-1,) + rest) for name, t in zip(tmap.hf, (q, k, v), strict=True)}
     if kind == "gate_up":
         halves = [s.chunk(2) for s in shards]
         return {tmap.hf[0]: torch.cat([h[0] for h in halves]), tmap.hf[1]: torch.cat([h[1] for h in halves])}

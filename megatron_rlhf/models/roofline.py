@@ -81,13 +81,19 @@ class ModelWork:
     dtype_bytes: int
 
     @classmethod
-    def of(cls, arch: Architecture, dtype_bytes: int = 2) -> "ModelWork":
+    def of(cls, arch: Architecture, dtype_bytes: int = 2) -> ModelWork:
         shapes = hf_tensor_shapes(arch)
         params = sum(_numel(shape) for shape in shapes.values())
         embedding = 0 if arch.tie_word_embeddings else _numel(shapes["model.embed_tokens.weight"])
         kv = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
-        return cls(params=params, embedding=embedding, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-                   kv_bytes_per_token=kv, dtype_bytes=dtype_bytes)  # fmt: skip
+        return cls(
+            params=params,
+            embedding=embedding,
+            num_layers=arch.num_layers,
+            hidden_size=arch.hidden_size,
+            kv_bytes_per_token=kv,
+            dtype_bytes=dtype_bytes,
+        )
 
     @property
     def matmul_params(self) -> int:
@@ -145,5 +151,10 @@ def rl_step_floor(work: ModelWork, shape: StepShape, *, flops_per_s: float, byte
         decode += max(step_flops, step_bytes)
     optimizer = shape.num_optimizer_steps * work.params * ADAM_BYTES_PER_PARAM / bytes_per_s
     parts = {"prefill": prefill, "decode": decode, "forward_passes": forward, "train": train, "optimizer": optimizer}
-    return {**parts, "decode_compute_bound": decode_compute, "decode_memory_bound": decode_memory,
-            "generate": prefill + decode, "step": sum(parts.values())}  # fmt: skip
+    return {
+        **parts,
+        "decode_compute_bound": decode_compute,
+        "decode_memory_bound": decode_memory,
+        "generate": prefill + decode,
+        "step": sum(parts.values()),
+    }

@@ -56,8 +56,9 @@ class SwiGLU(torch.autograd.Function):
         y = y.contiguous()
         tokens, width = y.shape
         out = torch.empty(tokens, width // 2, dtype=y.dtype, device=y.device)
-        _swiglu_kernel[(triton.cdiv(out.numel(), SWIGLU_BLOCK),)](y, out, None, out.numel(), HALF=width // 2,
-                                                                   BACKWARD=False, BLOCK=SWIGLU_BLOCK)  # fmt: skip
+        _swiglu_kernel[(triton.cdiv(out.numel(), SWIGLU_BLOCK),)](
+            y, out, None, out.numel(), HALF=width // 2, BACKWARD=False, BLOCK=SWIGLU_BLOCK
+        )
         return out
 
     @staticmethod
@@ -67,13 +68,15 @@ class SwiGLU(torch.autograd.Function):
             return swiglu_backward_reference(grad, y)
         y, grad = y.contiguous(), grad.contiguous()
         dy = torch.empty_like(y)
-        _swiglu_kernel[(triton.cdiv(grad.numel(), SWIGLU_BLOCK),)](y, dy, grad, grad.numel(), HALF=y.shape[1] // 2,
-                                                                   BACKWARD=True, BLOCK=SWIGLU_BLOCK)  # fmt: skip
+        _swiglu_kernel[(triton.cdiv(grad.numel(), SWIGLU_BLOCK),)](
+            y, dy, grad, grad.numel(), HALF=y.shape[1] // 2, BACKWARD=True, BLOCK=SWIGLU_BLOCK
+        )
         return dy
 
 
-def swiglu_impl(input: torch.Tensor, bias: torch.Tensor | None, fp8_input_store: bool = False,
-                cpu_offload_input: bool = False) -> torch.Tensor:  # fmt: skip
+def swiglu_impl(
+    input: torch.Tensor, bias: torch.Tensor | None, fp8_input_store: bool = False, cpu_offload_input: bool = False
+) -> torch.Tensor:
     """megatron's ``bias_swiglu_impl`` (its signature and shapes: (s, b, 2f) or (t, 2f)); the cases
     this module does not cover (a bias, an FP8-stored input, offloaded activations) go to megatron's."""
     if bias is not None or fp8_input_store or cpu_offload_input:

@@ -98,15 +98,18 @@ TORCH_WGRAD_ACCUMULATION = types.SimpleNamespace(
 )
 
 
-def _foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
-                     *args) -> tuple[torch.Tensor, None]:  # fmt: skip
+def _foreach_l2_norm(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool, *args
+) -> tuple[torch.Tensor, None]:
     """``multi_tensor_l2norm`` as megatron calls it: the L2 norm of all of ``tensor_lists[0]``
     together, (1,) float32 on their device."""
     norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
-def _foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+def _foreach_scale(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], scale: float
+) -> None:
     """``multi_tensor_scale``: tensor_lists[1][i] = tensor_lists[0][i] * scale (in place when the
     lists are one; a copy, with the dtype cast, when scale is 1)."""
     sources, targets = tensor_lists

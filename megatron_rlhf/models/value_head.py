@@ -18,9 +18,7 @@ class ValueHead(MegatronModule):
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, num_labels: int = 1) -> None:
         super().__init__(config=config)
         self.tp_group = tp_group  # checkpointing marks the replicated weight's copies by TP rank
-        self.weight = torch.nn.Parameter(
-            torch.empty(num_labels, config.hidden_size, dtype=config.params_dtype)
-        )
+        self.weight = torch.nn.Parameter(torch.empty(num_labels, config.hidden_size, dtype=config.params_dtype))
         if config.perform_initialization:
             config.init_method(self.weight)
 

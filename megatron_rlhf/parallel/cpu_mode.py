@@ -52,13 +52,13 @@ class _NullStream:
     def __getattr__(self, name: str) -> Any:
         return lambda *args, **kwargs: None
 
-    def __enter__(self) -> "_NullStream":
+    def __enter__(self) -> _NullStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         return None
 
-    def record_event(self, *args: Any, **kwargs: Any) -> "_NullStream":
+    def record_event(self, *args: Any, **kwargs: Any) -> _NullStream:
         return _NullStream()
 
     def elapsed_time(self, other: Any) -> float:
@@ -95,9 +95,7 @@ class _CudaOnCpu(types.ModuleType):
         self.manual_seed_all = torch.manual_seed
         self.get_rng_state = lambda *a, **k: torch.get_rng_state()
         self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-        self.random = types.SimpleNamespace(
-            get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state
-        )
+        self.random = types.SimpleNamespace(get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state)
         self.FloatTensor = torch.FloatTensor
         self.HalfTensor = torch.HalfTensor
         self.BFloat16Tensor = torch.BFloat16Tensor
@@ -107,10 +105,27 @@ class _CudaOnCpu(types.ModuleType):
 
 
 _FACTORIES = (
-    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn",
-    "randint", "randperm", "empty_strided", "linspace", "eye", "empty_like", "zeros_like",
-    "ones_like", "full_like", "rand_like", "randn_like",
-)  # fmt: skip
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_strided",
+    "linspace",
+    "eye",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+)
 
 
 def _cpu_factory(factory: Any) -> Any:
@@ -186,7 +201,9 @@ class _MegatronFinder(importlib.abc.MetaPathFinder):
 # 'torch.cuda.FloatTensor'``, ``t.cuda()``), which the proxy cannot reach. During these calls, and
 # only these, CPU tensors answer ``type()`` with the CUDA name and ``cuda()`` returns the tensor.
 _USES_CUDA_TENSOR_METHODS = {
-    "megatron.core.models.common.language_module.language_module": ("LanguageModule.setup_embeddings_and_output_layer",),
+    "megatron.core.models.common.language_module.language_module": (
+        "LanguageModule.setup_embeddings_and_output_layer",
+    ),
     "megatron.core.optimizer.clip_grads": ("clip_grad_by_total_norm_fp32",),
     "megatron.core.optimizer.optimizer": ("Float16OptimizerWithFloat16Params.__init__",),
     "megatron.core.optimizer.distrib_optimizer": (
@@ -259,8 +276,13 @@ def _hybrid_split_on_cpu(split: Any) -> Any:
 
             return copy
 
-        with _tensor_methods(is_cuda=property(on_device), clone=same_place(clone), float=same_place(to_float),
-                             cpu=lambda t: clone(t), pin_memory=lambda t, *a, **k: t):  # fmt: skip
+        with _tensor_methods(
+            is_cuda=property(on_device),
+            clone=same_place(clone),
+            float=same_place(to_float),
+            cpu=lambda t: clone(t),
+            pin_memory=lambda t, *a, **k: t,
+        ):
             return split(self, *args, **kwargs)
 
     return wrapper

@@ -31,7 +31,7 @@ class Layout:
     dp: int
 
     @classmethod
-    def for_world(cls, tp: int, pp: int, world_size: int) -> "Layout":
+    def for_world(cls, tp: int, pp: int, world_size: int) -> Layout:
         if tp < 1 or pp < 1:
             raise ValueError(f"tp={tp} and pp={pp} must both be >= 1")
         if world_size % (tp * pp):
@@ -118,8 +118,9 @@ _SINGLETON: list[dist.ProcessGroup] = []
 def _singleton_group() -> dist.ProcessGroup:
     """This rank alone (created once, collectively, on first use)."""
     if not _SINGLETON:
-        group, _ = dist.new_subgroups_by_enumeration([[rank] for rank in range(dist.get_world_size())],
-                                                    timeout=dist_timeout())
+        group, _ = dist.new_subgroups_by_enumeration(
+            [[rank] for rank in range(dist.get_world_size())], timeout=dist_timeout()
+        )
         _SINGLETON.append(group)
     return _SINGLETON[0]
 

@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 Where = Callable[[], str]
@@ -85,13 +85,16 @@ class RewardCalls:
             if not users_own(exc):
                 raise
             trace = exc.__traceback__  # its first frame is this one: the user's begin after it
-            raise RewardFunctionError(f"{where()} raised:\n{formatted(exc.with_traceback(trace and trace.tb_next))}") from exc
+            raise RewardFunctionError(
+                f"{where()} raised:\n{formatted(exc.with_traceback(trace and trace.tb_next))}"
+            ) from exc
         finally:
             self._current = None
         took = time.monotonic() - start
         if self.timeout_s and took > self.timeout_s:
-            raise RewardFunctionError(f"{where()} took {took:.1f} s, longer than {TIMEOUT_SETTING}={self.timeout_s:g} "
-                                      f"{_ADVICE}")  # fmt: skip
+            raise RewardFunctionError(
+                f"{where()} took {took:.1f} s, longer than {TIMEOUT_SETTING}={self.timeout_s:g} {_ADVICE}"
+            )
         return result
 
     def time_left(self) -> float | None:
@@ -114,8 +117,10 @@ class RewardCalls:
             return None
         frame = sys._current_frames().get(thread)
         stack = "".join(traceback.format_list(_frames_below(frame, _CALL_CODE))) if frame else "(finished)\n"
-        return (f"{where()} has run {running:.1f} s, longer than {TIMEOUT_SETTING}={self.timeout_s:g} "
-                f"{_ADVICE}; the run ends. It is at:\n{stack}")  # fmt: skip
+        return (
+            f"{where()} has run {running:.1f} s, longer than {TIMEOUT_SETTING}={self.timeout_s:g} "
+            f"{_ADVICE}; the run ends. It is at:\n{stack}"
+        )
 
 
 _CALL_CODE = RewardCalls.__call__.__code__
@@ -131,7 +136,7 @@ def _frames_below(frame: FrameType, stop: Any) -> traceback.StackSummary:
     return traceback.StackSummary.extract(reversed(frames))
 
 
-class Watched(Generic[T]):
+class Watched[T]:
     """``job`` (which calls reward code through ``calls``) on a daemon thread of its own, begun at
     once; ``result`` waits for it, and raises instead of waiting on past ``calls.timeout_s``."""
 

@@ -36,8 +36,14 @@ from typing import Any
 from .calls import RewardCalls, RewardFunctionError, formatted, users_own
 from .rules import Sample, as_number, on_sample, score_of
 
-__all__ = ["CustomFunctionConfig", "CustomRewardFunction", "CustomScores", "RewardFunctionError",
-           "load_custom_function", "metric_means"]  # fmt: skip
+__all__ = [
+    "CustomFunctionConfig",
+    "CustomRewardFunction",
+    "CustomScores",
+    "RewardFunctionError",
+    "load_custom_function",
+    "metric_means",
+]
 
 _VERL_INPUTS = ("data_source", "ground_truth", "extra_info")  # the prompt loader's names for them
 _VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")  # how verl's reward manager calls it
@@ -76,8 +82,9 @@ class CustomRewardFunction:
     def __init__(self, function: Callable[..., Any], name: str, path: Path) -> None:
         self.function, self.name, self.path = function, name, path
 
-    def score(self, samples: Sequence[Sample], calls: RewardCalls | None = None,
-              rows: Sequence[int] | None = None) -> CustomScores:  # fmt: skip
+    def score(
+        self, samples: Sequence[Sample], calls: RewardCalls | None = None, rows: Sequence[int] | None = None
+    ) -> CustomScores:
         """The function on each sample, called through ``calls`` (the scorer's, with its timeout; by
         default one without); ``rows[i]`` is sample i's row in the rollout (default: i), for messages."""
         calls = calls if calls is not None else RewardCalls()
@@ -89,15 +96,24 @@ class CustomRewardFunction:
             where = functools.partial(on_sample, what, row, sample)
             missing = [key for key in _VERL_INPUTS if key not in sample.extras]
             if missing:
-                raise ValueError(f"{where()}: the prompt row has no {missing}; a verl reward "
-                                 "function needs the rows' data_source and reward_model.ground_truth columns "
-                                 "(verl's parquet format)")  # fmt: skip
-            result = calls(where, self.function, data_source=sample.extras["data_source"],
-                           solution_str=sample.response_text, ground_truth=sample.extras["ground_truth"],
-                           extra_info=copy.deepcopy(sample.extras["extra_info"]))  # the function may edit it, as verl's does
+                raise ValueError(
+                    f"{where()}: the prompt row has no {missing}; a verl reward "
+                    "function needs the rows' data_source and reward_model.ground_truth columns "
+                    "(verl's parquet format)"
+                )
+            result = calls(
+                where,
+                self.function,
+                data_source=sample.extras["data_source"],
+                solution_str=sample.response_text,
+                ground_truth=sample.extras["ground_truth"],
+                extra_info=copy.deepcopy(sample.extras["extra_info"]),
+            )  # the function may edit it, as verl's does
             if isinstance(result, dict):
                 if "score" not in result:
-                    raise RewardFunctionError(f"{where()} returned a dict without 'score' (keys: {sorted(map(str, result))})")
+                    raise RewardFunctionError(
+                        f"{where()} returned a dict without 'score' (keys: {sorted(map(str, result))})"
+                    )
                 value, extra = result["score"], {k: v for k, v in result.items() if k != "score"}
             else:
                 value, extra = result, {}
@@ -117,8 +133,10 @@ def load_custom_function(path: str | Path, name: str = "compute_score") -> Custo
     file = Path(path)
     setting = f"scoring.custom_function.path={str(path)!r}"
     if not file.is_file():
-        raise ValueError(f"{setting}: {'is a directory' if file.is_dir() else 'no such file'} "
-                         "(expected a Python file defining the reward function)")  # fmt: skip
+        raise ValueError(
+            f"{setting}: {'is a directory' if file.is_dir() else 'no such file'} "
+            "(expected a Python file defining the reward function)"
+        )
     module_name = "_megatron_rlhf_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
@@ -134,11 +152,11 @@ def load_custom_function(path: str | Path, name: str = "compute_score") -> Custo
         raise ValueError(f"{setting}: importing {file} failed:\n{formatted(exc)}") from exc
     function = getattr(module, name, None)
     if not callable(function):
-        defined = sorted(k for k, v in vars(module).items()
-                         if inspect.isfunction(v) and v.__module__ == module_name)  # fmt: skip
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
         what = "no" if function is None else f"a non-callable {type(function).__name__}"
-        raise ValueError(f"scoring.custom_function.name={name!r}: {file} has {what} {name!r}; "
-                         f"functions defined there: {defined}")  # fmt: skip
+        raise ValueError(
+            f"scoring.custom_function.name={name!r}: {file} has {what} {name!r}; functions defined there: {defined}"
+        )
     if inspect.iscoroutinefunction(function):
         raise ValueError(f"scoring.custom_function.name={name!r}: {name} in {file} is async; give a plain function")
     _check_signature(function, name, file)
@@ -156,7 +174,9 @@ def _check_signature(function: Callable[..., Any], name: str, file: Path) -> Non
         signature.bind(**dict.fromkeys(_VERL_KEYWORDS))
     except TypeError as err:
         expected = ", ".join(f"{key}=" for key in _VERL_KEYWORDS)
-        raise ValueError(f"scoring.custom_function.name={name!r}: {name}{signature} in {file} cannot be called as "
-                         f"verl calls a reward function, {name}({expected}) ({err}); take those keywords (or "
-                         "**kwargs), e.g. def compute_score(data_source, solution_str, ground_truth, extra_info=None) "
-                         "calling yours") from err  # fmt: skip
+        raise ValueError(
+            f"scoring.custom_function.name={name!r}: {name}{signature} in {file} cannot be called as "
+            f"verl calls a reward function, {name}({expected}) ({err}); take those keywords (or "
+            "**kwargs), e.g. def compute_score(data_source, solution_str, ground_truth, extra_info=None) "
+            "calling yours"
+        ) from err

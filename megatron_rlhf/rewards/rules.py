@@ -56,7 +56,9 @@ REWARD_RULES: Registry[RewardRule] = Registry("reward rule")
 def exact_answer(sample: Sample) -> float:
     """1 if the response, stripped, equals the row's ``answer`` column (stripped), else 0."""
     if "answer" not in sample.extras:
-        raise ValueError("reward rule 'exact_answer' needs the prompt rows' 'answer' column: add data.extra_keys=[answer]")
+        raise ValueError(
+            "reward rule 'exact_answer' needs the prompt rows' 'answer' column: add data.extra_keys=[answer]"
+        )
     return float(sample.response_text.strip() == str(sample.extras["answer"]).strip())
 
 
@@ -113,8 +115,10 @@ def resolve_rule(name: str) -> RewardRule:
     try:
         signature.bind(None)
     except TypeError as err:
-        raise ValueError(f"reward rule {name!r}: {attribute}{signature} ({origin(rule)}) cannot be called as a rule "
-                         f"is, {attribute}(sample) -> float ({err})") from err  # fmt: skip
+        raise ValueError(
+            f"reward rule {name!r}: {attribute}{signature} ({origin(rule)}) cannot be called as a rule "
+            f"is, {attribute}(sample) -> float ({err})"
+        ) from err
     return rule
 
 
@@ -144,13 +148,19 @@ def score_of(value: Any, where: Where) -> float:
     if number is None:
         raise RewardFunctionError(f"{where()} returned score {value!r}: expected a finite number")
     if abs(number) > _SCORE_MAX:
-        raise RewardFunctionError(f"{where()} returned score {value!r}: outside the range of float32 (|score| <= "
-                                  f"{_SCORE_MAX:.4g}), the dtype the scores are summed into rewards in")  # fmt: skip
+        raise RewardFunctionError(
+            f"{where()} returned score {value!r}: outside the range of float32 (|score| <= "
+            f"{_SCORE_MAX:.4g}), the dtype the scores are summed into rewards in"
+        )
     return number
 
 
-def rule_scores(rules: dict[str, RewardRule], samples: Sequence[Sample], calls: RewardCalls | None = None,
-                rows: Sequence[int] | None = None) -> dict[str, list[float]]:  # fmt: skip
+def rule_scores(
+    rules: dict[str, RewardRule],
+    samples: Sequence[Sample],
+    calls: RewardCalls | None = None,
+    rows: Sequence[int] | None = None,
+) -> dict[str, list[float]]:
     """Each rule's score for each sample, called through ``calls`` (the scorer's, with its timeout;
     by default one without); ``rows[i]`` is sample i's row in the rollout (default: i), for messages.
     Whatever a rule raises and a score that is no finite number are errors naming the rule and the

@@ -90,14 +90,23 @@ class ScoringConfig:
     sample). Keep it well below dist_timeout_s: the other ranks wait that long for this rank's scores."""
 
     def errors(self) -> list[str]:
-        return [f"weights.{name}={value} must be a finite number" for name, value in self.weights.items()
-                if not math.isfinite(value)] + (  # fmt: skip
-            [] if 0 <= self.timeout_s < math.inf else [f"timeout_s={self.timeout_s} must be >= 0 and finite (0: no limit)"])
+        return [
+            f"weights.{name}={value} must be a finite number"
+            for name, value in self.weights.items()
+            if not math.isfinite(value)
+        ] + (
+            []
+            if 0 <= self.timeout_s < math.inf
+            else [f"timeout_s={self.timeout_s} must be >= 0 and finite (0: no limit)"]
+        )
 
     def parts(self) -> list[str]:
         """The names of the configured parts, in scoring order."""
-        return (([REWARD_MODEL] if self.use_reward_model else []) + list(self.rules)
-                + ([CUSTOM_FUNCTION] if self.custom_function.path else []))  # fmt: skip
+        return (
+            ([REWARD_MODEL] if self.use_reward_model else [])
+            + list(self.rules)
+            + ([CUSTOM_FUNCTION] if self.custom_function.path else [])
+        )
 
 
 def scoring_errors(cfg: ScoringConfig) -> tuple[list[str], dict[str, RewardRule], CustomRewardFunction | None]:
@@ -119,13 +128,19 @@ def scoring_errors(cfg: ScoringConfig) -> tuple[list[str], dict[str, RewardRule]
     for name in cfg.rules:
         other = metric_of.setdefault(snake_case(name), name)
         if other != name:
-            errors.append(f"scoring.rules: {other!r} and {name!r} would both be logged as reward/rule/{snake_case(name)}; "
-                          "give one of them another name")  # fmt: skip
+            errors.append(
+                f"scoring.rules: {other!r} and {name!r} would both be logged as reward/rule/{snake_case(name)}; "
+                "give one of them another name"
+            )
     parts = cfg.parts()
     if not parts:
-        errors.append("nothing scores the responses: set scoring.use_reward_model=true, give scoring.rules=[...] "
-                      "or scoring.custom_function.path=FILE")  # fmt: skip
-    errors += [f"scoring.weights.{name}: no such part; the parts are {parts}" for name in cfg.weights if name not in parts]
+        errors.append(
+            "nothing scores the responses: set scoring.use_reward_model=true, give scoring.rules=[...] "
+            "or scoring.custom_function.path=FILE"
+        )
+    errors += [
+        f"scoring.weights.{name}: no such part; the parts are {parts}" for name in cfg.weights if name not in parts
+    ]
     return errors, rules, function
 
 
@@ -142,31 +157,47 @@ class Scores:
     custom_metrics: dict[str, float]
     """The reward function's other numeric keys, averaged."""
 
-    def select(self, rows: torch.Tensor) -> "Scores":
-        return Scores(self.raw[rows], self.rewards[rows], {k: v[rows] for k, v in self.parts.items()},
-                      self.custom_metrics)  # fmt: skip
+    def select(self, rows: torch.Tensor) -> Scores:
+        return Scores(
+            self.raw[rows], self.rewards[rows], {k: v[rows] for k, v in self.parts.items()}, self.custom_metrics
+        )
 
     @staticmethod
-    def cat(pieces: Sequence["Scores"]) -> "Scores":
-        return Scores(torch.cat([p.raw for p in pieces]), torch.cat([p.rewards for p in pieces]),
-                      {k: torch.cat([p.parts[k] for p in pieces]) for k in pieces[0].parts},
-                      pieces[0].custom_metrics)  # fmt: skip
+    def cat(pieces: Sequence[Scores]) -> Scores:
+        return Scores(
+            torch.cat([p.raw for p in pieces]),
+            torch.cat([p.rewards for p in pieces]),
+            {k: torch.cat([p.parts[k] for p in pieces]) for k in pieces[0].parts},
+            pieces[0].custom_metrics,
+        )
 
     def metrics(self) -> dict[str, float]:
         """The mean of each part: reward/reward_model, reward/rule/<name>, reward/custom_function, ..."""
-        named = {(k if k in (REWARD_MODEL, CUSTOM_FUNCTION, OVERLONG) else f"rule/{snake_case(k)}"): v
-                 for k, v in self.parts.items()}  # fmt: skip
+        named = {
+            (k if k in (REWARD_MODEL, CUSTOM_FUNCTION, OVERLONG) else f"rule/{snake_case(k)}"): v
+            for k, v in self.parts.items()
+        }
         return {f"reward/{k}": float(v.mean()) for k, v in named.items()} | {
-            f"reward/custom/{k}": v for k, v in self.custom_metrics.items()}  # fmt: skip
+            f"reward/custom/{k}": v for k, v in self.custom_metrics.items()
+        }
 
 
 class Scorer:
     """Scores completions as ``ScoringConfig`` says; collective over the world."""
 
-    def __init__(self, cfg: ScoringConfig, rules: dict[str, RewardRule], function: CustomRewardFunction | None,
-                 reward_model: RoleModel | None, *, stop_ids: Sequence[int], max_new_tokens: int,
-                 max_tokens_per_micro_batch: int, pack_sequences: bool = True,
-                 interrupted: Callable[[], bool] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ScoringConfig,
+        rules: dict[str, RewardRule],
+        function: CustomRewardFunction | None,
+        reward_model: RoleModel | None,
+        *,
+        stop_ids: Sequence[int],
+        max_new_tokens: int,
+        max_tokens_per_micro_batch: int,
+        pack_sequences: bool = True,
+        interrupted: Callable[[], bool] | None = None,
+    ) -> None:
         """``interrupted``: a stop request, watched while this rank waits on reward code (its
         share raises ``ScoringInterrupted`` on every rank when it turns true)."""
         self.cfg, self.rules, self.function, self.reward_model = cfg, rules, function, reward_model
@@ -174,34 +205,60 @@ class Scorer:
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
         self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
 
-    def samples(self, completions: Sequence[Completion], decode_batch: Callable[[list[list[int]]], list[str]],
-                extras: Sequence[dict[str, Any]] | None = None) -> list[Sample]:  # fmt: skip
+    def samples(
+        self,
+        completions: Sequence[Completion],
+        decode_batch: Callable[[list[list[int]]], list[str]],
+        extras: Sequence[dict[str, Any]] | None = None,
+    ) -> list[Sample]:
         """The completions as rules read them (``extras[c.prompt_index]`` the prompt row's extra
         columns, none if not given), decoded by one ``decode_batch`` call (a tokenizer's, skipping
         special tokens: ``PPORun.texts``): each prompt once, not once per sample of it, and every
         response without its final stop token."""
         prompts = {c.prompt_index: c.prompt_ids for c in completions}
         texts = decode_batch([*prompts.values(), *(c.text_ids(self.stop_ids) for c in completions)])
-        prompt_texts = dict(zip(prompts, texts))
-        return [Sample(c.prompt_ids, c.token_ids, prompt_texts[c.prompt_index], response, c.finish_reason,
-                       extras[c.prompt_index] if extras is not None else {})
-                for c, response in zip(completions, texts[len(prompts):])]  # fmt: skip
+        prompt_texts = dict(zip(prompts, texts[: len(prompts)], strict=True))
+        return [
+            Sample(
+                c.prompt_ids,
+                c.token_ids,
+                prompt_texts[c.prompt_index],
+                response,
+                c.finish_reason,
+                extras[c.prompt_index] if extras is not None else {},
+            )
+            for c, response in zip(completions, texts[len(prompts) :], strict=True)
+        ]
 
     def reward_model_scores(self, batch: Batch) -> torch.Tensor:
         """(rows,) the reward model's score of each row: its output at the row's last token."""
         assert self.reward_model is not None
-        values = forward_all_rows(self.reward_model, {k: batch[k] for k in ("input_ids", "attention_mask")},
-                                  values_output(), max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
-                                  pack_sequences=self.pack_sequences)  # fmt: skip
+        values = forward_all_rows(
+            self.reward_model,
+            {k: batch[k] for k in ("input_ids", "attention_mask")},
+            values_output(),
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+            pack_sequences=self.pack_sequences,
+        )
         return values[torch.arange(len(values)), batch["lengths"] - 1]
 
-    def score(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]],
-              decode_batch: Callable[[list[list[int]]], list[str]]) -> Scores:
+    def score(
+        self,
+        batch: Batch,
+        completions: list[Completion],
+        extras: list[dict[str, Any]],
+        decode_batch: Callable[[list[list[int]]], list[str]],
+    ) -> Scores:
         """Every part of every row (``extras[c.prompt_index]`` is the prompt row of completion c)."""
         return self.start(batch, completions, extras, decode_batch).result()
 
-    def start(self, batch: Batch, completions: list[Completion], extras: list[dict[str, Any]],
-              decode_batch: Callable[[list[list[int]]], list[str]]) -> "PendingScores":
+    def start(
+        self,
+        batch: Batch,
+        completions: list[Completion],
+        extras: list[dict[str, Any]],
+        decode_batch: Callable[[list[list[int]]], list[str]],
+    ) -> PendingScores:
         """``score``, begun: this rank's share of the rules and the custom function runs on a host
         thread (``decode_batch`` must not be called elsewhere until ``result()``)."""
         share = None
@@ -209,11 +266,19 @@ class Scorer:
             rank, world = dist.get_rank(), dist.get_world_size()
             calls = RewardCalls(self.cfg.timeout_s)
             rows = range(rank, len(completions), world)
-            share = Watched(lambda: self._share_scores(completions[rank::world], rows, extras, decode_batch, calls), calls)
+            share = Watched(
+                lambda: self._share_scores(completions[rank::world], rows, extras, decode_batch, calls), calls
+            )
         return PendingScores(self, batch, completions, share)
 
-    def _share_scores(self, completions: list[Completion], rows: Sequence[int], extras: list[dict[str, Any]],
-                      decode_batch: Callable[[list[list[int]]], list[str]], calls: RewardCalls) -> Share:  # fmt: skip
+    def _share_scores(
+        self,
+        completions: list[Completion],
+        rows: Sequence[int],
+        extras: list[dict[str, Any]],
+        decode_batch: Callable[[list[list[int]]], list[str]],
+        calls: RewardCalls,
+    ) -> Share:
         """The rules' and the custom function's scores of ``completions`` (this rank's share, rows
         ``rows`` of the rollout)."""
         mine = self.samples(completions, decode_batch, extras)
@@ -243,11 +308,15 @@ class Scorer:
         if len(unusable):
             row = int(unusable[0])
             values = ", ".join(f"{name} {float(value[row]):g}" for name, value in parts.items())
-            raise ValueError(f"sample {row}'s score {float(raw[row]):g} is not finite in float32: its parts are "
-                             f"{values}, weighted by scoring.weights={self.cfg.weights} (1 where not named)")  # fmt: skip
+            raise ValueError(
+                f"sample {row}'s score {float(raw[row]):g} is not finite in float32: its parts are "
+                f"{values}, weighted by scoring.weights={self.cfg.weights} (1 where not named)"
+            )
         rewards = raw
         if self.cfg.overlong.buffer:
-            parts[OVERLONG] = self.overlong_penalty(torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32))
+            parts[OVERLONG] = self.overlong_penalty(
+                torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+            )
             rewards = raw + parts[OVERLONG]
         return Scores(raw, rewards, parts, custom_metrics)
 

@@ -43,16 +43,29 @@ def policy_engine(
     """The causal LM at ``model`` built in a generation layout of ``tp`` ranks, its native engine
     (stopping on the tokenizer's stop ids unless ``engine_cfg`` names others) and its tokenizer.
     Collective."""
-    role = build_role("actor", ModelConfig(path=model, tp=tp), arch, world_size=env.world_size,
-                      dtype=resolve_dtype(dtype, env.device), device=env.device)  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path=model, tp=tp),
+        arch,
+        world_size=env.world_size,
+        dtype=resolve_dtype(dtype, env.device),
+        device=env.device,
+    )
     tokenizer = resolve_tokenizer(local_dir(model), arch, model)
     return NativeEngine(role, engine_cfg.with_eos_of(tokenizer.stop_ids)), tokenizer
 
 
 def run_generate(
-    *, model: str, input_path: str, output_path: str, tp: int, device: str, dtype: str,
-    params: SamplingParams, engine_cfg: NativeEngineConfig,
-) -> None:  # fmt: skip
+    *,
+    model: str,
+    input_path: str,
+    output_path: str,
+    tp: int,
+    device: str,
+    dtype: str,
+    params: SamplingParams,
+    engine_cfg: NativeEngineConfig,
+) -> None:
     arch = architecture_of(model)
     env = init_distributed(device)
     errors = layout_errors("generate", tp, 1, arch, env.world_size, as_flags=True, pipeline=False)
@@ -73,14 +86,24 @@ def run_generate(
         Path(output_path).parent.mkdir(parents=True, exist_ok=True)
         with open(output_path, "w", encoding="utf-8") as out:
             for c in rows:
-                out.write(json.dumps({
-                    "prompt_index": c.prompt_index, "sample_index": c.sample_index, "token_ids": c.token_ids,
-                    "text": tokenizer.decode(c.text_ids(tokenizer.stop_ids), skip_special_tokens=True), "logprobs": c.logprobs,
-                    "finish_reason": c.finish_reason,
-                    "prompt_tokens_dropped": c.prompt_tokens_dropped,
-                }) + "\n")  # fmt: skip
+                out.write(
+                    json.dumps(
+                        {
+                            "prompt_index": c.prompt_index,
+                            "sample_index": c.sample_index,
+                            "token_ids": c.token_ids,
+                            "text": tokenizer.decode(c.text_ids(tokenizer.stop_ids), skip_special_tokens=True),
+                            "logprobs": c.logprobs,
+                            "finish_reason": c.finish_reason,
+                            "prompt_tokens_dropped": c.prompt_tokens_dropped,
+                        }
+                    )
+                    + "\n"
+                )
         dropped = sum(1 for c in rows if c.prompt_tokens_dropped)
-        log(f"generated {len(rows)} completions for {len(dataset)} prompts ({new_tokens} tokens, "
+        log(
+            f"generated {len(rows)} completions for {len(dataset)} prompts ({new_tokens} tokens, "
             f"{new_tokens / max(elapsed, 1e-9):,.0f} tokens/s) -> {output_path}"
-            + (f"; {dropped} prompts were truncated to fit max_seq_len" if dropped else ""))  # fmt: skip
+            + (f"; {dropped} prompts were truncated to fit max_seq_len" if dropped else "")
+        )
     dist.barrier()

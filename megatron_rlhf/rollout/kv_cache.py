@@ -16,7 +16,15 @@ import torch
 
 class KVCache:
     def __init__(
-        self, *, num_layers: int, slots: int, max_len: int, groups: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        *,
+        num_layers: int,
+        slots: int,
+        max_len: int,
+        groups: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.data = torch.zeros(num_layers, slots, groups, max_len, 2 * head_dim, dtype=dtype, device=device)
         self.slots, self.groups, self.max_len = slots, groups, max_len

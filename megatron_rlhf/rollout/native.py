@@ -45,7 +45,7 @@ from megatron_rlhf.models.attention import (
     rotary_tables,
     rotate_store_attend,
     swiglu,
-)  # fmt: skip
+)
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
@@ -84,11 +84,11 @@ class _History:
         # numpy's tolist of the transposed columns is faster than torch's (256 x 256: 2.3 vs 3.2 ms)
         tokens, logprobs = columns.numpy().tolist(), self.logprobs[first : self.steps, slots].t().numpy().tolist()
         result = []
-        for row_tokens, row_logprobs, start, whole in zip(tokens, logprobs, since, every_step):
+        for row_tokens, row_logprobs, start, whole in zip(tokens, logprobs, since, every_step, strict=True):
             if start > first:
                 row_tokens, row_logprobs = row_tokens[start - first :], row_logprobs[start - first :]
             if not whole:
-                row_logprobs = [p for t, p in zip(row_tokens, row_logprobs) if t >= 0]
+                row_logprobs = [p for t, p in zip(row_tokens, row_logprobs, strict=True) if t >= 0]
                 row_tokens = [t for t in row_tokens if t >= 0]
             result.append((row_tokens, row_logprobs))
         return result
@@ -113,14 +113,18 @@ class _Slots:
     that read them. Capturing costs a few eager steps per KV-length bucket: paid once per engine,
     slot count and weight storage, not per call."""
 
-    def __init__(self, engine: "NativeEngine", count: int) -> None:
+    def __init__(self, engine: NativeEngine, count: int) -> None:
         arch, device = engine.role.arch, engine.device
         self.count = count
         self.cache = KVCache(
-            num_layers=len(engine.attention), slots=count, max_len=engine.cfg.max_seq_len,
-            groups=arch.num_query_groups // engine.role.groups.layout.tp, head_dim=arch.head_dim,
-            dtype=engine.model.config.params_dtype, device=device,
-        )  # fmt: skip
+            num_layers=len(engine.attention),
+            slots=count,
+            max_len=engine.cfg.max_seq_len,
+            groups=arch.num_query_groups // engine.role.groups.layout.tp,
+            head_dim=arch.head_dim,
+            dtype=engine.model.config.params_dtype,
+            device=device,
+        )
         self.input_ids = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.remaining = torch.zeros(count, dtype=torch.long, device=device)
@@ -128,13 +132,16 @@ class _Slots:
         self.all_slots = torch.arange(count, device=device)
         pin = device.type == "cuda"
         self.staging = [
-            (torch.zeros(count, dtype=torch.long, pin_memory=pin), torch.zeros(count, dtype=torch.float32, pin_memory=pin),
-             torch.zeros(count, dtype=torch.bool, pin_memory=pin))
+            (
+                torch.zeros(count, dtype=torch.long, pin_memory=pin),
+                torch.zeros(count, dtype=torch.float32, pin_memory=pin),
+                torch.zeros(count, dtype=torch.bool, pin_memory=pin),
+            )
             for _ in range(2)
-        ]  # fmt: skip
+        ]
         self.graphs = _DecodeGraphs(engine, self) if engine.cfg.cuda_graphs and pin else None
 
-    def use_weights(self, engine: "NativeEngine") -> None:
+    def use_weights(self, engine: NativeEngine) -> None:
         """Drop the graphs if the weights they read have moved (a freed and reallocated
         generation copy, weights loaded by replacing the tensors)."""
         if self.graphs is not None and self.graphs.weights != _weight_addresses(engine.model):
@@ -162,7 +169,9 @@ class _DecodeState:
 class NativeEngine:
     def __init__(self, role: RoleModel, cfg: NativeEngineConfig) -> None:
         if role.groups.layout.pp != 1:
-            raise ValueError(f"the generation layout must have pp=1 (got {role.groups.layout}): PP is collapsed for decoding")
+            raise ValueError(
+                f"the generation layout must have pp=1 (got {role.groups.layout}): PP is collapsed for decoding"
+            )
         if role.arch.score_head:
             raise ValueError(f"cannot generate with a {role.arch.hf_class_name}: it has no LM head")
         self.role, self.cfg = role, cfg
@@ -197,12 +206,12 @@ class NativeEngine:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_finished: Callable[[int], None] | None = None
-    ) -> list[Completion]:  # fmt: skip
+    ) -> list[Completion]:
         """``params.n`` completions per prompt, ordered by (prompt_index, sample_index);
         ``on_finished(count)`` is told how many are complete whenever that number grows."""
         waiting = collections.deque(
             self._completion(i, j, list(prompt), params) for i, prompt in enumerate(prompts) for j in range(params.n)
-        )  # fmt: skip
+        )
         if not waiting:
             return []
         count = min(self.cfg.max_batch_size, len(waiting))
@@ -221,7 +230,8 @@ class NativeEngine:
         def finish(slots: list[int]) -> None:
             if not slots:
                 return
-            for slot, (tokens, logprobs) in zip(slots, state.history.of_slots(slots, [first_step[s] for s in slots])):
+            histories = state.history.of_slots(slots, [first_step[s] for s in slots])
+            for slot, (tokens, logprobs) in zip(slots, histories, strict=True):
                 completion = occupant[slot]
                 completion.token_ids += tokens
                 completion.logprobs += logprobs
@@ -241,10 +251,16 @@ class NativeEngine:
                             self._collect(in_flight, state)
                             in_flight = None
                             continue
-                        finish([slot for slot in (~state.live_known).nonzero().flatten().tolist() if occupant[slot] is not None])
+                        finish(
+                            [
+                                slot
+                                for slot in (~state.live_known).nonzero().flatten().tolist()
+                                if occupant[slot] is not None
+                            ]
+                        )
                         free = [slot for slot, held in enumerate(occupant) if held is None]
                         admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                        for slot, completion in zip(free, admitted):
+                        for slot, completion in zip(free, admitted, strict=False):
                             occupant[slot], first_step[slot] = completion, state.history.steps
                         self._prefill(admitted, free[: len(admitted)], state, params, generator)
                         continue
@@ -265,7 +281,9 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def _completion(self, prompt_index: int, sample_index: int, prompt: list[int], params: SamplingParams) -> Completion:
+    def _completion(
+        self, prompt_index: int, sample_index: int, prompt: list[int], params: SamplingParams
+    ) -> Completion:
         if not prompt:
             raise ValueError(f"prompt {prompt_index} is empty")
         room = self.cfg.max_seq_len - 1  # at least one new token must fit
@@ -278,9 +296,13 @@ class NativeEngine:
         return Completion(prompt_index, sample_index, prompt[dropped:], [], [], prompt_tokens_dropped=dropped)
 
     def _prefill(
-        self, admitted: list[Completion], slot_ids: list[int], state: _DecodeState, params: SamplingParams,
+        self,
+        admitted: list[Completion],
+        slot_ids: list[int],
+        state: _DecodeState,
+        params: SamplingParams,
         generator: torch.Generator,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Prompts into their slots: one batched prefill, the first token of each, and the slots'
         device state (budget = max_new_tokens, capped by the context left).
 
@@ -292,35 +314,46 @@ class NativeEngine:
         first_row: dict[int, int] = {}  # prompt index -> the admitted row computed for it
         source = [first_row.setdefault(c.prompt_index, row) for row, c in enumerate(admitted)]
         computed = list(first_row.values())
-        input_ids = right_padded(flat_tensor((admitted[row].prompt_ids for row in computed), torch.long),
-                                 torch.tensor([lengths[row] for row in computed]), width, 0)  # fmt: skip
+        input_ids = right_padded(
+            flat_tensor((admitted[row].prompt_ids for row in computed), torch.long),
+            torch.tensor([lengths[row] for row in computed]),
+            width,
+            0,
+        )
         positions = torch.arange(width).expand(len(computed), width)
         device_state = state.slots
         computed_slots = torch.tensor([slot_ids[row] for row in computed], device=self.device)
-        logits = self._model_logits(input_ids, positions, computed_slots, device_state.cache,
-                                    last=torch.tensor([lengths[row] for row in computed]) - 1)  # fmt: skip
+        logits = self._model_logits(
+            input_ids,
+            positions,
+            computed_slots,
+            device_state.cache,
+            last=torch.tensor([lengths[row] for row in computed]) - 1,
+        )
         if len(computed) < len(admitted):
             copies = [row for row in range(len(admitted)) if source[row] != row]
             cache = device_state.cache.data
-            cache[:, [slot_ids[row] for row in copies], :, :width] = cache[:, [slot_ids[source[row]] for row in copies], :, :width]
+            cache[:, [slot_ids[row] for row in copies], :, :width] = cache[
+                :, [slot_ids[source[row]] for row in copies], :, :width
+            ]
             where = {row: i for i, row in enumerate(computed)}
             logits = logits[torch.tensor([where[source[row]] for row in range(len(admitted))], device=self.device)]
         slots = torch.tensor(slot_ids, device=self.device)
         tokens, logprobs = self._sample(logits, params, generator)
-        budget = torch.tensor([min(params.max_new_tokens, self.cfg.max_seq_len - n) for n in lengths], device=self.device)
+        budget = torch.tensor(
+            [min(params.max_new_tokens, self.cfg.max_seq_len - n) for n in lengths], device=self.device
+        )
         device_state.input_ids[slots, 0] = tokens
         device_state.positions[slots, 0] = torch.tensor(lengths, device=self.device)  # the first token's position
         device_state.remaining[slots] = budget - 1
         device_state.live[slots] = (budget > 1) & ~torch.isin(tokens, state.stop_ids)
         state.live_known[slot_ids] = device_state.live[slots].cpu()
         state.position_bound[slot_ids] = torch.tensor(lengths)
-        for completion, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist()):
+        for completion, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist(), strict=True):
             completion.token_ids.append(token)
             completion.logprobs.append(logprob)
 
-    def _launch_decode(
-        self, state: _DecodeState, params: SamplingParams, generator: torch.Generator
-    ) -> _LaunchedStep:  # fmt: skip
+    def _launch_decode(self, state: _DecodeState, params: SamplingParams, generator: torch.Generator) -> _LaunchedStep:
         """Queue one decode step over every slot and the state update after it; returns without
         waiting for the device."""
         device_state = state.slots
@@ -332,8 +365,9 @@ class NativeEngine:
             logits = self._decode_logits(device_state, kv_len)
         tokens, logprobs = self._sample(logits, params, generator)
         live = device_state.live
-        produced = _advance_slots(tokens, live, device_state.input_ids, device_state.positions, device_state.remaining,
-                                  state.stop_ids)  # fmt: skip
+        produced = _advance_slots(
+            tokens, live, device_state.input_ids, device_state.positions, device_state.remaining, state.stop_ids
+        )
         state.position_bound += maybe_live
         host_tokens, host_logprobs, host_live = device_state.staging[state.parity]
         state.parity = 1 - state.parity
@@ -355,7 +389,7 @@ class NativeEngine:
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row; every TP rank continues with rank 0's."""
         tokens, logprobs = sample(logits, params, generator)
         if self.tp_group.size() > 1:
@@ -368,9 +402,15 @@ class NativeEngine:
         return self._model_logits(slots.input_ids, slots.positions, slots.all_slots, slots.cache, kv_len=kv_len)
 
     def _model_logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache, *,
-        last: torch.Tensor | None = None, kv_len: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        *,
+        last: torch.Tensor | None = None,
+        kv_len: int | None = None,
+    ) -> torch.Tensor:
         """Run the model over (b, sq) tokens at the given positions of the given cache slots; (b, V)
         logits (model dtype) of the token at index ``last[row]`` of each row.
 
@@ -381,8 +421,16 @@ class NativeEngine:
         input_ids, positions = input_ids.to(device), positions.to(device)
         cos, sin = rotary_tables(positions, model.rotary_pos_emb.inv_freq.to(device), model.config.params_dtype)
         prefill = last is not None
-        step = DecodeStep(cache=cache, slots=slots, positions=positions, cos=cos, sin=sin, prefill=prefill, kv_len=kv_len,
-                          window=self.window)  # fmt: skip
+        step = DecodeStep(
+            cache=cache,
+            slots=slots,
+            positions=positions,
+            cos=cos,
+            sin=sin,
+            prefill=prefill,
+            kv_len=kv_len,
+            window=self.window,
+        )
         for module in self.attention:
             module.kv_step = step
         try:
@@ -394,10 +442,8 @@ class NativeEngine:
         finally:
             for module in self.attention:
                 module.kv_step = None
-        if prefill:
-            final = hidden[last.to(device), torch.arange(hidden.shape[1], device=device)]  # (b, h)
-        else:
-            final = hidden[-1]
+        # (b, h): each sequence's last prompt position after a prefill, the one new position after a decode step
+        final = hidden[last.to(device), torch.arange(hidden.shape[1], device=device)] if prefill else hidden[-1]
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(final[None], weight=weight)  # (1, b, Vp / tp)
         logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
@@ -406,9 +452,13 @@ class NativeEngine:
 
 @gpu_fused
 def _advance_slots(
-    tokens: torch.Tensor, live: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, remaining: torch.Tensor,
+    tokens: torch.Tensor,
+    live: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    remaining: torch.Tensor,
     stop_ids: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The slots' device state after a decode step drew ``tokens`` (slots,), in place: a live slot
     takes its token as the next input, moves one position, spends one token of its budget, and
     dies on a stop token or an empty budget. Returns what each slot produced (-1 where it was not
@@ -428,20 +478,39 @@ def _decode_fusable(decoder: torch.nn.Module) -> bool:
     MLP; a final norm; no sequence parallelism."""
     layers = list(decoder.layers)
     config = decoder.config
-    norms = [n for layer in layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)] + [decoder.final_layernorm]
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)] + [
+        decoder.final_layernorm
+    ]
 
     def plain(layer) -> bool:
         attention, mlp = layer.self_attention, layer.mlp
-        return (isinstance(attention, CachedSelfAttention) and attention.q_layernorm is None and attention.k_layernorm is None
-                and type(attention.linear_qkv) is ColumnParallelLinear and type(mlp.linear_fc1) is ColumnParallelLinear
-                and type(attention.linear_proj) is RowParallelLinear and type(mlp.linear_fc2) is RowParallelLinear
-                and config.num_query_groups >= attention.world_size)  # fmt: skip
+        return (
+            isinstance(attention, CachedSelfAttention)
+            and attention.q_layernorm is None
+            and attention.k_layernorm is None
+            and type(attention.linear_qkv) is ColumnParallelLinear
+            and type(mlp.linear_fc1) is ColumnParallelLinear
+            and type(attention.linear_proj) is RowParallelLinear
+            and type(mlp.linear_fc2) is RowParallelLinear
+            and config.num_query_groups >= attention.world_size
+        )
 
-    return (bool(layers) and all(type(n) is torch.nn.RMSNorm for n in norms) and all(plain(layer) for layer in layers)
-            and config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
-            and config.activation_func_clamp_value is None and config.glu_linear_offset == 0
-            and not (config.apply_residual_connection_post_layernorm or config.fp32_residual_connection
-                     or config.num_moe_experts or config.sequence_parallel))  # fmt: skip
+    return (
+        bool(layers)
+        and all(type(n) is torch.nn.RMSNorm for n in norms)
+        and all(plain(layer) for layer in layers)
+        and config.gated_linear_unit
+        and config.activation_func is F.silu
+        and not config.add_bias_linear
+        and config.activation_func_clamp_value is None
+        and config.glu_linear_offset == 0
+        and not (
+            config.apply_residual_connection_post_layernorm
+            or config.fp32_residual_connection
+            or config.num_moe_experts
+            or config.sequence_parallel
+        )
+    )
 
 
 def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeStep, tp_group) -> torch.Tensor:
@@ -458,8 +527,18 @@ def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeS
         hidden, normed = add_rms_norm(hidden, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
         mixed = F.linear(normed, attention.linear_qkv.weight, attention.linear_qkv.bias)
         heads_per_group = attention.num_attention_heads_per_partition // attention.num_query_groups_per_partition
-        attended = rotate_store_attend(mixed, heads_per_group, step.cos, step.sin, step.cache.layer(attention.layer_number),
-                                       step.slots, step.positions, step.kv_len, step.window, attention.core_attention.softmax_scale)  # fmt: skip
+        attended = rotate_store_attend(
+            mixed,
+            heads_per_group,
+            step.cos,
+            step.sin,
+            step.cache.layer(attention.layer_number),
+            step.slots,
+            step.positions,
+            step.kv_len,
+            step.window,
+            attention.core_attention.softmax_scale,
+        )
         attended = reduce_from_tensor_model_parallel_region(F.linear(attended, attention.linear_proj.weight), tp_group)
         hidden, normed = add_rms_norm(hidden, attended, layer.pre_mlp_layernorm.weight, layer.pre_mlp_layernorm.eps)
         up = F.linear(normed, mlp.linear_fc1.weight)
@@ -469,9 +548,11 @@ def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeS
 
 
 def generate_data_parallel(
-    engine: NativeEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
+    engine: NativeEngine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
     on_finished: Callable[[int], None] | None = None,
-) -> list[Completion]:  # fmt: skip
+) -> list[Completion]:
     """Generate over the engine's data-parallel groups: each takes every dp-th prompt; every rank
     of the world returns all completions, ordered by (prompt_index, sample_index). Collective.
     ``on_finished`` follows this rank's group (see ``NativeEngine.generate``)."""

@@ -34,10 +34,13 @@ class NativeEngineConfig:
     def __post_init__(self) -> None:
         check_on_init(self)
 
-    def with_eos_of(self, stop_ids: Sequence[int]) -> "NativeEngineConfig":
+    def with_eos_of(self, stop_ids: Sequence[int]) -> NativeEngineConfig:
         """This config, with the tokenizer's ``stop_ids`` where it names no ``eos_token_ids``."""
         return self if self.eos_token_ids else dataclasses.replace(self, eos_token_ids=tuple(stop_ids))
 
     def errors(self) -> list[str]:
-        return (one_of(self, "on_long_prompt", LONG_PROMPT_POLICIES) + at_least(self, 1, "max_batch_size", "graph_kv_bucket")
-                + at_least(self, 2, "max_seq_len"))  # fmt: skip
+        return (
+            one_of(self, "on_long_prompt", LONG_PROMPT_POLICIES)
+            + at_least(self, 1, "max_batch_size", "graph_kv_bucket")
+            + at_least(self, 2, "max_seq_len")
+        )

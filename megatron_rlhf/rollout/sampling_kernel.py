@@ -39,7 +39,9 @@ def available(logits: torch.Tensor) -> bool:
     return triton is not None and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1
 
 
-def sample_unfiltered(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_unfiltered(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,) int64, logprobs (B,) float32) for logits (B, V): greedy when ``temperature`` is
     0, else drawn from softmax(logits / T) over the whole vocabulary. No host synchronisation:
     three launches (the chunk statistics, the uniforms, the pick), each a few microseconds at most
@@ -52,13 +54,42 @@ def sample_unfiltered(logits: torch.Tensor, temperature: float, generator: torch
     chunks = triton.cdiv(vocab, chunk)
     stats = torch.empty(2, rows, chunks, dtype=torch.float32, device=logits.device)  # max, sum of exp(z - max)
     best_index = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_stats_kernel[(rows, chunks)](logits, logits.stride(0), vocab, chunk, inv_temperature, stats, stats.stride(0),
-                                        best_index, GREEDY=greedy, BLOCK=BLOCK)  # fmt: skip
-    uniform = logits.new_empty(0, dtype=torch.float32) if greedy else torch.rand(rows, device=logits.device, generator=generator)
+    _chunk_stats_kernel[(rows, chunks)](
+        logits,
+        logits.stride(0),
+        vocab,
+        chunk,
+        inv_temperature,
+        stats,
+        stats.stride(0),
+        best_index,
+        GREEDY=greedy,
+        BLOCK=BLOCK,
+    )
+    uniform = (
+        logits.new_empty(0, dtype=torch.float32)
+        if greedy
+        else torch.rand(rows, device=logits.device, generator=generator)
+    )
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _pick_kernel[(rows,)](logits, logits.stride(0), vocab, chunk, chunks, inv_temperature, stats, stats.stride(0), best_index,
-                          uniform, tokens, logprobs, GREEDY=greedy, CHUNKS=CHUNKS, BLOCK=BLOCK)  # fmt: skip
+    _pick_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        vocab,
+        chunk,
+        chunks,
+        inv_temperature,
+        stats,
+        stats.stride(0),
+        best_index,
+        uniform,
+        tokens,
+        logprobs,
+        GREEDY=greedy,
+        CHUNKS=CHUNKS,
+        BLOCK=BLOCK,
+    )
     return tokens, logprobs
 
 
@@ -66,9 +97,17 @@ if triton is not None:
 
     @triton.jit
     def _chunk_stats_kernel(
-        logits_ptr, row_stride, vocab, chunk, inv_temperature, stats_ptr, stats_stride, index_ptr,
-        GREEDY: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        logits_ptr,
+        row_stride,
+        vocab,
+        chunk,
+        inv_temperature,
+        stats_ptr,
+        stats_stride,
+        index_ptr,
+        GREEDY: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         part = tl.program_id(1)
         chunks = tl.num_programs(1)
@@ -82,9 +121,8 @@ if triton is not None:
             z = tl.load(logits_ptr + row * row_stride + columns, mask=columns < end, other=-float("inf")).to(tl.float32)
             z = z * inv_temperature
             block_max = tl.max(z, 0)
-            if GREEDY:
-                if block_max > running_max:  # strict: an earlier block keeps a tie
-                    best_index = offset + tl.argmax(z, 0, tie_break_left=True)
+            if GREEDY and block_max > running_max:  # strict: an earlier block keeps a tie
+                best_index = offset + tl.argmax(z, 0, tie_break_left=True)
             new_max = tl.maximum(running_max, block_max)
             shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf logits so far sums to 0, not NaN
             running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), 0)
@@ -97,9 +135,22 @@ if triton is not None:
 
     @triton.jit
     def _pick_kernel(
-        logits_ptr, row_stride, vocab, chunk, chunks, inv_temperature, stats_ptr, stats_stride, index_ptr, uniform_ptr,
-        token_ptr, logprob_ptr, GREEDY: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        logits_ptr,
+        row_stride,
+        vocab,
+        chunk,
+        chunks,
+        inv_temperature,
+        stats_ptr,
+        stats_stride,
+        index_ptr,
+        uniform_ptr,
+        token_ptr,
+        logprob_ptr,
+        GREEDY: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # The row's log-sum-exp from its chunks' statistics; greedy: the first maximal column of the
         # first chunk holding the maximum. Else the chunk whose cumulative mass first exceeds
         # u * total (never one without mass: the target can round up to the total), then the first

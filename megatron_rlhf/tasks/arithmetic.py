@@ -135,7 +135,7 @@ def _partial_products(a: int, b: int) -> tuple[list[str], int]:
     """``a`` times each non-zero digit of ``b`` in place, then the running sum of the partials."""
     places = [(d, i) for i, d in enumerate(_digits(b)) if d] or [(0, 0)]
     partials = [a * d * 10**i for d, i in places]
-    steps = [f"{a}*{d}{'0' * i}={p}" for (d, i), p in zip(places, partials)]
+    steps = [f"{a}*{d}{'0' * i}={p}" for (d, i), p in zip(places, partials, strict=True)]
     total = partials[0]
     for p in partials[1:]:
         steps.append(f"{total}+{p}={total + p}")
@@ -201,8 +201,10 @@ def make_problems(spec: ArithmeticSpec, split: str, count: int) -> list[Problem]
         raise ValueError(f"split={split!r}: expected one of {SPLITS}")
     available = int(spec.num_problems * SPLIT_FRACTIONS[split])
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= available // 2:
-        raise ValueError(f"count={count!r} {split} problems of {spec}: expected 0..{available // 2} "
-                         f"(half the about {available} problems of the split; raise digits or add ops)")  # fmt: skip
+        raise ValueError(
+            f"count={count!r} {split} problems of {spec}: expected 0..{available // 2} "
+            f"(half the about {available} problems of the split; raise digits or add ops)"
+        )
     rng = random.Random(f"{spec.seed}:{split}:{','.join(spec.ops)}:{spec.digits}")
     high = 10**spec.digits - 1
     seen: set[Problem] = set()
@@ -218,7 +220,9 @@ def make_problems(spec: ArithmeticSpec, split: str, count: int) -> list[Problem]
 # --------------------------------------------------------------------------- rows and scoring
 
 
-def sft_rows(problems: Iterable[Problem], steps: bool = False, *, slip_rate: float = 0.0, seed: int = 0) -> list[dict[str, str]]:
+def sft_rows(
+    problems: Iterable[Problem], steps: bool = False, *, slip_rate: float = 0.0, seed: int = 0
+) -> list[dict[str, str]]:
     """``prompt``/``response`` rows for ``megatron-rlhf sft``; with ``slip_rate`` > 0, worked steps
     by the careless teacher (``sloppy_response``)."""
     if slip_rate:
@@ -297,19 +301,21 @@ def preference_pairs(
     (seed, prompt index), so the rows depend only on the inputs and the seed.
     """
     if len(responses) != len(prompts) or len(verdicts) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} response groups and "
-                         f"{len(verdicts)} verdict groups: expected one group of each per prompt")  # fmt: skip
+        raise ValueError(
+            f"{len(prompts)} prompts but {len(responses)} response groups and "
+            f"{len(verdicts)} verdict groups: expected one group of each per prompt"
+        )
     if isinstance(pairs_per_prompt, bool) or not isinstance(pairs_per_prompt, int) or pairs_per_prompt < 1:
         raise ValueError(f"pairs_per_prompt={pairs_per_prompt!r}: expected an int >= 1")
     rows = []
-    for index, (prompt, texts, marks) in enumerate(zip(prompts, responses, verdicts)):
+    for index, (prompt, texts, marks) in enumerate(zip(prompts, responses, verdicts, strict=True)):
         if len(texts) != len(marks):
             raise ValueError(f"prompt {index}: {len(texts)} responses but {len(marks)} verdicts")
         unknown = next((v for v in marks if v not in ("right", "wrong", "malformed")), None)
         if unknown is not None:
             raise ValueError(f"prompt {index}: verdict {unknown!r}, expected right, wrong or malformed")
-        right = sorted({t for t, v in zip(texts, marks) if v == "right"})
-        other = sorted({t for t, v in zip(texts, marks) if v != "right" and t.strip()})
+        right = sorted({t for t, v in zip(texts, marks, strict=True) if v == "right"})
+        other = sorted({t for t, v in zip(texts, marks, strict=True) if v != "right" and t.strip()})
         combos = [(c, r) for c in right for r in other]
         rng = random.Random(f"{seed}:{index}")
         for chosen, rejected in rng.sample(combos, min(pairs_per_prompt, len(combos))):
@@ -351,15 +357,34 @@ def write_tokenizer(out_dir: str | Path) -> Path:
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(tokenizer_corpus()), model_writer=model, model_type="bpe",
-        vocab_size=TOKENIZER_VOCAB_SIZE, hard_vocab_limit=True, character_coverage=1.0, split_digits=True,
-        add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
-        pad_id=0, bos_id=1, eos_id=2, unk_id=3, num_threads=1, minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(tokenizer_corpus()),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        hard_vocab_limit=True,
+        character_coverage=1.0,
+        split_digits=True,
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        pad_id=0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=3,
+        num_threads=1,
+        minloglevel=2,
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.model").write_bytes(model.getvalue())
-    config = {"tokenizer_class": "LlamaTokenizer", **SPECIAL_TOKENS, "add_bos_token": False, "add_eos_token": False,
-              "add_prefix_space": False, "legacy": False, "clean_up_tokenization_spaces": False}  # fmt: skip
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        **SPECIAL_TOKENS,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -129,18 +129,27 @@ class LoopConfig(RunConfig):
     rollback over the same steps (or none to roll back to) stops the run with exit code 3."""
 
     def errors(self) -> list[str]:
-        return (super().errors() + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every",
-                                                 "max_bad_steps")
-                + at_least(self, 0, "max_steps", "save_every", "keep_last") + logger_errors("loggers", self.loggers, self.wandb)
-                + self._resume_errors()
-                + ([f"profile_steps={self.profile_steps}: steps count from 1"] if any(s < 1 for s in self.profile_steps) else []))  # fmt: skip
+        return (
+            super().errors()
+            + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "max_bad_steps")
+            + at_least(self, 0, "max_steps", "save_every", "keep_last")
+            + logger_errors("loggers", self.loggers, self.wandb)
+            + self._resume_errors()
+            + (
+                [f"profile_steps={self.profile_steps}: steps count from 1"]
+                if any(s < 1 for s in self.profile_steps)
+                else []
+            )
+        )
 
     def _resume_errors(self) -> list[str]:
         if self.resume in ("auto", "never") or Path(self.resume).is_dir():
             return []
         why = "does not exist" if not Path(self.resume).exists() else "is not a directory"
-        return [f"resume={self.resume!r} must be auto, never, or a checkpoint directory (.../checkpoints/step_N); "
-                f"{self.resume!r} {why}"]
+        return [
+            f"resume={self.resume!r} must be auto, never, or a checkpoint directory (.../checkpoints/step_N); "
+            f"{self.resume!r} {why}"
+        ]
 
     def resume_from(self) -> Path | None:
         """The checkpoint this run continues from (None: a fresh run)."""
@@ -267,12 +276,16 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
     if not found or cfg.overwrite or (cfg.resume != "never" and cfg.resume_from() is not None):
         return
     if not _completed_a_step(out_dir):
-        log(f"output_dir={cfg.output_dir!r}: replacing the files of an earlier run that completed no step "
-            f"({', '.join(found)})")  # fmt: skip
+        log(
+            f"output_dir={cfg.output_dir!r}: replacing the files of an earlier run that completed no step "
+            f"({', '.join(found)})"
+        )
         return
-    raise ConfigError(f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and no checkpoint "
-                      f"to resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another "
-                      "output_dir")  # fmt: skip
+    raise ConfigError(
+        f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and no checkpoint "
+        f"to resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another "
+        "output_dir"
+    )
 
 
 def _completed_a_step(out_dir: Path) -> bool:
@@ -295,8 +308,12 @@ def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
     raise ``ResumeRefused`` naming the changes a checkpoint cannot follow (``resume_check.RULES``)."""
     # The checkpoint the load will take: the first whose files match its manifest (without a
     # manifest, only if trusted). Its files are read only once they are checked.
-    usable = (ckpt for ckpt in cfg.resume_candidates() if (ckpt / "config.yaml").is_file()
-              and manifest_problems(ckpt) in ([], *([None] if cfg.trust_unverified_checkpoint else [])))  # fmt: skip
+    usable = (
+        ckpt
+        for ckpt in cfg.resume_candidates()
+        if (ckpt / "config.yaml").is_file()
+        and manifest_problems(ckpt) in ([], *([None] if cfg.trust_unverified_checkpoint else []))
+    )
     ckpt = next(usable, None)
     if ckpt is None:
         return  # a fresh run; an unusable checkpoint is reported when it is loaded
@@ -307,20 +324,26 @@ def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
     except (ValueError, yaml.YAMLError):  # an unverified checkpoint's bytes that do not parse
         return  # reported as unusable when it is loaded
     if review.changed:
-        log(f"resuming {ckpt} with {len(review.changed)} settings changed from its config.yaml:\n  "
-            + "\n  ".join(review.changed))  # fmt: skip
+        log(
+            f"resuming {ckpt} with {len(review.changed)} settings changed from its config.yaml:\n  "
+            + "\n  ".join(review.changed)
+        )
     if review.refused:
-        raise ResumeRefused(f"resume={cfg.resume!r} continues {ckpt}, and this config changes what its state cannot "
-                            f"follow: {'; '.join(review.refused)}. Keep those settings as they were "
-                            f"({ckpt / 'config.yaml'}), or start a new run: resume=never, or another output_dir")  # fmt: skip
+        raise ResumeRefused(
+            f"resume={cfg.resume!r} continues {ckpt}, and this config changes what its state cannot "
+            f"follow: {'; '.join(review.refused)}. Keep those settings as they were "
+            f"({ckpt / 'config.yaml'}), or start a new run: resume=never, or another output_dir"
+        )
 
 
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
     """(steps per epoch, total steps)."""
     per_epoch = num_steps(task.num_examples, task.batch_size, drop_last=True)
     if per_epoch == 0:
-        raise ConfigError(f"the training set has {task.num_examples} examples, fewer than one step's "
-                          f"{task.batch_size} ({task.batch_description}): not one full step")  # fmt: skip
+        raise ConfigError(
+            f"the training set has {task.num_examples} examples, fewer than one step's "
+            f"{task.batch_size} ({task.batch_description}): not one full step"
+        )
     total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * per_epoch
     return per_epoch, total
 
@@ -331,9 +354,11 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     out_dir = Path(cfg.output_dir)
     per_epoch, total = plan_steps(cfg, task)
     left_over = task.num_examples - per_epoch * task.batch_size
-    log(f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} steps per epoch"
+    log(
+        f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} steps per epoch"
         + (f" ({left_over} examples of each epoch's shuffle left for later epochs)" if left_over else "")
-        + f"; {total} steps ({total / per_epoch:.2f} epochs)")  # fmt: skip
+        + f"; {total} steps ({total / per_epoch:.2f} epochs)"
+    )
     log(environment_report())
     log(f"layouts: {task.layouts}")
     metric, label = task.headline
@@ -342,8 +367,15 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     loop_state: dict[str, Any] = {"last_eval_step": -1, "train_seconds": 0.0, "reseeded": []}
     resumed_step = _resume(cfg, task, summary, loop_state)
     summary.update(steps=total, steps_per_epoch=per_epoch)
-    setup = SinkSetup(out_dir=out_dir, total_steps=total, log_every=cfg.log_every, progress=task.progress,
-                      wandb=cfg.wandb, config=dataclasses.asdict(cfg), resumed_step=resumed_step)  # fmt: skip
+    setup = SinkSetup(
+        out_dir=out_dir,
+        total_steps=total,
+        log_every=cfg.log_every,
+        progress=task.progress,
+        wandb=cfg.wandb,
+        config=dataclasses.asdict(cfg),
+        resumed_step=resumed_step,
+    )
     sink = build_sinks(cfg.loggers, setup)
     # Set-up leaves some 0.4M Python objects (torch, megatron-core, the models' modules) that live as
     # long as the run. The cyclic GC walks all of them in each full collection (0.28 s on a 2-core
@@ -356,14 +388,26 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
 
     writer = RunCheckpointWriter(checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save)
     claim = _claims.pop(out_dir.resolve(), None)
-    recorded = {} if claim is None else {"models": {role: arch.hf_config for role, arch in claim.models.items()},
-                                         "tokenizer": claim.tokenizer}  # fmt: skip
+    recorded = (
+        {}
+        if claim is None
+        else {"models": {role: arch.hf_config for role, arch in claim.models.items()}, "tokenizer": claim.tokenizer}
+    )
 
     def save(step: int) -> None:
-        run_state = {"summary": summary, "loop": {**loop_state, "train_seconds": loop_state["train_seconds"]
-                                                  + time.perf_counter() - start}, "task": task.state_dict(), **recorded}  # fmt: skip
-        writer.save(step, train_states=task.train_states(), weights=task.changing_weights(), run_state=run_state,
-                    config_yaml=to_yaml(cfg))  # fmt: skip
+        run_state = {
+            "summary": summary,
+            "loop": {**loop_state, "train_seconds": loop_state["train_seconds"] + time.perf_counter() - start},
+            "task": task.state_dict(),
+            **recorded,
+        }
+        writer.save(
+            step,
+            train_states=task.train_states(),
+            weights=task.changing_weights(),
+            run_state=run_state,
+            config_yaml=to_yaml(cfg),
+        )
 
     try:
         with StopSignals() as signals:
@@ -388,8 +432,10 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     finally:
         if claim is not None and claim.lock is not None:
             run_lock.release(claim.lock)
-    log(f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
-        f"(step {total})" + _validation_headline(summary) + f"; {out_dir}")  # fmt: skip
+    log(
+        f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
+        f"(step {total})" + _validation_headline(summary) + f"; {out_dir}"
+    )
     return summary
 
 
@@ -406,20 +452,34 @@ def _export(cfg: LoopConfig, task: Task, out_dir: Path, final_step: int | None) 
         export_hf(task.export_role, task.tokenizer, hf)
     except OSError as err:
         if final_step is None:
-            what = (f"no checkpoint holds the final step (save_final={cfg.save_final}): the steps since the last "
-                    "checkpoint are lost")  # fmt: skip
+            what = (
+                f"no checkpoint holds the final step (save_final={cfg.save_final}): the steps since the last "
+                "checkpoint are lost"
+            )
         else:
             ckpt = checkpoints_root(out_dir) / f"step_{final_step}"
             name = next(n for n, s in task.train_states().items() if s.role is task.export_role)
-            what = (f"the checkpoint {ckpt} holds every step; redo the export with: megatron-rlhf convert mcore-to-hf "
-                    f"{ckpt / 'models' / name} {hf} (then copy the tokenizer files from {task.export_role.source}), "
-                    "or run the same command again (it resumes at the last step and exports)")  # fmt: skip
+            what = (
+                f"the checkpoint {ckpt} holds every step; redo the export with: megatron-rlhf convert mcore-to-hf "
+                f"{ckpt / 'models' / name} {hf} (then copy the tokenizer files from {task.export_role.source}), "
+                "or run the same command again (it resumes at the last step and exports)"
+            )
         raise ExportFailed(f"the HF export to {hf} failed: {err}; {what}") from err
 
 
-def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step: int | None, summary: dict[str, Any],
-           loop_state: dict[str, Any], sink: Sink, save: Callable[[int], None], writer: RunCheckpointWriter,
-           signals: StopSignals) -> None:  # fmt: skip
+def _train(
+    cfg: LoopConfig,
+    task: Task,
+    total: int,
+    per_epoch: int,
+    resumed_step: int | None,
+    summary: dict[str, Any],
+    loop_state: dict[str, Any],
+    sink: Sink,
+    save: Callable[[int], None],
+    writer: RunCheckpointWriter,
+    signals: StopSignals,
+) -> None:
     """The steps after ``resumed_step`` and the final validation; a background save is completed at
     the first step boundary after its files are written. A stop
     request saves a checkpoint at the step boundary and raises ``RunStopped``; ``max_bad_steps``
@@ -461,8 +521,14 @@ def _train(cfg: LoopConfig, task: Task, total: int, per_epoch: int, resumed_step
         loop_state["last_eval_step"] = total
 
 
-def _stop_mid_step(cfg: LoopConfig, done: int, bad_steps: int, save: Callable[[int], None], signals: StopSignals,
-                   why: ScoringInterrupted) -> NoReturn:  # fmt: skip
+def _stop_mid_step(
+    cfg: LoopConfig,
+    done: int,
+    bad_steps: int,
+    save: Callable[[int], None],
+    signals: StopSignals,
+    why: ScoringInterrupted,
+) -> NoReturn:
     """Collective (every rank's step was interrupted alike): a stop request arrived while step
     ``done + 1`` waited on reward code that had not returned. Nothing of that step is kept: save
     step ``done`` (its models, optimizer and the loop's state are still as that step left them;
@@ -502,21 +568,37 @@ def _batch(cfg: LoopConfig, task: Task, per_epoch: int, step: int, reseeded: lis
     return epoch, _epoch_order(task.num_examples, task.batch_size, seed, epoch)[position]
 
 
-def _roll_back(cfg: LoopConfig, task: Task, step: int, summary: dict[str, Any], loop_state: dict[str, Any],
-               sink: Sink, writer: RunCheckpointWriter) -> int:  # fmt: skip
+def _roll_back(
+    cfg: LoopConfig,
+    task: Task,
+    step: int,
+    summary: dict[str, Any],
+    loop_state: dict[str, Any],
+    sink: Sink,
+    writer: RunCheckpointWriter,
+) -> int:
     """Load the newest checkpoint after ``max_bad_steps`` skipped updates ending at ``step``; the
     steps after it are redone with another data order. Returns the checkpoint's step. Raises
     ``RunStopped`` (exit 3) with no checkpoint, or when these steps were redone once already."""
     first_bad = step - cfg.max_bad_steps + 1
-    what = (f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
-            f"gradients (max_bad_steps={cfg.max_bad_steps})")  # fmt: skip
+    what = (
+        f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
+        f"gradients (max_bad_steps={cfg.max_bad_steps})"
+    )
     writer.wait()  # a checkpoint still being written is older than these steps: the one to go back to
     ckpt = newest_checkpoint(checkpoints_root(cfg.output_dir))
     if ckpt is None:
-        raise RunStopped(f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "
-                         "lower the learning rate or check the data", 3)  # fmt: skip
-    run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights(),
-                                    trust_unverified=cfg.trust_unverified_checkpoint)
+        raise RunStopped(
+            f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "
+            "lower the learning rate or check the data",
+            3,
+        )
+    run_state = load_run_checkpoint(
+        ckpt,
+        train_states=task.train_states(),
+        weights=task.changing_weights(),
+        trust_unverified=cfg.trust_unverified_checkpoint,
+    )
     good = int(run_state["step"])
     reseeded = loop_state["reseeded"]
     if any(first == good + 1 for first, _ in reseeded):
@@ -546,14 +628,20 @@ def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: di
     older = candidates[1:]
     for ckpt in candidates:
         try:
-            run_state = load_run_checkpoint(ckpt, train_states=task.train_states(), weights=task.changing_weights(),
-                                            trust_unverified=cfg.trust_unverified_checkpoint)
+            run_state = load_run_checkpoint(
+                ckpt,
+                train_states=task.train_states(),
+                weights=task.changing_weights(),
+                trust_unverified=cfg.trust_unverified_checkpoint,
+            )
             break
         except FileNotFoundError as err:
             raise ConfigError(f"resume={cfg.resume!r}: {err}") from err
         except UnusableCheckpoint as err:
             if ckpt is candidates[-1]:
-                raise ConfigError(f"resume={cfg.resume!r}: {err}" + ("; no older one is usable" if older else "")) from err
+                raise ConfigError(
+                    f"resume={cfg.resume!r}: {err}" + ("; no older one is usable" if older else "")
+                ) from err
             log(f"{err}; trying the previous checkpoint")
     task.load_state_dict(run_state["task"])
     summary.update(run_state["summary"])

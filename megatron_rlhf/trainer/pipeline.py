@@ -170,21 +170,23 @@ def _stage_table(result: dict[str, Any]) -> str:
 
 def sample_and_judge(
     engine: NativeEngine, tokenizer: Tokenizer, prompt_paths: list[str], count: int, params: SamplingParams
-) -> tuple[list[str], list[list[str]], list[list[str]]]:  # fmt: skip
+) -> tuple[list[str], list[list[str]], list[list[str]]]:
     """Sample ``params.n`` responses to each of the first ``count`` prompts (all of them if fewer)
     and judge each against the prompt's ``answer``: (prompt texts, responses per prompt, verdicts
     per prompt), identical on every rank. Collective."""
-    dataset, _ = load_prompt_dataset(resolve_data_paths(prompt_paths), tokenizer, max_length=engine.cfg.max_seq_len,
-                                     extra_keys=("prompt", "answer"))  # fmt: skip
+    dataset, _ = load_prompt_dataset(
+        resolve_data_paths(prompt_paths), tokenizer, max_length=engine.cfg.max_seq_len, extra_keys=("prompt", "answer")
+    )
     examples = dataset[: min(count, len(dataset))]
     completions: list[Completion] = generate_data_parallel(engine, [e.prompt_ids.tolist() for e in examples], params)
     responses: list[list[str]] = [[] for _ in examples]
     verdicts: list[list[str]] = [[] for _ in examples]
     texts = tokenizer.decode_batch([c.text_ids(tokenizer.stop_ids) for c in completions], skip_special_tokens=True)
-    for c, text in zip(completions, texts):
+    for c, text in zip(completions, texts, strict=True):
         responses[c.prompt_index].append(text)
-        verdicts[c.prompt_index].append(judge(text, examples[c.prompt_index].extras["answer"],
-                                              finished=c.finish_reason == "stop"))  # fmt: skip
+        verdicts[c.prompt_index].append(
+            judge(text, examples[c.prompt_index].extras["answer"], finished=c.finish_reason == "stop")
+        )
     return [e.extras["prompt"] for e in examples], responses, verdicts
 
 
@@ -200,13 +202,17 @@ def make_pairs(cfg: PairsConfig, dtype: str, seed: int, env: DistEnv) -> dict[st
     summary: dict[str, Any] = {}
     out = Path(cfg.output_dir)
     engine, tokenizer = _policy(cfg.policy, cfg.engine, dtype, env)
-    for split, paths, count in (("train", cfg.train_prompts, cfg.num_train_prompts),
-                                ("validation", cfg.validation_prompts, cfg.num_validation_prompts)):  # fmt: skip
+    for split, paths, count in (
+        ("train", cfg.train_prompts, cfg.num_train_prompts),
+        ("validation", cfg.validation_prompts, cfg.num_validation_prompts),
+    ):
         prompts, responses, verdicts = sample_and_judge(engine, tokenizer, paths, count, cfg.sampling)
         rows = preference_pairs(prompts, responses, verdicts, seed=seed, pairs_per_prompt=cfg.pairs_per_prompt)
         if not rows:
-            raise ValueError(f"pairs: no {split} prompt of {paths} got both a right and a wrong sample from "
-                             f"{cfg.policy} ({verdict_rates(verdicts)}); sample more (pairs.sampling.n)")  # fmt: skip
+            raise ValueError(
+                f"pairs: no {split} prompt of {paths} got both a right and a wrong sample from "
+                f"{cfg.policy} ({verdict_rates(verdicts)}); sample more (pairs.sampling.n)"
+            )
         if is_rank0():
             write_jsonl(rows, out / f"{split}.jsonl")
         summary[f"{split}_pairs"] = len(rows)
@@ -214,16 +220,21 @@ def make_pairs(cfg: PairsConfig, dtype: str, seed: int, env: DistEnv) -> dict[st
     if is_rank0():
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     dist.barrier()
-    log(f"pairs: {summary['train_pairs']} train and {summary['validation_pairs']} validation pairs -> {out}; "
-        f"the policy's samples were right {summary['train_policy']['right']:.1%} of the time")  # fmt: skip
+    log(
+        f"pairs: {summary['train_pairs']} train and {summary['validation_pairs']} validation pairs -> {out}; "
+        f"the policy's samples were right {summary['train_policy']['right']:.1%} of the time"
+    )
     return summary
 
 
 def held_out_accuracy(cfg: PipelineConfig, env: DistEnv) -> dict[str, float]:
     """The ``test`` stage: greedy exact-match accuracy on ``test.prompts`` of the SFT model and of
     every RL stage's exported model that exists."""
-    models = {"sft": Path(cfg.sft.output_dir) / "hf", "grpo": Path(cfg.grpo.output_dir) / "hf",
-              "ppo": Path(cfg.ppo.output_dir) / "hf"}  # fmt: skip
+    models = {
+        "sft": Path(cfg.sft.output_dir) / "hf",
+        "grpo": Path(cfg.grpo.output_dir) / "hf",
+        "ppo": Path(cfg.ppo.output_dir) / "hf",
+    }
     found = {name: path for name, path in models.items() if (path / "config.json").is_file()}
     if not found:
         raise ConfigError(f"test: none of {[str(p) for p in models.values()]} holds a model; run the sft stage first")
@@ -234,7 +245,12 @@ def held_out_accuracy(cfg: PipelineConfig, env: DistEnv) -> dict[str, float]:
         prompts, responses, verdicts = sample_and_judge(engine, tokenizer, cfg.test.prompts, 1 << 30, greedy)
         accuracy[name] = verdict_rates(verdicts)["right"]
         if is_rank0():
-            write_jsonl([{"prompt": p, "response": r[0], "verdict": v[0]} for p, r, v in zip(prompts, responses, verdicts)],
-                        Path(cfg.test.output_dir) / f"{name}.jsonl")  # fmt: skip
+            write_jsonl(
+                [
+                    {"prompt": p, "response": r[0], "verdict": v[0]}
+                    for p, r, v in zip(prompts, responses, verdicts, strict=True)
+                ],
+                Path(cfg.test.output_dir) / f"{name}.jsonl",
+            )
         log(f"test: {name} ({path}) greedy accuracy {accuracy[name]:.1%} on {len(verdicts)} held-out problems")
     return accuracy

@@ -98,8 +98,9 @@ def forward_layer_bytes(arch: Architecture, tp: int, tokens: int, element: int) 
     return tokens * (2 * arch.hidden_size + (q + 2 * kv + 3 * arch.ffn_hidden_size) // tp) * element
 
 
-def activation_bytes(arch: Architecture, layout: Layout, padded_vocab: int, tokens: int, element: int, *,
-                     training: bool) -> int:  # fmt: skip
+def activation_bytes(
+    arch: Architecture, layout: Layout, padded_vocab: int, tokens: int, element: int, *, training: bool
+) -> int:
     """Activation memory of one pass over micro-batches of ``tokens`` tokens on the busiest rank.
 
     Training (no activation recompute: the trainer has none) keeps, per token and layer, what the
@@ -185,15 +186,25 @@ class MemoryPlan:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for model, data in zip(self.models, out["models"]):
+        for model, data in zip(self.models, out["models"], strict=True):
             data["layout"] = str(model.layout)
         out["generation"] = str(self.generation) if self.generation else None
         out["offload"] = self.offload
         return out
 
 
-def _model_memory(role: str, model: ModelConfig, arch: Architecture, world_size: int, dtype: torch.dtype, *,
-                  optim: OptimConfig | None, tokens: int, forward_tokens: int, padded_vocab: int | None = None) -> ModelMemory:  # fmt: skip
+def _model_memory(
+    role: str,
+    model: ModelConfig,
+    arch: Architecture,
+    world_size: int,
+    dtype: torch.dtype,
+    *,
+    optim: OptimConfig | None,
+    tokens: int,
+    forward_tokens: int,
+    padded_vocab: int | None = None,
+) -> ModelMemory:
     layout = Layout.for_world(model.tp, model.pp, world_size)
     vocab = padded_vocab or padded_vocab_size(arch.vocab_size, layout.tp)
     element = torch.empty((), dtype=dtype).element_size()
@@ -233,11 +244,19 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
         model = cfg.role(role)
         dp = world_size // (model.tp * model.pp)
         follows = role == "reference" and cfg.reference.update != "none"
-        models.append(_model_memory(
-            role, model, arch, world_size, dtype, optim=optims.get(role),
-            tokens=micro_batch_tokens(budget, (cfg.mini_batch_size or rows) // dp, longest),
-            forward_tokens=micro_batch_tokens(budget, rows // dp, longest), padded_vocab=actor_vocab if follows else None,
-        ))  # fmt: skip
+        models.append(
+            _model_memory(
+                role,
+                model,
+                arch,
+                world_size,
+                dtype,
+                optim=optims.get(role),
+                tokens=micro_batch_tokens(budget, (cfg.mini_batch_size or rows) // dp, longest),
+                forward_tokens=micro_batch_tokens(budget, rows // dp, longest),
+                padded_vocab=actor_vocab if follows else None,
+            )
+        )
     actor, arch = models[0], archs["actor"]
     generation_tp = rollout.tp or cfg.actor.tp
     generation = generation_layout(actor.layout, generation_tp, world_size)
@@ -246,29 +265,61 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
     slots = min(rollout.engine.max_batch_size, sequences)
     kv_len = min(rollout.engine.max_seq_len, longest)
     kv = kv_cache_bytes(arch, generation_tp=generation_tp, slots=slots, max_len=kv_len, dtype=dtype)
-    copy = generation_bytes(arch, train=actor.layout, generation_tp=generation_tp, weight_bytes=actor.weights, slots=slots,
-                            max_len=kv_len, dtype=dtype) - kv  # fmt: skip
+    copy = (
+        generation_bytes(
+            arch,
+            train=actor.layout,
+            generation_tp=generation_tp,
+            weight_bytes=actor.weights,
+            slots=slots,
+            max_len=kv_len,
+            dtype=dtype,
+        )
+        - kv
+    )
     engine = rollout.engine
     buckets = -(-kv_len // engine.graph_kv_bucket) if engine.cuda_graphs and cfg.device != "cpu" else 0
     graphs = buckets * slots * (actor_vocab // generation_tp) * element
     # One prefill of every slot's prompt (no grad: one layer's working set), then sampling over the vocabulary.
-    workspace = (forward_layer_bytes(arch, generation_tp, slots * data.max_prompt_length, element)
-                 + SAMPLING_COPIES * slots * (actor_vocab // generation_tp) * 4)  # fmt: skip
+    workspace = (
+        forward_layer_bytes(arch, generation_tp, slots * data.max_prompt_length, element)
+        + SAMPLING_COPIES * slots * (actor_vocab // generation_tp) * 4
+    )
 
     weights = sum(m.weights for m in models)
     state = sum(m.grads + m.optimizer for m in models)
     transient = max(m.transient for m in models)
     # The trainer decides from the memory free at set-up, less the Adam moments to come (ppo._decide_offload).
-    auto, reason = decide_offload("auto", generation_needs=kv + copy, free=gpu_memory - weights - state, total=gpu_memory)
+    auto, reason = decide_offload(
+        "auto", generation_needs=kv + copy, free=gpu_memory - weights - state, total=gpu_memory
+    )
     offloaded = actor.grads + actor.optimizer
     kept = kv + copy + graphs  # what generation holds until the next rollout unless offloading
     peaks = {
         "keep": PhasePeaks(training=weights + state + kept + transient, generation=weights + state + kept + workspace),
-        "offload": PhasePeaks(training=weights + state + transient,
-                              generation=max(weights + state, weights + state - offloaded + kept + workspace)),
-    }  # fmt: skip
-    return MemoryPlan("ppo", world_size, str(dtype).removeprefix("torch."), gpu_memory, models, generation, kv, slots,
-                      kv_len, copy, graphs, workspace, cfg.hybrid.offload, auto, reason, peaks)  # fmt: skip
+        "offload": PhasePeaks(
+            training=weights + state + transient,
+            generation=max(weights + state, weights + state - offloaded + kept + workspace),
+        ),
+    }
+    return MemoryPlan(
+        "ppo",
+        world_size,
+        str(dtype).removeprefix("torch."),
+        gpu_memory,
+        models,
+        generation,
+        kv,
+        slots,
+        kv_len,
+        copy,
+        graphs,
+        workspace,
+        cfg.hybrid.offload,
+        auto,
+        reason,
+        peaks,
+    )
 
 
 def plan_supervised(cfg: SupervisedConfig, world_size: int, gpu_memory: int, *, score_head: bool) -> MemoryPlan:
@@ -278,11 +329,19 @@ def plan_supervised(cfg: SupervisedConfig, world_size: int, gpu_memory: int, *, 
     dp = world_size // (cfg.model.tp * cfg.model.pp)
     rows = cfg.global_batch_size // dp * (2 if score_head else 1)  # rm: a chosen and a rejected row per pair
     tokens = micro_batch_tokens(cfg.max_tokens_per_micro_batch, rows, cfg.data.max_length)  # type: ignore[attr-defined]
-    model = _model_memory("model", cfg.model, arch, world_size, dtype, optim=cfg.optim, tokens=tokens, forward_tokens=tokens)
+    model = _model_memory(
+        "model", cfg.model, arch, world_size, dtype, optim=cfg.optim, tokens=tokens, forward_tokens=tokens
+    )
     peak = model.weights + model.grads + model.optimizer + model.transient
     command = "rm" if score_head else "sft"
-    return MemoryPlan(command, world_size, str(dtype).removeprefix("torch."), gpu_memory, [model],
-                      peaks={"keep": PhasePeaks(training=peak, generation=0)})  # fmt: skip
+    return MemoryPlan(
+        command,
+        world_size,
+        str(dtype).removeprefix("torch."),
+        gpu_memory,
+        [model],
+        peaks={"keep": PhasePeaks(training=peak, generation=0)},
+    )
 
 
 def plan_errors(plan: MemoryPlan) -> list[str]:
@@ -292,14 +351,21 @@ def plan_errors(plan: MemoryPlan) -> list[str]:
     peak = plan.peak
     prefix = "actor" if plan.command == "ppo" else "model"
     if peak.training > plan.gpu_memory:
-        errors.append(f"the training phase needs about {peak.training / GIB:.1f} GiB per GPU, more than {limit}: lower "
-                      f"max_tokens_per_micro_batch, raise {prefix}.tp or {prefix}.pp, or use more GPUs (the world size)"
-                      + ("" if plan.command != "ppo" or plan.offload else "; hybrid.offload=always frees generation's "
-                         "memory during training"))  # fmt: skip
+        errors.append(
+            f"the training phase needs about {peak.training / GIB:.1f} GiB per GPU, more than {limit}: lower "
+            f"max_tokens_per_micro_batch, raise {prefix}.tp or {prefix}.pp, or use more GPUs (the world size)"
+            + (
+                ""
+                if plan.command != "ppo" or plan.offload
+                else "; hybrid.offload=always frees generation's memory during training"
+            )
+        )
     if plan.command == "ppo" and peak.generation > plan.gpu_memory:
-        errors.append(f"the generation phase needs about {peak.generation / GIB:.1f} GiB per GPU, more than {limit}: "
-                      + ("" if plan.offload else "set hybrid.offload=always, ")
-                      + "lower rollout.engine.max_batch_size, or raise rollout.tp or actor.tp")  # fmt: skip
+        errors.append(
+            f"the generation phase needs about {peak.generation / GIB:.1f} GiB per GPU, more than {limit}: "
+            + ("" if plan.offload else "set hybrid.offload=always, ")
+            + "lower rollout.engine.max_batch_size, or raise rollout.tp or actor.tp"
+        )
     return errors
 
 
@@ -309,28 +375,47 @@ def format_plan(plan: MemoryPlan) -> str:
     def gib(value: int) -> str:
         return f"{value / GIB:9.2f}" if value else f"{'-':>9}"
 
-    lines = [f"megatron-rlhf {plan.command} on {plan.world_size} GPU(s), {plan.dtype}, "
-             f"checked against {plan.gpu_memory / GIB:g} GiB per GPU", "", "layouts:"]  # fmt: skip
+    lines = [
+        f"megatron-rlhf {plan.command} on {plan.world_size} GPU(s), {plan.dtype}, "
+        f"checked against {plan.gpu_memory / GIB:g} GiB per GPU",
+        "",
+        "layouts:",
+    ]
     for m in plan.models:
-        lines.append(f"  {m.role:<11}{str(m.layout):<14}{m.parameters / 1e9:7.3f} B parameters   {m.path}")
+        lines.append(f"  {m.role:<11}{m.layout!s:<14}{m.parameters / 1e9:7.3f} B parameters   {m.path}")
     if plan.generation is not None:
         actor = plan.models[0].layout
         how = "zero copy of the actor" if plan.generation_copy == 0 else f"resharded from the actor's {actor}"
-        lines.append(f"  {'generation':<11}{str(plan.generation):<14}{how}; KV cache {plan.kv_slots} slots x {plan.kv_len} positions")
-    lines += ["", "per-GPU memory, GiB (busiest rank of each layout):",
-              f"  {'':<11}{'weights':>9}{'grads':>9}{'optimizer':>10}{'train act':>10}{'fwd act':>9}{'adam tmp':>9}"]  # fmt: skip
+        lines.append(
+            f"  {'generation':<11}{plan.generation!s:<14}{how}; "
+            f"KV cache {plan.kv_slots} slots x {plan.kv_len} positions"
+        )
+    lines += [
+        "",
+        "per-GPU memory, GiB (busiest rank of each layout):",
+        f"  {'':<11}{'weights':>9}{'grads':>9}{'optimizer':>10}{'train act':>10}{'fwd act':>9}{'adam tmp':>9}",
+    ]
     for m in plan.models:
-        lines.append(f"  {m.role:<11}{gib(m.weights)}{gib(m.grads)} {gib(m.optimizer)} {gib(m.training_activations)}"
-                     f"{gib(m.forward_activations)}{gib(m.step_workspace)}")  # fmt: skip
+        lines.append(
+            f"  {m.role:<11}{gib(m.weights)}{gib(m.grads)} {gib(m.optimizer)} {gib(m.training_activations)}"
+            f"{gib(m.forward_activations)}{gib(m.step_workspace)}"
+        )
     if plan.generation is not None:
-        lines.append(f"  generation: KV cache {plan.kv_cache / GIB:.2f}, generation copy {plan.generation_copy / GIB:.2f}, "
-                     f"graph logits {plan.graph_outputs / GIB:.2f}, prefill + sampling workspace {plan.generation_workspace / GIB:.2f}")  # fmt: skip
+        lines.append(
+            f"  generation: KV cache {plan.kv_cache / GIB:.2f}, generation copy {plan.generation_copy / GIB:.2f}, "
+            f"graph logits {plan.graph_outputs / GIB:.2f}, "
+            f"prefill + sampling workspace {plan.generation_workspace / GIB:.2f}"
+        )
         lines += ["", "peak per GPU, GiB:", f"  {'':<11}{'keep':>9}{'offload':>9}"]
         for phase in ("training", "generation"):
             lines.append(f"  {phase:<11}" + "".join(gib(getattr(plan.peaks[k], phase)) for k in ("keep", "offload")))
-        lines += ["", f"hybrid.offload={plan.offload_mode}: the run "
-                  + ("offloads" if plan.offload else "keeps the training state on the GPU while generating")
-                  + f" (peaks: {'offload' if plan.offload else 'keep'})", f"  auto would decide: {plan.auto_reason}"]  # fmt: skip
+        lines += [
+            "",
+            f"hybrid.offload={plan.offload_mode}: the run "
+            + ("offloads" if plan.offload else "keeps the training state on the GPU while generating")
+            + f" (peaks: {'offload' if plan.offload else 'keep'})",
+            f"  auto would decide: {plan.auto_reason}",
+        ]
     else:
         lines += ["", f"peak per GPU: training {plan.peak.training / GIB:.2f} GiB"]
     return "\n".join(lines)

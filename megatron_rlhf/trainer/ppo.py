@@ -53,7 +53,13 @@ from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
-from megatron_rlhf.engine.objectives import UpdateLogprobs, critic_loss, logprobs_output, ppo_actor_loss, token_values_output
+from megatron_rlhf.engine.objectives import (
+    UpdateLogprobs,
+    critic_loss,
+    logprobs_output,
+    ppo_actor_loss,
+    token_values_output,
+)
 from megatron_rlhf.engine.optim import TrainState, make_train_state
 from megatron_rlhf.engine.schedule import Batch, LossFn, logits_only_at
 from megatron_rlhf.engine.train import forward_all_rows, train_step, warm_up_step
@@ -107,31 +113,50 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     archs = checked.archs
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    log(f"ppo: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
+    log(
+        f"ppo: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
         f"advantages {cfg.algorithm.advantage_estimator}, models: "
-        + ", ".join(f"{role} {cfg.role(role).path} (tp {cfg.role(role).tp}, pp {cfg.role(role).pp})" for role in archs))  # fmt: skip
+        + ", ".join(f"{role} {cfg.role(role).path} (tp {cfg.role(role).tp}, pp {cfg.role(role).pp})" for role in archs)
+    )
     tokenizer = resolve_tokenizer(local_dir(cfg.actor.path), archs["actor"], cfg.actor.path)
     data = cfg.data
 
     def load(paths: list[str], what: str) -> PromptDataset:
         dataset, report = load_prompt_dataset(
-            resolve_data_paths(paths), tokenizer, max_length=data.max_prompt_length, on_overlong=data.on_overlong,
-            on_invalid=data.on_invalid, prompt_key=data.prompt_key, extra_keys=data.extra_keys, add_bos=data.add_bos,
-            apply_chat_template=data.apply_chat_template, chat_template_kwargs=data.chat_template_kwargs,
-            tools=load_tool_schemas(data.tools_file) if data.tools_file else None, tools_key=data.tools_key,
+            resolve_data_paths(paths),
+            tokenizer,
+            max_length=data.max_prompt_length,
+            on_overlong=data.on_overlong,
+            on_invalid=data.on_invalid,
+            prompt_key=data.prompt_key,
+            extra_keys=data.extra_keys,
+            add_bos=data.add_bos,
+            apply_chat_template=data.apply_chat_template,
+            chat_template_kwargs=data.chat_template_kwargs,
+            tools=load_tool_schemas(data.tools_file) if data.tools_file else None,
+            tools_key=data.tools_key,
             num_workers=data.num_workers,
-        )  # fmt: skip
+        )
         log(f"{what}: {report.summary()}")
         return dataset
 
     prompts = load(data.train, "prompts")
     validation = load(data.validation, "validation prompts") if data.validation else None
-    write_run_files(cfg, Path(cfg.output_dir), archs, tokenizer)  # after the data: a run that fails on its data leaves none
+    write_run_files(
+        cfg, Path(cfg.output_dir), archs, tokenizer
+    )  # after the data: a run that fails on its data leaves none
 
     def build(role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
         with timed(f"{role}: build+load", env.device):
-            return build_role(role, cfg.role(role), archs[role], world_size=env.world_size, dtype=dtype, device=env.device,
-                              vocab_pad_multiple=vocab_pad_multiple)  # fmt: skip
+            return build_role(
+                role,
+                cfg.role(role),
+                archs[role],
+                world_size=env.world_size,
+                dtype=dtype,
+                device=env.device,
+                vocab_pad_multiple=vocab_pad_multiple,
+            )
 
     actor = make_train_state(build("actor"), cfg.actor_optim)
     critic = make_train_state(build("critic"), cfg.critic_optim) if "critic" in archs else None
@@ -146,17 +171,44 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     # ids unless the config names its own.
     rollout = cfg.rollout
     longest = data.max_prompt_length + rollout.sampling.max_new_tokens
-    engine_cfg = dataclasses.replace(rollout.engine.with_eos_of(tokenizer.stop_ids),
-                                     max_seq_len=min(rollout.engine.max_seq_len, longest))  # fmt: skip
-    hybrid = HybridEngine(actor, rollout.tp or cfg.actor.tp, engine_cfg,
-                          offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env))  # fmt: skip
-    scorer = Scorer(cfg.scoring, checked.rules, checked.function, reward_model, stop_ids=tokenizer.stop_ids,
-                    max_new_tokens=rollout.sampling.max_new_tokens, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                    pack_sequences=cfg.pack_sequences, interrupted=stop_requested)  # fmt: skip
+    engine_cfg = dataclasses.replace(
+        rollout.engine.with_eos_of(tokenizer.stop_ids), max_seq_len=min(rollout.engine.max_seq_len, longest)
+    )
+    hybrid = HybridEngine(
+        actor,
+        rollout.tp or cfg.actor.tp,
+        engine_cfg,
+        offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env),
+    )
+    scorer = Scorer(
+        cfg.scoring,
+        checked.rules,
+        checked.function,
+        reward_model,
+        stop_ids=tokenizer.stop_ids,
+        max_new_tokens=rollout.sampling.max_new_tokens,
+        max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+        pack_sequences=cfg.pack_sequences,
+        interrupted=stop_requested,
+    )
     recompute, reason = old_logprob_pass(cfg)
     log(reason)
-    run = PPORun(cfg, env.device, tokenizer, prompts, validation, actor, critic, reference, updater, reward_model, scorer,
-                 hybrid, build_kl_controller(cfg.algorithm.kl_penalty), recompute)  # fmt: skip
+    run = PPORun(
+        cfg,
+        env.device,
+        tokenizer,
+        prompts,
+        validation,
+        actor,
+        critic,
+        reference,
+        updater,
+        reward_model,
+        scorer,
+        hybrid,
+        build_kl_controller(cfg.algorithm.kl_penalty),
+        recompute,
+    )
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
             warm_up(run)
@@ -198,10 +250,16 @@ class PPOTask:
     @property
     def layouts(self) -> str:
         run = self.run
-        models = {"actor": run.actor.role, "critic": run.critic.role if run.critic else None, "reference": run.reference,
-                  "reward": run.reward_model}  # fmt: skip
-        return (", ".join(f"{name} {role.groups.layout}" for name, role in models.items() if role is not None)
-                + f"; {run.hybrid.layout_description}")  # fmt: skip
+        models = {
+            "actor": run.actor.role,
+            "critic": run.critic.role if run.critic else None,
+            "reference": run.reference,
+            "reward": run.reward_model,
+        }
+        return (
+            ", ".join(f"{name} {role.groups.layout}" for name, role in models.items() if role is not None)
+            + f"; {run.hybrid.layout_description}"
+        )
 
     @property
     def export_role(self) -> RoleModel:
@@ -249,7 +307,9 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     times: dict[str, float] = {}
     peaks: dict[str, float] = {}  # GPU memory peaks of the phases (timed)
 
-    completions, batch, switch_reports, rollout_scores, rollout_metrics = sample_rollout(run, step, indices, times, peaks)
+    completions, batch, switch_reports, rollout_scores, rollout_metrics = sample_rollout(
+        run, step, indices, times, peaks
+    )
     mask = batch["response_mask"]
 
     # The rules score on a host thread while these passes run on the GPU (``Scorer.start``).
@@ -270,9 +330,13 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
             if algo.kl_penalty.coef > 0:  # (never without the old-log-prob pass)
                 token_rewards = apply_kl_penalty(token_rewards, kl, run.kl_controller.value, mask)
         advantages, returns = compute_advantages(
-            algo.advantage_estimator, token_rewards=token_rewards, response_mask=mask, values=values,
-            group_index=batch["prompt_index"], config=algo.advantage,
-        )  # fmt: skip
+            algo.advantage_estimator,
+            token_rewards=token_rewards,
+            response_mask=mask,
+            values=values,
+            group_index=batch["prompt_index"],
+            config=algo.advantage,
+        )
 
     with timed("update_actor", device, times, quiet=True, peaks=peaks):
         actor_batch, actor_loss, on_policy = actor_update_inputs(run, batch, advantages, ref_logprobs, old_logprobs)
@@ -288,7 +352,9 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     critic_metrics: dict[str, float] = {}
     if run.critic is not None:
         with timed("update_critic", device, times, quiet=True, peaks=peaks):
-            critic_metrics = update(run, run.critic, critic_update_inputs(batch, values, returns), critic_loss(algo.loss), step)
+            critic_metrics = update(
+                run, run.critic, critic_update_inputs(batch, values, returns), critic_loss(algo.loss), step
+            )
 
     kl_per_sequence = float(kl.sum(1).mean()) if kl is not None else 0.0  # kl is 0 off the response
     kl_coef = run.kl_controller.value
@@ -297,27 +363,35 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     lengths = mask.sum(1).float()
     rollout_logprobs = _rollout_logprobs(completions, mask)
     metrics = {
-        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-        **scored.metrics(), **rollout_metrics,
-        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "reward/mean": float(scores.mean()),
+        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        **scored.metrics(),
+        **rollout_metrics,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "kl/per_sequence": kl_per_sequence, "kl/coef": kl_coef,
-        "advantages/mean": float(masked_mean(advantages, mask)), "returns/mean": float(masked_mean(returns, mask)),
+        "kl/per_sequence": kl_per_sequence,
+        "kl/coef": kl_coef,
+        "advantages/mean": float(masked_mean(advantages, mask)),
+        "returns/mean": float(masked_mean(returns, mask)),
         # The engine's sampling log-probs against the trainer's (before the update): 0 up to numerics.
         "rollout/logprob_max_abs_diff": float(((rollout_logprobs - old_logprobs).abs() * mask).max()),
-        **_prefixed("actor/", actor_metrics), **reference_metrics, **_prefixed("critic/", critic_metrics, loss="vf_loss"),
+        **_prefixed("actor/", actor_metrics),
+        **reference_metrics,
+        **_prefixed("critic/", critic_metrics, loss="vf_loss"),
         **{f"timing_s/{phase}": seconds for phase, seconds in times.items()},
         **{f"timing_s/gen/{snake_case(phase)}": seconds for phase, seconds in switch_reports.items()},
         **{f"memory/{key}": gib for key, gib in peaks.items()},
         "perf/gen_tokens_per_s": float(lengths.sum()) / max(times["gen"], 1e-9),
-    }  # fmt: skip
+    }
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
-    return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores)
+    return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores[: cfg.samples_per_step])
 
 
-def forward_passes(run: PPORun, batch: Batch, times: dict[str, float], peaks: dict[str, float]
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+def forward_passes(
+    run: PPORun, batch: Batch, times: dict[str, float], peaks: dict[str, float]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The rollout's forward-only passes, each timed: reference log-probs, the actor's old log-probs
     (when they get a pass of their own) and the critic's values; None where the run has none."""
     cfg, device = run.cfg, run.device
@@ -327,20 +401,27 @@ def forward_passes(run: PPORun, batch: Batch, times: dict[str, float], peaks: di
     response_only = logits_only_at(batch, "response_mask")  # the LM head skips the prompts
     if run.reference is not None:
         with timed("ref", device, times, quiet=True, peaks=peaks):
-            ref_logprobs = forward_all_rows(run.reference, response_only, logprobs_output(run.reference, temperature=temperature),
-                                            **passes)  # fmt: skip
+            ref_logprobs = forward_all_rows(
+                run.reference, response_only, logprobs_output(run.reference, temperature=temperature), **passes
+            )
     if run.old_logprob_pass:
         with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
-            old_logprobs = forward_all_rows(run.actor.role, response_only, logprobs_output(run.actor.role, temperature=temperature),
-                                            **passes)  # fmt: skip
+            old_logprobs = forward_all_rows(
+                run.actor.role, response_only, logprobs_output(run.actor.role, temperature=temperature), **passes
+            )
     if run.critic is not None:
         with timed("values", device, times, quiet=True, peaks=peaks):
             values = forward_all_rows(run.critic.role, batch, token_values_output(), **passes)
     return ref_logprobs, old_logprobs, values
 
 
-def actor_update_inputs(run: PPORun, batch: Batch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
-                        old_logprobs: torch.Tensor | None) -> tuple[Batch, LossFn, UpdateLogprobs | None]:  # fmt: skip
+def actor_update_inputs(
+    run: PPORun,
+    batch: Batch,
+    advantages: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    old_logprobs: torch.Tensor | None,
+) -> tuple[Batch, LossFn, UpdateLogprobs | None]:
     """The actor update's batch and loss; without ``old_logprobs`` the update's own forward records
     them into the returned ``UpdateLogprobs``."""
     actor_batch = {**logits_only_at(_model_inputs(batch), "response_mask"), "advantages": advantages}
@@ -352,8 +433,9 @@ def actor_update_inputs(run: PPORun, batch: Batch, advantages: torch.Tensor, ref
         actor_batch["row_index"] = torch.arange(len(advantages))
     else:
         actor_batch["old_logprobs"] = old_logprobs
-    loss = ppo_actor_loss(run.actor.role, run.cfg.algorithm.loss, temperature=run.cfg.rollout.sampling.temperature,
-                          on_policy=on_policy)  # fmt: skip
+    loss = ppo_actor_loss(
+        run.actor.role, run.cfg.algorithm.loss, temperature=run.cfg.rollout.sampling.temperature, on_policy=on_policy
+    )
     return actor_batch, loss, on_policy
 
 
@@ -399,12 +481,18 @@ def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossF
     dp, dp_rank = state.role.groups.layout.dp, state.role.groups.dp_rank
     share = batch["input_ids"].shape[0] // dp
     mine = {key: value[dp_rank * share : (dp_rank + 1) * share] for key, value in batch.items()}
-    warm_up_step(state, mine, loss_fn, max_tokens_per_micro_batch=run.cfg.max_tokens_per_micro_batch,
-                 pack_sequences=run.cfg.pack_sequences)  # fmt: skip
+    warm_up_step(
+        state,
+        mine,
+        loss_fn,
+        max_tokens_per_micro_batch=run.cfg.max_tokens_per_micro_batch,
+        pack_sequences=run.cfg.pack_sequences,
+    )
 
 
-def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, float], peaks: dict[str, float]
-                   ) -> tuple[list[Completion], Batch, dict[str, float], Callable[[], Scores], dict[str, float]]:  # fmt: skip
+def sample_rollout(
+    run: PPORun, step: int, indices: list[int], times: dict[str, float], peaks: dict[str, float]
+) -> tuple[list[Completion], Batch, dict[str, float], Callable[[], Scores], dict[str, float]]:
     """``rollout.sampling.n`` responses for each prompt of ``indices`` (completions ordered by
     group), their ``rollout_batch`` (the one the scorer read, unless groups were filtered), the
     hybrid engine's phase times, what returns their scores (collective; scoring runs on a host
@@ -449,12 +537,17 @@ def sample_rollout(run: PPORun, step: int, indices: list[int], times: dict[str, 
             break
     short = max(wanted - len(kept), 0)
     if short:
-        log(f"step {step}: {len(kept)} of {wanted} groups have differing scores after {draws} sample batches "
-            f"(rollout.max_sample_batches={rollout.max_sample_batches}); filling with {short} uniform groups")  # fmt: skip
+        log(
+            f"step {step}: {len(kept)} of {wanted} groups have differing scores after {draws} sample batches "
+            f"(rollout.max_sample_batches={rollout.max_sample_batches}); filling with {short} uniform groups"
+        )
     chosen = (kept + dropped)[:wanted]
     completions = [dataclasses.replace(c, prompt_index=group) for group, (cs, _) in enumerate(chosen) for c in cs]
-    metrics = {"rollout/sample_batches": float(draws), "rollout/groups_short": float(short),
-               "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped))}  # fmt: skip
+    metrics = {
+        "rollout/sample_batches": float(draws),
+        "rollout/groups_short": float(short),
+        "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped)),
+    }
     batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
     kept_scores = Scores.cat([s for _, s in chosen])
     return completions, batch, phase_seconds, lambda: kept_scores, metrics
@@ -481,7 +574,10 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
         return completions, scores.raw.view(len(ids), n), (judged >= ev.correct_score).view(len(ids), n)
 
     greedy, greedy_raw, greedy_correct = scored(0.0, 1)
-    figures: dict[str, torch.Tensor] = {"greedy_accuracy": greedy_correct[:, 0].float(), "greedy_reward": greedy_raw[:, 0]}
+    figures: dict[str, torch.Tensor] = {
+        "greedy_accuracy": greedy_correct[:, 0].float(),
+        "greedy_reward": greedy_raw[:, 0],
+    }
     if ev.n:
         _, sampled_raw, sampled_correct = scored(ev.temperature, ev.n)
         figures["sampled_reward"] = sampled_raw.mean(1)
@@ -497,8 +593,9 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
 # --------------------------------------------------------------------------- step helpers
 
 
-def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState], engine_cfg: NativeEngineConfig,
-                    env: DistEnv) -> bool:  # fmt: skip
+def _decide_offload(
+    cfg: PPOConfig, actor: TrainState, others: list[TrainState], engine_cfg: NativeEngineConfig, env: DistEnv
+) -> bool:
     """``hybrid.offload``, decided once from the device's memory at the training peak (what is
     allocated now plus the Adam moments still to come) against what generation allocates (the KV
     cache, and the generation copy when it reshards); the decision and its figures are logged."""
@@ -507,9 +604,15 @@ def _decide_offload(cfg: PPOConfig, actor: TrainState, others: list[TrainState],
         return False
     generation_tp = cfg.rollout.tp or cfg.actor.tp
     dtype = next(actor.role.model.parameters()).dtype
-    needs = generation_bytes(actor.role.arch, train=actor.role.groups.layout, generation_tp=generation_tp,
-                             weight_bytes=sum(p.numel() * p.element_size() for p in actor.role.model.parameters()),
-                             slots=engine_cfg.max_batch_size, max_len=engine_cfg.max_seq_len, dtype=dtype)  # fmt: skip
+    needs = generation_bytes(
+        actor.role.arch,
+        train=actor.role.groups.layout,
+        generation_tp=generation_tp,
+        weight_bytes=sum(p.numel() * p.element_size() for p in actor.role.model.parameters()),
+        slots=engine_cfg.max_batch_size,
+        max_len=engine_cfg.max_seq_len,
+        dtype=dtype,
+    )
     free, total = torch.cuda.mem_get_info(env.device)
     free -= sum(optimizer_bytes_to_come(state) for state in (actor, *others))
     offload, reason = decide_offload(cfg.hybrid.offload, generation_needs=needs, free=free, total=total)
@@ -524,11 +627,18 @@ def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor
     debugging; rows without such tokens stay small); with ``samples_token_ids``, ``response_ids``."""
     samples = run.scorer.samples(completions, run.texts)
     raw = run.tokenizer.decode_batch([c.text_ids(run.tokenizer.stop_ids) for c in completions])
-    return [{"group": c.prompt_index, "prompt": sample.prompt_text, "response": sample.response_text,
-             **({"raw_response": text} if text != sample.response_text else {}),
-             **({"response_ids": list(c.token_ids)} if run.cfg.samples_token_ids else {}),
-             "finish_reason": c.finish_reason, "reward": float(score)}
-            for c, sample, text, score in zip(completions, samples, raw, scores)]  # fmt: skip
+    return [
+        {
+            "group": c.prompt_index,
+            "prompt": sample.prompt_text,
+            "response": sample.response_text,
+            **({"raw_response": text} if text != sample.response_text else {}),
+            **({"response_ids": list(c.token_ids)} if run.cfg.samples_token_ids else {}),
+            "finish_reason": c.finish_reason,
+            "reward": float(score),
+        }
+        for c, sample, text, score in zip(completions, samples, raw, scores, strict=True)
+    ]
 
 
 def _step_seed(cfg: PPOConfig, step: int) -> int:
@@ -568,7 +678,9 @@ def _rollout_logprobs(completions: list[Completion], mask: torch.Tensor) -> torc
     ends = starts + torch.tensor([len(c.logprobs) for c in completions])
     columns = torch.arange(mask.shape[1])[None]
     out = torch.zeros(mask.shape)
-    out[(columns >= starts[:, None]) & (columns < ends[:, None])] = flat_tensor((c.logprobs for c in completions), torch.float32)
+    out[(columns >= starts[:, None]) & (columns < ends[:, None])] = flat_tensor(
+        (c.logprobs for c in completions), torch.float32
+    )
     return out
 
 
@@ -588,9 +700,13 @@ def update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn, step: 
         order = torch.randperm(rows, generator=generator)
         for start in range(0, rows, mini):
             local = order[start + dp_rank * share : start + (dp_rank + 1) * share]
-            metrics = train_step(state, {k: v[local] for k, v in batch.items()}, loss_fn,
-                                 max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                                 pack_sequences=cfg.pack_sequences)  # fmt: skip
+            metrics = train_step(
+                state,
+                {k: v[local] for k, v in batch.items()},
+                loss_fn,
+                max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                pack_sequences=cfg.pack_sequences,
+            )
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
             count += 1
@@ -598,8 +714,11 @@ def update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn, step: 
 
 
 def _progress_line(m: dict[str, float]) -> str:
-    parts = [f"reward {m['reward/mean']:.4f}", f"len {m['response_length/mean']:.1f}",
-             f"actor loss {m['actor/loss']:.4f}"]  # fmt: skip
+    parts = [
+        f"reward {m['reward/mean']:.4f}",
+        f"len {m['response_length/mean']:.1f}",
+        f"actor loss {m['actor/loss']:.4f}",
+    ]
     if "critic/vf_loss" in m:
         parts.append(f"critic loss {m['critic/vf_loss']:.4f}")
     if m["kl/per_sequence"]:

@@ -62,8 +62,11 @@ class PromptDataConfig(DataFilesConfig):
     such column."""
 
     def errors(self) -> list[str]:
-        return (super().errors() + at_least(self, 1, "max_prompt_length")
-                + template_variable_errors("chat_template_kwargs", self.chat_template_kwargs))  # fmt: skip
+        return (
+            super().errors()
+            + at_least(self, 1, "max_prompt_length")
+            + template_variable_errors("chat_template_kwargs", self.chat_template_kwargs)
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -110,9 +113,11 @@ class AlgorithmConfig:
     start-up."""
 
     def errors(self) -> list[str]:
-        return (ADVANTAGE_ESTIMATORS.field_errors("advantage_estimator", self.advantage_estimator)
-                + KL_ESTIMATORS.field_errors("kl_penalty_estimator", self.kl_penalty_estimator)
-                + one_of(self, "recompute_old_logprobs", RECOMPUTE_OLD_LOGPROBS))  # fmt: skip
+        return (
+            ADVANTAGE_ESTIMATORS.field_errors("advantage_estimator", self.advantage_estimator)
+            + KL_ESTIMATORS.field_errors("kl_penalty_estimator", self.kl_penalty_estimator)
+            + one_of(self, "recompute_old_logprobs", RECOMPUTE_OLD_LOGPROBS)
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -173,8 +178,12 @@ class PPOConfig(LoopConfig, ModelsConfig):
     auto (on a GPU), always, never."""
 
     def errors(self) -> list[str]:
-        return (super().errors() + at_least(self, 1, "prompts_per_step", "ppo_epochs")
-                + at_least(self, 0, "mini_batch_size", "samples_per_step", "eval_every") + one_of(self, "warmup", WARMUP_MODES))  # fmt: skip
+        return (
+            super().errors()
+            + at_least(self, 1, "prompts_per_step", "ppo_epochs")
+            + at_least(self, 0, "mini_batch_size", "samples_per_step", "eval_every")
+            + one_of(self, "warmup", WARMUP_MODES)
+        )
 
 
 def models_used(cfg: PPOConfig) -> list[str]:
@@ -183,8 +192,11 @@ def models_used(cfg: PPOConfig) -> list[str]:
     estimator = algo.advantage_estimator
     critic = estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info(estimator).critic
     reference = algo.kl_penalty.coef > 0 or algo.loss.kl_loss_coef > 0
-    return ["actor"] + [role for role, used in (("critic", critic), ("reference", reference),
-                                                ("reward", cfg.scoring.use_reward_model)) if used]  # fmt: skip
+    return ["actor"] + [
+        role
+        for role, used in (("critic", critic), ("reference", reference), ("reward", cfg.scoring.use_reward_model))
+        if used
+    ]
 
 
 def old_logprob_pass(cfg: PPOConfig) -> tuple[bool, str]:
@@ -196,17 +208,25 @@ def old_logprob_pass(cfg: PPOConfig) -> tuple[bool, str]:
     nothing reads them before the update (a KL penalty in the reward does, for the advantages).
     """
     rows = cfg.prompts_per_step * cfg.rollout.sampling.n
-    why_not = [reason for reason, holds in (
-        (f"ppo_epochs={cfg.ppo_epochs}", cfg.ppo_epochs > 1),
-        (f"mini_batch_size={cfg.mini_batch_size} < {rows} rollout sequences", 0 < cfg.mini_batch_size < rows),
-        (f"algorithm.kl_penalty.coef={cfg.algorithm.kl_penalty.coef} reads them before the advantages",
-         cfg.algorithm.kl_penalty.coef > 0),
-        ("algorithm.recompute_old_logprobs=always", cfg.algorithm.recompute_old_logprobs == "always"),
-    ) if holds]  # fmt: skip
+    why_not = [
+        reason
+        for reason, holds in (
+            (f"ppo_epochs={cfg.ppo_epochs}", cfg.ppo_epochs > 1),
+            (f"mini_batch_size={cfg.mini_batch_size} < {rows} rollout sequences", 0 < cfg.mini_batch_size < rows),
+            (
+                f"algorithm.kl_penalty.coef={cfg.algorithm.kl_penalty.coef} reads them before the advantages",
+                cfg.algorithm.kl_penalty.coef > 0,
+            ),
+            ("algorithm.recompute_old_logprobs=always", cfg.algorithm.recompute_old_logprobs == "always"),
+        )
+        if holds
+    ]
     if why_not:
         return True, "old log-probs: a forward pass of their own (" + "; ".join(why_not) + ")"
-    return False, ("old log-probs: no pass of their own; one optimizer step per rollout, so the update's forward "
-                   "supplies them (algorithm.recompute_old_logprobs=auto)")
+    return False, (
+        "old log-probs: no pass of their own; one optimizer step per rollout, so the update's forward "
+        "supplies them (algorithm.recompute_old_logprobs=auto)"
+    )
 
 
 @dataclasses.dataclass
@@ -227,37 +247,58 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     found, archs = role_errors(cfg, roles, world_size)
     errors += found + _reference_update_errors(cfg, roles, archs)
     algo, rollout, data, sampling = cfg.algorithm, cfg.rollout, cfg.data, cfg.rollout.sampling
-    if algo.advantage_estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.info(algo.advantage_estimator).groups \
-            and sampling.n < 2:  # fmt: skip
-        errors.append(f"rollout.sampling.n={sampling.n}: the {algo.advantage_estimator} estimator compares the "
-                      "samples of a prompt with each other; it needs rollout.sampling.n >= 2")  # fmt: skip
+    if (
+        algo.advantage_estimator in ADVANTAGE_ESTIMATORS
+        and ADVANTAGE_ESTIMATORS.info(algo.advantage_estimator).groups
+        and sampling.n < 2
+    ):
+        errors.append(
+            f"rollout.sampling.n={sampling.n}: the {algo.advantage_estimator} estimator compares the "
+            "samples of a prompt with each other; it needs rollout.sampling.n >= 2"
+        )
     if rollout.filter_groups and sampling.n < 2:
-        errors.append(f"rollout.filter_groups compares the samples of a prompt: it needs rollout.sampling.n >= 2 "
-                      f"(got {sampling.n})")  # fmt: skip
+        errors.append(
+            f"rollout.filter_groups compares the samples of a prompt: it needs rollout.sampling.n >= 2 "
+            f"(got {sampling.n})"
+        )
     found, rules, function = scoring_errors(cfg.scoring)
     errors += found
     if cfg.eval.judged_by and cfg.eval.judged_by not in cfg.scoring.parts():
-        errors.append(f"eval.judged_by={cfg.eval.judged_by!r} is not a scoring part; the parts are {cfg.scoring.parts()}")
+        errors.append(
+            f"eval.judged_by={cfg.eval.judged_by!r} is not a scoring part; the parts are {cfg.scoring.parts()}"
+        )
     if not data.train:
-        errors.append("data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)")
+        errors.append(
+            "data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)"
+        )
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += tools_file_errors("data.tools_file", data.tools_file)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = data.max_prompt_length + sampling.max_new_tokens
     if rollout.engine.max_seq_len < longest:
-        errors.append(f"rollout.engine.max_seq_len={rollout.engine.max_seq_len} is shorter than data.max_prompt_length "
-                      f"+ rollout.sampling.max_new_tokens = {longest}")  # fmt: skip
+        errors.append(
+            f"rollout.engine.max_seq_len={rollout.engine.max_seq_len} is shorter than data.max_prompt_length "
+            f"+ rollout.sampling.max_new_tokens = {longest}"
+        )
     if "actor" in archs:
         limit = archs["actor"].hf_config.get("max_position_embeddings")
         if limit is not None and longest > limit:
-            errors.append(f"data.max_prompt_length + rollout.sampling.max_new_tokens = {longest} exceeds the actor's "
-                          f"max_position_embeddings={limit}")  # fmt: skip
+            errors.append(
+                f"data.max_prompt_length + rollout.sampling.max_new_tokens = {longest} exceeds the actor's "
+                f"max_position_embeddings={limit}"
+            )
         vocab = archs["actor"].vocab_size
-        errors += [f"{role}.path={cfg.role(role).path!r} has vocab_size={arch.vocab_size}, the actor's is {vocab}: "
-                   "all models must read the same token ids" for role, arch in archs.items() if arch.vocab_size != vocab]  # fmt: skip
-        errors += [f"{e} (generation layout of {cfg.actor.path})" for e in
-                   layout_errors("rollout", rollout.tp or cfg.actor.tp, 1, archs["actor"], world_size, pipeline=False)]  # fmt: skip
+        errors += [
+            f"{role}.path={cfg.role(role).path!r} has vocab_size={arch.vocab_size}, the actor's is {vocab}: "
+            "all models must read the same token ids"
+            for role, arch in archs.items()
+            if arch.vocab_size != vocab
+        ]
+        errors += [
+            f"{e} (generation layout of {cfg.actor.path})"
+            for e in layout_errors("rollout", rollout.tp or cfg.actor.tp, 1, archs["actor"], world_size, pipeline=False)
+        ]
         if not errors:
             errors += _batch_errors(cfg, world_size, roles)
     raise_if_errors(errors)
@@ -270,14 +311,17 @@ def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str
     rows = cfg.prompts_per_step * cfg.rollout.sampling.n
     mini = cfg.mini_batch_size or rows
     if rows % mini:
-        errors.append(f"mini_batch_size={mini} must divide the rollout's prompts_per_step x rollout.sampling.n = {rows} "
-                      "sequences")  # fmt: skip
+        errors.append(
+            f"mini_batch_size={mini} must divide the rollout's prompts_per_step x rollout.sampling.n = {rows} sequences"
+        )
     for role in roles:
         model = cfg.role(role)
         dp = world_size // (model.tp * model.pp)
         if rows % dp:
-            errors.append(f"the rollout's {rows} sequences (prompts_per_step x rollout.sampling.n) must split evenly "
-                          f"over the {role}'s dp={dp} data-parallel ranks")  # fmt: skip
+            errors.append(
+                f"the rollout's {rows} sequences (prompts_per_step x rollout.sampling.n) must split evenly "
+                f"over the {role}'s dp={dp} data-parallel ranks"
+            )
         if role in ("actor", "critic") and mini % dp:
             errors.append(f"mini_batch_size={mini} must be divisible by the {role}'s dp={dp}")
     return errors
@@ -290,16 +334,27 @@ def _reference_update_errors(cfg: PPOConfig, roles: list[str], archs: dict[str, 
     if ref.update == "none":
         return []
     if "reference" not in roles:
-        return [(f"reference.update={ref.update!r} refreshes a reference that nothing uses: set "
-                 "algorithm.kl_penalty.coef > 0 or algorithm.loss.kl_loss_coef > 0, or reference.update=none")]  # fmt: skip
+        return [
+            (
+                f"reference.update={ref.update!r} refreshes a reference that nothing uses: set "
+                "algorithm.kl_penalty.coef > 0 or algorithm.loss.kl_loss_coef > 0, or reference.update=none"
+            )
+        ]
     if "actor" not in archs or "reference" not in archs:
         return []  # an unreadable path is reported already
     actor, reference = archs["actor"], archs["reference"]
-    differ = [f"{f.name} {getattr(reference, f.name)} vs {getattr(actor, f.name)}" for f in dataclasses.fields(actor)
-              if f.compare and getattr(reference, f.name) != getattr(actor, f.name)]  # fmt: skip
+    differ = [
+        f"{f.name} {getattr(reference, f.name)} vs {getattr(actor, f.name)}"
+        for f in dataclasses.fields(actor)
+        if f.compare and getattr(reference, f.name) != getattr(actor, f.name)
+    ]
     if differ:
-        return [(f"reference.path={ref.path!r} is not the architecture of actor.path={cfg.actor.path!r} "
-                 f"({', '.join(differ)}): reference.update={ref.update!r} copies the actor's weights into the reference")]  # fmt: skip
+        return [
+            (
+                f"reference.path={ref.path!r} is not the architecture of actor.path={cfg.actor.path!r} "
+                f"({', '.join(differ)}): reference.update={ref.update!r} copies the actor's weights into the reference"
+            )
+        ]
     try:
         matching_vocab_pad_multiple(actor.vocab_size, padded_vocab_size(actor.vocab_size, cfg.actor.tp), ref.tp)
     except ValueError as err:

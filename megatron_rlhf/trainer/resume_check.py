@@ -32,61 +32,151 @@ from megatron_rlhf.models.architecture import Architecture, architecture_from_hf
 MAY_CHANGE, FIXED, LAYOUT, MODEL = "may change", "may not change", "layout", "model"
 
 RULES: dict[str, dict[str, str]] = {
-    "RunConfig": {"device": LAYOUT, "dtype": FIXED, "seed": FIXED, "output_dir": MAY_CHANGE, "dist_timeout_s": MAY_CHANGE,
-                  "host_threads": MAY_CHANGE},
+    "RunConfig": {
+        "device": LAYOUT,
+        "dtype": FIXED,
+        "seed": FIXED,
+        "output_dir": MAY_CHANGE,
+        "dist_timeout_s": MAY_CHANGE,
+        "host_threads": MAY_CHANGE,
+    },
     "ModelConfig": {"path": MODEL, "tp": LAYOUT, "pp": LAYOUT},
     # none <-> periodic/ema decides whether the checkpoint holds the reference's weights.
     "ReferenceConfig": {"update": FIXED, "update_every": MAY_CHANGE, "ema_decay": MAY_CHANGE},
-    "LoopConfig": {key: MAY_CHANGE for key in (
-        "max_tokens_per_micro_batch", "pack_sequences", "num_epochs", "max_steps", "log_every", "loggers", "save_hf",
-        "save_every", "save_final", "keep_last", "async_save", "resume", "overwrite", "profile_steps", "max_bad_steps",
-        "trust_unverified_checkpoint")},
+    "LoopConfig": {
+        key: MAY_CHANGE
+        for key in (
+            "max_tokens_per_micro_batch",
+            "pack_sequences",
+            "num_epochs",
+            "max_steps",
+            "log_every",
+            "loggers",
+            "save_hf",
+            "save_every",
+            "save_final",
+            "keep_last",
+            "async_save",
+            "resume",
+            "overwrite",
+            "profile_steps",
+            "max_bad_steps",
+            "trust_unverified_checkpoint",
+        )
+    },
     "WandbConfig": {"project": MAY_CHANGE, "name": MAY_CHANGE, "mode": MAY_CHANGE},
     # What the examples are and how many: the step is the data position.
-    "DataFilesConfig": {"train": FIXED, "prompt_key": FIXED, "on_overlong": FIXED, "on_invalid": FIXED, "add_bos": FIXED,
-                        "num_workers": MAY_CHANGE},
-    "PromptDataConfig": {"validation": MAY_CHANGE, "extra_keys": MAY_CHANGE, "max_prompt_length": FIXED,
-                         "apply_chat_template": FIXED, "chat_template_kwargs": FIXED, "tools_file": FIXED, "tools_key": FIXED},
+    "DataFilesConfig": {
+        "train": FIXED,
+        "prompt_key": FIXED,
+        "on_overlong": FIXED,
+        "on_invalid": FIXED,
+        "add_bos": FIXED,
+        "num_workers": MAY_CHANGE,
+    },
+    "PromptDataConfig": {
+        "validation": MAY_CHANGE,
+        "extra_keys": MAY_CHANGE,
+        "max_prompt_length": FIXED,
+        "apply_chat_template": FIXED,
+        "chat_template_kwargs": FIXED,
+        "tools_file": FIXED,
+        "tools_key": FIXED,
+    },
     "SupervisedDataConfig": {"validation": MAY_CHANGE, "max_length": FIXED},
     "SFTDataConfig": {"response_key": FIXED},
     "PreferenceDataConfig": {"chosen_key": FIXED, "rejected_key": FIXED},
     "RolloutConfig": {"tp": LAYOUT, "filter_groups": MAY_CHANGE, "max_sample_batches": MAY_CHANGE},
-    "SamplingParams": {key: MAY_CHANGE for key in (
-        "temperature", "top_k", "top_p", "max_new_tokens", "n", "stop_token_ids", "ignore_eos", "seed")},
-    "NativeEngineConfig": {key: MAY_CHANGE for key in (
-        "max_batch_size", "max_seq_len", "on_long_prompt", "eos_token_ids", "cuda_graphs", "graph_kv_bucket")},
+    "SamplingParams": {
+        key: MAY_CHANGE
+        for key in ("temperature", "top_k", "top_p", "max_new_tokens", "n", "stop_token_ids", "ignore_eos", "seed")
+    },
+    "NativeEngineConfig": {
+        key: MAY_CHANGE
+        for key in (
+            "max_batch_size",
+            "max_seq_len",
+            "on_long_prompt",
+            "eos_token_ids",
+            "cuda_graphs",
+            "graph_kv_bucket",
+        )
+    },
     "HybridConfig": {"offload": MAY_CHANGE},
-    "ScoringConfig": {"use_reward_model": MAY_CHANGE, "rules": MAY_CHANGE, "weights": MAY_CHANGE, "timeout_s": MAY_CHANGE},
+    "ScoringConfig": {
+        "use_reward_model": MAY_CHANGE,
+        "rules": MAY_CHANGE,
+        "weights": MAY_CHANGE,
+        "timeout_s": MAY_CHANGE,
+    },
     "CustomFunctionConfig": {"path": MAY_CHANGE, "name": MAY_CHANGE},
     "OverlongConfig": {"buffer": MAY_CHANGE, "penalty": MAY_CHANGE},
     # An estimator that needs a critic the checkpoint lacks is refused by the models' comparison.
-    "AlgorithmConfig": {"advantage_estimator": MAY_CHANGE, "kl_penalty_estimator": MAY_CHANGE,
-                        "recompute_old_logprobs": MAY_CHANGE},
-    "AdvantageConfig": {key: MAY_CHANGE for key in ("gamma", "lam", "whiten", "eps", "norm_by_std", "reset_return_at_gaps")},
+    "AlgorithmConfig": {
+        "advantage_estimator": MAY_CHANGE,
+        "kl_penalty_estimator": MAY_CHANGE,
+        "recompute_old_logprobs": MAY_CHANGE,
+    },
+    "AdvantageConfig": {
+        key: MAY_CHANGE for key in ("gamma", "lam", "whiten", "eps", "norm_by_std", "reset_return_at_gaps")
+    },
     "KLControllerConfig": {key: MAY_CHANGE for key in ("type", "coef", "target_kl", "horizon", "kl_measure")},
-    "PPOLossConfig": {key: MAY_CHANGE for key in (
-        "clip_low", "clip_high", "dual_clip_c", "value_clip", "entropy_coef", "kl_loss_coef", "kl_estimator", "agg_mode",
-        "loss_scale_factor")},
+    "PPOLossConfig": {
+        key: MAY_CHANGE
+        for key in (
+            "clip_low",
+            "clip_high",
+            "dual_clip_c",
+            "value_clip",
+            "entropy_coef",
+            "kl_loss_coef",
+            "kl_estimator",
+            "agg_mode",
+            "loss_scale_factor",
+        )
+    },
     # The optimizer's hyperparameters are applied after its state is loaded; its kind and where its
     # state lives decide the checkpoint's format.
-    "OptimConfig": {**{key: MAY_CHANGE for key in (
-        "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "warmup_steps", "decay_style",
-        "decay_steps")}, "distributed_optimizer": FIXED, "cpu_offload_fraction": FIXED},
-    "PPOConfig": {"prompts_per_step": FIXED, "mini_batch_size": MAY_CHANGE, "ppo_epochs": MAY_CHANGE,
-                  "samples_per_step": MAY_CHANGE, "samples_token_ids": MAY_CHANGE, "eval_every": MAY_CHANGE, "eval_before_train": MAY_CHANGE,
-                  "warmup": MAY_CHANGE},
+    "OptimConfig": {
+        **{
+            key: MAY_CHANGE
+            for key in (
+                "lr",
+                "min_lr",
+                "weight_decay",
+                "adam_beta1",
+                "adam_beta2",
+                "adam_eps",
+                "clip_grad",
+                "warmup_steps",
+                "decay_style",
+                "decay_steps",
+            )
+        },
+        "distributed_optimizer": FIXED,
+        "cpu_offload_fraction": FIXED,
+    },
+    "PPOConfig": {
+        "prompts_per_step": FIXED,
+        "mini_batch_size": MAY_CHANGE,
+        "ppo_epochs": MAY_CHANGE,
+        "samples_per_step": MAY_CHANGE,
+        "samples_token_ids": MAY_CHANGE,
+        "eval_every": MAY_CHANGE,
+        "eval_before_train": MAY_CHANGE,
+        "warmup": MAY_CHANGE,
+    },
     "EvalConfig": {key: MAY_CHANGE for key in ("n", "temperature", "correct_score", "judged_by", "samples")},
     "SupervisedConfig": {"global_batch_size": FIXED, "eval_every": MAY_CHANGE, "eval_before_train": MAY_CHANGE},
-}  # fmt: skip
+}
 """Class name -> field -> rule: the one place that says what a resumed run may change."""
 
 NOTES = {
     "KLControllerConfig.coef": "with type=adaptive this is only the starting value: the checkpoint's current "
-                               "coefficient continues; with type=fixed the new value applies",
+    "coefficient continues; with type=fixed the new value applies",
     "ModelConfig.path": "compared by architecture and tokenizer, not by path",
 }
 """What a reported change means where the new value is not simply what the run uses."""
-
 
 
 class ResumeRefused(ConfigError):
@@ -110,8 +200,10 @@ def leaf_rules(cfg: Any) -> dict[str, tuple[str, str]]:
             owner = next(c for c in type(obj).__mro__ if field.name in getattr(c, "__annotations__", {}))
             rule = RULES.get(owner.__name__, {}).get(field.name)
             if rule is None:
-                raise KeyError(f"{prefix}{field.name} ({owner.__name__}.{field.name}) has no rule in "
-                               "trainer/resume_check.py RULES: classify it as may change, may not change or layout")  # fmt: skip
+                raise KeyError(
+                    f"{prefix}{field.name} ({owner.__name__}.{field.name}) has no rule in "
+                    "trainer/resume_check.py RULES: classify it as may change, may not change or layout"
+                )
             found[prefix + field.name] = (rule, f"{owner.__name__}.{field.name}")
 
     walk(cfg, "")
@@ -121,8 +213,14 @@ def leaf_rules(cfg: Any) -> dict[str, tuple[str, str]]:
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """How a tokenizer behaves (a probe text's ids, its special ids and vocabulary size), not where
     it was read from: a moved model directory keeps its fingerprint."""
-    ids = [tokenizer.encode(_PROBE), tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id,
-           sorted(tokenizer.stop_ids)]  # fmt: skip
+    ids = [
+        tokenizer.encode(_PROBE),
+        tokenizer.vocab_size,
+        tokenizer.pad_id,
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        sorted(tokenizer.stop_ids),
+    ]
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
@@ -140,8 +238,9 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {key: value for name, sub in tree.items() for key, value in _flat(sub, f"{prefix}{name}.").items()}
 
 
-def review_resume(cfg: Any, new_yaml: str, old_yaml: str, run_state: dict[str, Any], models: dict[str, Architecture],
-                  tokenizer: str) -> ResumeReview:  # fmt: skip
+def review_resume(
+    cfg: Any, new_yaml: str, old_yaml: str, run_state: dict[str, Any], models: dict[str, Architecture], tokenizer: str
+) -> ResumeReview:
     """Compare the resolved config (``new_yaml``) with the checkpoint's (``old_yaml``), and the
     models the run uses (role -> architecture) and its ``tokenizer`` fingerprint with the ones the
     checkpoint's ``run_state`` records."""
@@ -173,8 +272,11 @@ def _model_changes(saved: dict[str, dict[str, Any]], models: dict[str, Architect
     refused += [f"the checkpoint's run used a {role} that this run does not" for role in saved if role not in models]
     for role in models.keys() & saved.keys():
         before, after = architecture_from_hf_config(saved[role], source=f"the checkpoint's {role}"), models[role]
-        differ = [f"{f.name} {getattr(before, f.name)} -> {getattr(after, f.name)}" for f in dataclasses.fields(after)
-                  if f.compare and getattr(before, f.name) != getattr(after, f.name)]  # fmt: skip
+        differ = [
+            f"{f.name} {getattr(before, f.name)} -> {getattr(after, f.name)}"
+            for f in dataclasses.fields(after)
+            if f.compare and getattr(before, f.name) != getattr(after, f.name)
+        ]
         if differ:
             refused.append(f"the {role}'s architecture: {', '.join(differ)}")
     return refused

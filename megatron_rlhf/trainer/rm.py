@@ -62,10 +62,17 @@ class RMConfig(SupervisedConfig):
 
 def _load(paths: list[str], tokenizer, data: PreferenceDataConfig, what: str) -> PreferenceDataset:
     dataset, report = load_preference_dataset(
-        paths, tokenizer, max_length=data.max_length, on_overlong=data.on_overlong, on_invalid=data.on_invalid,
-        prompt_key=data.prompt_key, chosen_key=data.chosen_key, rejected_key=data.rejected_key,
-        add_bos=data.add_bos, num_workers=data.num_workers,
-    )  # fmt: skip
+        paths,
+        tokenizer,
+        max_length=data.max_length,
+        on_overlong=data.on_overlong,
+        on_invalid=data.on_invalid,
+        prompt_key=data.prompt_key,
+        chosen_key=data.chosen_key,
+        rejected_key=data.rejected_key,
+        add_bos=data.add_bos,
+        num_workers=data.num_workers,
+    )
     log(f"{what} data: {report.summary()}")
     return dataset
 
@@ -76,14 +83,25 @@ def adjacent_pairs(batch: Batch) -> Batch:
     n = batch["input_ids"].shape[0] // 2
     order = torch.stack([torch.arange(n), torch.arange(n) + n], dim=1).reshape(-1)
     paired = {key: value[order] for key, value in batch.items()}
-    if not (bool(paired["is_chosen"][0::2].all()) and not bool(paired["is_chosen"][1::2].any())
-            and torch.equal(paired["pair_index"][0::2], paired["pair_index"][1::2])):  # fmt: skip
+    if not (
+        bool(paired["is_chosen"][0::2].all())
+        and not bool(paired["is_chosen"][1::2].any())
+        and torch.equal(paired["pair_index"][0::2], paired["pair_index"][1::2])
+    ):
         raise AssertionError("internal error: pack_batch's preference layout is not chosen rows then rejected rows")
     return paired
 
 
-def preference_accuracy(role: RoleModel, dataset: PreferenceDataset, pad_id: int, *, chunk: int, max_tokens: int,
-                        pack: bool, device: torch.device) -> dict[str, float]:  # fmt: skip
+def preference_accuracy(
+    role: RoleModel,
+    dataset: PreferenceDataset,
+    pad_id: int,
+    *,
+    chunk: int,
+    max_tokens: int,
+    pack: bool,
+    device: torch.device,
+) -> dict[str, float]:
     """Accuracy, Bradley-Terry loss and margin over the whole set (forward only, sharded over DP)."""
     indices, real = dp_shard(len(dataset), role.groups.dp_rank, role.groups.layout.dp)
     correct = loss = margin = count = 0.0
@@ -114,8 +132,15 @@ def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
     per_rank = cfg.global_batch_size // role.groups.layout.dp
 
     def evaluate() -> dict[str, float]:
-        return preference_accuracy(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
-                                   pack=cfg.pack_sequences, device=env.device)  # fmt: skip
+        return preference_accuracy(
+            role,
+            validation,
+            pad_id,
+            chunk=per_rank,
+            max_tokens=cfg.max_tokens_per_micro_batch,
+            pack=cfg.pack_sequences,
+            device=env.device,
+        )
 
     task = SupervisedTask(
         name="rm",

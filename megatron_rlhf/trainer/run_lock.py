@@ -46,8 +46,12 @@ class OutputDirLocked(ConfigError):
 
 def _me() -> dict[str, object]:
     started = psutil.Process().create_time()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "process_started": started,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))}  # fmt: skip
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "process_started": started,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+    }
 
 
 def _alive(holder: dict[str, object]) -> bool:
@@ -83,17 +87,25 @@ def acquire(out_dir: Path) -> Path:
                     f"output_dir={str(out_dir)!r} is in use by a run on host {holder.get('host')} (pid "
                     f"{holder.get('pid')}, started {holder.get('started')}): {path}, refreshed {quiet:.0f} s ago. Its "
                     f"process cannot be checked from {me['host']}; a lock not refreshed for {STALE_AFTER_S:.0f} s is "
-                    f"taken over, or, if you are sure that run has ended, delete {path} and start again")  # fmt: skip
-            log(f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')}, has not refreshed it "
-                f"for {quiet:.0f} s (a run refreshes its lock every {HEARTBEAT_S:.0f} s)")  # fmt: skip
+                    f"taken over, or, if you are sure that run has ended, delete {path} and start again"
+                )
+            log(
+                f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')}, "
+                f"has not refreshed it "
+                f"for {quiet:.0f} s (a run refreshes its lock every {HEARTBEAT_S:.0f} s)"
+            )
             path.unlink(missing_ok=True)
             continue
         if _alive(holder):
             raise OutputDirLocked(
-                f"output_dir={str(out_dir)!r} is in use by another run: pid {holder['pid']} on {holder['host']}, started "
-                f"{holder.get('started')} ({path}); wait for it to end, stop it, or choose another output_dir")  # fmt: skip
-        log(f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')} (started "
-            f"{holder.get('started')}), is no longer running")  # fmt: skip
+                f"output_dir={str(out_dir)!r} is in use by another run: pid {holder['pid']} on {holder['host']}, "
+                f"started "
+                f"{holder.get('started')} ({path}); wait for it to end, stop it, or choose another output_dir"
+            )
+        log(
+            f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')} (started "
+            f"{holder.get('started')}), is no longer running"
+        )
         path.unlink(missing_ok=True)
     raise OutputDirLocked(f"output_dir={str(out_dir)!r}: another run took {path} while this one took over a stale lock")
 

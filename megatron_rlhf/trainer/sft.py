@@ -55,22 +55,32 @@ class SFTConfig(SupervisedConfig):
 
 def _load(paths: list[str], tokenizer, data: SFTDataConfig, what: str) -> SFTDataset:
     dataset, report = load_sft_dataset(
-        paths, tokenizer, max_length=data.max_length, on_overlong=data.on_overlong, on_invalid=data.on_invalid,
-        prompt_key=data.prompt_key, response_key=data.response_key, add_bos=data.add_bos, num_workers=data.num_workers,
-    )  # fmt: skip
+        paths,
+        tokenizer,
+        max_length=data.max_length,
+        on_overlong=data.on_overlong,
+        on_invalid=data.on_invalid,
+        prompt_key=data.prompt_key,
+        response_key=data.response_key,
+        add_bos=data.add_bos,
+        num_workers=data.num_workers,
+    )
     log(f"{what} data: {report.summary()}")
     return dataset
 
 
-def validation_nll(role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: int, max_tokens: int, pack: bool,
-                   device: torch.device) -> dict[str, float]:  # fmt: skip
+def validation_nll(
+    role: RoleModel, dataset: SFTDataset, pad_id: int, *, chunk: int, max_tokens: int, pack: bool, device: torch.device
+) -> dict[str, float]:
     """Token-mean NLL of the response tokens over the whole set (forward only, sharded over DP)."""
     indices, real = dp_shard(len(dataset), role.groups.dp_rank, role.groups.layout.dp)
     nll_sum, tokens = 0.0, 0.0
     for start in range(0, len(indices), chunk):
         part, keep = indices[start : start + chunk], real[start : start + chunk]
         batch = logits_only_at(pack_batch([dataset[i] for i in part], pad_id), "loss_mask")
-        logprobs = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=max_tokens, pack_sequences=pack)
+        logprobs = forward_pass(
+            role, batch, logprobs_output(role), max_tokens_per_micro_batch=max_tokens, pack_sequences=pack
+        )
         if logprobs is None:
             continue
         mask = batch["loss_mask"].to(logprobs.device).float() * torch.tensor(keep, device=logprobs.device)[:, None]
@@ -89,8 +99,15 @@ def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
     per_rank = cfg.global_batch_size // role.groups.layout.dp
 
     def evaluate() -> dict[str, float]:
-        return validation_nll(role, validation, pad_id, chunk=per_rank, max_tokens=cfg.max_tokens_per_micro_batch,
-                              pack=cfg.pack_sequences, device=env.device)  # fmt: skip
+        return validation_nll(
+            role,
+            validation,
+            pad_id,
+            chunk=per_rank,
+            max_tokens=cfg.max_tokens_per_micro_batch,
+            pack=cfg.pack_sequences,
+            device=env.device,
+        )
 
     task = SupervisedTask(
         name="sft",

@@ -65,8 +65,11 @@ class StopSignals:
 
     def agreed(self) -> int | None:
         """Collective: the exit code if any rank was asked to stop (the highest code), else None."""
-        flag = torch.tensor([-1 if self.code is None else self.code], dtype=torch.int64,
-                            device="cuda" if dist.get_backend() == "nccl" else "cpu")  # fmt: skip
+        flag = torch.tensor(
+            [-1 if self.code is None else self.code],
+            dtype=torch.int64,
+            device="cuda" if dist.get_backend() == "nccl" else "cpu",
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
         return None if code < 0 else code

@@ -100,8 +100,9 @@ def reduce_over_model(role: RoleModel, values: list[float], device: torch.device
     """Sum per-rank figures over DP (last pipeline stage holds them), then share along the pipeline;
     every rank gets the totals. TP ranks hold identical figures and are not summed."""
     pg = role.groups.pg_collection
-    totals = torch.tensor(values if role.groups.is_last_stage else [0.0] * len(values), dtype=torch.float64,
-                          device=device)  # fmt: skip
+    totals = torch.tensor(
+        values if role.groups.is_last_stage else [0.0] * len(values), dtype=torch.float64, device=device
+    )
     dist.all_reduce(totals, group=pg.dp)
     dist.all_reduce(totals, group=pg.pp)
     return totals.tolist()
@@ -122,17 +123,24 @@ class SupervisedRun:
 
 
 def set_up_run(
-    cfg: SupervisedConfig, env: DistEnv, *, name: str, role: str, score_head: bool,
+    cfg: SupervisedConfig,
+    env: DistEnv,
+    *,
+    name: str,
+    role: str,
+    score_head: bool,
     load: Callable[[list[str], Tokenizer, Any, str], Any],
-) -> SupervisedRun:  # fmt: skip
+) -> SupervisedRun:
     """Check the config, seed, read the train/validation data with ``load(paths, tokenizer,
     cfg.data, "train" | "validation")``, write config.yaml (a run that fails on its data leaves
     none behind), build the model and its state."""
     arch = check_config(cfg, env.world_size, score_head=score_head)
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    log(f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
-        f"model {cfg.model.path}")  # fmt: skip
+    log(
+        f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"model {cfg.model.path}"
+    )
     tokenizer = resolve_tokenizer(local_dir(cfg.model.path), arch, cfg.model.path)
     data = cfg.data  # type: ignore[attr-defined]
     train = load(resolve_data_paths(data.train), tokenizer, data, "train")
@@ -141,8 +149,10 @@ def set_up_run(
     with timed("build+load model", env.device):
         model = build_role(role, cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
         state = make_train_state(model, cfg.optim)
-    log(f"model {arch.hf_class_name} {arch.num_layers} layers, {model.groups.layout}, "
-        f"{sum(p.numel() for p in model.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {model.source}")
+    log(
+        f"model {arch.hf_class_name} {arch.num_layers} layers, {model.groups.layout}, "
+        f"{sum(p.numel() for p in model.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {model.source}"
+    )
     return SupervisedRun(tokenizer, train, validation, state)
 
 
@@ -211,9 +221,14 @@ class SupervisedTask:
         mine = indices[groups.dp_rank * share : (groups.dp_rank + 1) * share]
         tokens = self.tokens_of(indices)
         start = time.perf_counter()
-        metrics = train_step(self.run.state, self.make_batch(mine), self.loss_fn,
-                             max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch, group_size=self.group_size,
-                             pack_sequences=self.cfg.pack_sequences)  # fmt: skip
+        metrics = train_step(
+            self.run.state,
+            self.make_batch(mine),
+            self.loss_fn,
+            max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
+            group_size=self.group_size,
+            pack_sequences=self.cfg.pack_sequences,
+        )
         elapsed = time.perf_counter() - start
         self._window_tokens += tokens
         self._epoch = epoch
@@ -240,5 +255,7 @@ class SupervisedTask:
         self._window_tokens, self._window_start = 0, now
         extra = "".join(f" | {name} {metrics[name]:.4f}" for name in self.extra_headline if name in metrics)
         skipped = " | update skipped (inf/nan grads)" if metrics.get("update_skipped") else ""
-        return (f"epoch {self._epoch} | loss {metrics['loss']:.4f}{extra} | lr {metrics['lr']:.3e} | "
-                f"grad_norm {metrics['grad_norm']:.3f} | {rate:,.0f} tokens/s{skipped}")  # fmt: skip
+        return (
+            f"epoch {self._epoch} | loss {metrics['loss']:.4f}{extra} | lr {metrics['lr']:.3e} | "
+            f"grad_norm {metrics['grad_norm']:.3f} | {rate:,.0f} tokens/s{skipped}"
+        )

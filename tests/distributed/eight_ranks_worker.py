@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import make_tiny_hf_model  # noqa: E402
+from tests.helpers import make_tiny_hf_model
 
 PROMPT_LENGTHS = (3, 9, 5, 1, 7, 4, 11, 6)  # two prompts for each generation-DP rank
 NEW_TOKENS = 8
@@ -69,21 +69,31 @@ def main() -> None:
         return t.item()
 
     def build(role: str, path: str, tp: int, pp: int):
-        return build_role(role, ModelConfig(path=path, tp=tp, pp=pp), architecture_of(path), world_size=env.world_size,
-                          dtype=torch.float32, device=env.device)  # fmt: skip
+        return build_role(
+            role,
+            ModelConfig(path=path, tp=tp, pp=pp),
+            architecture_of(path),
+            world_size=env.world_size,
+            dtype=torch.float32,
+            device=env.device,
+        )
 
     def compare(key: str, got: list, expected: list) -> None:
         """Tokens equal and log-probs within TOLERANCE, over every rank; recorded under ``key``."""
         if [(c.prompt_index, c.sample_index) for c in got] != [(c.prompt_index, c.sample_index) for c in expected]:
             raise AssertionError(f"{key}: completions of other prompts or samples than the reference's")
-        mismatches = int(world_max(sum(a.token_ids != b.token_ids for a, b in zip(got, expected))))
-        diffs = [abs(x - y) for a, b in zip(got, expected) for x, y in zip(a.logprobs, b.logprobs)]
+        mismatches = int(world_max(sum(a.token_ids != b.token_ids for a, b in zip(got, expected, strict=True))))
+        diffs = [
+            abs(x - y) for a, b in zip(got, expected, strict=True) for x, y in zip(a.logprobs, b.logprobs, strict=True)
+        ]
         diff = world_max(max(diffs, default=0.0))
         results[f"{key}/token_mismatches"] = mismatches
         results[f"{key}/logprob_max_abs_diff"] = diff
         results[f"{key}/sequences"] = len(got)
         if mismatches or diff > TOLERANCE:
-            raise AssertionError(f"{key}: {mismatches} sequences' tokens differ from the TP1 model's; log-probs by {diff:.3e}")
+            raise AssertionError(
+                f"{key}: {mismatches} sequences' tokens differ from the TP1 model's; log-probs by {diff:.3e}"
+            )
 
     if env.rank == 0:
         make_tiny_hf_model("llama", False, out / "llama", num_key_value_heads=4)
@@ -120,7 +130,8 @@ def main() -> None:
         compare(f"{name}/sampled", [c for c in completions if c.prompt_index in share], expected)
         greedy_tokens = [c.token_ids for c in hybrid.generate(prompts, greedy)[0]]
         results[f"{name}/sampled_differs_from_greedy"] = bool(
-            world_max(any(c.token_ids != greedy_tokens[c.prompt_index] for c in completions)))  # fmt: skip
+            world_max(any(c.token_ids != greedy_tokens[c.prompt_index] for c in completions))
+        )
         if not results[f"{name}/sampled_differs_from_greedy"]:
             raise AssertionError(f"{name}: the sampled completions are the greedy ones")
 
@@ -130,7 +141,11 @@ def main() -> None:
             train_step(state, batch, sft_loss(actor), max_tokens_per_micro_batch=64)
             save_hf_checkpoint(actor.model, actor.arch, actor.groups, out / "llama-after-step")
             completions, _ = hybrid.generate(prompts, greedy)
-            compare(f"{name}/after_step_greedy", completions, reference(str(out / "llama-after-step")).generate(prompts, greedy))
+            compare(
+                f"{name}/after_step_greedy",
+                completions,
+                reference(str(out / "llama-after-step")).generate(prompts, greedy),
+            )
             results[f"{name}/step_changed_tokens"] = [c.token_ids for c in completions] != greedy_tokens
             if not results[f"{name}/step_changed_tokens"]:
                 raise AssertionError(f"{name}: the optimizer step did not change the greedy tokens")

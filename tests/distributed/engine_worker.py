@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import load_all_tensors  # noqa: E402
+from tests.helpers import load_all_tensors
 
 BATCH, SEQ_LEN = 8, 20
 SMALL_BUDGET, LARGE_BUDGET = 48, 100_000  # several micro-batches vs one
@@ -62,7 +62,7 @@ def main() -> None:
         ppo_actor_loss,
         token_aligned,
         token_values_output,
-    )  # fmt: skip
+    )
     from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.engine.train import forward_pass, train_step
     from megatron_rlhf.models.builtin import builtin_checkpoint
@@ -81,8 +81,14 @@ def main() -> None:
 
     def build(role: str, path: str, tp: int, pp: int):
         seed_everything(0)
-        return build_role(role, ModelConfig(path=path, tp=tp, pp=pp), architecture_of(path),
-                          world_size=env.world_size, dtype=torch.float32, device=env.device)  # fmt: skip
+        return build_role(
+            role,
+            ModelConfig(path=path, tp=tp, pp=pp),
+            architecture_of(path),
+            world_size=env.world_size,
+            dtype=torch.float32,
+            device=env.device,
+        )
 
     def gather_dp(role, local: torch.Tensor | None) -> torch.Tensor | None:
         """Per-DP-rank rows -> the full batch, on last-stage ranks."""
@@ -97,17 +103,23 @@ def main() -> None:
         return {k: v[rank * BATCH // dp : (rank + 1) * BATCH // dp] for k, v in batch.items()}
 
     def entropy_output(role):
-        return lambda piece, logits: token_aligned(piece, next_token_logprobs(role, piece, logits, with_entropy=True)[1])
+        return lambda piece, logits: token_aligned(
+            piece, next_token_logprobs(role, piece, logits, with_entropy=True)[1]
+        )
 
     def update(tag: str, role_name: str, path: str, tp: int, pp: int, budget: int) -> None:
         role = build(role_name, path, tp, pp)
         batch = local_rows(role, full)
         if role_name == "actor":
-            probe = forward_pass(role, batch, logprobs_output(role), max_tokens_per_micro_batch=budget, pack_sequences=pack)
+            probe = forward_pass(
+                role, batch, logprobs_output(role), max_tokens_per_micro_batch=budget, pack_sequences=pack
+            )
             batch["old_logprobs"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]
             loss_fn = ppo_actor_loss(role, loss_cfg, temperature=1.0)
         else:
-            probe = forward_pass(role, batch, token_values_output(), max_tokens_per_micro_batch=budget, pack_sequences=pack)
+            probe = forward_pass(
+                role, batch, token_values_output(), max_tokens_per_micro_batch=budget, pack_sequences=pack
+            )
             batch["old_values"] = _shared(role, probe, batch) + batch["noise"] * batch["response_mask"]
             loss_fn = critic_loss(loss_cfg)
         state = make_train_state(role, optim_cfg)
@@ -125,7 +137,9 @@ def main() -> None:
             ("logprobs_t07", logprobs_output(actor, temperature=0.7)),
             ("entropy", entropy_output(actor)),
         ):
-            value = gather_dp(actor, forward_pass(actor, batch, fn, max_tokens_per_micro_batch=SMALL_BUDGET, pack_sequences=pack))
+            value = gather_dp(
+                actor, forward_pass(actor, batch, fn, max_tokens_per_micro_batch=SMALL_BUDGET, pack_sequences=pack)
+            )
             if value is not None and env.rank == _last_stage_rank0(actor):
                 torch.save(value.cpu(), out / f"{name}-{label}.pt")
         dist.barrier()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import FAMILIES, PAD_ID, make_tiny_hf_model  # noqa: E402
+from tests.helpers import FAMILIES, PAD_ID, make_tiny_hf_model
 
 PROMPT_LENGTHS = (3, 9, 5, 1, 7)
 NEW_TOKENS = 10
@@ -48,23 +48,35 @@ def main() -> None:
             make_tiny_hf_model(family, False, hf_dir)
         dist.barrier()
         hf = make_tiny_hf_model(family, False, out / f"{family}-rank{env.rank}").to(env.device)
-        role = build_role("actor", ModelConfig(path=str(hf_dir), tp=tp), load_architecture(hf_dir),
-                          world_size=env.world_size, dtype=torch.float32, device=env.device)  # fmt: skip
+        role = build_role(
+            "actor",
+            ModelConfig(path=str(hf_dir), tp=tp),
+            load_architecture(hf_dir),
+            world_size=env.world_size,
+            dtype=torch.float32,
+            device=env.device,
+        )
         engine = NativeEngine(role, NativeEngineConfig(max_batch_size=2, max_seq_len=64))
         results[f"{family}/fused_decode"] = int(engine.fused_decode)
 
         greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
         mismatches = 0
-        for prompt, completion in zip(prompts, greedy):
-            reference = hf.generate(torch.tensor([prompt], device=env.device), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    eos_token_id=None, pad_token_id=PAD_ID)[0, len(prompt):].tolist()  # fmt: skip
+        for prompt, completion in zip(prompts, greedy, strict=True):
+            reference = hf.generate(
+                torch.tensor([prompt], device=env.device),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=PAD_ID,
+            )[0, len(prompt) :].tolist()
             mismatches += reference != completion.token_ids
         results[f"{family}/greedy_mismatches"] = mismatches
         assert mismatches == 0, f"{family}: {mismatches} prompts differ from HF generate"
 
         for temperature in (1.0, 0.7):
-            params = SamplingParams(temperature=temperature, top_k=20, top_p=0.9, max_new_tokens=NEW_TOKENS, n=2,
-                                    ignore_eos=True, seed=11)  # fmt: skip
+            params = SamplingParams(
+                temperature=temperature, top_k=20, top_p=0.9, max_new_tokens=NEW_TOKENS, n=2, ignore_eos=True, seed=11
+            )
             samples = engine.generate(prompts, params)
             gathered = [None] * env.world_size
             dist.all_gather_object(gathered, [c.token_ids for c in samples])
@@ -76,8 +88,12 @@ def main() -> None:
                 sequence = c.prompt_ids + c.token_ids
                 ids[row, : len(sequence)] = torch.tensor(sequence)
                 attention[row, : len(sequence)] = 1
-            recomputed = forward_pass(role, {"input_ids": ids, "attention_mask": attention},
-                                      logprobs_output(role, temperature=temperature), max_tokens_per_micro_batch=64)  # fmt: skip
+            recomputed = forward_pass(
+                role,
+                {"input_ids": ids, "attention_mask": attention},
+                logprobs_output(role, temperature=temperature),
+                max_tokens_per_micro_batch=64,
+            )
             diff = 0.0
             for row, c in enumerate(samples):
                 start = len(c.prompt_ids)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import FAMILIES, PAD_ID, hf_reference_outputs, load_all_tensors, make_tiny_hf_model  # noqa: E402
+from tests.helpers import FAMILIES, PAD_ID, hf_reference_outputs, load_all_tensors, make_tiny_hf_model
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 TOLERANCE = 1e-4

@@ -35,7 +35,9 @@ def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     path = "builtin:tiny-llama"
     arch = architecture_of(path)
-    actor = build_role("actor", ModelConfig(path=path, tp=2), arch, world_size=2, dtype=torch.float32, device=env.device)
+    actor = build_role(
+        "actor", ModelConfig(path=path, tp=2), arch, world_size=2, dtype=torch.float32, device=env.device
+    )
     state = make_train_state(actor, OptimConfig(lr=1e-2))
     engine_cfg = NativeEngineConfig(max_batch_size=3, max_seq_len=48)
     hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg, offload=mode == "offload")
@@ -45,8 +47,14 @@ def main() -> None:
 
     def reference(model_path: str) -> list[list[int]]:
         """Greedy tokens of an independently built TP1 (DP2) model; each rank generates them all."""
-        role = build_role("ref", ModelConfig(path=model_path, tp=1), architecture_of(model_path), world_size=2,
-                          dtype=torch.float32, device=env.device)  # fmt: skip
+        role = build_role(
+            "ref",
+            ModelConfig(path=model_path, tp=1),
+            architecture_of(model_path),
+            world_size=2,
+            dtype=torch.float32,
+            device=env.device,
+        )
         return [c.token_ids for c in NativeEngine(role, engine_cfg).generate(prompts, greedy)]
 
     results = {}
@@ -56,7 +64,7 @@ def main() -> None:
         tokens_by_round.append([c.token_ids for c in completions])
         assert [c.prompt_index for c in completions] == list(range(len(prompts)))
         expected = reference(path if round_ == 0 else str(out / "after-step"))
-        results[f"round{round_}_mismatches"] = sum(c.token_ids != e for c, e in zip(completions, expected))
+        results[f"round{round_}_mismatches"] = sum(c.token_ids != e for c, e in zip(completions, expected, strict=True))
         results[f"round{round_}_phases"] = [r.phase for r in reports]
         # What the generation copy and the KV cache hold once the rollout is over (freed, or kept).
         copy = list(hybrid.resharder.target.model.parameters())

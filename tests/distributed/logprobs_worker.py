@@ -102,8 +102,11 @@ def main() -> None:
         if dtype == torch.float64:
             checks["vs_float64_ref"] = reference64(full, targets, weights, vocab_size, temperature)
         for name, (ref_logp, ref_ent, ref_grad) in checks.items():
-            for quantity, ours, ref in (("logprobs", tp_logp, ref_logp), ("entropy", tp_ent, ref_ent),
-                                        ("grad", tp_grad, ref_grad)):  # fmt: skip
+            for quantity, ours, ref in (
+                ("logprobs", tp_logp, ref_logp),
+                ("entropy", tp_ent, ref_ent),
+                ("grad", tp_grad, ref_grad),
+            ):
                 key = f"{tag}/{name}/{quantity}"
                 abs_diff, excess = max_diffs(ours, ref, RTOL[dtype]).tolist()
                 results[key] = abs_diff

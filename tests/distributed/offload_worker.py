@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.distributed.resume_worker import batch_for  # noqa: E402
+from tests.distributed.resume_worker import batch_for
 
 LR = 3e-3
 
@@ -33,13 +33,21 @@ def main() -> None:
     out = Path(sys.argv[1])
 
     def fresh(fraction: float):
-        role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
-                          world_size=env.world_size, dtype=torch.bfloat16, device=env.device)  # fmt: skip
+        role = build_role(
+            "actor",
+            ModelConfig(path="builtin:tiny-llama"),
+            architecture_of("builtin:tiny-llama"),
+            world_size=env.world_size,
+            dtype=torch.bfloat16,
+            device=env.device,
+        )
         return make_train_state(role, OptimConfig(lr=LR, weight_decay=0.01, cpu_offload_fraction=fraction))
 
     def run(state, steps: range) -> list[float]:
-        return [train_step(state, batch_for(step, 0, 1), sft_loss(state.role), max_tokens_per_micro_batch=64)["loss"]
-                for step in steps]  # fmt: skip
+        return [
+            train_step(state, batch_for(step, 0, 1), sft_loss(state.role), max_tokens_per_micro_batch=64)["loss"]
+            for step in steps
+        ]
 
     def weights(state) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in state.role.model.named_parameters()}
@@ -56,8 +64,9 @@ def main() -> None:
         losses = run(state, range(1))
         a, b = plain_one_step, weights(state)
         # One bf16 ulp of the larger of the two values (2^-7 relative bounds it from above).
-        one_step_within_ulp = all(bool(((a[k] - b[k]).abs() <= torch.maximum(a[k].abs(), b[k].abs()) * 2**-7).all())
-                                  for k in a)  # fmt: skip
+        one_step_within_ulp = all(
+            bool(((a[k] - b[k]).abs() <= torch.maximum(a[k].abs(), b[k].abs()) * 2**-7).all()) for k in a
+        )
         one_step_differing = sum(int((a[k] != b[k]).sum()) for k in a) / sum(v.numel() for v in a.values())
         losses += run(state, range(1, 4))
         a, b = weights(plain), weights(state)
@@ -71,8 +80,9 @@ def main() -> None:
         results[str(fraction)] = {
             "host_params": sum(p.numel() for o in hdo.cpu_optimizers for g in o.param_groups for p in g["params"]),
             "device_params": sum(p.numel() for g in hdo.gpu_optimizer.param_groups for p in g["params"])
-            if hdo.gpu_optimizer else 0,
-            "loss_max_rel_diff": max(abs(x - y) / abs(x) for x, y in zip(plain_losses, losses)),
+            if hdo.gpu_optimizer
+            else 0,
+            "loss_max_rel_diff": max(abs(x - y) / abs(x) for x, y in zip(plain_losses, losses, strict=True)),
             "one_step_within_one_bf16_ulp": one_step_within_ulp,
             "one_step_differing_fraction": one_step_differing,
             "four_steps_max_abs_diff": max((a[k] - b[k]).abs().max().item() for k in a),

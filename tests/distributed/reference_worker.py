@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import make_chat_tokenizer, make_tiny_hf_model  # noqa: E402
+from tests.helpers import make_chat_tokenizer, make_tiny_hf_model
 
 # A Qwen2 model with tied embeddings and a vocabulary of 600: padded to 640 at TP1 but 768 at TP2,
 # so a TP2 reference must take the TP1 actor's padding.
@@ -30,14 +30,30 @@ TIED = "tied-qwen2"
 # case -> (steps, overrides); paths are builtin:tiny-llama unless a case names TIED.
 CASES = {
     "ema_tp2_to_tp1": (3, ["actor.tp=2", "reference.tp=1", "reference.update=ema", "reference.ema_decay=0.6"]),
-    "ema_tied_tp1_to_tp2": (3, [f"actor.path={TIED}", f"reference.path={TIED}", "reference.tp=2",
-                                "reference.update=ema", "reference.ema_decay=0.6"]),
+    "ema_tied_tp1_to_tp2": (
+        3,
+        [
+            f"actor.path={TIED}",
+            f"reference.path={TIED}",
+            "reference.tp=2",
+            "reference.update=ema",
+            "reference.ema_decay=0.6",
+        ],
+    ),
     "ema_same_tp2": (3, ["actor.tp=2", "reference.tp=2", "reference.update=ema", "reference.ema_decay=0.6"]),
-    "periodic_pp2_to_tp2": (4, ["actor.pp=2", "reference.tp=2", "reference.update=periodic", "reference.update_every=2"]),
+    "periodic_pp2_to_tp2": (
+        4,
+        ["actor.pp=2", "reference.tp=2", "reference.update=periodic", "reference.update_every=2"],
+    ),
     "none_tp2_to_tp1": (2, ["actor.tp=2", "reference.tp=1"]),
 }
-COMMON = ["prompts_per_step=4", "rollout.sampling.n=4", "mini_batch_size=16", "rollout.sampling.max_new_tokens=16",
-          "actor_optim.lr=1e-3"]  # fmt: skip
+COMMON = [
+    "prompts_per_step=4",
+    "rollout.sampling.n=4",
+    "mini_batch_size=16",
+    "rollout.sampling.max_new_tokens=16",
+    "actor_optim.lr=1e-3",
+]
 
 
 def replicas_equal(role) -> bool:
@@ -49,7 +65,7 @@ def replicas_equal(role) -> bool:
     coords = [None] * dist.get_world_size()
     dist.all_gather_object(coords, (groups.tp_rank, groups.pp_rank))
     mine = coords[dist.get_rank()]
-    return all(torch.equal(t, total) for t, c in zip(gathered, coords) if c == mine)
+    return all(torch.equal(t, total) for t, c in zip(gathered, coords, strict=True) if c == mine)
 
 
 def save(role, directory: Path) -> None:
@@ -83,9 +99,13 @@ def main() -> None:
             metrics, _ = ppo_step(run, step, indices)
             save(run.actor.role, out / case / f"actor-{step}")
             save(run.reference, out / case / f"reference-{step}")
-            records.append({"refreshed": metrics.get("reference/refreshed"),
-                            "time_keys": sorted(k for k in metrics if k.startswith("timing_s/") and k.count("/") == 1),
-                            "replicas_equal": replicas_equal(run.reference)})  # fmt: skip
+            records.append(
+                {
+                    "refreshed": metrics.get("reference/refreshed"),
+                    "time_keys": sorted(k for k in metrics if k.startswith("timing_s/") and k.count("/") == 1),
+                    "replicas_equal": replicas_equal(run.reference),
+                }
+            )
         padded = {"actor": run.actor.role.padded_vocab_size, "reference": run.reference.padded_vocab_size}
         results[case] = {"padded_vocab": padded, "steps": records}
     if env.rank == 0:

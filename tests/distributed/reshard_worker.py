@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import PAD_ID, make_tiny_hf_model  # noqa: E402
+from tests.helpers import PAD_ID, make_tiny_hf_model
 
 PROMPT_LENGTHS = (3, 9, 5, 1, 7)
 NEW_TOKENS = 8
@@ -66,8 +66,14 @@ def main() -> None:
 
     def build(family: str, tp: int, pp: int):
         path = out / family
-        return build_role("actor", ModelConfig(path=str(path), tp=tp, pp=pp), load_architecture(path),
-                          world_size=env.world_size, dtype=torch.float32, device=env.device)  # fmt: skip
+        return build_role(
+            "actor",
+            ModelConfig(path=str(path), tp=tp, pp=pp),
+            load_architecture(path),
+            world_size=env.world_size,
+            dtype=torch.float32,
+            device=env.device,
+        )
 
     def world_max(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
@@ -105,10 +111,12 @@ def main() -> None:
         copy = resharder.refresh()
         # The same parameter objects, now views of one buffer of destination_bytes().
         storages = {p.untyped_storage().data_ptr() for p in copy.model.parameters()}
-        same_objects = all(a is b for a, b in zip(params, copy.model.parameters()))
+        same_objects = all(a is b for a, b in zip(params, copy.model.parameters(), strict=True))
         nbytes = params[0].untyped_storage().nbytes()
         if len(storages) != 1 or not same_objects or nbytes != resharder.destination_bytes():
-            raise AssertionError(f"{case}: refresh did not fill the one flat buffer ({len(storages)} storages, {nbytes} bytes)")
+            raise AssertionError(
+                f"{case}: refresh did not fill the one flat buffer ({len(storages)} storages, {nbytes} bytes)"
+            )
         expected = Layout(tp=gen_tp, pp=1, dp=env.world_size // gen_tp)
         if resharder.zero_copy or copy.model is source.model or copy.groups.layout != expected:
             raise AssertionError(f"{case}: expected a separate copy in {expected}, got {copy.groups.layout}")
@@ -116,7 +124,7 @@ def main() -> None:
             raise AssertionError(f"{case}: padded vocab {copy.padded_vocab_size} != {source.padded_vocab_size}")
         diff = logits_diff(source, copy)
         tokens = greedy_tokens(copy)
-        mismatches = int(world_max(sum(a != b for a, b in zip(tokens, reference_tokens[family]))))
+        mismatches = int(world_max(sum(a != b for a, b in zip(tokens, reference_tokens[family], strict=True))))
         results[f"{case}/logits_max_abs_diff"] = diff
         results[f"{case}/greedy_mismatches"] = mismatches
         if diff > TOLERANCE:
@@ -148,7 +156,8 @@ def main() -> None:
                 raise AssertionError(f"{case}/{update}: release() left {held} bytes allocated")
         refreshed = resharder.refresh()
         diff = logits_diff(source, refreshed)
-        moved = int(world_max(sum(a != p.data_ptr() for a, p in zip(pointers, refreshed.model.parameters()))))
+        params = list(refreshed.model.parameters())
+        moved = int(world_max(sum(a != p.data_ptr() for a, p in zip(pointers, params, strict=True))))
         key = f"{case}/{update}"
         results[f"{key}/stale_logits_max_abs_diff"] = stale
         results[f"{key}/refreshed_logits_max_abs_diff"] = diff
@@ -187,7 +196,9 @@ def main() -> None:
         source = build("llama", tp, 1)
         resharder = WeightResharder(source, tp)
         copy = resharder.refresh()
-        same = resharder.zero_copy and copy is source and copy.model is source.model and resharder.destination_bytes() == 0
+        same = (
+            resharder.zero_copy and copy is source and copy.model is source.model and resharder.destination_bytes() == 0
+        )
         results[f"zero_copy_tp{tp}/same_object"] = same
         if not same:
             raise AssertionError(f"zero copy at TP{tp}: refresh() did not return the source RoleModel itself")

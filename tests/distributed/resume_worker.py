@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import load_all_tensors  # noqa: E402
+from tests.helpers import load_all_tensors
 
 
 def batch_for(step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
@@ -42,8 +42,14 @@ def main() -> None:
     optim = OptimConfig(lr=3e-3, warmup_steps=2, decay_style="cosine", decay_steps=10, min_lr=1e-4, clip_grad=1.0)
 
     def fresh(tp: int):
-        role = build_role("actor", ModelConfig(path="builtin:tiny-llama", tp=tp), architecture_of("builtin:tiny-llama"),
-                          world_size=env.world_size, dtype=torch.float32, device=env.device)  # fmt: skip
+        role = build_role(
+            "actor",
+            ModelConfig(path="builtin:tiny-llama", tp=tp),
+            architecture_of("builtin:tiny-llama"),
+            world_size=env.world_size,
+            dtype=torch.float32,
+            device=env.device,
+        )
         return make_train_state(role, optim)
 
     def run(state, steps: range) -> None:

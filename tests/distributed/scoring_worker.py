@@ -19,10 +19,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megatron_rlhf.parallel.distributed import init_distributed  # noqa: E402
-from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig  # noqa: E402
-from megatron_rlhf.rollout.engine import Completion  # noqa: E402
-from megatron_rlhf.trainer.ppo import rollout_batch  # noqa: E402
+from megatron_rlhf.parallel.distributed import init_distributed
+from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
+from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.trainer.ppo import rollout_batch
 
 RELEASE = threading.Event()
 
@@ -49,14 +49,25 @@ CASES = {"ok": (length, 60.0), "raises_on_rank_1": (raises_on_row_3, 60.0), "han
 def main(out: Path) -> None:
     init_distributed("cpu")
     rank = dist.get_rank()
-    completions = [Completion(prompt_index=i // 2, sample_index=i % 2, prompt_ids=[5], token_ids=[7] * (i + 1),
-                              logprobs=[0.0] * (i + 1)) for i in range(6)]  # fmt: skip
+    completions = [
+        Completion(
+            prompt_index=i // 2, sample_index=i % 2, prompt_ids=[5], token_ids=[7] * (i + 1), logprobs=[0.0] * (i + 1)
+        )
+        for i in range(6)
+    ]
     batch = rollout_batch(completions, 0)
     decode = lambda rows: [f"r{len(ids)}" for ids in rows]  # noqa: E731
     results = {}
     for case, (rule, timeout_s) in CASES.items():
-        scorer = Scorer(ScoringConfig(timeout_s=timeout_s), {"rule": rule}, None, None, stop_ids=(), max_new_tokens=8,
-                        max_tokens_per_micro_batch=64)  # fmt: skip
+        scorer = Scorer(
+            ScoringConfig(timeout_s=timeout_s),
+            {"rule": rule},
+            None,
+            None,
+            stop_ids=(),
+            max_new_tokens=8,
+            max_tokens_per_micro_batch=64,
+        )
         start = time.monotonic()
         try:
             scores = scorer.score(batch, completions, [{}] * 3, decode)

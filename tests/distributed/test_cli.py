@@ -15,7 +15,12 @@ from tests.helpers import PAD_ID, REPO, hf_classes, make_tiny_hf_model, run_torc
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "megatron_rlhf", *args], env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=cwd
+        [sys.executable, "-m", "megatron_rlhf", *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
     )
 
 
@@ -49,9 +54,16 @@ def test_smoke_run_single_process(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_smoke_run_per_model_layouts_under_torchrun(tmp_path: Path) -> None:
     proc = run_torchrun(
-        REPO / "megatron_rlhf" / "__main__.py", 4, "smoke", f"output_dir={tmp_path}",
-        "actor.tp=2", "actor.pp=2", "critic.pp=2", "reference.tp=2", "reward.tp=1",
-    )  # fmt: skip
+        REPO / "megatron_rlhf" / "__main__.py",
+        4,
+        "smoke",
+        f"output_dir={tmp_path}",
+        "actor.tp=2",
+        "actor.pp=2",
+        "critic.pp=2",
+        "reference.tp=2",
+        "reward.tp=1",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for layout in ("TP2xPP2xDP1", "TP1xPP2xDP2", "TP2xPP1xDP2", "TP1xPP1xDP4"):
         assert layout in proc.stdout
@@ -68,9 +80,17 @@ def test_smoke_run_per_model_layouts_under_torchrun(tmp_path: Path) -> None:
 def test_convert_round_trip_loads_in_transformers(tmp_path: Path) -> None:
     original = make_tiny_hf_model("qwen3", False, tmp_path / "hf")
     to_mcore = run_torchrun(
-        REPO / "megatron_rlhf" / "__main__.py", 4, "convert", "hf-to-mcore",
-        str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2",
-    )  # fmt: skip
+        REPO / "megatron_rlhf" / "__main__.py",
+        4,
+        "convert",
+        "hf-to-mcore",
+        str(tmp_path / "hf"),
+        str(tmp_path / "ckpt"),
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+    )
     assert to_mcore.returncode == 0, to_mcore.stderr[-4000:]
     to_hf = _cli("convert", "mcore-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert to_hf.returncode == 0, to_hf.stderr[-4000:]
@@ -103,26 +123,47 @@ def test_convert_refuses_tp_not_dividing_heads(tmp_path: Path) -> None:
 def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hello world"}\n{"prompt_ids": [5, 6, 7, 8]}\n{"prompt": "abc"}\n')
-    common = ["--model", "builtin:tiny-llama", "--input", str(prompts), "--max-new-tokens", "6",
-              "--temperature", "0", "--ignore-eos", "--max-batch-size", "2"]  # fmt: skip
+    common = [
+        "--model",
+        "builtin:tiny-llama",
+        "--input",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--max-batch-size",
+        "2",
+    ]
     single = _cli("generate", *common, "--output", str(tmp_path / "tp1.jsonl"))
     assert single.returncode == 0, single.stderr[-4000:]
-    multi = run_torchrun(REPO / "megatron_rlhf" / "__main__.py", 2, "generate", *common, "--tp", "2",
-                         "--output", str(tmp_path / "tp2.jsonl"))  # fmt: skip
+    multi = run_torchrun(
+        REPO / "megatron_rlhf" / "__main__.py",
+        2,
+        "generate",
+        *common,
+        "--tp",
+        "2",
+        "--output",
+        str(tmp_path / "tp2.jsonl"),
+    )
     assert multi.returncode == 0, multi.stderr[-4000:]
     rows1 = [json.loads(line) for line in (tmp_path / "tp1.jsonl").read_text().splitlines()]
     rows2 = [json.loads(line) for line in (tmp_path / "tp2.jsonl").read_text().splitlines()]
     assert [r["prompt_index"] for r in rows1] == [0, 1, 2]
     assert [r["token_ids"] for r in rows1] == [r["token_ids"] for r in rows2]
     assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows1)
-    for a, b in zip(rows1, rows2):
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-5
+    for a, b in zip(rows1, rows2, strict=True):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < 1e-5
 
 
 def test_generate_command_names_a_missing_column(tmp_path: Path) -> None:
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"question": "hi"}\n')
-    proc = _cli("generate", "--model", "builtin:tiny-llama", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"))
+    proc = _cli(
+        "generate", "--model", "builtin:tiny-llama", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl")
+    )
     assert proc.returncode == 2
     assert str(prompts) in proc.stderr and "prompt" in proc.stderr
 

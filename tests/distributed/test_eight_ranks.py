@@ -21,20 +21,44 @@ from tests.helpers import run_torchrun
 WORKER = Path(__file__).with_name("eight_ranks_worker.py")
 TOLERANCE = 1e-5
 PPO_ARGS = (
-    "device=cpu", "max_steps=2", "log_every=1", "loggers=[console,jsonl]", "save_hf=false",
+    "device=cpu",
+    "max_steps=2",
+    "log_every=1",
+    "loggers=[console,jsonl]",
+    "save_hf=false",
     # builtin:arith-llama: 4 heads, 4 KV heads, 4 layers (builtin:tiny-llama's 2 KV heads refuse TP4)
-    "actor.path=builtin:arith-llama", "actor.tp=4", "actor.pp=2",
-    "critic.path=builtin:arith-llama-rm", "critic.tp=4", "critic.pp=2",
-    "reference.path=builtin:arith-llama", "reference.tp=2", "reference.pp=1",
-    "reward.path=builtin:arith-llama-rm", "reward.tp=1", "reward.pp=2",
-    "rollout.tp=2", "rollout.sampling.n=1", "rollout.sampling.max_new_tokens=8", "rollout.engine.max_seq_len=64",
-    "data.train=[builtin:arithmetic-prompts]", "data.extra_keys=[answer]", "data.max_prompt_length=24",
-    "scoring.use_reward_model=true", "scoring.rules=[arithmetic_answer]",
-    "algorithm.advantage_estimator=gae", "algorithm.kl_penalty.coef=0.05", "algorithm.loss.kl_loss_coef=0",
-    "prompts_per_step=8", "mini_batch_size=8", "ppo_epochs=1",
-)  # fmt: skip
-LAYOUT_LINE = ("layouts: actor TP4xPP2xDP1, critic TP4xPP2xDP1, reference TP2xPP1xDP4, reward TP1xPP2xDP4; "
-               "generation TP2xPP1xDP4 (resharded from the actor's TP4xPP2xDP1)")  # fmt: skip
+    "actor.path=builtin:arith-llama",
+    "actor.tp=4",
+    "actor.pp=2",
+    "critic.path=builtin:arith-llama-rm",
+    "critic.tp=4",
+    "critic.pp=2",
+    "reference.path=builtin:arith-llama",
+    "reference.tp=2",
+    "reference.pp=1",
+    "reward.path=builtin:arith-llama-rm",
+    "reward.tp=1",
+    "reward.pp=2",
+    "rollout.tp=2",
+    "rollout.sampling.n=1",
+    "rollout.sampling.max_new_tokens=8",
+    "rollout.engine.max_seq_len=64",
+    "data.train=[builtin:arithmetic-prompts]",
+    "data.extra_keys=[answer]",
+    "data.max_prompt_length=24",
+    "scoring.use_reward_model=true",
+    "scoring.rules=[arithmetic_answer]",
+    "algorithm.advantage_estimator=gae",
+    "algorithm.kl_penalty.coef=0.05",
+    "algorithm.loss.kl_loss_coef=0",
+    "prompts_per_step=8",
+    "mini_batch_size=8",
+    "ppo_epochs=1",
+)
+LAYOUT_LINE = (
+    "layouts: actor TP4xPP2xDP1, critic TP4xPP2xDP1, reference TP2xPP1xDP4, reward TP1xPP2xDP4; "
+    "generation TP2xPP1xDP4 (resharded from the actor's TP4xPP2xDP1)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +70,9 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.C
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("model", ["llama", "arith"])
-def test_tp2_dp4_generation_equals_the_unsharded_model(launch: tuple[Path, subprocess.CompletedProcess], model: str) -> None:
+def test_tp2_dp4_generation_equals_the_unsharded_model(
+    launch: tuple[Path, subprocess.CompletedProcess], model: str
+) -> None:
     """The hybrid engine's TP2 x DP4 copy of a TP4 x PP2 actor against a TP1 x PP1 model."""
     out, proc = launch
     assert (out / "results.json").exists(), proc.stderr[-6000:]

@@ -34,8 +34,14 @@ def _tiny_engine(on_long_prompt: str):
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
 
-    role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
-                      world_size=1, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path="builtin:tiny-llama"),
+        architecture_of("builtin:tiny-llama"),
+        world_size=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     return NativeEngine(role, NativeEngineConfig(max_batch_size=4, max_seq_len=16, on_long_prompt=on_long_prompt))
 
 
@@ -52,7 +58,9 @@ def test_long_prompt_truncation_is_counted_and_stops_at_the_context(world_of_one
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     engine = _tiny_engine("truncate")
-    short, long = engine.generate([[5, 6], list(range(20))], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    short, long = engine.generate(
+        [[5, 6], list(range(20))], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    )
     assert short.prompt_tokens_dropped == 0 and len(short.token_ids) == 4 and short.finish_reason == "length"
     assert long.prompt_tokens_dropped == 5 and long.prompt_ids == list(range(5, 20))
     assert len(long.token_ids) == 1 and long.finish_reason == "length"  # the 16-token context is full
@@ -83,7 +91,7 @@ def test_stops_with_continuous_batching_equal_single_sequence_runs(world_of_one)
     stop = counts.most_common(1)[0][0]  # the token in the most runs: they stop at different steps
     engine.cfg.max_batch_size = 2
     batched = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))
-    for run, completion in zip(single, batched):
+    for run, completion in zip(single, batched, strict=True):
         expected = run[: run.index(stop) + 1] if stop in run else run
         assert completion.token_ids == expected
         assert completion.finish_reason == ("stop" if stop in run else "length")
@@ -104,7 +112,7 @@ def test_engine_reused_across_calls_gives_the_same_results(world_of_one) -> None
     engine.generate(other, SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True))
     again = engine.generate(first, params)
     fresh = _tiny_engine("error").generate(first, params)
-    for a, b, c in zip(before, again, fresh):
+    for a, b, c in zip(before, again, fresh, strict=True):
         assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == b.logprobs == c.logprobs
 
 

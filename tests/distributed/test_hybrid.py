@@ -47,8 +47,14 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
 
-    role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
-                      world_size=1, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path="builtin:tiny-llama"),
+        architecture_of("builtin:tiny-llama"),
+        world_size=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     state = make_train_state(role, OptimConfig(lr=1e-2))
     engine_cfg = NativeEngineConfig(max_batch_size=4, max_seq_len=32)  # fewer slots than samples: slots are reused
     hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg, offload=offload)
@@ -75,5 +81,7 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
         train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=64)
     assert len(kv_pointers) == (0 if offload else 1) and all(cache is caches[0] for cache in caches)
     # Generating again with the first rollout's seed gives other tokens: the steps changed the weights.
-    again, _ = hybrid.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, ignore_eos=True, seed=0))
+    again, _ = hybrid.generate(
+        prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, ignore_eos=True, seed=0)
+    )
     assert [c.token_ids for c in again] != tokens[0]

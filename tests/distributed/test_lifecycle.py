@@ -29,19 +29,29 @@ MAIN = REPO / "megatron_rlhf" / "__main__.py"
 def _command(nproc: int, args: tuple[str, ...]) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "megatron_rlhf", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(MAIN), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(MAIN),
+        *args,
+    ]
 
 
 def _run(nproc: int, args: tuple[str, ...], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(nproc, args), env={**subprocess_env(), **env}, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    return subprocess.run(
+        _command(nproc, args), env={**subprocess_env(), **env}, capture_output=True, text=True, timeout=600
+    )
 
 
 def _run_killed_after_first_checkpoint(nproc: int, args: tuple[str, ...], out: Path) -> None:
     """Start the run; SIGKILL it and every process under it (torchrun starts its workers in their
     own sessions) as soon as a checkpoint is complete (``checkpoints/latest`` exists)."""
-    proc = subprocess.Popen(_command(nproc, args), env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        _command(nproc, args), env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -68,7 +78,9 @@ def _records(out: Path) -> list[dict]:
 
 def _deterministic(record: dict) -> dict:
     """A metrics line without wall-clock figures."""
-    return {key: value for key, value in record.items() if not key.startswith(("timing_s/", "perf/")) and "per_s" not in key}
+    return {
+        key: value for key, value in record.items() if not key.startswith(("timing_s/", "perf/")) and "per_s" not in key
+    }
 
 
 def _straight_run(nproc: int, args: tuple[str, ...], straight: Path) -> Path:
@@ -78,8 +90,14 @@ def _straight_run(nproc: int, args: tuple[str, ...], straight: Path) -> Path:
     return straight
 
 
-def _check_resume_matches(nproc: int, args: tuple[str, ...], root: Path, total: int,
-                          resumed_args: tuple[str, ...] = (), straight: Path | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def _check_resume_matches(
+    nproc: int,
+    args: tuple[str, ...],
+    root: Path,
+    total: int,
+    resumed_args: tuple[str, ...] = (),
+    straight: Path | None = None,
+) -> subprocess.CompletedProcess:
     """An uninterrupted run of ``args`` (or ``straight``, made by ``_straight_run`` already) is the
     reference for one killed after its first checkpoint and started again with ``resumed_args``
     added; returns the second start's process."""
@@ -106,10 +124,24 @@ def _result(out: Path) -> dict:
     return {key: value for key, value in result.items() if key not in ("train_seconds", "hf_dir")}
 
 
-PPO_ARGS = ("ppo", "--config", "ppo-tiny", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
-            "algorithm.advantage_estimator=gae", "scoring.use_reward_model=true", "algorithm.kl_penalty.type=adaptive",
-            "algorithm.kl_penalty.coef=0.05", "algorithm.kl_penalty.horizon=10", "algorithm.loss.kl_loss_coef=0",
-            "reference.update=ema", "reference.ema_decay=0.5", "rollout.sampling.max_new_tokens=12")  # fmt: skip
+PPO_ARGS = (
+    "ppo",
+    "--config",
+    "ppo-tiny",
+    "max_steps=6",
+    "save_every=2",
+    "prompts_per_step=4",
+    "mini_batch_size=8",
+    "algorithm.advantage_estimator=gae",
+    "scoring.use_reward_model=true",
+    "algorithm.kl_penalty.type=adaptive",
+    "algorithm.kl_penalty.coef=0.05",
+    "algorithm.kl_penalty.horizon=10",
+    "algorithm.loss.kl_loss_coef=0",
+    "reference.update=ema",
+    "reference.ema_decay=0.5",
+    "rollout.sampling.max_new_tokens=12",
+)
 
 
 PPO_TWO_RANKS = (*PPO_ARGS, "actor.tp=2", "reference.tp=2", "reward.tp=2", "critic.pp=2", "rollout.tp=2")
@@ -129,35 +161,81 @@ def test_ppo_with_critic_resumes_exactly_over_two_ranks(tmp_path: Path, ppo_two_
 
 
 @pytest.mark.distributed
-def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(tmp_path: Path, ppo_two_ranks_straight: Path) -> None:
+def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(
+    tmp_path: Path, ppo_two_ranks_straight: Path
+) -> None:
     """As above, the interrupted run saving with async_save=true (actor TP2 and critic PP2 written
     by one background process per checkpoint), the uninterrupted one synchronously: same metrics,
     weights and result."""
-    again = _check_resume_matches(2, PPO_TWO_RANKS, tmp_path, 6, resumed_args=("async_save=true",),
-                                  straight=ppo_two_ranks_straight)  # fmt: skip
+    again = _check_resume_matches(
+        2, PPO_TWO_RANKS, tmp_path, 6, resumed_args=("async_save=true",), straight=ppo_two_ranks_straight
+    )
     assert "step 6: saved checkpoint" in again.stdout and "written in the background" in again.stdout
 
 
 @pytest.mark.distributed
 def test_grpo_resumes_exactly(tmp_path: Path) -> None:
-    _check_resume_matches(1, ("ppo", "--config", "ppo-tiny", "max_steps=6", "save_every=2", "prompts_per_step=4", "mini_batch_size=8",
-                              "rollout.sampling.max_new_tokens=12"), tmp_path, 6)  # fmt: skip
+    _check_resume_matches(
+        1,
+        (
+            "ppo",
+            "--config",
+            "ppo-tiny",
+            "max_steps=6",
+            "save_every=2",
+            "prompts_per_step=4",
+            "mini_batch_size=8",
+            "rollout.sampling.max_new_tokens=12",
+        ),
+        tmp_path,
+        6,
+    )
 
 
 @pytest.mark.distributed
 def test_sft_resumes_exactly(tmp_path: Path) -> None:
     train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
     val = _write_jsonl(tmp_path / "val.jsonl", _sft_rows(16, 1))
-    _check_resume_matches(1, ("sft", "--config", "sft-tiny", f"data.train=[{train}]", f"data.validation=[{val}]",
-                              "max_steps=12", "save_every=2", "eval_every=4", "keep_last=1"), tmp_path, 12)  # fmt: skip
-    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] in (["latest", "step_12"], ["step_12", "latest"])
+    _check_resume_matches(
+        1,
+        (
+            "sft",
+            "--config",
+            "sft-tiny",
+            f"data.train=[{train}]",
+            f"data.validation=[{val}]",
+            "max_steps=12",
+            "save_every=2",
+            "eval_every=4",
+            "keep_last=1",
+        ),
+        tmp_path,
+        12,
+    )
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] in (
+        ["latest", "step_12"],
+        ["step_12", "latest"],
+    )
 
 
 @pytest.mark.distributed
 def test_rm_resumes_exactly(tmp_path: Path) -> None:
     train = _write_jsonl(tmp_path / "train.jsonl", _preference_rows(128, 2))
-    _check_resume_matches(1, ("rm", "--config", "rm-tiny", f"data.train=[{train}]", "global_batch_size=16",
-                              "optim.lr=1e-3", "max_steps=12", "save_every=2"), tmp_path, 12)  # fmt: skip
+    _check_resume_matches(
+        1,
+        (
+            "rm",
+            "--config",
+            "rm-tiny",
+            f"data.train=[{train}]",
+            "global_batch_size=16",
+            "optim.lr=1e-3",
+            "max_steps=12",
+            "save_every=2",
+        ),
+        tmp_path,
+        12,
+    )
 
 
 @pytest.mark.distributed
@@ -184,11 +262,24 @@ def test_checkpoint_resumes_in_another_layout(tmp_path: Path, saved_layout: str)
 def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -> None:
     """SIGTERM mid-run: a checkpoint at the next step boundary, exit 0 (no export yet); the same
     command again continues from it and exports the uninterrupted run's weights."""
-    args = ("ppo", "--config", "ppo-tiny", "max_steps=8", "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=12")
+    args = (
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        "max_steps=8",
+        "prompts_per_step=4",
+        "mini_batch_size=8",
+        "rollout.sampling.max_new_tokens=12",
+    )
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert _run(1, (*args, f"output_dir={straight}")).returncode == 0
-    proc = subprocess.Popen(_command(1, (*args, f"output_dir={stopped}")), env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _command(1, (*args, f"output_dir={stopped}")),
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = stopped / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and proc.poll() is None:
         time.sleep(0.01)
@@ -229,8 +320,17 @@ def test_diverging_sft_stops_with_exit_3_and_exports_nothing(tmp_path: Path, sft
     """optim.lr=1e12: the loss turns NaN at step 3. Without a checkpoint the run stops at once; with
     one it rolls back, redoes steps 3-5 with another data order, diverges again and stops."""
     out = tmp_path / "run"
-    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "optim.lr=1e12", "max_steps=8", f"save_every={save_every}",
-                    f"output_dir={out}"))  # fmt: skip
+    proc = _run(
+        1,
+        (
+            *SFT,
+            f"data.train=[{sft_train}]",
+            "optim.lr=1e12",
+            "max_steps=8",
+            f"save_every={save_every}",
+            f"output_dir={out}",
+        ),
+    )
     assert proc.returncode == 3, proc.stderr[-6000:]
     assert "steps 3-5: 3 updates in a row skipped" in proc.stderr
     assert ("no checkpoint to roll back to" if save_every == 0 else "again after a rollback") in proc.stderr
@@ -246,8 +346,9 @@ def test_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path: Path, sft_trai
     """NaN gradients on rank 1 only (data-parallel over 2 ranks), once: step 3's update is skipped
     on both ranks (the LR schedule waits too) and the run ends normally with finite weights."""
     out = tmp_path / "run"
-    proc = _run(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=5", f"output_dir={out}"),
-                MEGATRON_RLHF_TEST_NAN="1:2:1")  # fmt: skip
+    proc = _run(
+        2, (*SFT, f"data.train=[{sft_train}]", "max_steps=5", f"output_dir={out}"), MEGATRON_RLHF_TEST_NAN="1:2:1"
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     train = [r for r in _strict_records(out) if r["split"] == "train"]
     assert [r["update_skipped"] for r in train] == [0.0, 0.0, 1.0, 0.0, 0.0]
@@ -260,12 +361,23 @@ def test_rollback_with_another_data_order_recovers(tmp_path: Path, sft_train: Pa
     """Three NaN updates in a row after a checkpoint at step 2: back to step 2, steps 3-5 again with
     other batches (the NaNs are spent), and the run completes."""
     out = tmp_path / "run"
-    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=6", "save_every=2", f"output_dir={out}"),
-                MEGATRON_RLHF_TEST_NAN="0:2:3")  # fmt: skip
+    proc = _run(
+        1,
+        (*SFT, f"data.train=[{sft_train}]", "max_steps=6", "save_every=2", f"output_dir={out}"),
+        MEGATRON_RLHF_TEST_NAN="0:2:3",
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     records = _strict_records(out)
     assert [(r["split"], r["step"]) for r in records if r["split"] != "train" or r["step"] > 2] == [
-        ("train", 3), ("train", 4), ("train", 5), ("rollback", 5), ("train", 3), ("train", 4), ("train", 5), ("train", 6)]
+        ("train", 3),
+        ("train", 4),
+        ("train", 5),
+        ("rollback", 5),
+        ("train", 3),
+        ("train", 4),
+        ("train", 5),
+        ("train", 6),
+    ]
     first, again = records[2], records[6]
     assert first["update_skipped"] == 1.0 and again["update_skipped"] == 0.0
     assert first["tokens"] != again["tokens"]  # another batch
@@ -279,9 +391,12 @@ def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sf
 
     out = tmp_path / "run"
     log = (tmp_path / "log").open("w")
-    proc = subprocess.Popen(_command(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=10",
-                                         f"output_dir={out}")),
-                            env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        _command(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=10", f"output_dir={out}")),
+        env=subprocess_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     metrics = out / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and proc.poll() is None:
         time.sleep(0.05)
@@ -299,7 +414,9 @@ def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sf
 
 
 @pytest.mark.distributed
-def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(tmp_path: Path, sft_train: Path) -> None:
+def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(
+    tmp_path: Path, sft_train: Path
+) -> None:
     """The newest checkpoint has bytes that are not UTF-8 in its config.yaml, the one before a flipped
     byte in a shard, and an interrupted save left step_8.tmp/ and latest.tmp (what a SIGKILL mid-save
     leaves): the run names the changed files, resumes from the newest good checkpoint (comparing the
@@ -330,20 +447,34 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("async_save", ["false", "true"])
-def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path: Path, sft_train: Path, async_save: str) -> None:
+def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
+    tmp_path: Path, sft_train: Path, async_save: str
+) -> None:
     """2 ranks at TP2: the save of step 4 is slowed by the test hook (in the training process, or
     in the background writer while training goes on) and every process is SIGKILLed once its first
     shard file is written. The same command started again deletes the partial step_4.tmp, resumes
     from step_2 and finishes with every step logged once."""
     out = tmp_path / "run"
-    args = (*SFT, f"data.train=[{sft_train}]", "model.tp=2", "max_steps=6", "save_every=2", f"async_save={async_save}",
-            f"output_dir={out}")  # fmt: skip
+    args = (
+        *SFT,
+        f"data.train=[{sft_train}]",
+        "model.tp=2",
+        "max_steps=6",
+        "save_every=2",
+        f"async_save={async_save}",
+        f"output_dir={out}",
+    )
     log = (tmp_path / "killed.log").open("w")
-    proc = subprocess.Popen(_command(2, args), env={**subprocess_env(), TEST_SLOW_SAVE_ENV: "4:600"}, stdout=log,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        _command(2, args), env={**subprocess_env(), TEST_SLOW_SAVE_ENV: "4:600"}, stdout=log, stderr=subprocess.STDOUT
+    )
     partial = out / "checkpoints" / "step_4.tmp"
     deadline = time.monotonic() + 600
-    while not (partial.is_dir() and any(partial.rglob("*.distcp"))) and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        not (partial.is_dir() and any(partial.rglob("*.distcp")))
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     _kill_tree(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -368,13 +499,18 @@ def test_start_up_report_names_versions_layouts_and_the_resumed_step(tmp_path: P
     assert fresh.returncode == 0, fresh.stderr[-6000:]
     resumed = _run(1, (*args, "max_steps=3"))
     assert resumed.returncode == 0, resumed.stderr[-6000:]
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=True).stdout.strip()  # fmt: skip
-    present = {name: "present" if importlib.util.find_spec(module) else "absent"
-               for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))}  # fmt: skip
-    versions = (f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda or 'none'}, megatron-core {importlib.metadata.version('megatron-core')}, "
-                f"apex {present['apex']}, transformer-engine {present['transformer-engine']}")  # fmt: skip
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    present = {
+        name: "present" if importlib.util.find_spec(module) else "absent"
+        for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))
+    }
+    versions = (
+        f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda or 'none'}, megatron-core {importlib.metadata.version('megatron-core')}, "
+        f"apex {present['apex']}, transformer-engine {present['transformer-engine']}"
+    )
     threads = re.compile(re.escape(versions) + r"; \d+ host threads")
     for proc in (fresh, resumed):
         assert any(threads.fullmatch(line) for line in proc.stdout.splitlines()), proc.stdout[-3000:]
@@ -399,9 +535,17 @@ def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_pat
 @pytest.mark.distributed
 def test_sigint_saves_and_exits_130_and_a_second_signal_exits_at_once(tmp_path: Path, sft_train: Path) -> None:
     def started(out: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(_command(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}")),
-                                env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n")) and proc.poll() is None:
+        proc = subprocess.Popen(
+            _command(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}")),
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        while (
+            not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n"))
+            and proc.poll() is None
+        ):
             time.sleep(0.01)
         return proc
 

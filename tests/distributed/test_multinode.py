@@ -25,11 +25,28 @@ def test_two_agents_of_two_ranks_run_ppo_as_one_world(tmp_path: Path) -> None:
     them into one world of 4 (so the actor at TP2 is data-parallel over 2), writing one run's metrics."""
     out = tmp_path / "run"
     launcher = [
-        str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", "--nnodes", "2",
-        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "test-multinode",
-        "ppo", "--config", "ppo-tiny", "device=cpu", f"output_dir={out}", "max_steps=2", "actor.tp=2", "rollout.tp=1",
-        "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=8", "save_hf=false",
-    ]  # fmt: skip
+        str(REPO / "launch" / "torchrun.sh"),
+        "--nproc",
+        "2",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        "test-multinode",
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        "device=cpu",
+        f"output_dir={out}",
+        "max_steps=2",
+        "actor.tp=2",
+        "rollout.tp=1",
+        "prompts_per_step=4",
+        "mini_batch_size=8",
+        "rollout.sampling.max_new_tokens=8",
+        "save_hf=false",
+    ]
     env = dict(subprocess_env(), PYTHON=sys.executable)
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     agents = [subprocess.Popen(launcher, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]

@@ -25,8 +25,18 @@ room for another CPU's rounding to take another path (the GPU preset's PPO gains
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("pipeline") / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "megatron_rlhf",
-           "pipeline", f"output_dir={out}", "device=cpu"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "megatron_rlhf",
+        "pipeline",
+        f"output_dir={out}",
+        "device=cpu",
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return out, proc.stdout + proc.stderr
@@ -46,8 +56,8 @@ def test_rl_raises_held_out_accuracy(pipeline_run: tuple[Path, str]) -> None:
     for model, value in accuracy.items():
         rows = [json.loads(line) for line in (out / "test" / f"{model}.jsonl").read_text().splitlines()]
         assert len(rows) == 500
-        answers = [r["prompt"][len("Q: "):-len("=? A:")] for r in rows]
-        right = [judge(r["response"], eval(expr)) == "right" for r, expr in zip(rows, answers)]  # noqa: S307 (our digits)
+        answers = [r["prompt"][len("Q: ") : -len("=? A:")] for r in rows]
+        right = [judge(r["response"], eval(expr)) == "right" for r, expr in zip(rows, answers, strict=True)]
         assert value == pytest.approx(sum(right) / len(rows))
     assert 0.3 < accuracy["sft"] < 0.8  # the careless teacher's slips: room for RL
     assert accuracy["grpo"] - accuracy["sft"] >= MIN_GAIN, accuracy
@@ -84,7 +94,12 @@ def test_the_exported_policy_answers_alike_in_transformers(pipeline_run: tuple[P
     for row in rows:
         ids = tokenizer(row["prompt"], return_tensors="pt").input_ids
         with torch.no_grad():
-            new = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()  # fmt: skip
+            new = model.generate(
+                ids,
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, ids.shape[1] :].tolist()
         assert new[-1] == tokenizer.eos_token_id
         assert tokenizer.decode(new[:-1]) == row["response"], row

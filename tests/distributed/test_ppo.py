@@ -24,8 +24,13 @@ PHASES = ("gen", "reward", "ref", "old_log_prob", "adv", "update_actor")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_rlhf", *args], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rlhf", *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _records(out_dir: Path, name: str = "metrics") -> list[dict]:
@@ -95,12 +100,30 @@ def _builtin_dir() -> Path:
     return builtin_checkpoint("builtin:tiny-llama")
 
 
-PPO_ARGS = ("max_steps=2", "prompts_per_step=4", "mini_batch_size=8", "algorithm.advantage_estimator=gae",
-            "scoring.use_reward_model=true", "algorithm.kl_penalty.coef=0.05", "algorithm.loss.kl_loss_coef=0",
-            "rollout.sampling.max_new_tokens=12")  # fmt: skip
-COMPARED = ("reward/mean", "reward/reward_model", "reward/rule/lowercase_fraction", "kl/per_sequence",
-            "advantages/mean", "returns/mean", "values/mean", "actor/loss", "actor/grad_norm", "critic/vf_loss",
-            "critic/grad_norm", "response_length/mean")  # fmt: skip
+PPO_ARGS = (
+    "max_steps=2",
+    "prompts_per_step=4",
+    "mini_batch_size=8",
+    "algorithm.advantage_estimator=gae",
+    "scoring.use_reward_model=true",
+    "algorithm.kl_penalty.coef=0.05",
+    "algorithm.loss.kl_loss_coef=0",
+    "rollout.sampling.max_new_tokens=12",
+)
+COMPARED = (
+    "reward/mean",
+    "reward/reward_model",
+    "reward/rule/lowercase_fraction",
+    "kl/per_sequence",
+    "advantages/mean",
+    "returns/mean",
+    "values/mean",
+    "actor/loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "response_length/mean",
+)
 
 
 @pytest.mark.distributed
@@ -109,8 +132,20 @@ def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
     (data-parallel size 1 everywhere, so the rollout is the same) gives the TP1 run's figures."""
     single = _cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'one'}", *PPO_ARGS)
     assert single.returncode == 0, single.stderr[-6000:]
-    sharded = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'two'}", *PPO_ARGS, "actor.tp=2", "reference.tp=2",
-                           "reward.tp=2", "critic.pp=2", "rollout.tp=2")  # fmt: skip
+    sharded = run_torchrun(
+        MAIN,
+        2,
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={tmp_path / 'two'}",
+        *PPO_ARGS,
+        "actor.tp=2",
+        "reference.tp=2",
+        "reward.tp=2",
+        "critic.pp=2",
+        "rollout.tp=2",
+    )
     assert sharded.returncode == 0, sharded.stderr[-6000:]
     for one, two in zip(_records(tmp_path / "one"), _records(tmp_path / "two"), strict=True):
         for key in COMPARED:
@@ -121,7 +156,9 @@ def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
 def test_ppo_generates_from_resharded_weights(tmp_path: Path) -> None:
     """Actor trained at TP2, generation at TP1 x DP2 from resharded weights: the engine's log-probs
     equal the trainer's recomputation, and the reference (TP1) agrees with the actor at step 1."""
-    proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1")
+    proc = run_torchrun(
+        MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1"
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     records = _records(tmp_path)
     assert all("timing_s/gen/generation_weights_reshard" in r for r in records)
@@ -130,8 +167,13 @@ def test_ppo_generates_from_resharded_weights(tmp_path: Path) -> None:
     assert records[0]["kl/per_sequence"] < 1e-5
 
 
-ONE_STEP_PER_ROLLOUT = ("max_steps=2", "prompts_per_step=4", "mini_batch_size=0", "rollout.sampling.max_new_tokens=8",
-                        "max_tokens_per_micro_batch=64")  # fmt: skip
+ONE_STEP_PER_ROLLOUT = (
+    "max_steps=2",
+    "prompts_per_step=4",
+    "mini_batch_size=0",
+    "rollout.sampling.max_new_tokens=8",
+    "max_tokens_per_micro_batch=64",
+)
 
 
 @pytest.mark.distributed
@@ -142,8 +184,17 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
     computed each row; the figures and the exported actor equal those of the run that recomputes."""
     runs = {}
     for mode in ("auto", "always"):
-        proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / mode}", *ONE_STEP_PER_ROLLOUT, *layout,
-                            f"algorithm.recompute_old_logprobs={mode}")  # fmt: skip
+        proc = run_torchrun(
+            MAIN,
+            2,
+            "ppo",
+            "--config",
+            "ppo-tiny",
+            f"output_dir={tmp_path / mode}",
+            *ONE_STEP_PER_ROLLOUT,
+            *layout,
+            f"algorithm.recompute_old_logprobs={mode}",
+        )
         assert proc.returncode == 0, proc.stderr[-6000:]
         runs[mode] = _records(tmp_path / mode)
     for skipped, recomputed in zip(runs["auto"], runs["always"], strict=True):
@@ -159,12 +210,28 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
 def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
     """A run with every part on (critic, reward model, rule, KL penalty, KL loss, entropy bonus):
     its metric keys have no spaces, follow the scheme and are listed in the README."""
-    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *PPO_ARGS, "max_steps=1", "algorithm.loss.kl_loss_coef=0.001",
-                "algorithm.loss.entropy_coef=0.01")  # fmt: skip
+    proc = _cli(
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={tmp_path}",
+        *PPO_ARGS,
+        "max_steps=1",
+        "algorithm.loss.kl_loss_coef=0.001",
+        "algorithm.loss.entropy_coef=0.01",
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     (record,) = _records(tmp_path)
-    assert {"critic/vf_loss", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "reward/reward_model",
-            "reward/rule/lowercase_fraction", "timing_s/update_critic", "values/mean"} <= set(record)  # fmt: skip
+    assert {
+        "critic/vf_loss",
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/kl_loss",
+        "reward/reward_model",
+        "reward/rule/lowercase_fraction",
+        "timing_s/update_critic",
+        "values/mean",
+    } <= set(record)
     _check_keys([record])
     # One micro-batch per optimizer step here, so the parts add up to the actor's objective exactly.
     parts = record["actor/pg_loss"] - 0.01 * record["actor/entropy"] + 0.001 * record["actor/kl_loss"]
@@ -200,7 +267,9 @@ def _offline_wandb_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
                 updates = record.run.config.update if which == "run" else record.config.update
                 config.update({item.key: json.loads(item.value_json) for item in updates})
             elif which == "history":
-                row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+                row = {
+                    "/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item
+                }
                 history[record.history.step.num] = row
     return config, history
 
@@ -209,11 +278,21 @@ def _offline_wandb_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
 def test_wandb_offline_history_equals_metrics_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks with loggers=[..., wandb] and WANDB_MODE=offline: one wandb run (rank 0's), holding
     the resolved config, whose history has every key and value of metrics.jsonl at every step."""
-    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb, or the test extra): "
-                                        "no offline wandb run to check")  # fmt: skip
+    pytest.importorskip(
+        "wandb", reason="wandb is not installed (pip install wandb, or the test extra): no offline wandb run to check"
+    )
     monkeypatch.setenv("WANDB_MODE", "offline")
-    proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=3",
-                        "loggers=[console,jsonl,tensorboard,wandb]", "wandb.project=megatron-rlhf-tests")  # fmt: skip
+    proc = run_torchrun(
+        MAIN,
+        2,
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={tmp_path}",
+        "max_steps=3",
+        "loggers=[console,jsonl,tensorboard,wandb]",
+        "wandb.project=megatron-rlhf-tests",
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")  # rank 0 only
     config, history = _offline_wandb_run(run_dir)

@@ -18,15 +18,39 @@ from tests.helpers import subprocess_env
 def test_validation_figures_match_the_samples_and_run_at_the_asked_steps(tmp_path: Path) -> None:
     # A data_source column (kept as an extra) splits the figures per source.
     train, prompts = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
-    train.write_text("".join(json.dumps({"prompt": f"Tell me about thing {i}:", "data_source": "alpha"}) + "\n"
-                             for i in range(32)))  # fmt: skip
-    prompts.write_text("".join(json.dumps({"prompt": f"Say something about item {i}:", "data_source": src}) + "\n"
-                               for i, src in enumerate(["alpha"] * 3 + ["beta"] * 3)))  # fmt: skip
+    train.write_text(
+        "".join(json.dumps({"prompt": f"Tell me about thing {i}:", "data_source": "alpha"}) + "\n" for i in range(32))
+    )
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"Say something about item {i}:", "data_source": src}) + "\n"
+            for i, src in enumerate(["alpha"] * 3 + ["beta"] * 3)
+        )
+    )
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=4", "eval_every=2",
-                           f"data.train=[{train}]", f"data.validation=[{prompts}]", "eval.n=3", "eval.correct_score=0.5", "eval.samples=6",
-                           "data.extra_keys=[data_source]"],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlhf",
+            "ppo",
+            "--config",
+            "ppo-tiny",
+            f"output_dir={out}",
+            "max_steps=4",
+            "eval_every=2",
+            f"data.train=[{train}]",
+            f"data.validation=[{prompts}]",
+            "eval.n=3",
+            "eval.correct_score=0.5",
+            "eval.samples=6",
+            "data.extra_keys=[data_source]",
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     validations = [r for r in records if r["split"] == "validation"]

@@ -33,8 +33,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_rlhf", *args], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rlhf", *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _records(path: Path) -> list[dict]:
@@ -46,15 +51,21 @@ def _verl_parquet(path: Path, rows: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "data_source": ["openai/gsm8k"] * rows,
-        "prompt": [[{"role": "user", "content": f"What is {i} plus {i + 1}? Let's think step by step."}]
-                   for i in range(rows)],
-        "ability": ["math"] * rows,
-        "reward_model": [{"ground_truth": "abcde", "style": "rule"} for _ in range(rows)],
-        "extra_info": [{"split": "train", "index": i, "answer": str(2 * i + 1), "question": f"{i}+{i + 1}"}
-                       for i in range(rows)],
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "data_source": ["openai/gsm8k"] * rows,
+            "prompt": [
+                [{"role": "user", "content": f"What is {i} plus {i + 1}? Let's think step by step."}]
+                for i in range(rows)
+            ],
+            "ability": ["math"] * rows,
+            "reward_model": [{"ground_truth": "abcde", "style": "rule"} for _ in range(rows)],
+            "extra_info": [
+                {"split": "train", "index": i, "answer": str(2 * i + 1), "question": f"{i}+{i + 1}"}
+                for i in range(rows)
+            ],
+        }
+    )
     pq.write_table(table, path)
 
 
@@ -69,11 +80,24 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
     _verl_parquet(tmp_path / "train.parquet", 16)
     (tmp_path / "my_reward.py").write_text(COMPUTE_SCORE)
     out = tmp_path / "run"
-    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", f"actor.path={model}", f"reference.path={model}",
-                f"data.train=[{tmp_path / 'train.parquet'}]", "data.max_prompt_length=64", "max_steps=3",
-                "prompts_per_step=4", "mini_batch_size=16", "samples_per_step=16", "scoring.use_reward_model=false",
-                "scoring.rules=[]", f"scoring.custom_function.path={tmp_path / 'my_reward.py'}",
-                "rollout.sampling.max_new_tokens=12")  # fmt: skip
+    proc = _cli(
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={out}",
+        f"actor.path={model}",
+        f"reference.path={model}",
+        f"data.train=[{tmp_path / 'train.parquet'}]",
+        "data.max_prompt_length=64",
+        "max_steps=3",
+        "prompts_per_step=4",
+        "mini_batch_size=16",
+        "samples_per_step=16",
+        "scoring.use_reward_model=false",
+        "scoring.rules=[]",
+        f"scoring.custom_function.path={tmp_path / 'my_reward.py'}",
+        "rollout.sampling.max_new_tokens=12",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -89,8 +113,10 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
     for m in metrics:
         rows = [s for s in samples if s["step"] == m["step"]]
         assert len(rows) == 16
-        recomputed = [float(namespace["compute_score"]("openai/gsm8k", s["response"], "abcde", {"index": 0})["score"])
-                      for s in rows]  # fmt: skip
+        recomputed = [
+            float(namespace["compute_score"]("openai/gsm8k", s["response"], "abcde", {"index": 0})["score"])
+            for s in rows
+        ]
         assert [s["reward"] for s in rows] == pytest.approx(recomputed, abs=1e-6)
         assert m["reward/mean"] == pytest.approx(sum(recomputed) / len(recomputed), abs=1e-6)
         assert m["reward/custom_function"] == pytest.approx(m["reward/mean"], abs=1e-6)
@@ -100,8 +126,17 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
 @pytest.mark.distributed
 def test_dynamic_sampling_keeps_only_groups_with_signal_and_fills_the_batch(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=3", "samples_per_step=32", "rollout.filter_groups=true",
-                "rollout.max_sample_batches=0", "scoring.rules=[tests.distributed.reward_fixtures:half_uniform]")  # fmt: skip
+    proc = _cli(
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={out}",
+        "max_steps=3",
+        "samples_per_step=32",
+        "rollout.filter_groups=true",
+        "rollout.max_sample_batches=0",
+        "scoring.rules=[tests.distributed.reward_fixtures:half_uniform]",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
     _check_keys(metrics)
@@ -124,25 +159,40 @@ def test_a_reward_function_that_exits_or_cannot_take_verls_call_fails_the_run_by
     used to end it with exit 0, no message and no model); one with verl's gsm8k signature, which
     lacks data_source and extra_info, is refused before anything is built."""
     exits = tmp_path / "exits.py"
-    exits.write_text("import sys\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                     "    sys.exit(0)\n")  # fmt: skip
+    exits.write_text(
+        "import sys\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    sys.exit(0)\n"
+    )
     gsm8k = tmp_path / "gsm8k.py"
-    gsm8k.write_text("def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n"
-                     "    return 0.0\n")  # fmt: skip
+    gsm8k.write_text(
+        "def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n    return 0.0\n"
+    )
     _verl_parquet(tmp_path / "train.parquet", 8)
-    common = ("--config", "ppo-tiny", f"data.train=[{tmp_path / 'train.parquet'}]", "max_steps=2", "prompts_per_step=4",
-              "scoring.use_reward_model=false", "scoring.rules=[]", "data.apply_chat_template=false",
-              "data.prompt_key=ability")  # fmt: skip
+    common = (
+        "--config",
+        "ppo-tiny",
+        f"data.train=[{tmp_path / 'train.parquet'}]",
+        "max_steps=2",
+        "prompts_per_step=4",
+        "scoring.use_reward_model=false",
+        "scoring.rules=[]",
+        "data.apply_chat_template=false",
+        "data.prompt_key=ability",
+    )
     proc = _cli("ppo", *common, f"output_dir={tmp_path / 'exits'}", f"scoring.custom_function.path={exits}")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
-    error = proc.stderr[proc.stderr.index("megatron-rlhf: error: "):]
-    assert error.startswith(f"megatron-rlhf: error: custom reward function 'compute_score' ({exits}) on sample 0 "
-                            "(data_source 'openai/gsm8k', response ")  # fmt: skip
+    error = proc.stderr[proc.stderr.index("megatron-rlhf: error: ") :]
+    assert error.startswith(
+        f"megatron-rlhf: error: custom reward function 'compute_score' ({exits}) on sample 0 "
+        "(data_source 'openai/gsm8k', response "
+    )
     assert f'File "{exits}", line 5, in compute_score' in error and error.rstrip().endswith("SystemExit: 0")
     assert not (tmp_path / "exits" / "hf").exists()
     proc = _cli("ppo", *common, f"output_dir={tmp_path / 'gsm8k'}", f"scoring.custom_function.path={gsm8k}")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert ("scoring.custom_function.name='compute_score': compute_score(solution_str, ground_truth, method='strict', "
-            f"format_score=0.0, score=1.0) in {gsm8k} cannot be called as verl calls a reward function, "
-            "compute_score(data_source=, solution_str=, ground_truth=, extra_info=)") in proc.stderr
+    assert (
+        "scoring.custom_function.name='compute_score': compute_score(solution_str, ground_truth, method='strict', "
+        f"format_score=0.0, score=1.0) in {gsm8k} cannot be called as verl calls a reward function, "
+        "compute_score(data_source=, solution_str=, ground_truth=, extra_info=)"
+    ) in proc.stderr
     assert "build+load" not in proc.stdout

@@ -20,8 +20,15 @@ from tests.distributed.test_lifecycle import _command, _records, _run
 from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
 from tests.helpers import subprocess_env
 
-PPO = ("ppo", "--config", "ppo-tiny", "prompts_per_step=4", "mini_batch_size=8", "rollout.sampling.max_new_tokens=8",
-       "log_every=1")  # fmt: skip
+PPO = (
+    "ppo",
+    "--config",
+    "ppo-tiny",
+    "prompts_per_step=4",
+    "mini_batch_size=8",
+    "rollout.sampling.max_new_tokens=8",
+    "log_every=1",
+)
 SFT = ("sft", "--config", "sft-tiny", "optim.warmup_steps=0", "optim.decay_style=constant", "log_every=1")
 TRAINERS = {
     # args, the model's key, the lr key and its metric, a sampling-like change and how it is reported
@@ -58,7 +65,7 @@ def _copy(saved_run: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_a_new_learning_rate_applies_at_the_first_resumed_step_and_changes_are_reported(
     tmp_path: Path, saved: dict, trainer: str
-) -> None:  # fmt: skip
+) -> None:
     """Before: megatron's KeyError (its param groups are keyed by their lr), and no word of the
     other changes."""
     args, saved_run = saved[trainer]
@@ -88,7 +95,9 @@ def test_another_architecture_is_refused_before_anything_is_built(tmp_path: Path
     refused = _run(1, (*args, "max_steps=3", f"{model_key}={smaller}", f"output_dir={out}"))
     assert refused.returncode == 2, refused.stderr[-6000:]
     assert f"num_layers {config['num_hidden_layers']} -> {config['num_hidden_layers'] // 2}" in refused.stderr
-    assert "resume=never, or another output_dir" in refused.stderr and "build+load" not in refused.stdout + refused.stderr
+    assert (
+        "resume=never, or another output_dir" in refused.stderr and "build+load" not in refused.stdout + refused.stderr
+    )
     assert max(r["step"] for r in _records(out)) == 2 and not (out / LOCK_FILE).exists()
     if trainer == "ppo":
         return
@@ -99,14 +108,18 @@ def test_another_architecture_is_refused_before_anything_is_built(tmp_path: Path
 
 
 @pytest.mark.distributed
-def test_a_second_run_on_a_busy_output_dir_is_refused_and_the_first_is_unharmed(tmp_path: Path, sft_train: Path) -> None:
+def test_a_second_run_on_a_busy_output_dir_is_refused_and_the_first_is_unharmed(
+    tmp_path: Path, sft_train: Path
+) -> None:
     """Before: the second resumed from the first's checkpoint and both wrote metrics.jsonl. The
     first, stopped with SIGTERM once the second is refused, has every step once."""
     out = tmp_path / "run"
     args = (*SFT, f"data.train=[{sft_train}]", "save_every=4", f"output_dir={out}")
     log = tmp_path / "first.log"
     with log.open("w") as sink:  # a file, not a pipe: a pipe nobody reads fills and stops the run
-        first = subprocess.Popen(_command(1, (*args, "max_steps=100000")), env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT)
+        first = subprocess.Popen(
+            _command(1, (*args, "max_steps=100000")), env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT
+        )
     while not (out / "checkpoints" / "latest").is_file():
         assert first.poll() is None, log.read_text()[-6000:]
         time.sleep(0.02)
@@ -128,7 +141,9 @@ def test_a_run_that_failed_at_step_1_is_corrected_in_the_same_output_dir(tmp_pat
     """A reward rule that raises: the run dies at step 1 after writing config.yaml. Before: the
     corrected command was refused ('holds another run's files') without overwrite=true."""
     out = tmp_path / "run"
-    failed = _run(1, (*PPO, "max_steps=2", "scoring.rules=[tests.distributed.failing_reward:fails]", f"output_dir={out}"))
+    failed = _run(
+        1, (*PPO, "max_steps=2", "scoring.rules=[tests.distributed.failing_reward:fails]", f"output_dir={out}")
+    )
     assert failed.returncode != 0 and "failing_reward.fails" in failed.stderr, failed.stderr[-6000:]
     assert (out / "config.yaml").is_file() and not (out / LOCK_FILE).exists()
     again = _run(1, (*PPO, "max_steps=2", f"output_dir={out}"))
@@ -137,7 +152,9 @@ def test_a_run_that_failed_at_step_1_is_corrected_in_the_same_output_dir(tmp_pat
 
 
 @pytest.mark.distributed
-def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes_it(tmp_path: Path, sft_train: Path) -> None:
+def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes_it(
+    tmp_path: Path, sft_train: Path
+) -> None:
     """output_dir/hf is a file: the export fails after the final checkpoint (before: the export
     came first and its failure lost the steps since the last save); the command it names writes an
     HF directory that transformers loads."""
@@ -155,4 +172,6 @@ def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert model.config.num_hidden_layers == json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"]
+    assert (
+        model.config.num_hidden_layers == json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"]
+    )

@@ -15,14 +15,19 @@ import torch
 from tests.helpers import REPO, run_torchrun, subprocess_env
 
 MAIN = REPO / "megatron_rlhf" / "__main__.py"
-WORDS = "a b c d e f g h".split()
+WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
 MARKER = "#"  # the tiny built-in reward model starts out preferring rows *without* it (see test)
 PAD, BOS, EOS, OFFSET = 0, 1, 2, 3  # ByteTokenizer ids
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_rlhf", *args], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rlhf", *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -78,8 +83,17 @@ def rm_single(rm_data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     """The reward model trained at TP1 in one process: 16 steps, evaluated every 8."""
     out = tmp_path_factory.mktemp("rm-single")
     train, val = rm_data
-    proc = _cli("rm", "--config", "rm-tiny", *RM_ARGS, f"data.train=[{train}]", f"data.validation=[{val}]", f"output_dir={out}",
-                "max_steps=16", "eval_every=8")  # fmt: skip
+    proc = _cli(
+        "rm",
+        "--config",
+        "rm-tiny",
+        *RM_ARGS,
+        f"data.train=[{train}]",
+        f"data.validation=[{val}]",
+        f"output_dir={out}",
+        "max_steps=16",
+        "eval_every=8",
+    )
     return out, proc
 
 
@@ -114,8 +128,16 @@ def sft_single(tmp_path_factory: pytest.TempPathFactory):
     train = _write_jsonl(root / "train.jsonl", _sft_rows(256, 0))
     val = _write_jsonl(root / "val.jsonl", _sft_rows(32, 1))
     out = root / "run"
-    proc = _cli("sft", "--config", "sft-tiny", f"data.train=[{train}]", f"data.validation=[{val}]",
-                f"output_dir={out}", "max_steps=40", "log_every=10")  # fmt: skip
+    proc = _cli(
+        "sft",
+        "--config",
+        "sft-tiny",
+        f"data.train=[{train}]",
+        f"data.validation=[{val}]",
+        f"output_dir={out}",
+        "max_steps=40",
+        "log_every=10",
+    )
     return out, train, proc
 
 
@@ -168,18 +190,32 @@ def test_sft_export_is_a_model_path_that_tokenizes_identically(sft_single) -> No
     assert first.returncode == 0, first.stderr[-3000:]
     hf_dir = first_out / "hf"
     second_out = first_out.parent / "from-export"
-    proc = _cli("sft", "--config", "sft-tiny", f"model.path={hf_dir}", f"data.train=[{train}]",
-                f"output_dir={second_out}", "max_steps=3", "log_every=1")  # fmt: skip
+    proc = _cli(
+        "sft",
+        "--config",
+        "sft-tiny",
+        f"model.path={hf_dir}",
+        f"data.train=[{train}]",
+        f"output_dir={second_out}",
+        "max_steps=3",
+        "log_every=1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"tokenizer: HFTokenizer('{hf_dir / 'tokenizer.json'}'" in proc.stdout
-    assert [r["tokens"] for r in _records(second_out, "train")] == [r["tokens"] for r in _records(first_out, "train")[:3]]
+    assert [r["tokens"] for r in _records(second_out, "train")] == [
+        r["tokens"] for r in _records(first_out, "train")[:3]
+    ]
     reference, ours, theirs = ByteTokenizer(512), load_tokenizer(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
     for row in _sft_rows(32, 0) + [{"prompt": "héllo wörld — 日本語", "response": " 🙂 e\u0301\n"}]:
         for text in row.values():
             ids = reference.encode(text)
             assert ours.encode(text) == theirs.encode(text) == ids == _byte_ids(text)
             assert ours.decode(ids + [EOS]) == theirs.decode(ids + [EOS]) == text
-    assert (ours.pad_id, ours.bos_id, ours.eos_id) == (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id) == (PAD, BOS, EOS)
+    assert (
+        (ours.pad_id, ours.bos_id, ours.eos_id)
+        == (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id)
+        == (PAD, BOS, EOS)
+    )
 
 
 @pytest.mark.distributed
@@ -224,8 +260,19 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
     assert single_proc.returncode == 0, single_proc.stderr[-3000:]
     train, val = rm_data
     out = tmp_path / "dp2"
-    proc = run_torchrun(MAIN, 2, "rm", "--config", "rm-tiny", *RM_ARGS, f"data.train=[{train}]", f"data.validation=[{val}]",
-                        f"output_dir={out}", "max_steps=8", timeout=300)  # fmt: skip
+    proc = run_torchrun(
+        MAIN,
+        2,
+        "rm",
+        "--config",
+        "rm-tiny",
+        *RM_ARGS,
+        f"data.train=[{train}]",
+        f"data.validation=[{val}]",
+        f"output_dir={out}",
+        "max_steps=8",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "TP1xPP1xDP2" in proc.stdout and "(8 per DP rank x 2)" in proc.stdout
     assert "validation at step 8: accuracy" in proc.stdout
@@ -233,7 +280,7 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
     mine = _records(out, "train")
     reference = _records(single_out, "train")[:8]
     assert len(mine) == 8
-    for a, b in zip(mine, reference):
+    for a, b in zip(mine, reference, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, b["loss"]), (a, b)
     (validation,) = _records(out, "validation")
     (reference_validation,) = [v for v in _records(single_out, "validation") if v["step"] == 8]
@@ -247,7 +294,14 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
 def test_missing_response_column_fails_naming_file_and_column(tmp_path: Path, num_workers: int) -> None:
     """The same message whether the row is read here or in a data-loading worker process."""
     bad = _write_jsonl(tmp_path / "no-response.jsonl", [{"prompt": "a b c =", "answer": " c b a"}])
-    proc = _cli("sft", "--config", "sft-tiny", f"data.train=[{bad}]", f"output_dir={tmp_path / 'run'}", f"data.num_workers={num_workers}")
+    proc = _cli(
+        "sft",
+        "--config",
+        "sft-tiny",
+        f"data.train=[{bad}]",
+        f"output_dir={tmp_path / 'run'}",
+        f"data.num_workers={num_workers}",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert str(bad) in proc.stderr and "no column 'response'" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -255,8 +309,17 @@ def test_missing_response_column_fails_naming_file_and_column(tmp_path: Path, nu
 
 @pytest.mark.distributed
 def test_global_batch_not_divisible_by_dp_is_a_config_error(rm_data, tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 2, "rm", "--config", "rm-tiny", f"data.train=[{rm_data[0]}]", "global_batch_size=3",
-                        f"output_dir={tmp_path}", timeout=300)  # fmt: skip
+    proc = run_torchrun(
+        MAIN,
+        2,
+        "rm",
+        "--config",
+        "rm-tiny",
+        f"data.train=[{rm_data[0]}]",
+        "global_batch_size=3",
+        f"output_dir={tmp_path}",
+        timeout=300,
+    )
     assert proc.returncode != 0
     message = "global_batch_size=3 must be divisible by the data-parallel size dp=2"
     assert proc.stderr.count(message) == 1, proc.stderr[-3000:]  # said once, by rank 0
@@ -285,8 +348,18 @@ def test_sft_of_an_hf_model_uses_and_exports_its_tokenizer(tmp_path: Path) -> No
     _write_word_tokenizer(tmp_path / "model", VOCAB)
     train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(32, 0))
     out = tmp_path / "run"
-    proc = _cli("sft", "--config", "sft-tiny", f"model.path={tmp_path / 'model'}", f"data.train=[{train}]", f"output_dir={out}",
-                "global_batch_size=8", "max_steps=3", "optim.lr=1e-4", "log_every=1")  # fmt: skip
+    proc = _cli(
+        "sft",
+        "--config",
+        "sft-tiny",
+        f"model.path={tmp_path / 'model'}",
+        f"data.train=[{train}]",
+        f"output_dir={out}",
+        "global_batch_size=8",
+        "max_steps=3",
+        "optim.lr=1e-4",
+        "log_every=1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "tokenizer: HFTokenizer(" in proc.stdout
     assert "copied tokenizer.json, tokenizer_config.json" in proc.stdout

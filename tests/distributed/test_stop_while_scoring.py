@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import subprocess_env
 
 # 8 prompts x 4 samples a step on one rank: the rule hangs on step 2's first sample.
-HANGING_RULE = '''
+HANGING_RULE = """
 import pathlib, time
 
 calls = 0
@@ -28,7 +28,7 @@ def score(sample):
         pathlib.Path(__file__).with_name("hanging").touch()
         time.sleep(3600)
     return 0.5
-'''
+"""
 
 
 @pytest.mark.distributed
@@ -39,10 +39,25 @@ def test_sigterm_while_a_reward_hangs_saves_the_step_before_and_exits_0(tmp_path
     out = tmp_path / "run"
     with (tmp_path / "log.txt").open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rlhf", "ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=4",
-             "scoring.rules=[hang_rule:score]", "scoring.timeout_s=600", "rollout.sampling.max_new_tokens=8",
-             "data.max_prompt_length=64"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "megatron_rlhf",
+                "ppo",
+                "--config",
+                "ppo-tiny",
+                f"output_dir={out}",
+                "max_steps=4",
+                "scoring.rules=[hang_rule:score]",
+                "scoring.timeout_s=600",
+                "rollout.sampling.max_new_tokens=8",
+                "data.max_prompt_length=64",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 300
             while not (tmp_path / "hanging").exists():

@@ -11,11 +11,11 @@ from tests.distributed.test_ppo_verl import _cli, _records, _verl_parquet
 from tests.helpers import make_chat_tokenizer, make_tiny_hf_model
 
 # verl's default_compute_score shape: data_source first, extra_info and more optional.
-DEFAULT_COMPUTE_SCORE = '''
+DEFAULT_COMPUTE_SCORE = """
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None,
                           concurrent_semaphore=None, memory_limit_mb=None, **kwargs):
     return sum(ch in solution_str for ch in ground_truth) / len(ground_truth)
-'''
+"""
 
 
 @pytest.mark.distributed
@@ -24,15 +24,25 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
     tokenizer_dir = make_chat_tokenizer("qwen2", model)
     from transformers import AutoTokenizer
 
-    make_tiny_hf_model("qwen2", False, model, vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)),
-                       pad_token_id=None)  # fmt: skip
+    make_tiny_hf_model(
+        "qwen2", False, model, vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), pad_token_id=None
+    )
     _verl_parquet(tmp_path / "train.parquet", 8)
     (tmp_path / "reward.py").write_text(DEFAULT_COMPUTE_SCORE)
     out = tmp_path / "run"
-    given = [f"actor.path={model}", f"data.train=[{tmp_path / 'train.parquet'}]",
-             f"scoring.custom_function.path={tmp_path / 'reward.py'}", "scoring.custom_function.name=default_compute_score",
-             f"output_dir={out}", "max_steps=2", "prompts_per_step=8", "samples_per_step=8",
-             "data.max_prompt_length=64", "rollout.sampling.max_new_tokens=12", "samples_token_ids=true"]  # fmt: skip
+    given = [
+        f"actor.path={model}",
+        f"data.train=[{tmp_path / 'train.parquet'}]",
+        f"scoring.custom_function.path={tmp_path / 'reward.py'}",
+        "scoring.custom_function.name=default_compute_score",
+        f"output_dir={out}",
+        "max_steps=2",
+        "prompts_per_step=8",
+        "samples_per_step=8",
+        "data.max_prompt_length=64",
+        "rollout.sampling.max_new_tokens=12",
+        "samples_token_ids=true",
+    ]
     proc = _cli("ppo", *given)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = proc.stdout.split("settings: library defaults (no --config); ", 1)[1].split("\n\n")[0]
@@ -51,7 +61,8 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
         expected = [namespace["default_compute_score"]("openai/gsm8k", s["response"], "abcde") for s in rows]
         assert len(rows) == 8 and [s["reward"] for s in rows] == pytest.approx(expected, abs=1e-6)
         # The text the function read is transformers' decode of the ids, special tokens skipped (as verl's).
-        assert [s["response"] for s in rows] == [tokenizer.decode(s["response_ids"], skip_special_tokens=True)
-                                                 for s in rows]  # fmt: skip
+        assert [s["response"] for s in rows] == [
+            tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in rows
+        ]
         assert m["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
         assert m["actor/lr"] == pytest.approx(1e-6)  # the library default, not a demo's

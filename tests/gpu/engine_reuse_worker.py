@@ -31,14 +31,26 @@ def main() -> None:
 
     env = init_distributed("cuda")
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
-                      world_size=1, dtype=torch.float32, device=env.device)  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path="builtin:tiny-llama"),
+        architecture_of("builtin:tiny-llama"),
+        world_size=1,
+        dtype=torch.float32,
+        device=env.device,
+    )
     state = make_train_state(role, OptimConfig(lr=1e-3))
     engine_cfg = NativeEngineConfig(max_batch_size=8, max_seq_len=64, graph_kv_bucket=64)
     hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg, offload=mode == "offload")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 16, 9, 12)]
-    results: dict[str, list] = {"captures": [], "capture_report_s": [], "kv_pointer": [], "mismatches": [], "tokens": []}
+    results: dict[str, list] = {
+        "captures": [],
+        "capture_report_s": [],
+        "kv_pointer": [],
+        "mismatches": [],
+        "tokens": [],
+    }
     for rollout in range(3):
         params = SamplingParams(temperature=1.0, n=3, max_new_tokens=16, ignore_eos=True, seed=rollout)
         completions, reports = hybrid.generate(prompts, params)
@@ -49,14 +61,20 @@ def main() -> None:
         fresh = NativeEngine(role, engine_cfg)
         expected = fresh.generate(prompts, params)
         assert fresh.graph_captures == 1, fresh.graph_captures
-        results["mismatches"].append(sum((c.token_ids, c.logprobs) != (e.token_ids, e.logprobs)
-                                         for c, e in zip(completions, expected)))  # fmt: skip
+        results["mismatches"].append(
+            sum(
+                (c.token_ids, c.logprobs) != (e.token_ids, e.logprobs)
+                for c, e in zip(completions, expected, strict=True)
+            )
+        )
         results["tokens"].append([c.token_ids for c in completions])
         del fresh
         ids = torch.randint(3, 512, (8, 32), generator=g)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
         train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=256)
-    again, _ = hybrid.generate(prompts, SamplingParams(temperature=1.0, n=3, max_new_tokens=16, ignore_eos=True, seed=0))
+    again, _ = hybrid.generate(
+        prompts, SamplingParams(temperature=1.0, n=3, max_new_tokens=16, ignore_eos=True, seed=0)
+    )
     results["weights_changed_tokens"] = [c.token_ids for c in again] != results["tokens"][0]
     (out / "results.json").write_text(json.dumps(results))
     print(json.dumps({k: v for k, v in results.items() if k != "tokens"}))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import FAMILIES, PAD_ID, hf_reference_outputs, make_tiny_hf_model  # noqa: E402
+from tests.helpers import FAMILIES, PAD_ID, hf_reference_outputs, make_tiny_hf_model
 
 BATCH, SEQ_LEN, MICRO_BATCH = 4, 64, 2
 RATIO, FLOOR = 2.0, 1e-2
@@ -45,7 +45,9 @@ def main() -> None:
             hf_model = make_tiny_hf_model(family, score_head, work / f"{name}-rank{env.rank}").to(env.device)
             ids = torch.randint(0, PAD_ID, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
             reference = hf_reference_outputs(hf_model, ids.to(env.device)).float()
-            hf_bf16_err = (hf_reference_outputs(hf_model.to(torch.bfloat16), ids.to(env.device)).float() - reference).abs().max()
+            hf_bf16_err = (
+                (hf_reference_outputs(hf_model.to(torch.bfloat16), ids.to(env.device)).float() - reference).abs().max()
+            )
             arch = load_architecture(hf_dir)
             for tp, pp in layouts:
                 groups = parallel_groups(Layout.for_world(tp, pp, env.world_size))

@@ -42,8 +42,14 @@ def main() -> None:
 
     env = init_distributed("cuda")
     out = Path(sys.argv[1])
-    role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
-                      world_size=1, dtype=torch.bfloat16, device=env.device)  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path="builtin:tiny-llama"),
+        architecture_of("builtin:tiny-llama"),
+        world_size=1,
+        dtype=torch.bfloat16,
+        device=env.device,
+    )
     state = make_train_state(role, OptimConfig(lr=1e-3))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (8, 64), generator=g)
@@ -55,7 +61,9 @@ def main() -> None:
     release = memory.to_generation()
     allocated_generate = torch.cuda.memory_allocated()
     engine = NativeEngine(role, NativeEngineConfig(max_batch_size=8, max_seq_len=96))
-    completions = engine.generate([ids[i, :16].tolist() for i in range(8)], SamplingParams(temperature=1.0, max_new_tokens=32, seed=5))
+    completions = engine.generate(
+        [ids[i, :16].tolist() for i in range(8)], SamplingParams(temperature=1.0, max_new_tokens=32, seed=5)
+    )
     del engine
     restore = memory.to_training()
     after = snapshot(state)

@@ -28,8 +28,14 @@ def main() -> None:
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0)
 
     def fresh_state():
-        role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
-                          world_size=1, dtype=torch.bfloat16, device=env.device)  # fmt: skip
+        role = build_role(
+            "actor",
+            ModelConfig(path="builtin:tiny-llama"),
+            architecture_of("builtin:tiny-llama"),
+            world_size=1,
+            dtype=torch.bfloat16,
+            device=env.device,
+        )
         return make_train_state(role, cfg)
 
     def main_params(state) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, float]]:
@@ -56,17 +62,24 @@ def main() -> None:
     results = {"fused": [bool(g["fused"]) and not g["foreach"] for g in torch_optimizer.param_groups]}
     params = main_params(state)
     reference = [p.detach().double().clone().requires_grad_() for _, p, _ in params]
-    ref_optimizer = torch.optim.AdamW([{"params": [r], "weight_decay": wd} for r, (_, _, wd) in zip(reference, params)],
-                                     lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                     foreach=False, fused=False)  # fmt: skip
+    ref_optimizer = torch.optim.AdamW(
+        [{"params": [r], "weight_decay": wd} for r, (_, _, wd) in zip(reference, params, strict=True)],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        foreach=False,
+        fused=False,
+    )
     for number in (1, 2, 3):
         if number == 3:
             save_train_state(state, out / "ckpt")
         step(state, number)
-        for r, (model_param, _, _) in zip(reference, params):
+        for r, (model_param, _, _) in zip(reference, params, strict=True):
             r.grad = model_param.main_grad.detach().view(r.shape).double().clone()
         ref_optimizer.step()
-    results["max_error_vs_float64"] = max((p.detach().double() - r).abs().max().item() for r, (_, p, _) in zip(reference, params))
+    results["max_error_vs_float64"] = max(
+        (p.detach().double() - r).abs().max().item() for r, (_, p, _) in zip(reference, params, strict=True)
+    )
     steps = [torch_optimizer.state[p]["step"] for _, p, _ in params]
     results["steps"] = sorted({s.item() for s in steps})
     results["steps_on_device"] = all(s.is_cuda for s in steps)
@@ -78,7 +91,8 @@ def main() -> None:
     (resumed_optimizer,) = torch_optimizers(resumed.optimizer)
     results["fused_after_load"] = [bool(g["fused"]) for g in resumed_optimizer.param_groups]
     step(resumed, 3)
-    results["resumed_equal"] = all(torch.equal(a, p) for a, (_, p, _) in zip(after_three, main_params(resumed)))
+    resumed_params = [p for _, p, _ in main_params(resumed)]
+    results["resumed_equal"] = all(torch.equal(a, p) for a, p in zip(after_three, resumed_params, strict=True))
     resumed_steps = [resumed_optimizer.state[p]["step"] for _, p, _ in main_params(resumed)]
     results["resumed_steps"] = sorted({s.item() for s in resumed_steps})
     results["resumed_steps_on_device"] = all(s.is_cuda for s in resumed_steps)

@@ -107,7 +107,9 @@ def test_rotate_store_attend_matches_float64(window: int | None, dtype: torch.dt
     slot_ids = torch.arange(slots, device="cuda")
 
     fused_cache, unfused_cache = cache.clone(), cache.clone()
-    fused = rotate_store_attend(mixed, heads_per_group, cos, sin, fused_cache, slot_ids, positions, kv_len, window, scale)
+    fused = rotate_store_attend(
+        mixed, heads_per_group, cos, sin, fused_cache, slot_ids, positions, kv_len, window, scale
+    )
     query, _ = split_rotate_into_cache(mixed, heads_per_group, cos, sin, unfused_cache, slot_ids, positions)
     unfused = cached_decode_attention(query, unfused_cache, positions, kv_len, window, scale)
 
@@ -116,15 +118,22 @@ def test_rotate_store_attend_matches_float64(window: int | None, dtype: torch.dt
     q, k = rotate(q, cos.double(), sin.double()), rotate(k, cos.double(), sin.double())
     reference_cache[slot_ids, :, positions[:, 0]] = torch.cat([k, v], dim=-1)[0]
     window_cache = reference_cache[:, :, :kv_len]
-    reference = matmul_decode_attention(q[0].view(slots, groups, heads_per_group, hn), window_cache[..., :hn],
-                                        window_cache[..., hn:], decode_score_bias(positions, kv_len, window).double(), scale)  # fmt: skip
+    reference = matmul_decode_attention(
+        q[0].view(slots, groups, heads_per_group, hn),
+        window_cache[..., :hn],
+        window_cache[..., hn:],
+        decode_score_bias(positions, kv_len, window).double(),
+        scale,
+    )
     reference = reference.reshape(1, slots, -1)
     fused_error = (fused.double() - reference).abs().max().item()
     unfused_error = (unfused.double() - reference).abs().max().item()
     cache_error = (fused_cache.double() - reference_cache).abs().max().item()
     unfused_cache_error = (unfused_cache.double() - reference_cache).abs().max().item()
-    print(f"rotate_store_attend {dtype} hn {hn} max error: fused {fused_error:.2e}, unfused {unfused_error:.2e}; "
-          f"cache {cache_error:.2e}, unfused {unfused_cache_error:.2e}")  # fmt: skip
+    print(
+        f"rotate_store_attend {dtype} hn {hn} max error: fused {fused_error:.2e}, unfused {unfused_error:.2e}; "
+        f"cache {cache_error:.2e}, unfused {unfused_cache_error:.2e}"
+    )
     tolerance = 1e-3 if dtype == torch.bfloat16 else 1e-5
     assert fused_error <= 2 * unfused_error + tolerance
     assert cache_error <= unfused_cache_error + tolerance

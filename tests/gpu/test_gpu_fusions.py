@@ -43,7 +43,7 @@ def test_compiled_rotary_matches_float64_forward_and_backward() -> None:
         ("compiled", rotary_bshd, (t, freqs)),
         ("eager", rope_utils._apply_rotary_pos_emb_bshd, (t, freqs)),
         ("float64", rope_utils._apply_rotary_pos_emb_bshd, (t.double(), freqs.double())),
-    ):  # fmt: skip
+    ):
         t.grad = None
         out = fn(*inputs)
         (out * upstream.to(out.dtype)).sum().backward()
@@ -67,8 +67,11 @@ def test_swiglu_kernel_matches_float64_forward_and_backward(shape: tuple[int, ..
     y = (3 * torch.randn(*shape, generator=g)).to("cuda", torch.bfloat16)
     upstream = torch.randn(*shape[:-1], shape[-1] // 2, generator=g).to("cuda", torch.bfloat16)
     results = {}
-    for name, fn, dtype in (("kernel", swiglu_impl, torch.bfloat16), ("megatron", bias_swiglu_impl, torch.bfloat16),
-                            ("float64", bias_swiglu_impl, torch.float64)):  # fmt: skip
+    for name, fn, dtype in (
+        ("kernel", swiglu_impl, torch.bfloat16),
+        ("megatron", bias_swiglu_impl, torch.bfloat16),
+        ("float64", bias_swiglu_impl, torch.float64),
+    ):
         leaf = y.detach().to(dtype, copy=True).requires_grad_()
         out = fn(leaf, None)
         assert out.shape == upstream.shape
@@ -80,7 +83,7 @@ def test_swiglu_kernel_matches_float64_forward_and_backward(shape: tuple[int, ..
         megatron = (results["megatron"][i] - reference).abs()
         print(f"swiglu {what} max error: kernel {kernel.max().item():.3e}, megatron {megatron.max().item():.3e}")
         assert kernel.max().item() <= megatron.max().item() * 1.01 + 1e-6
-        assert (kernel <= 2 ** -8 * reference.abs() + 1e-6).all()  # one bf16 rounding of the exact value
+        assert (kernel <= 2**-8 * reference.abs() + 1e-6).all()  # one bf16 rounding of the exact value
 
 
 @pytest.mark.gpu
@@ -98,7 +101,9 @@ def test_decode_swiglu_and_fused_qkv_split_match_the_unfused_kernels() -> None:
     angles = 10 * torch.rand(1, slots, 1, hn, generator=g).cuda()
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     positions = torch.arange(slots, device="cuda")[:, None]
-    cache_split, cache_apart = (torch.zeros(slots, groups, 8, 2 * hn, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cache_split, cache_apart = (
+        torch.zeros(slots, groups, 8, 2 * hn, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+    )
     slot_ids = torch.arange(slots, device="cuda")
     fused_q, _ = split_rotate_into_cache(mixed, per_group, cos, sin, cache_split, slot_ids, positions)
     apart_q, _ = rotate_into_cache(query, key, value, cos, sin, cache_apart, slot_ids, positions)

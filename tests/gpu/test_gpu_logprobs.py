@@ -26,7 +26,9 @@ def test_fused_kernels_match_float64(dtype: torch.dtype, temperature: float) -> 
     targets = torch.randint(0, vocab_size, (3, 17), generator=g).cuda()
     w1, w2 = torch.randn(3, 17, generator=g).cuda(), torch.randn(3, 17, generator=g).cuda()
 
-    logp, entropy = token_logprobs_and_entropy(logits, targets, tp_group=None, vocab_size=vocab_size, temperature=temperature)
+    logp, entropy = token_logprobs_and_entropy(
+        logits, targets, tp_group=None, vocab_size=vocab_size, temperature=temperature
+    )
     ((w1 * logp).sum() + (w2 * entropy).sum()).backward()
 
     leaf = logits.detach().double().requires_grad_()

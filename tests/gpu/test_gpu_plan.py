@@ -31,10 +31,20 @@ def test_plan_peaks_match_the_measured_ones_for_the_1_5b_preset(tmp_path: Path) 
         "generation": max(r[PEAK + "gen"] for r in steady),
         "training": max(v for r in steady for k, v in r.items() if k.startswith(PEAK) and k != PEAK + "gen"),
     }
-    plan = plan_ppo(load_config("ppo-grpo-1.5b", overrides, schema=PPOConfig), 1,
-                    torch.cuda.get_device_properties(0).total_memory)  # fmt: skip
+    plan = plan_ppo(
+        load_config("ppo-grpo-1.5b", overrides, schema=PPOConfig), 1, torch.cuda.get_device_properties(0).total_memory
+    )
     estimated = {phase: getattr(plan.peak, phase) / 1024**3 for phase in measured}
-    print(json.dumps({"offload": plan.offload, "measured_GiB": measured, "estimated_GiB": estimated,
-                      "phases": {k: v for k, v in steady[-1].items() if k.startswith("memory/")}}, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "offload": plan.offload,
+                "measured_GiB": measured,
+                "estimated_GiB": estimated,
+                "phases": {k: v for k, v in steady[-1].items() if k.startswith("memory/")},
+            },
+            indent=1,
+        )
+    )
     for phase, value in measured.items():
         assert abs(estimated[phase] - value) <= TOLERANCE * value, (phase, estimated[phase], value)

@@ -14,8 +14,14 @@ import torch
 from tests.helpers import REPO, run_torchrun
 
 MAIN = REPO / "megatron_rlhf" / "__main__.py"
-ARGS = ("device=cuda", "dtype=fp32", "max_steps=3", "algorithm.advantage_estimator=gae", "scoring.use_reward_model=true",
-        "algorithm.kl_penalty.coef=0.05")  # fmt: skip
+ARGS = (
+    "device=cuda",
+    "dtype=fp32",
+    "max_steps=3",
+    "algorithm.advantage_estimator=gae",
+    "scoring.use_reward_model=true",
+    "algorithm.kl_penalty.coef=0.05",
+)
 ONE_BUCKET = ("rollout.engine.graph_kv_bucket=4096", "rollout.sampling.ignore_eos=true")
 """Every decode step in one KV-length bucket (the bucket is capped at max_seq_len): one graph per capture."""
 
@@ -25,7 +31,11 @@ def _check(out: Path, generation: str, *, captured_once: bool = False, warmed_up
     would break it from step 2 on) and, with ``captured_once``, graphs captured once: at step 1, or
     before it when ``warmed_up`` (the start-up warm-up captured every bucket)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    print(json.dumps({k: v for k, v in records[-1].items() if k.startswith(("timing_s/", "rollout/", "reward/"))}, indent=1))
+    print(
+        json.dumps(
+            {k: v for k, v in records[-1].items() if k.startswith(("timing_s/", "rollout/", "reward/"))}, indent=1
+        )
+    )
     assert [r["step"] for r in records] == [1, 2, 3]
     assert max(r["rollout/logprob_max_abs_diff"] for r in records) < 1e-4
     assert records[0]["kl/per_sequence"] < 1e-5
@@ -39,14 +49,27 @@ def _check(out: Path, generation: str, *, captured_once: bool = False, warmed_up
 @pytest.mark.gpu
 @pytest.mark.parametrize("warmup", ["auto", "never"])
 def test_ppo_on_one_gpu(warmup: str, tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 1, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never", f"warmup={warmup}")
+    proc = run_torchrun(
+        MAIN,
+        1,
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={tmp_path}",
+        *ARGS,
+        *ONE_BUCKET,
+        "hybrid.offload=never",
+        f"warmup={warmup}",
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "zero_copy", captured_once=True, warmed_up=warmup == "auto")
 
 
 @pytest.mark.gpu
 def test_ppo_offloading_frees_and_recaptures_the_graphs(tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 1, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=always")
+    proc = run_torchrun(
+        MAIN, 1, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=always"
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "zero_copy")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -74,7 +97,19 @@ def test_hybrid_engine_captures_once_and_matches_a_fresh_engine(mode: str, tmp_p
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ppo_on_two_gpus_with_resharded_generation(tmp_path: Path) -> None:
-    proc = run_torchrun(MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=never", "actor.tp=2",
-                        "rollout.tp=1", "critic.pp=2")  # fmt: skip
+    proc = run_torchrun(
+        MAIN,
+        2,
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={tmp_path}",
+        *ARGS,
+        *ONE_BUCKET,
+        "hybrid.offload=never",
+        "actor.tp=2",
+        "rollout.tp=1",
+        "critic.pp=2",
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "reshard", captured_once=True)

@@ -42,15 +42,18 @@ def ref_return_row(r, m, gamma):
 
 
 def ref_whiten(rows, mask, eps):
-    flat = [x for row, mr in zip(rows, mask) for x, mm in zip(row, mr) if mm]
+    flat = [x for row, mr in zip(rows, mask, strict=True) for x, mm in zip(row, mr, strict=True) if mm]
     mu = sum(flat) / len(flat)
     var = sum((x - mu) ** 2 for x in flat) / (len(flat) - 1)
-    return [[(x - mu) / math.sqrt(var + eps) if mm else 0.0 for x, mm in zip(row, mr)] for row, mr in zip(rows, mask)]
+    return [
+        [(x - mu) / math.sqrt(var + eps) if mm else 0.0 for x, mm in zip(row, mr, strict=True)]
+        for row, mr in zip(rows, mask, strict=True)
+    ]
 
 
 def ref_groups(rewards, mask, groups):
     """score per row and {group: [scores of rows with >= 1 valid token]}."""
-    scores = [sum(x for x, mm in zip(row, mr) if mm) for row, mr in zip(rewards, mask)]
+    scores = [sum(x for x, mm in zip(row, mr, strict=True) if mm) for row, mr in zip(rewards, mask, strict=True)]
     members: dict[int, list[float]] = {}
     for i, g in enumerate(groups):
         if any(mask[i]):
@@ -129,7 +132,10 @@ def test_gae_matches_reference(gamma, lam, whiten):
     adv, ret = call("gae", rewards, mask, values, None, gamma=gamma, lam=lam, whiten=whiten)
     R, M, V = tl(rewards), tl(mask), tl(values)
     ref_adv = [ref_gae_row(R[i], M[i], V[i], gamma, lam) for i in range(len(R))]
-    ref_ret = [[a + v if mm else 0.0 for a, v, mm in zip(ar, vr, mr)] for ar, vr, mr in zip(ref_adv, V, M)]
+    ref_ret = [
+        [a + v if mm else 0.0 for a, v, mm in zip(ar, vr, mr, strict=True)]
+        for ar, vr, mr in zip(ref_adv, V, M, strict=True)
+    ]
     if whiten:
         ref_adv = ref_whiten(ref_adv, M, EPS)
     torch.testing.assert_close(adv, as_t(ref_adv), rtol=1e-12, atol=1e-12)
@@ -149,7 +155,7 @@ def test_gae_skips_masked_gap():
 
 def test_gae_requires_values():
     rewards, mask, _, _ = make_batch()
-    with pytest.raises(ValueError, match="gae.*values"):
+    with pytest.raises(ValueError, match=r"gae.*values"):
         call("gae", rewards, mask, None, None)
 
 
@@ -176,7 +182,9 @@ def test_dr_grpo_and_grpo_without_std_match_reference():
     row = [scores[i] - statistics.fmean(members[g]) if any(tl(mask)[i]) else 0.0 for i, g in enumerate(tl(groups))]
     expected = as_t(broadcast(row, tl(mask)))
     torch.testing.assert_close(call("dr_grpo", rewards, mask, None, groups)[0], expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(call("grpo", rewards, mask, None, groups, norm_by_std=False)[0], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        call("grpo", rewards, mask, None, groups, norm_by_std=False)[0], expected, rtol=1e-12, atol=1e-12
+    )
 
 
 def test_rloo_matches_leave_one_out_reference():

@@ -39,7 +39,7 @@ def t(rows):
 )
 def test_estimators_match_formula(name, formula):
     out = KL_ESTIMATORS.get(name)(t(LOGP), t(REF))
-    expected = [[formula(a, b) for a, b in zip(LOGP[0], REF[0])]]
+    expected = [[formula(a, b) for a, b in zip(LOGP[0], REF[0], strict=True)]]
     torch.testing.assert_close(out, t(expected), rtol=1e-12, atol=1e-12)
 
 
@@ -67,12 +67,12 @@ def test_straight_through_value_of_estimator_gradient_of_k2(name, value):
     lp = t(LOGP).requires_grad_(True)
     rf = t(REF).requires_grad_(True)
     out = KL_ESTIMATORS.get(name)(lp, rf)
-    expected = [[value(a, b) for a, b in zip(LOGP[0], REF[0])]]
+    expected = [[value(a, b) for a, b in zip(LOGP[0], REF[0], strict=True)]]
     torch.testing.assert_close(out.detach(), t(expected), rtol=1e-12, atol=1e-12)
     weights = t([[1.0, 2.0, -1.0, 0.5]])  # a weighted sum, so each token's gradient is checked
     (out * weights).sum().backward()
     # d/dlogp 0.5 (logp - ref)^2 = logp - ref, and the opposite for ref
-    k2_grad = [[w * (a - b) for w, a, b in zip(weights[0].tolist(), LOGP[0], REF[0])]]
+    k2_grad = [[w * (a - b) for w, a, b in zip(weights[0].tolist(), LOGP[0], REF[0], strict=True)]]
     torch.testing.assert_close(lp.grad, t(k2_grad), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(rf.grad, -t(k2_grad), rtol=1e-12, atol=1e-12)
     # the plain estimator's gradient differs (this test can fail)
@@ -149,7 +149,7 @@ def test_build_kl_controller():
     assert isinstance(ad, AdaptiveKLController)
     ad.update(current_kl=1.1, n_steps=10)
     assert ad.value == pytest.approx(0.2 * (1 + 0.1 * 10 / 100))
-    with pytest.raises(ValueError, match="KL controller.*Did you mean 'adaptive'"):
+    with pytest.raises(ValueError, match=r"KL controller.*Did you mean 'adaptive'"):
         build_kl_controller(KLControllerConfig(type="adaptiv"))  # type: ignore[arg-type]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 
@@ -58,11 +59,12 @@ def test_seq_mean_token_sum_norm_hand_computed():
 
 
 def test_ppo_policy_loss_seq_mean_token_sum_norm():
-    lp, old, adv = ppo_inputs([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])
+    lp, _old, adv = ppo_inputs([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])
     lp2, adv2 = torch.cat([lp.detach(), lp.detach()]), torch.cat([adv, adv])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    num, den, _ = ppo_policy_loss(lp2, torch.zeros_like(lp2), adv2, mask, agg_mode="seq-mean-token-sum-norm",
-                                  loss_scale_factor=8)
+    num, den, _ = ppo_policy_loss(
+        lp2, torch.zeros_like(lp2), adv2, mask, agg_mode="seq-mean-token-sum-norm", loss_scale_factor=8
+    )
     # ratio 1, loss -A: row sums -6 and -1; two rows, L = 8
     assert num.item() == pytest.approx(-7.0) and den.item() == 16.0
 
@@ -84,7 +86,7 @@ def test_aggregate_invariant_to_micro_batch_split(mode, cuts):
     mask[3] = False  # padding row inside some micro-batch
     mask[5, :] = torch.tensor([1, 0, 0, 0, 0, 0], dtype=torch.bool)
     n_full, d_full = aggregate_loss(loss, mask, mode, loss_scale_factor=6)
-    parts = [aggregate_loss(loss[a:b], mask[a:b], mode, loss_scale_factor=6) for a, b in zip(cuts[:-1], cuts[1:])]
+    parts = [aggregate_loss(loss[a:b], mask[a:b], mode, loss_scale_factor=6) for a, b in itertools.pairwise(cuts)]
     n_sum = sum(p[0] for p in parts)
     d_sum = sum(p[1] for p in parts)
     torch.testing.assert_close(n_sum / d_sum, n_full / d_full, rtol=1e-13, atol=1e-13)
@@ -150,7 +152,7 @@ def test_ppo_dual_clip_hand_computed():
 
 
 def test_ppo_seq_mean_token_mean_mode():
-    lp, old, adv = ppo_inputs([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])
+    lp, _old, adv = ppo_inputs([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])
     lp2 = torch.cat([lp.detach(), lp.detach()])
     adv2 = torch.cat([adv, adv])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
@@ -161,8 +163,13 @@ def test_ppo_seq_mean_token_mean_mode():
 def test_ppo_metrics_are_detached_tensors_and_finite():
     torch.manual_seed(0)
     lp = (torch.randn(4, 5, dtype=torch.float64) * 30).requires_grad_(True)  # extreme ratios
-    num, den, m = ppo_policy_loss(lp, torch.zeros(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64),
-                                  torch.ones(4, 5), dual_clip_c=3.0)
+    num, _den, m = ppo_policy_loss(
+        lp,
+        torch.zeros(4, 5, dtype=torch.float64),
+        torch.randn(4, 5, dtype=torch.float64),
+        torch.ones(4, 5),
+        dual_clip_c=3.0,
+    )
     assert torch.isfinite(num) and all(isinstance(v, torch.Tensor) and not v.requires_grad for v in m.values())
     assert all(torch.isfinite(v) for v in m.values())
 

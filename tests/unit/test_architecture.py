@@ -122,17 +122,31 @@ def test_rope_theta_transformers5_layout():
 
 def test_rope_theta_legacy_layout():
     d = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "vocab_size": 96, "hidden_size": 32, "intermediate_size": 56, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0, "rope_scaling": None,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 56,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+    }
     arch = architecture_from_hf_config(d)
     assert arch.rope_theta == 500000.0 and arch.rope_scaling is None
 
 
 def test_rope_theta_absent_defaults_to_10000():
-    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-         "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     assert architecture_from_hf_config(d).rope_theta == 10000.0
 
 
@@ -156,13 +170,25 @@ def test_llama3_rope_scaling_transformers5_layout():
 @pytest.mark.parametrize("type_key", ["type", "rope_type"])
 def test_llama3_rope_scaling_legacy_layout(type_key):
     d = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "vocab_size": 96, "hidden_size": 32, "intermediate_size": 56, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 131072,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 56,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
         "rope_theta": 500000.0,
-        "rope_scaling": {type_key: "llama3", "factor": 32.0, "low_freq_factor": 2.0,
-                         "high_freq_factor": 8.0, "original_max_position_embeddings": 4096},
-    }  # fmt: skip
+        "rope_scaling": {
+            type_key: "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 2.0,
+            "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 4096,
+        },
+    }
     arch = architecture_from_hf_config(d)
     assert arch.rope_theta == 500000.0
     assert arch.rope_scaling == Llama3RopeScaling(
@@ -174,8 +200,10 @@ def test_llama3_rope_scaling_legacy_layout(type_key):
 def test_llama3_rope_scaling_legacy_via_transformers():
     # transformers 5 converts legacy kwargs (rope_theta + rope_scaling) into rope_parameters.
     d = LlamaConfig(
-        architectures=["LlamaForCausalLM"], **{**TINY, "max_position_embeddings": 131072},
-        rope_theta=321.0, rope_scaling={"type": "llama3", **LLAMA31},
+        architectures=["LlamaForCausalLM"],
+        **{**TINY, "max_position_embeddings": 131072},
+        rope_theta=321.0,
+        rope_scaling={"type": "llama3", **LLAMA31},
     ).to_dict()
     arch = architecture_from_hf_config(d)
     assert arch.rope_theta == 321.0
@@ -185,9 +213,13 @@ def test_llama3_rope_scaling_legacy_via_transformers():
 def test_unsupported_rope_type_yarn():
     d = hf_dict(
         "llama",
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64},
-    )  # fmt: skip
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     with pytest.raises(UnsupportedModelError, match="yarn") as info:
         architecture_from_hf_config(d, source="my/config.json")
     assert "my/config.json" in str(info.value)
@@ -216,7 +248,10 @@ def test_llama_has_no_sliding_window():
 
 
 def test_qwen2_sliding_window_ignored_unless_enabled():
-    assert architecture_from_hf_config(hf_dict("qwen2", sliding_window=16, use_sliding_window=False)).sliding_window is None
+    assert (
+        architecture_from_hf_config(hf_dict("qwen2", sliding_window=16, use_sliding_window=False)).sliding_window
+        is None
+    )
 
 
 # ------------------------------------------------------------ score head
@@ -273,8 +308,13 @@ def test_unsupported_architecture_gpt2():
         architecture_from_hf_config(d, source="x/config.json")
     msg = str(info.value)
     assert "architectures" in msg and "GPT2LMHeadModel" in msg and "x/config.json" in msg
-    for supported in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                      "LlamaForSequenceClassification"):  # fmt: skip
+    for supported in (
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MistralForCausalLM",
+        "LlamaForSequenceClassification",
+    ):
         assert supported in msg
 
 

@@ -95,8 +95,9 @@ def test_the_careless_teacher_slips_at_its_rate_and_is_deterministic() -> None:
     assert abs(len(wrong) / len(slippable) - 0.6) < 0.05  # one slippable column per 2-digit problem
     assert [sloppy_response(p, 0.6, seed=0) for p in problems] == [sloppy_response(p, 0.6, seed=0) for p in problems]
     assert [sloppy_response(p, 0.6, seed=1) for p in slippable] != [sloppy_response(p, 0.6, seed=0) for p in slippable]
-    assert sft_rows(problems[:50], slip_rate=0.6) == [{"prompt": p.prompt, "response": sloppy_response(p, 0.6, 0)}
-                                                    for p in problems[:50]]  # fmt: skip
+    assert sft_rows(problems[:50], slip_rate=0.6) == [
+        {"prompt": p.prompt, "response": sloppy_response(p, 0.6, 0)} for p in problems[:50]
+    ]
     with pytest.raises(ValueError, match=r"slip_rate=1\.5: expected a probability"):
         sloppy_response(problems[0], 1.5, seed=0)
 
@@ -228,8 +229,9 @@ def test_rows_load_with_the_trainers_loaders(tok_dir: Path, tmp_path: Path) -> N
     problems = make_problems(ArithmeticSpec(), "validation", 20)
     sft, _ = load_sft_dataset(write_jsonl(sft_rows(problems, steps=True), tmp_path / "sft.jsonl"), tok, max_length=64)
     assert len(sft) == 20 and int(sft[0].input_ids[-1]) == tok.eos_id
-    prompts, _ = load_prompt_dataset(write_jsonl(prompt_rows(problems), tmp_path / "p.jsonl"), tok, max_length=64,
-                                     extra_keys=["answer"])  # fmt: skip
+    prompts, _ = load_prompt_dataset(
+        write_jsonl(prompt_rows(problems), tmp_path / "p.jsonl"), tok, max_length=64, extra_keys=["answer"]
+    )
     assert prompts[0].extras == {"answer": str(problems[0].answer)}
     pairs = [{"prompt": p.prompt, "chosen": p.response(), "rejected": f" {p.answer + 1}"} for p in problems]
     preference, _ = load_preference_dataset(write_jsonl(pairs, tmp_path / "rm.jsonl"), tok, max_length=64)
@@ -242,8 +244,12 @@ def test_rows_load_with_the_trainers_loaders(tok_dir: Path, tmp_path: Path) -> N
 def test_preference_pairs_from_hand_made_samples() -> None:
     prompts = ["Q: 1+1=? A:", "Q: 2+2=? A:", "Q: 3+3=? A:", "Q: 4+4=? A:"]
     responses = [[" 2", " 3", " 2", "x"], [" 4", " 4", ""], [" 5", " 7"], [" 9", " 8", " 1"]]
-    verdicts = [["right", "wrong", "right", "malformed"], ["right", "right", "malformed"], ["wrong", "wrong"],
-                ["wrong", "right", "wrong"]]  # fmt: skip
+    verdicts = [
+        ["right", "wrong", "right", "malformed"],
+        ["right", "right", "malformed"],
+        ["wrong", "wrong"],
+        ["wrong", "right", "wrong"],
+    ]
     rows = preference_pairs(prompts, responses, verdicts, seed=0)
     # only prompts with a right and a non-blank other response (the loaders refuse empty text)
     assert [r["prompt"] for r in rows] == ["Q: 1+1=? A:", "Q: 4+4=? A:"]
@@ -296,18 +302,27 @@ def test_builtin_arithmetic_sets_are_disjoint_files(tmp_path: Path, monkeypatch:
     from megatron_rlhf.data.records import read_records
 
     monkeypatch.setenv("MEGATRON_RLHF_CACHE", str(tmp_path))
-    names = ["arithmetic-sft", "arithmetic-sft-validation", "arithmetic-sft-careless", "arithmetic-sft-careless-validation",
-             "arithmetic-prompts", "arithmetic-validation", "arithmetic-test"]  # fmt: skip
+    names = [
+        "arithmetic-sft",
+        "arithmetic-sft-validation",
+        "arithmetic-sft-careless",
+        "arithmetic-sft-careless-validation",
+        "arithmetic-prompts",
+        "arithmetic-validation",
+        "arithmetic-test",
+    ]
     paths = resolve_data_paths([f"builtin:{n}" for n in names])
-    rows = {n: [r.data for r in read_records(p)] for n, p in zip(names, paths)}
+    rows = {n: [r.data for r in read_records(p)] for n, p in zip(names, paths, strict=True)}
     test = {r["prompt"] for r in rows["arithmetic-test"]}
     assert all(set(r) == {"prompt", "answer"} for n in ("arithmetic-test", "arithmetic-validation") for r in rows[n])
     assert all(set(r) == {"prompt", "response"} and " #### " in r["response"] for r in rows["arithmetic-sft"])
     assert not test & {r["prompt"] for n in names if n != "arithmetic-test" for r in rows[n]}
     assert {r["prompt"] for r in rows["arithmetic-prompts"]} <= {r["prompt"] for r in rows["arithmetic-sft"]}
-    for clean, careless in (("arithmetic-sft", "arithmetic-sft-careless"),
-                            ("arithmetic-sft-validation", "arithmetic-sft-careless-validation")):  # fmt: skip
-        pairs = list(zip(rows[clean], rows[careless]))
+    for clean, careless in (
+        ("arithmetic-sft", "arithmetic-sft-careless"),
+        ("arithmetic-sft-validation", "arithmetic-sft-careless-validation"),
+    ):
+        pairs = list(zip(rows[clean], rows[careless], strict=True))
         assert all(a["prompt"] == b["prompt"] for a, b in pairs)  # the same problems, another teacher
         assert 0.2 < sum(a["response"] != b["response"] for a, b in pairs) / len(pairs) < 0.35
     validation_sft = {r["prompt"] for r in rows["arithmetic-sft-validation"]}

@@ -136,7 +136,9 @@ def test_mask_type_passed_at_forward_overrides():
     q, k, v = inputs(5, 5, seed=4)
     module = make_attention(mask_type=AttnMaskType.no_mask)
     full = run(module, q, k, v)
-    torch.testing.assert_close(full, naive_attention(q, k, v, torch.ones(1, 5, 5, dtype=torch.bool)), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        full, naive_attention(q, k, v, torch.ones(1, 5, 5, dtype=torch.bool)), rtol=1e-10, atol=1e-10
+    )
     causal = run(module, q, k, v, attn_mask_type=AttnMaskType.causal)
     torch.testing.assert_close(causal, naive_attention(q, k, v, allowed_by_hand(5, 5)[None]), rtol=1e-10, atol=1e-10)
 
@@ -255,8 +257,13 @@ def test_packed_sequences_mask_with_gqa_and_window(window):
 
 
 def packed_params(cu_seqlens: torch.Tensor, width: int, qkv_format: str = "sbhd") -> PackedSeqParams:
-    return PackedSeqParams(qkv_format=qkv_format, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=width, max_seqlen_kv=width)  # fmt: skip
+    return PackedSeqParams(
+        qkv_format=qkv_format,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=width,
+        max_seqlen_kv=width,
+    )
 
 
 def cu_seqlens_of(segments: list[list[int]], s: int) -> torch.Tensor:
@@ -294,7 +301,9 @@ def test_packed_rows_on_cuda_take_flash_varlen_and_match_float64(heads, groups, 
 
     s, hn, segments = 96, 64, [[40, 30, 26], [96], [10, 10, 10, 5], [1, 95]]
     q, k, v = inputs(s, s, batch=len(segments), heads=heads, groups=groups, hn=hn, seed=63)
-    grad_out = torch.randn(s, len(segments), heads * hn, generator=torch.Generator().manual_seed(64), dtype=torch.float64)
+    grad_out = torch.randn(
+        s, len(segments), heads * hn, generator=torch.Generator().manual_seed(64), dtype=torch.float64
+    )
     cu_seqlens = cu_seqlens_of(segments, s)
     allowed = ~packed_mask(segments, s)[:, 0]
     if window is not None:
@@ -311,10 +320,12 @@ def test_packed_rows_on_cuda_take_flash_varlen_and_match_float64(heads, groups, 
     module = SDPAttention(config, 1, AttnMaskType.causal, "self").train()
     assert _flash_varlen_usable(q.to("cuda", torch.bfloat16), 0.0)
     cuda = torch.device("cuda")
-    flash = attend(module, torch.bfloat16, cuda, attention_mask=None, packed_seq_params=packed_params(cu_seqlens.cuda(), s))
+    flash = attend(
+        module, torch.bfloat16, cuda, attention_mask=None, packed_seq_params=packed_params(cu_seqlens.cuda(), s)
+    )
     masked = attend(module, torch.bfloat16, cuda, attention_mask=~allowed[:, None].cuda())
     reference = attend(module, torch.float64, torch.device("cpu"), attention_mask=~allowed[:, None])
-    for got, bf16_masked, want in zip(flash, masked, reference):
+    for got, bf16_masked, want in zip(flash, masked, reference, strict=True):
         error, masked_error = (got - want).abs().max(), (bf16_masked - want).abs().max()
         assert error <= max(2 * masked_error, 1e-2), (error, masked_error)
 
@@ -354,7 +365,9 @@ def test_output_is_head_major_within_hidden():
         v[:, :, g, :] = g + 1.0
     out = run(make_attention(), q, k, v).reshape(sq, 1, HEADS, HN)
     for h in range(HEADS):
-        torch.testing.assert_close(out[:, :, h], torch.full((sq, 1, HN), h // (HEADS // GROUPS) + 1.0, dtype=torch.float64))
+        torch.testing.assert_close(
+            out[:, :, h], torch.full((sq, 1, HN), h // (HEADS // GROUPS) + 1.0, dtype=torch.float64)
+        )
 
 
 def test_refuses_bias_and_packed_rows_it_cannot_read():
@@ -410,7 +423,10 @@ def test_add_rms_norm_is_the_residual_add_then_torch_rms_norm() -> None:
     from megatron_rlhf.models.attention import add_rms_norm
 
     g = torch.Generator().manual_seed(0)
-    hidden, delta = torch.randn(2, 5, 16, generator=g, dtype=torch.float64), torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
+    hidden, delta = (
+        torch.randn(2, 5, 16, generator=g, dtype=torch.float64),
+        torch.randn(2, 5, 16, generator=g, dtype=torch.float64),
+    )
     norm = torch.nn.RMSNorm(16, eps=1e-6, dtype=torch.float64)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(16, generator=g, dtype=torch.float64) + 0.5)
@@ -428,7 +444,7 @@ def test_rotate_into_cache_stores_each_rows_entry_at_its_slot_and_positions() ->
     angles = torch.rand(sq, b, 1, hn, generator=g)
     cache = torch.zeros(4, groups, 6, 2 * hn)
     slots, positions = torch.tensor([3, 1]), torch.tensor([[0, 1, 2], [2, 3, 4]])
-    rotated, entry = rotate_into_cache(query, key, value, angles.cos(), angles.sin(), cache, slots, positions)
+    rotated, _entry = rotate_into_cache(query, key, value, angles.cos(), angles.sin(), cache, slots, positions)
     assert torch.equal(rotated, rotate(query, angles.cos(), angles.sin()))
     for row in range(b):
         for t in range(sq):
@@ -448,6 +464,8 @@ def test_split_qkv_reads_megatrons_per_group_layout() -> None:
     for group in range(groups):
         base = group * (per_group + 2) * hn
         for head in range(per_group):
-            assert torch.equal(query[:, :, group * per_group + head], mixed[:, :, base + head * hn : base + (head + 1) * hn])
+            assert torch.equal(
+                query[:, :, group * per_group + head], mixed[:, :, base + head * hn : base + (head + 1) * hn]
+            )
         assert torch.equal(key[:, :, group], mixed[:, :, base + per_group * hn : base + (per_group + 1) * hn])
         assert torch.equal(value[:, :, group], mixed[:, :, base + (per_group + 1) * hn : base + (per_group + 2) * hn])

@@ -10,6 +10,7 @@ import pytest
 from megatron_rlhf.config.loader import ConfigError, presets
 from megatron_rlhf.config.loader import load_config as load_any_config
 from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import layout_errors
 
 with warnings.catch_warnings():
@@ -23,15 +24,21 @@ def load_config(preset=None, overrides=()):
     """The smoke command's config (the four models), as the tests below check it."""
     return load_any_config(preset, overrides, schema=SmokeConfig)
 
-from megatron_rlhf.models.architecture import Architecture
-
 
 def tiny_hf_config(arch_class: str, **extra) -> dict:
     return {
-        "architectures": [arch_class], "model_type": arch_class.split("For")[0].lower(), "hidden_act": "silu",
-        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 6,
-        "num_attention_heads": 6, "num_key_value_heads": 3, "rope_theta": 10000.0, **extra,
-    }  # fmt: skip
+        "architectures": [arch_class],
+        "model_type": arch_class.split("For")[0].lower(),
+        "hidden_act": "silu",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "rope_theta": 10000.0,
+        **extra,
+    }
 
 
 def write_hf_dir(path, config: dict):
@@ -126,9 +133,11 @@ def test_a_value_where_a_section_belongs_names_the_section(tmp_path, text, origi
         preset, overrides = "ppo-tiny", [text]
     with pytest.raises(ConfigError) as info:
         load_any_config(preset, overrides, schema=PPOConfig)
-    assert str(info.value).endswith(f"{origin}: rollout=5 is not valid: rollout is a section (keys ['tp', 'sampling', "
-                                    "'engine', 'filter_groups', 'max_sample_batches']), not a single value; set its keys, "
-                                    "e.g. rollout.tp=...")  # fmt: skip
+    assert str(info.value).endswith(
+        f"{origin}: rollout=5 is not valid: rollout is a section (keys ['tp', 'sampling', "
+        "'engine', 'filter_groups', 'max_sample_batches']), not a single value; set its keys, "
+        "e.g. rollout.tp=..."
+    )
 
 
 def test_a_value_where_a_nested_section_belongs_names_its_full_key():
@@ -159,7 +168,7 @@ def test_yaml_file_path(tmp_path):
 
 def test_a_file_overrides_its_base(tmp_path):
     base = tmp_path / "base.yaml"
-    base.write_text("seed: 5\noutput_dir: out/base\nactor: {tp: 2, pp: 2}\ncritic: {path: \"${output_dir}/critic\"}\n")
+    base.write_text('seed: 5\noutput_dir: out/base\nactor: {tp: 2, pp: 2}\ncritic: {path: "${output_dir}/critic"}\n')
     child = tmp_path / "child.yaml"
     child.write_text(f"_base_: {base}\noutput_dir: out/child\nactor: {{pp: 1}}\n")
     cfg = load_config(str(child), ["seed=7"])
@@ -337,10 +346,16 @@ def test_output_dir_under_a_file_checked(tmp_path):
 def test_all_errors_reported_together(tmp_path):
     missing = tmp_path / "missing"
     msg = validation_message(
-        ["actor.tp=3", "critic.path=builtin:tiny-llama-rm", "reward.path=builtin:nope",
-         f"reference.path={missing}", "critic.pp=3", "actor.path=builtin:tiny-llama-rm"],
+        [
+            "actor.tp=3",
+            "critic.path=builtin:tiny-llama-rm",
+            "reward.path=builtin:nope",
+            f"reference.path={missing}",
+            "critic.pp=3",
+            "actor.path=builtin:tiny-llama-rm",
+        ],
         4,
-    )  # fmt: skip
+    )
     expected = [
         "actor.tp*actor.pp=3 must divide the world size 4",
         "actor.tp=3 must divide num_attention_heads=4",

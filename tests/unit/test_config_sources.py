@@ -10,16 +10,20 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.cli import TRAINERS, _trainer, build_parser, main
-from megatron_rlhf.docs import DOCS, PAGES, rendered
 from megatron_rlhf.config.loader import COMMAND_LINE, ConfigError, load_config, load_config_with_sources, presets
 from megatron_rlhf.config.verl_names import VERL_NAMES, verl_key_hint
+from megatron_rlhf.docs import DOCS, PAGES, rendered
 
 USER_RUNS = {
-    "ppo": ["actor.path=/models/policy", "data.train=[train.parquet]", "scoring.custom_function.path=reward.py",
-            "scoring.custom_function.name=default_compute_score"],
+    "ppo": [
+        "actor.path=/models/policy",
+        "data.train=[train.parquet]",
+        "scoring.custom_function.path=reward.py",
+        "scoring.custom_function.name=default_compute_score",
+    ],
     "sft": ["model.path=/models/base", "data.train=[train.jsonl]", "optim.lr=2e-5"],
     "rm": ["model.path=/models/base", "data.train=[prefs.jsonl]"],
-}  # fmt: skip
+}
 DERIVED = {"ppo": {"critic.path", "reference.path"}, "sft": set(), "rm": set()}
 
 
@@ -76,8 +80,20 @@ def test_print_config_runs_the_checks_a_run_makes(tmp_path: Path, capsys: pytest
     """A wrong group size, a missing reward model and a zero timeout are refused by --print-config,
     and a good config is printed with its differences from the defaults as comments."""
     base = ["--config", "ppo-tiny", f"output_dir={tmp_path / 'run'}"]
-    assert main(["ppo", *base, "rollout.sampling.n=1", "scoring.use_reward_model=true",
-                 f"reward.path={tmp_path / 'no-rm'}", "dist_timeout_s=0", "--print-config"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "ppo",
+                *base,
+                "rollout.sampling.n=1",
+                "scoring.use_reward_model=true",
+                f"reward.path={tmp_path / 'no-rm'}",
+                "dist_timeout_s=0",
+                "--print-config",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "rollout.sampling.n=1: the grpo estimator compares the samples of a prompt" in err
     assert f"reward.path='{tmp_path / 'no-rm'}'" in err and "is not a directory" in err
@@ -88,23 +104,42 @@ def test_print_config_runs_the_checks_a_run_makes(tmp_path: Path, capsys: pytest
     assert "#   seed  " in out and "(default 1234; command line)" in out and "\nseed: 3\n" in out
 
 
-def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """dist_timeout_s=0 used to reach torch.distributed's start-up and end in a C++ stack; the run's
     checks now come first (before the settings report, which comes before torch.distributed)."""
-    assert main(["sft", "--config", "sft-tiny", "data.train=[builtin:lowercase-prompts]", "dist_timeout_s=0",
-                 f"output_dir={tmp_path}"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "sft",
+                "--config",
+                "sft-tiny",
+                "data.train=[builtin:lowercase-prompts]",
+                "dist_timeout_s=0",
+                f"output_dir={tmp_path}",
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert "dist_timeout_s=0.0 must be > 0" in captured.err and "settings:" not in captured.out
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("actor_rollout_ref.rollout.n=4", "this is verl's name; here it is rollout.sampling.n"),
-    ("trainer.total_epochs=1", "here it is num_epochs"),
-    ("data.val_files=[v.parquet]", "here it is data.validation"),
-    ("trainer.save_freq=-1", "verl's -1 (never) is `save_every=0 save_final=false`"),
-    ("actor_rollout_ref.rollout.multi_turn.enable=true", "verl's actor_rollout_ref.rollout.multi_turn.*; it has no counterpart"),
-    ("trainer.made_up=1", "a verl key with no counterpart here"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("actor_rollout_ref.rollout.n=4", "this is verl's name; here it is rollout.sampling.n"),
+        ("trainer.total_epochs=1", "here it is num_epochs"),
+        ("data.val_files=[v.parquet]", "here it is data.validation"),
+        ("trainer.save_freq=-1", "verl's -1 (never) is `save_every=0 save_final=false`"),
+        (
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "verl's actor_rollout_ref.rollout.multi_turn.*; it has no counterpart",
+        ),
+        ("trainer.made_up=1", "a verl key with no counterpart here"),
+    ],
+)
 def test_a_verl_key_is_answered_with_this_projects_key(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, [override], schema=_trainer("ppo").schema)

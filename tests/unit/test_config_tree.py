@@ -28,11 +28,26 @@ def _ppo(*overrides: str) -> PPOConfig:
 
 
 def test_field_errors_of_every_section_come_together_with_full_keys():
-    cfg = _ppo("rollout.sampling.n=0", "rollout.engine.max_batch_size=0", "actor_optim.lr=0", "seed=3",
-               "algorithm.loss.agg_mode=mean", "algorithm.advantage.gamma=2", "data.on_invalid=drop", "device=tpu")  # fmt: skip
+    cfg = _ppo(
+        "rollout.sampling.n=0",
+        "rollout.engine.max_batch_size=0",
+        "actor_optim.lr=0",
+        "seed=3",
+        "algorithm.loss.agg_mode=mean",
+        "algorithm.advantage.gamma=2",
+        "data.on_invalid=drop",
+        "device=tpu",
+    )
     errors = config_errors(cfg)
-    for key in ("rollout.sampling.n=0", "rollout.engine.max_batch_size=0", "actor_optim.lr=0",
-                "algorithm.loss.agg_mode='mean'", "algorithm.advantage.gamma=2", "data.on_invalid='drop'", "device='tpu'"):  # fmt: skip
+    for key in (
+        "rollout.sampling.n=0",
+        "rollout.engine.max_batch_size=0",
+        "actor_optim.lr=0",
+        "algorithm.loss.agg_mode='mean'",
+        "algorithm.advantage.gamma=2",
+        "data.on_invalid='drop'",
+        "device='tpu'",
+    ):
         assert any(e.startswith(key) for e in errors), (key, errors)
     assert len(errors) == 7
     with pytest.raises(ConfigError) as info:
@@ -68,7 +83,9 @@ def test_a_new_estimator_declares_its_needs_and_the_trainer_follows():
     finally:
         ADVANTAGE_ESTIMATORS.unregister("toy_outcome")
     # A built-in one that needs no groups: REINFORCE++ with one sample per prompt.
-    check_ppo_config(_ppo("algorithm.advantage_estimator=reinforce_pp", "rollout.sampling.n=1", "prompts_per_step=16"), 1)
+    check_ppo_config(
+        _ppo("algorithm.advantage_estimator=reinforce_pp", "rollout.sampling.n=1", "prompts_per_step=16"), 1
+    )
     with pytest.raises(ConfigError, match="the grpo estimator compares the samples"):
         check_ppo_config(_ppo("rollout.sampling.n=1", "prompts_per_step=16"), 1)
     assert "critic" in models_used(_ppo("algorithm.advantage_estimator=gae"))
@@ -90,16 +107,26 @@ def _names_compared_with_literals(source: str) -> list[str]:
 
 def test_no_call_site_compares_a_registered_name_with_a_literal():
     assert _names_compared_with_literals('if algo.advantage_estimator != "gae": pass')  # the check can fail
-    offenders = {str(p.relative_to(PACKAGE)): hits for p in PACKAGE.rglob("*.py")
-                 if (hits := _names_compared_with_literals(p.read_text()))}  # fmt: skip
+    offenders = {
+        str(p.relative_to(PACKAGE)): hits
+        for p in PACKAGE.rglob("*.py")
+        if (hits := _names_compared_with_literals(p.read_text()))
+    }
     assert not offenders, offenders
 
 
 def _generate_help_defaults() -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "megatron_rlhf", "generate", "--help"], capture_output=True,
-                         text=True, check=True, env={"COLUMNS": "400", "PATH": ""}).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rlhf", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"COLUMNS": "400", "PATH": ""},
+    ).stdout
     flags = {}
-    for match in re.finditer(r"^  (--[\w-]+)(?:, --no-[\w-]+)?(?: [A-Z_]+| \[[A-Z_ .]+\])?\s+.*?\(default: (.*?)\)$", out, re.M):
+    for match in re.finditer(
+        r"^  (--[\w-]+)(?:, --no-[\w-]+)?(?: [A-Z_]+| \[[A-Z_ .]+\])?\s+.*?\(default: (.*?)\)$", out, re.M
+    ):
         flags[match.group(1)] = match.group(2)
     return flags
 
@@ -107,9 +134,23 @@ def _generate_help_defaults() -> dict[str, str]:
 def test_generate_flags_and_ppo_rollout_settings_share_their_defaults(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
-    printed = subprocess.run([sys.executable, "-m", "megatron_rlhf", "ppo", "--config", str(empty), "--print-config",
-                              "actor.path=builtin:tiny-llama", "data.train=[builtin:lowercase-prompts]", "scoring.rules=[lowercase_fraction]"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    printed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlhf",
+            "ppo",
+            "--config",
+            str(empty),
+            "--print-config",
+            "actor.path=builtin:tiny-llama",
+            "data.train=[builtin:lowercase-prompts]",
+            "scoring.rules=[lowercase_fraction]",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rollout = yaml.safe_load(printed)["rollout"]
     flags = _generate_help_defaults()
     compared = 0
@@ -128,7 +169,10 @@ def test_generate_flags_and_ppo_rollout_settings_share_their_defaults(tmp_path):
 def test_rules_logged_under_the_same_metric_name_are_refused():
     """Rule names are snake_cased into their metric key, reward/rule/<name>: two that meet are refused."""
     rules = "[megatron_rlhf.rewards.rules:lowercase_fraction,megatron_rlhf.rewards.rules:lowercase.fraction]"
-    with pytest.raises(ConfigError, match=r"scoring.rules: 'megatron_rlhf.rewards.rules:lowercase_fraction' and "
-                                          r"'megatron_rlhf.rewards.rules:lowercase.fraction' would both be logged as "
-                                          r"reward/rule/megatron_rlhf_rewards_rules_lowercase_fraction"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"scoring.rules: 'megatron_rlhf.rewards.rules:lowercase_fraction' and "
+        r"'megatron_rlhf.rewards.rules:lowercase.fraction' would both be logged as "
+        r"reward/rule/megatron_rlhf_rewards_rules_lowercase_fraction",
+    ):
         check_ppo_config(_ppo(f"scoring.rules={rules}"), 1)

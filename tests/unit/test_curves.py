@@ -48,8 +48,12 @@ def test_the_png_has_a_panel_per_figure(tmp_path: Path) -> None:
     from matplotlib.image import imread
 
     def draw(rows: list[dict], name: str) -> Path | None:
-        return write_curves(*read_metrics(_metrics(tmp_path / f"{name}.jsonl", rows)), tmp_path / f"{name}.png",
-                            "reward/mean", "ppo: test")  # fmt: skip
+        return write_curves(
+            *read_metrics(_metrics(tmp_path / f"{name}.jsonl", rows)),
+            tmp_path / f"{name}.png",
+            "reward/mean",
+            "ppo: test",
+        )
 
     png = draw(ROWS, "curves")
     assert png == tmp_path / "curves.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

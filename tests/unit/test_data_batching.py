@@ -36,8 +36,10 @@ def test_pack_pad_to_multiple():
 
 
 def test_pack_preference_stacks_chosen_then_rejected():
-    pairs = [PreferenceExample(chosen=sft([1, 2, 3], 1), rejected=sft([1, 4], 1)),
-             PreferenceExample(chosen=sft([5, 6], 1), rejected=sft([5, 7, 7, 7], 1))]
+    pairs = [
+        PreferenceExample(chosen=sft([1, 2, 3], 1), rejected=sft([1, 4], 1)),
+        PreferenceExample(chosen=sft([5, 6], 1), rejected=sft([5, 7, 7, 7], 1)),
+    ]
     batch = pack_batch(pairs, pad_id=PAD)
     assert batch["input_ids"].shape == batch["loss_mask"].shape == batch["attention_mask"].shape == (4, 4)
     assert batch["input_ids"].tolist() == [[1, 2, 3, PAD], [5, 6, PAD, PAD], [1, 4, PAD, PAD], [5, 7, 7, 7]]
@@ -134,7 +136,7 @@ def test_global_batch_independent_of_dp_size():
     by_dp = {dp: all_ranks(48, 12, dp, seed=5, epoch=1, drop_last=True) for dp in (1, 2, 3, 4)}
     for step in range(4):
         ref = by_dp[1][0][step]
-        for dp, ranks in by_dp.items():
+        for ranks in by_dp.values():
             assert [i for r in ranks for i in r[step]] == ref
 
 

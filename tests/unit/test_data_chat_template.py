@@ -25,8 +25,11 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "Très bien, merci."},
         {"role": "user", "content": "And in one word? 日本語 🙂"},
     ],
-    [{"role": "user", "content": "a <b> & 'c'", "name": None}, {"role": "assistant", "content": "ok"},
-     {"role": "user", "content": "again"}],
+    [
+        {"role": "user", "content": "a <b> & 'c'", "name": None},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "again"},
+    ],
 ]
 
 
@@ -93,8 +96,11 @@ def test_template_from_tokenizer_config(form, qwen2_dir, tmp_path):
     template = (d / "chat_template.jinja").read_text(encoding="utf-8")
     (d / "chat_template.jinja").unlink()
     config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
-    config["chat_template"] = template if form == "string" else [{"name": "tool_use", "template": "{{ nope }}"},
-                                                                 {"name": "default", "template": template}]  # fmt: skip
+    config["chat_template"] = (
+        template
+        if form == "string"
+        else [{"name": "tool_use", "template": "{{ nope }}"}, {"name": "default", "template": template}]
+    )
     (d / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     assert re.search(r"tokenizer_config\.json \(chat_template\)", repr(load_tokenizer(d).chat_template))
     ours = prompt_ids(d, tmp_path, CONVERSATIONS)
@@ -119,25 +125,41 @@ def test_add_bos_does_not_double_a_template_bos(llama3_dir, tmp_path):
 
 def test_message_rows_need_the_setting_and_a_template(qwen2_dir, tmp_path):
     f = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "text"}, {"prompt": CONVERSATIONS[0]}])
-    with pytest.raises(DataError, match=re.escape(f"{f}: row 1: column 'prompt' holds chat messages but "
-                                                  "data.apply_chat_template is false")):
+    with pytest.raises(
+        DataError,
+        match=re.escape(f"{f}: row 1: column 'prompt' holds chat messages but data.apply_chat_template is false"),
+    ):
         load_prompt_dataset(f, load_tokenizer(qwen2_dir), max_length=4096, apply_chat_template=False)
-    with pytest.raises(DataError, match=re.escape(f"{f}: row 1: column 'prompt' holds chat messages but "
-                                                  "ByteTokenizer(vocab_size=300) has no chat template (looked for "
-                                                  "chat_template.jinja, or 'chat_template' in tokenizer_config.json")):
+    with pytest.raises(
+        DataError,
+        match=re.escape(
+            f"{f}: row 1: column 'prompt' holds chat messages but "
+            "ByteTokenizer(vocab_size=300) has no chat template (looked for "
+            "chat_template.jinja, or 'chat_template' in tokenizer_config.json"
+        ),
+    ):
         load_prompt_dataset(f, ByteTokenizer(300), max_length=4096, on_invalid="skip")  # never skipped
     with pytest.raises(DataError, match=r"data\.apply_chat_template renders message rows"):
         load_prompt_dataset(f, ByteTokenizer(300), max_length=4096)
 
 
 def test_bad_conversations_error_or_skip(llama3_dir, tmp_path):
-    rows = [{"prompt": CONVERSATIONS[0]}, {"prompt": [{"role": "tool", "content": "x"}]}, {"prompt": []},
-            {"prompt": ["hi"]}, {"prompt": [{"content": "no role"}]}]
+    rows = [
+        {"prompt": CONVERSATIONS[0]},
+        {"prompt": [{"role": "tool", "content": "x"}]},
+        {"prompt": []},
+        {"prompt": ["hi"]},
+        {"prompt": [{"content": "no role"}]},
+    ]
     f = write_jsonl(tmp_path / "chat.jsonl", rows)
     tok = load_tokenizer(llama3_dir)
-    with pytest.raises(DataError, match=re.escape(
+    with pytest.raises(
+        DataError,
+        match=re.escape(
             f"{f}: row 1: column 'prompt' the chat template ({llama3_dir / 'chat_template.jinja'}) failed: "
-            "TemplateError: Unknown role 'tool': expected system, user or assistant (pass on_invalid='skip'")):
+            "TemplateError: Unknown role 'tool': expected system, user or assistant (pass on_invalid='skip'"
+        ),
+    ):
         load_prompt_dataset(f, tok, max_length=4096)
     from jinja2 import TemplateError
     from transformers import AutoTokenizer
@@ -149,7 +171,8 @@ def test_bad_conversations_error_or_skip(llama3_dir, tmp_path):
     assert len(ds) == 1 and report.skipped == {"chat_template_failed": 1, "empty": 1, "wrong_type": 2}
     assert [s.detail for s in report.samples["wrong_type"]] == [
         "message 0 must be an object with a string 'role' (and its 'content'), got 'hi'",
-        "message 0 must be an object with a string 'role' (and its 'content'), got {'content': 'no role'}"]
+        "message 0 must be an object with a string 'role' (and its 'content'), got {'content': 'no role'}",
+    ]
     assert report.samples["empty"][0].detail == "is an empty list of messages"
 
 
@@ -165,8 +188,11 @@ def test_template_file_errors(qwen2_dir, tmp_path):
     config = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
     config["chat_template"] = [{"name": "tool_use", "template": "x"}]
     (d / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template lists templates named \['tool_use'\] "
-                                         "but none named 'default'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"tokenizer_config\.json: chat_template lists templates named \['tool_use'\] "
+        "but none named 'default'",
+    ):
         load_tokenizer(d)
     config.pop("chat_template")
     (d / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -73,8 +73,16 @@ tools:
         parameters: {type: "object", properties: {query: {type: "string"}}, required: ["query"]}
 """
 
-ROW_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & 'here'",
-                                               "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+ROW_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather <now> & 'here'",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 SYSTEM_USER = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
 
@@ -112,17 +120,26 @@ def load_ids(model_dir: Path, tmp_path: Path, rows: list[dict], **kwargs) -> lis
 def test_tools_file_holds_the_schemas_in_order(tools_file: Path) -> None:
     schemas = load_tool_schemas(tools_file)
     assert [s["function"]["name"] for s in schemas] == ["calc_gsm8k_reward", "search"]
-    assert schemas[1] == {"type": "function", "function": {"name": "search", "description": "Look a word up",
-                          "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
-                                         "required": ["query"]}}}  # fmt: skip
+    assert schemas[1] == {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Look a word up",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    }
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
 @pytest.mark.parametrize("messages", [USER, SYSTEM_USER])
 def test_ids_equal_transformers_with_tools_and_kwargs(kwargs, messages, model_dir, tools_file, tmp_path) -> None:
     schemas = load_tool_schemas(tools_file)
-    rows = [{"prompt": messages}, {"prompt": messages, "tools": ROW_TOOLS},
-            {"prompt": messages, "tools": json.dumps(ROW_TOOLS)}, {"prompt": messages, "tools": None}]
+    rows = [
+        {"prompt": messages},
+        {"prompt": messages, "tools": ROW_TOOLS},
+        {"prompt": messages, "tools": json.dumps(ROW_TOOLS)},
+        {"prompt": messages, "tools": None},
+    ]
     ours = load_ids(model_dir, tmp_path, rows, tools=schemas, chat_template_kwargs=kwargs)
     expected_tools = [schemas, ROW_TOOLS, ROW_TOOLS, schemas]  # a row's own schemas replace the file's
     assert ours == [reference_ids(model_dir, messages, t, **kwargs) for t in expected_tools]
@@ -145,21 +162,32 @@ def test_without_tools_the_template_takes_its_plain_branch(model_dir, tools_file
 
 
 def test_custom_tools_column(model_dir, tmp_path) -> None:
-    (ids,) = load_ids(model_dir, tmp_path, [{"prompt": USER, "functions": ROW_TOOLS, "tools": "ignored"}],
-                      tools_key="functions")  # fmt: skip
+    (ids,) = load_ids(
+        model_dir, tmp_path, [{"prompt": USER, "functions": ROW_TOOLS, "tools": "ignored"}], tools_key="functions"
+    )
     assert ids == reference_ids(model_dir, USER, ROW_TOOLS)
 
 
-@pytest.mark.parametrize("value, detail", [
-    ({"type": "function"}, "must be a list of tool schemas (or a JSON string of one), got dict"),
-    ("[{", "is a string but not JSON: Expecting property name enclosed in double quotes (column 3)"),
-    (["get_weather"], "[0]: expected an OpenAI function schema {type: function, function: {name, description, "
-                      "parameters}}, got str 'get_weather'"),
-    ([ROW_TOOLS[0], {"type": "function", "name": "f"}], "[1].function: expected an object {name, description, "
-                                                        "parameters}, got None"),
-    (json.dumps([{"function": {"description": "no name"}}]), "[0].function.name: expected the function's name "
-                                                             "(a non-empty string), got None"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, detail",
+    [
+        ({"type": "function"}, "must be a list of tool schemas (or a JSON string of one), got dict"),
+        ("[{", "is a string but not JSON: Expecting property name enclosed in double quotes (column 3)"),
+        (
+            ["get_weather"],
+            "[0]: expected an OpenAI function schema {type: function, function: {name, description, "
+            "parameters}}, got str 'get_weather'",
+        ),
+        (
+            [ROW_TOOLS[0], {"type": "function", "name": "f"}],
+            "[1].function: expected an object {name, description, parameters}, got None",
+        ),
+        (
+            json.dumps([{"function": {"description": "no name"}}]),
+            "[0].function.name: expected the function's name (a non-empty string), got None",
+        ),
+    ],
+)
 def test_bad_row_tools_error_or_skip(value, detail, model_dir, tmp_path) -> None:
     f = tmp_path / "chat.jsonl"
     f.write_text(json.dumps({"prompt": USER}) + "\n" + json.dumps({"prompt": USER, "tools": value}) + "\n")
@@ -171,8 +199,12 @@ def test_bad_row_tools_error_or_skip(value, detail, model_dir, tmp_path) -> None
 
 
 def test_text_prompts_ignore_tools(model_dir, tmp_path) -> None:
-    (ids,) = load_ids(model_dir, tmp_path, [{"prompt": "plain text", "tools": "not read"}],
-                      chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    (ids,) = load_ids(
+        model_dir,
+        tmp_path,
+        [{"prompt": "plain text", "tools": "not read"}],
+        chat_template_kwargs={"enable_thinking": False},
+    )
     assert ids == load_tokenizer(model_dir).encode("plain text")
 
 
@@ -180,8 +212,11 @@ def test_loader_argument_checks(model_dir, tmp_path) -> None:
     f = tmp_path / "chat.jsonl"
     f.write_text(json.dumps({"prompt": USER}) + "\n")
     tok = load_tokenizer(model_dir)
-    with pytest.raises(ValueError, match=r"chat_template_kwargs: key 'add_generation_prompt' is not a template "
-                                         r"variable of its own: the renderer sets it"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"chat_template_kwargs: key 'add_generation_prompt' is not a template "
+        r"variable of its own: the renderer sets it",
+    ):
         load_prompt_dataset(f, tok, max_length=4096, chat_template_kwargs={"add_generation_prompt": False})
     with pytest.raises(ValueError, match=re.escape("tools[1].function.name: expected the function's name")):
         load_prompt_dataset(f, tok, max_length=4096, tools=[ROW_TOOLS[0], {"function": {"name": ""}}])
@@ -189,13 +224,20 @@ def test_loader_argument_checks(model_dir, tmp_path) -> None:
 
 BAD_FILES = {
     "not YAML": ("tools: [\n  - {a: 1", "not valid YAML: "),
-    "no tools list": ("tool: []\n", "tools: expected a top-level 'tools' list of {class_name, config, tool_schema} "
-                                    "(verl's tool_config_path format), got None"),
-    "no schema": ("tools:\n  - class_name: x\n    mcp: {mcp_servers_config_path: s.json}\n",
-                  "tools[0].tool_schema: missing (MCP tools, whose schemas come from their server, are not supported)"),
-    "no name": (TOOLS_YAML.replace('name: "search"', 'title: "search"'),
-                "tools[1].tool_schema.function.name: expected the function's name (a non-empty string), got None"),
-}  # fmt: skip
+    "no tools list": (
+        "tool: []\n",
+        "tools: expected a top-level 'tools' list of {class_name, config, tool_schema} "
+        "(verl's tool_config_path format), got None",
+    ),
+    "no schema": (
+        "tools:\n  - class_name: x\n    mcp: {mcp_servers_config_path: s.json}\n",
+        "tools[0].tool_schema: missing (MCP tools, whose schemas come from their server, are not supported)",
+    ),
+    "no name": (
+        TOOLS_YAML.replace('name: "search"', 'title: "search"'),
+        "tools[1].tool_schema.function.name: expected the function's name (a non-empty string), got None",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", BAD_FILES)
@@ -219,6 +261,8 @@ def test_ppo_checks_the_settings_up_front(tools_file, tmp_path) -> None:
         with pytest.raises(ConfigError, match=re.escape(f"data.tools_file: {path}: {message}")):
             check(f"data.tools_file={path}")
     cfg = load_config("ppo-tiny", ["data.chat_template_kwargs={tools: [], enable_thinking: false}"], schema=PPOConfig)
-    assert config_errors(cfg) == ["data.chat_template_kwargs: key 'tools' is not a template variable of its own: "
-                                  "the renderer sets it (tool schemas go in data.tools_file or a row's tools column)"]
+    assert config_errors(cfg) == [
+        "data.chat_template_kwargs: key 'tools' is not a template variable of its own: "
+        "the renderer sets it (tool schemas go in data.tools_file or a row's tools column)"
+    ]
     assert not (tmp_path / "run").exists()

@@ -78,7 +78,7 @@ def test_sft_bos_and_no_eos_and_existing_eos(tmp_path):
 def test_sft_pretokenized_parquet_and_custom_keys(tmp_path):
     rows = [{"q_ids": [5, 6, 7], "a_ids": [8]}, {"q_ids": [9], "a_ids": [10, 11]}]
     f = write_parquet(tmp_path / "tok.parquet", rows)
-    ds, report = load_sft_dataset(f, TOK, max_length=8, prompt_key="q", response_key="a")
+    ds, _report = load_sft_dataset(f, TOK, max_length=8, prompt_key="q", response_key="a")
     assert [e.input_ids.tolist() for e in ds] == [[5, 6, 7, 8, 2], [9, 10, 11, 2]]
     assert [e.loss_mask.int().tolist() for e in ds] == [[0, 0, 0, 1, 1], [0, 1, 1, 1]]
     # Text wins over ids when both are present.
@@ -94,8 +94,10 @@ def test_sft_with_real_tokenizer_matches_library(tmp_path):
 
     raw = RawTokenizer(models.WordLevel(unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.train_from_iterator(["what is two plus two", "it is four"],
-                            trainer=trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    raw.train_from_iterator(
+        ["what is two plus two", "it is four"],
+        trainer=trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]),
+    )
     raw.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[EOS]", "pad_token": "[PAD]"}))
     tok = load_tokenizer(tmp_path)
@@ -108,8 +110,10 @@ def test_sft_with_real_tokenizer_matches_library(tmp_path):
 
 def test_missing_column_names_file_column_and_columns(tmp_path):
     f = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "answer": "b"}])
-    with pytest.raises(DataError, match=err(str(f), "row 0", "no column 'response'", "'response_ids'",
-                                            "columns present: ['answer', 'prompt']")):
+    with pytest.raises(
+        DataError,
+        match=err(str(f), "row 0", "no column 'response'", "'response_ids'", "columns present: ['answer', 'prompt']"),
+    ):
         load_sft_dataset(f, TOK, max_length=8)
     g = write_parquet(tmp_path / "p.parquet", [{"question": "a", "response": "b"}])
     with pytest.raises(DataError, match=err(str(g), "row 0", "no column 'prompt'", "['question', 'response']")):
@@ -126,12 +130,20 @@ def test_missing_column_names_file_column_and_columns(tmp_path):
         ({"prompt": ["a"], "response": "b"}, "prompt", "must be a string, got list", "wrong_type"),
         ({"prompt_ids": [], "response": "b"}, "prompt_ids", "is an empty list", "empty"),
         ({"prompt_ids": None, "response": "b"}, "prompt_ids", "is null", "empty"),
-        ({"prompt_ids": [1, "2"], "response": "b"}, "prompt_ids",
-         "must be a list of ints, got a list holding str '2'", "wrong_type"),
+        (
+            {"prompt_ids": [1, "2"], "response": "b"},
+            "prompt_ids",
+            "must be a list of ints, got a list holding str '2'",
+            "wrong_type",
+        ),
         ({"prompt_ids": [1, True], "response": "b"}, "prompt_ids", "must be a list of ints", "wrong_type"),
         ({"prompt_ids": "1 2", "response": "b"}, "prompt_ids", "must be a list of ints, got str", "wrong_type"),
-        ({"prompt_ids": [1, 300], "response": "b"}, "prompt_ids",
-         "holds token id 300, outside [0, 300)", "token_out_of_range"),
+        (
+            {"prompt_ids": [1, 300], "response": "b"},
+            "prompt_ids",
+            "holds token id 300, outside [0, 300)",
+            "token_out_of_range",
+        ),
         ({"prompt_ids": [-1], "response": "b"}, "prompt_ids", "holds token id -1", "token_out_of_range"),
     ],
 )
@@ -152,14 +164,29 @@ def test_overlong_error_and_skip_counts(tmp_path):
     rows = [{"prompt": "ab", "response": "c" * n} for n in range(1, 9)]  # lengths 2 + n + 1 eos
     f = write_jsonl(tmp_path / "a.jsonl", rows[:4])
     g = write_parquet(tmp_path / "b.parquet", rows[4:])
-    with pytest.raises(DataError, match=err(str(f), "row 3", "column 'response'", "gives 7 tokens",
-                                            "prompt 2 + response 5", "> data.max_length=6", "on_overlong='skip'")):
+    with pytest.raises(
+        DataError,
+        match=err(
+            str(f),
+            "row 3",
+            "column 'response'",
+            "gives 7 tokens",
+            "prompt 2 + response 5",
+            "> data.max_length=6",
+            "on_overlong='skip'",
+        ),
+    ):
         load_sft_dataset([f, g], TOK, max_length=6)
     ds, report = load_sft_dataset([f, g], TOK, max_length=6, on_overlong="skip")
     assert ds.lengths.tolist() == [4, 5, 6]
     assert (report.files, report.rows, report.kept, report.skipped) == (2, 8, 3, {"overlong": 5})
     assert [(Path(s.file).name, s.row) for s in report.samples["overlong"]] == [
-        ("a.jsonl", 3), ("b.parquet", 0), ("b.parquet", 1), ("b.parquet", 2), ("b.parquet", 3)]
+        ("a.jsonl", 3),
+        ("b.parquet", 0),
+        ("b.parquet", 1),
+        ("b.parquet", 2),
+        ("b.parquet", 3),
+    ]
     summary = report.summary()
     assert "read 8 rows from 2 file(s): kept 3, skipped 5: overlong 5" in summary and "a.jsonl: row 3" in summary
     # Overlong and bad values are governed separately.
@@ -210,8 +237,10 @@ def test_loader_argument_checks(tmp_path):
 
 
 def test_preference_by_hand(tmp_path):
-    rows = [{"prompt": "Q", "chosen": "yes", "rejected": "n"},
-            {"prompt_ids": [10], "chosen_ids": [11], "rejected_ids": [12, 13]}]
+    rows = [
+        {"prompt": "Q", "chosen": "yes", "rejected": "n"},
+        {"prompt_ids": [10], "chosen_ids": [11], "rejected_ids": [12, 13]},
+    ]
     f = write_jsonl(tmp_path / "pref.jsonl", rows)
     ds, report = load_preference_dataset(f, TOK, max_length=8)
     assert report.kept == 2
@@ -226,9 +255,14 @@ def test_preference_by_hand(tmp_path):
 
 
 def test_preference_errors_and_overlong_side(tmp_path):
-    f = write_jsonl(tmp_path / "pref.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"},
-                                              {"prompt": "Q", "chosen": "a", "rejected": "bbbbbbbb"},
-                                              {"prompt": "Q", "chosen": "a", "rejected": ""}])
+    f = write_jsonl(
+        tmp_path / "pref.jsonl",
+        [
+            {"prompt": "Q", "chosen": "a", "rejected": "b"},
+            {"prompt": "Q", "chosen": "a", "rejected": "bbbbbbbb"},
+            {"prompt": "Q", "chosen": "a", "rejected": ""},
+        ],
+    )
     with pytest.raises(DataError, match=err(str(f), "row 1", "column 'rejected'", "prompt 1 + rejected 9")):
         load_preference_dataset(f, TOK, max_length=6)
     ds, report = load_preference_dataset(f, TOK, max_length=6, on_overlong="skip", on_invalid="skip")
@@ -254,8 +288,17 @@ def test_prompt_dataset_with_extras(tmp_path):
 
 def test_overlong_prompt_names_the_setting(tmp_path):
     f = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": "abc"}, {"prompt": "abcdef"}])
-    with pytest.raises(DataError, match=err(str(f), "row 1", "column 'prompt'", "gives 7 tokens (prompt 7)",
-                                            "> data.max_prompt_length=5", "on_overlong='skip'")):
+    with pytest.raises(
+        DataError,
+        match=err(
+            str(f),
+            "row 1",
+            "column 'prompt'",
+            "gives 7 tokens (prompt 7)",
+            "> data.max_prompt_length=5",
+            "on_overlong='skip'",
+        ),
+    ):
         load_prompt_dataset(f, TOK, max_length=5, add_bos=True)
 
 
@@ -280,12 +323,16 @@ GSM8K_PROBLEMS = [
 
 def gsm8k_rows(split: str = "train") -> list[dict]:
     """Rows as verl's examples/data_preprocess/gsm8k.py writes them (its answer extraction drops commas)."""
-    return [{"data_source": "openai/gsm8k",
-             "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
-             "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": answer.split("#### ")[1].replace(",", "")},
-             "extra_info": {"split": split, "index": index, "answer": answer, "question": question}}
-            for index, (question, answer) in enumerate(GSM8K_PROBLEMS)]  # fmt: skip
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": answer.split("#### ")[1].replace(",", "")},
+            "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+        }
+        for index, (question, answer) in enumerate(GSM8K_PROBLEMS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -311,11 +358,19 @@ def test_verl_parquet_is_read_unchanged(qwen2_dir, tmp_path):
     for example, row in zip(ds, rows, strict=True):
         expected = ref.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"]
         assert example.prompt_ids.tolist() == list(expected)
-        assert example.extras == {"ability": "math", "data_source": "openai/gsm8k",
-                                  "ground_truth": row["reward_model"]["ground_truth"], "extra_info": row["extra_info"]}
+        assert example.extras == {
+            "ability": "math",
+            "data_source": "openai/gsm8k",
+            "ground_truth": row["reward_model"]["ground_truth"],
+            "extra_info": row["extra_info"],
+        }
     assert [e.extras["ground_truth"] for e in ds] == ["7", "1200"]
-    assert ds[1].extras["extra_info"] == {"split": "train", "index": 1, "answer": GSM8K_PROBLEMS[1][1],
-                                          "question": GSM8K_PROBLEMS[1][0]}  # fmt: skip
+    assert ds[1].extras["extra_info"] == {
+        "split": "train",
+        "index": 1,
+        "answer": GSM8K_PROBLEMS[1][1],
+        "question": GSM8K_PROBLEMS[1][0],
+    }
     # The same rows as JSONL give the same examples; a null or absent extra_info is verl's {}.
     jsonl_rows = [{**rows[0], "extra_info": None}, {k: v for k, v in rows[1].items() if k != "extra_info"}]
     g = write_jsonl(tmp_path / "train.jsonl", jsonl_rows)
@@ -333,11 +388,22 @@ def test_rows_without_reward_model_carry_no_reward_inputs(tmp_path):
 def test_verl_reward_columns_errors(tmp_path):
     good = {"prompt": "p", "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "7"}}
     f = write_jsonl(tmp_path / "no_source.jsonl", [good, {"prompt": "p", "reward_model": {"ground_truth": "7"}}])
-    with pytest.raises(DataError, match=err(str(f), "row 1", "has a 'reward_model' column but no 'data_source'",
-                                            "columns present: ['prompt', 'reward_model']")):
+    with pytest.raises(
+        DataError,
+        match=err(
+            str(f),
+            "row 1",
+            "has a 'reward_model' column but no 'data_source'",
+            "columns present: ['prompt', 'reward_model']",
+        ),
+    ):
         load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")  # a missing column is never skipped
-    bad = [{**good, "data_source": 3}, {**good, "reward_model": {"style": "rule"}}, {**good, "reward_model": "7"},
-           {**good, "extra_info": [1]}]  # fmt: skip
+    bad = [
+        {**good, "data_source": 3},
+        {**good, "reward_model": {"style": "rule"}},
+        {**good, "reward_model": "7"},
+        {**good, "extra_info": [1]},
+    ]
     g = write_jsonl(tmp_path / "bad.jsonl", [good, *bad])
     with pytest.raises(DataError, match=err(str(g), "row 1", "column 'data_source' must be a string, got int")):
         load_prompt_dataset(g, TOK, max_length=8)

@@ -142,8 +142,11 @@ def test_spans_read_the_rows_of_the_whole_files(tmp_path):
 
 def test_a_bad_line_in_a_span_fails_as_in_the_whole_file(tmp_path):
     f = tmp_path / "latin1.jsonl"
-    f.write_bytes("".join(f'{{"a": "{i}"}}\n' for i in range(30)).encode() + '{"a": "é"}\n'.encode("latin-1")
-                  + b'{"a": "after"}\n' * 10)  # fmt: skip
+    f.write_bytes(
+        "".join(f'{{"a": "{i}"}}\n' for i in range(30)).encode()
+        + '{"a": "é"}\n'.encode("latin-1")
+        + b'{"a": "after"}\n' * 10
+    )
     with pytest.raises(DataError) as whole:
         list(read_records(f))
     with pytest.raises(DataError) as spans:

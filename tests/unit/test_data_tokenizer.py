@@ -12,8 +12,12 @@ import pytest
 
 from megatron_rlhf.data import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 
-TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "héllo wörld ünïcode 日本語 🙂",
-         "  spaces\tand\nnewlines "]
+TEXTS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "héllo wörld ünïcode 日本語 🙂",
+    "  spaces\tand\nnewlines ",
+]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|eot|>"]
 
 
@@ -31,8 +35,9 @@ def hf_dir(tmp_path_factory) -> Path:
     tok = RawTokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(TEXTS * 5, trainer=trainer)
     tok.save(str(d / "tokenizer.json"))
     return d
@@ -45,11 +50,23 @@ def sp_dir(tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("sp")
     corpus = d / "corpus.txt"
-    corpus.write_text("\n".join([f"the quick brown fox number {i} jumps" for i in range(100)] + TEXTS * 5),
-                      encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(d / "tokenizer"), vocab_size=320,
-                                   model_type="bpe", byte_fallback=True, hard_vocab_limit=False,
-                                   pad_id=3, unk_id=0, bos_id=1, eos_id=2, minloglevel=2, num_threads=1)
+    corpus.write_text(
+        "\n".join([f"the quick brown fox number {i} jumps" for i in range(100)] + TEXTS * 5), encoding="utf-8"
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(d / "tokenizer"),
+        vocab_size=320,
+        model_type="bpe",
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        pad_id=3,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        minloglevel=2,
+        num_threads=1,
+    )
     corpus.unlink()
     (d / "tokenizer.vocab").unlink()
     return d
@@ -82,9 +99,15 @@ def test_hf_special_ids_agree_with_transformers(hf_dir, tmp_path):
     from transformers import AutoTokenizer
 
     d = copy_dir(hf_dir, tmp_path / "m")
-    write_json(d / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-                                             "eos_token": {"__type": "AddedToken", "content": "</s>"},
-                                             "pad_token": "<pad>"})
+    write_json(
+        d / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": {"__type": "AddedToken", "content": "</s>"},
+            "pad_token": "<pad>",
+        },
+    )
     tok = load_tokenizer(d)
     ref = AutoTokenizer.from_pretrained(str(d))
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id) == (1, 2, 0)
@@ -216,13 +239,16 @@ def test_built_in_models_ship_the_byte_tokenizer_as_tokenizer_json():
         assert ours.decode(ids) == theirs.decode(ids) == text
     rng = random.Random(1)
     for _ in range(2000):
-        ids = [rng.choice([rng.randrange(512), rng.randrange(3), rng.randrange(0x83, 259)]) for _ in range(rng.randrange(30))]
+        ids = [
+            rng.choice([rng.randrange(512), rng.randrange(3), rng.randrange(0x83, 259)])
+            for _ in range(rng.randrange(30))
+        ]
         assert ours.decode(ids) == theirs.decode(ids) == reference.decode(ids), ids
 
 
 def test_byte_tokenizer_errors():
     assert ByteTokenizer(259).vocab_size == 259
-    with pytest.raises(ValueError, match="vocab_size >= 259.*got 258"):
+    with pytest.raises(ValueError, match=r"vocab_size >= 259.*got 258"):
         ByteTokenizer(258)
     with pytest.raises(ValueError, match="token id 512 out of range"):
         ByteTokenizer(512).decode([512])
@@ -249,8 +275,13 @@ def test_tokenizers_pickle_for_worker_processes(hf_dir, sp_dir):
 # --------------------------------------------------------------------------- special tokens in a response
 
 # Responses as a policy samples them: special tokens in the middle of the text, next to ordinary ones.
-CHAT_RESPONSES = ["ang 3 ####<|im_start|> 3", "<|im_start|>assistant\nIt is five.<|im_end|>", "two<|endoftext|>three",
-                  "Bonjour<|im_end|><|im_end|>très bien", "plain text, no specials"]  # fmt: skip
+CHAT_RESPONSES = [
+    "ang 3 ####<|im_start|> 3",
+    "<|im_start|>assistant\nIt is five.<|im_end|>",
+    "two<|endoftext|>three",
+    "Bonjour<|im_end|><|im_end|>très bien",
+    "plain text, no specials",
+]
 
 
 def test_hf_decode_skips_special_tokens_as_transformers_does(tmp_path):
@@ -292,10 +323,18 @@ def test_built_in_tokenizer_skips_nothing_that_is_text():
         expected = theirs.decode(ids, skip_special_tokens=True)
         assert expected == theirs.decode(ids), ids
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip) == expected
+            assert (
+                ours.decode(ids, skip_special_tokens=skip)
+                == reference.decode(ids, skip_special_tokens=skip)
+                == expected
+            )
     assert reference.decode(rows[-1]) == "ab\ufffd"
     expected = [theirs.decode(ids, skip_special_tokens=True) for ids in rows]
-    assert ours.decode_batch(rows, skip_special_tokens=True) == reference.decode_batch(rows, skip_special_tokens=True) == expected
+    assert (
+        ours.decode_batch(rows, skip_special_tokens=True)
+        == reference.decode_batch(rows, skip_special_tokens=True)
+        == expected
+    )
 
 
 def test_sentencepiece_skips_control_unknown_and_named_pieces(tmp_path):
@@ -306,9 +345,20 @@ def test_sentencepiece_skips_control_unknown_and_named_pieces(tmp_path):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join([f"hello world number {i} <user> again" for i in range(60)]), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=80,
-                                   model_type="bpe", pad_id=3, unk_id=0, bos_id=1, eos_id=2, minloglevel=2,
-                                   control_symbols=["<ctrl>"], user_defined_symbols=["<user>"], num_threads=1)  # fmt: skip
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "tokenizer"),
+        vocab_size=80,
+        model_type="bpe",
+        pad_id=3,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        minloglevel=2,
+        control_symbols=["<ctrl>"],
+        user_defined_symbols=["<user>"],
+        num_threads=1,
+    )
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     tok = load_tokenizer(tmp_path)
     ctrl, user = sp.piece_to_id("<ctrl>"), sp.piece_to_id("<user>")

@@ -54,8 +54,10 @@ def same_in_workers(load: Callable, paths: list[Path], *args: Any, **kwargs: Any
 
 
 def write_jsonl_with_blanks(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(("\n" if i % 9 == 0 else "") + json.dumps(r, ensure_ascii=False) + "\n"
-                            for i, r in enumerate(rows)), encoding="utf-8")  # fmt: skip
+    path.write_text(
+        "".join(("\n" if i % 9 == 0 else "") + json.dumps(r, ensure_ascii=False) + "\n" for i, r in enumerate(rows)),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -81,17 +83,16 @@ def test_sft_in_workers(tmp_path):
     b = tmp_path / "b.parquet"
     pq.write_table(pa.Table.from_pylist(sft_rows(60, text_only=True)), b, row_group_size=9)
     c = write_jsonl(tmp_path / "c.jsonl", sft_rows(30)[::-1])
-    report = same_in_workers(load_sft_dataset, [a, b, c], TOK, max_length=24, on_overlong="skip", on_invalid="skip",
-                             add_bos=True)  # fmt: skip
+    report = same_in_workers(
+        load_sft_dataset, [a, b, c], TOK, max_length=24, on_overlong="skip", on_invalid="skip", add_bos=True
+    )
     assert set(report.skipped) == {"overlong", "empty", "token_out_of_range"}
 
 
 def test_preference_in_workers(tmp_path):
-    rows = [{"prompt": f"question {i}", "chosen": "yes" * (i % 5 + 1), "rejected": "no" * (i % 23)}
-            for i in range(80)]  # fmt: skip
+    rows = [{"prompt": f"question {i}", "chosen": "yes" * (i % 5 + 1), "rejected": "no" * (i % 23)} for i in range(80)]
     f = write_jsonl_with_blanks(tmp_path / "pref.jsonl", rows)
-    report = same_in_workers(load_preference_dataset, [f], TOK, max_length=40, on_overlong="skip",
-                             on_invalid="skip")  # fmt: skip
+    report = same_in_workers(load_preference_dataset, [f], TOK, max_length=40, on_overlong="skip", on_invalid="skip")
     assert set(report.skipped) == {"overlong", "empty"}
 
 
@@ -107,22 +108,35 @@ def test_prompts_with_chat_messages_and_verl_extras_in_workers(tmp_path):
         verl.append(row)
     p = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(verl), p, row_group_size=6)
-    text = [{"prompt": f"What is {i} + {i}?", "ability": "math", "data_source": "mine" if i % 5 else 3,
-             "reward_model": {"ground_truth": str(2 * i)}} for i in range(40)]  # fmt: skip
+    text = [
+        {
+            "prompt": f"What is {i} + {i}?",
+            "ability": "math",
+            "data_source": "mine" if i % 5 else 3,
+            "reward_model": {"ground_truth": str(2 * i)},
+        }
+        for i in range(40)
+    ]
     j = write_jsonl_with_blanks(tmp_path / "text.jsonl", text)
-    report = same_in_workers(load_prompt_dataset, [p, j], tok, max_length=512, on_overlong="skip", on_invalid="skip",
-                             extra_keys=["ability"])  # fmt: skip
+    report = same_in_workers(
+        load_prompt_dataset, [p, j], tok, max_length=512, on_overlong="skip", on_invalid="skip", extra_keys=["ability"]
+    )
     assert set(report.skipped) == {"overlong", "wrong_type"}
 
 
 def bad_row_late(tmp_path: Path) -> Path:
-    return write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}] * 50
-                       + [{"prompt": "p", "response": None}] + [{"prompt": "p", "response": "r"}] * 10)
+    return write_jsonl(
+        tmp_path / "a.jsonl",
+        [{"prompt": "p", "response": "r"}] * 50
+        + [{"prompt": "p", "response": None}]
+        + [{"prompt": "p", "response": "r"}] * 10,
+    )
 
 
 def overlong_before_bad_json(tmp_path: Path) -> Path:
-    f = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r" * (30 if i == 10 else 1)}
-                                           for i in range(60)])
+    f = write_jsonl(
+        tmp_path / "a.jsonl", [{"prompt": "p", "response": "r" * (30 if i == 10 else 1)} for i in range(60)]
+    )
     f.write_text(f.read_text() + '{"prompt": "p",}\n' + '{"prompt": "p", "response": "r"}\n' * 5)
     return f
 
@@ -134,16 +148,23 @@ def bad_json_after_skips(tmp_path: Path) -> Path:
 
 
 def missing_column_late(tmp_path: Path) -> Path:
-    return write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": ""}] * 40
-                       + [{"prompt": "p", "answer": "r"}] + [{"prompt": "p", "response": "r"}] * 20)
+    return write_jsonl(
+        tmp_path / "a.jsonl",
+        [{"prompt": "p", "response": ""}] * 40
+        + [{"prompt": "p", "answer": "r"}]
+        + [{"prompt": "p", "response": "r"}] * 20,
+    )
 
 
-@pytest.mark.parametrize("case, on_invalid, expected", [
-    (bad_row_late, "error", "a.jsonl: row 50: column 'response' is null (pass on_invalid='skip'"),
-    (overlong_before_bad_json, "error", "a.jsonl: row 10: column 'response' gives 32 tokens"),
-    (bad_json_after_skips, "skip", "a.jsonl: line 61: expected a JSON object, got list"),
-    (missing_column_late, "skip", "a.jsonl: row 40: no column 'response'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, on_invalid, expected",
+    [
+        (bad_row_late, "error", "a.jsonl: row 50: column 'response' is null (pass on_invalid='skip'"),
+        (overlong_before_bad_json, "error", "a.jsonl: row 10: column 'response' gives 32 tokens"),
+        (bad_json_after_skips, "skip", "a.jsonl: line 61: expected a JSON object, got list"),
+        (missing_column_late, "skip", "a.jsonl: row 40: no column 'response'"),
+    ],
+)
 def test_the_first_error_in_row_order_is_raised_with_the_same_message(tmp_path, case, on_invalid, expected):
     f = case(tmp_path)
     with pytest.raises(DataError) as serial:
@@ -158,8 +179,11 @@ def test_a_tokenizer_that_does_not_pickle_names_the_setting(tmp_path):
         pass
 
     f = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}])
-    with pytest.raises(ValueError, match=r"num_workers=2: ByteTokenizer\(vocab_size=300\) cannot be sent to worker "
-                                         r"processes \(.*\); set data.num_workers=0"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"num_workers=2: ByteTokenizer\(vocab_size=300\) cannot be sent to worker "
+        r"processes \(.*\); set data.num_workers=0",
+    ):
         load_sft_dataset(f, Local(300), max_length=8, num_workers=2)
     with pytest.raises(ValueError, match="num_workers must be an int >= 0, got -1"):
         load_sft_dataset(f, TOK, max_length=8, num_workers=-1)
@@ -172,7 +196,8 @@ def test_num_workers_setting():
     assert DataFilesConfig().num_workers == 0
     assert DataFilesConfig(num_workers=-1).errors() == ["num_workers=-1 must be >= 0"]
     assert config_errors(load_config("sft-tiny", ["data.num_workers=-1"], schema=SFTConfig)) == [
-        "data.num_workers=-1 must be >= 0"]
+        "data.num_workers=-1 must be >= 0"
+    ]
 
 
 class DyingTokenizer(ByteTokenizer):
@@ -185,8 +210,12 @@ class DyingTokenizer(ByteTokenizer):
 
 
 def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path):
-    f = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}] * 40
-                    + [{"prompt": "die", "response": "r"}])
-    with pytest.raises(RuntimeError, match=r"a data-loading worker process failed to start or died \(out of memory\?\) "
-                                           r"while reading \['.*a.jsonl'\]: lower data.num_workers=2, or set it to 0"):
+    f = write_jsonl(
+        tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}] * 40 + [{"prompt": "die", "response": "r"}]
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"a data-loading worker process failed to start or died \(out of memory\?\) "
+        r"while reading \['.*a.jsonl'\]: lower data.num_workers=2, or set it to 0",
+    ):
         load_sft_dataset(f, DyingTokenizer(300), max_length=8, num_workers=WORKERS)

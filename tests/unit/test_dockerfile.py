@@ -54,9 +54,7 @@ def test_copy_sources_missing_or_ignored_are_named(tmp_path: Path) -> None:
 def test_pins_are_found_in_run_lines_and_setup_py(tmp_path: Path) -> None:
     check = load_check()
     (tmp_path / "Dockerfile").write_text(
-        "FROM base:1\n"
-        "RUN pip install --no-cache-dir foo==1.2.3 \\\n"
-        " && pip install 'bar>=2' baz==0.1.0rc1\n"
+        "FROM base:1\nRUN pip install --no-cache-dir foo==1.2.3 \\\n && pip install 'bar>=2' baz==0.1.0rc1\n"
     )
     (tmp_path / "setup.py").write_text('install_requires=["qux==4.5", "free"]\n')
     pins = check.pinned_packages(tmp_path / "Dockerfile", tmp_path / "setup.py")

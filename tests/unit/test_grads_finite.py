@@ -11,7 +11,9 @@ from megatron_rlhf.engine.train import _nonfinite_grads_anywhere
 
 
 def _model_with_buffers(*grads: torch.Tensor) -> types.SimpleNamespace:
-    return types.SimpleNamespace(buffers=[types.SimpleNamespace(grad_data=g) for g in grads], expert_parallel_buffers=[])
+    return types.SimpleNamespace(
+        buffers=[types.SimpleNamespace(grad_data=g) for g in grads], expert_parallel_buffers=[]
+    )
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

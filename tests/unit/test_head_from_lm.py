@@ -32,9 +32,11 @@ def test_the_critic_gets_the_backbone_and_a_zero_head(world_of_one) -> None:
 
 
 def test_only_roles_that_may_start_from_an_lm_do() -> None:
-    assert HEAD_FROM_LM == {"critic"}
+    assert {"critic"} == HEAD_FROM_LM
     errors, _ = model_errors("reward", ModelConfig(path="builtin:tiny-llama"), 1, score_head=True)
-    assert errors == ["reward.path='builtin:tiny-llama' is a LlamaForCausalLM; the reward needs a "
-                      "*ForSequenceClassification (score head) model"]  # fmt: skip
+    assert errors == [
+        "reward.path='builtin:tiny-llama' is a LlamaForCausalLM; the reward needs a "
+        "*ForSequenceClassification (score head) model"
+    ]
     errors, _ = model_errors("model", ModelConfig(path="builtin:tiny-llama-rm"), 1, score_head=False, head_from_lm=True)
     assert errors and "needs a *ForCausalLM" in errors[0]  # head_from_lm never removes a head

@@ -96,10 +96,13 @@ def padded(vocab: int, multiple: int) -> int:
 
 def valid_tps(arch: Architecture) -> list[int]:
     return [
-        tp for tp in (1, 2, 4)
-        if arch.num_query_groups % tp == 0 and arch.num_attention_heads % tp == 0
-        and arch.ffn_hidden_size % tp == 0 and arch.hidden_size % tp == 0
-    ]  # fmt: skip
+        tp
+        for tp in (1, 2, 4)
+        if arch.num_query_groups % tp == 0
+        and arch.num_attention_heads % tp == 0
+        and arch.ffn_hidden_size % tp == 0
+        and arch.hidden_size % tp == 0
+    ]
 
 
 # ------------------------------------------------------------- shapes and layers
@@ -111,22 +114,24 @@ def test_hf_tensor_shapes_hand_derived():
     expected = {"model.embed_tokens.weight": (50, 16), "model.norm.weight": (16,), "lm_head.weight": (50, 16)}
     for i in range(2):
         p = f"model.layers.{i}."
-        expected.update({
-            p + "input_layernorm.weight": (16,),
-            p + "self_attn.q_proj.weight": (16, 16),
-            p + "self_attn.k_proj.weight": (8, 16),
-            p + "self_attn.v_proj.weight": (8, 16),
-            p + "self_attn.q_proj.bias": (16,),
-            p + "self_attn.k_proj.bias": (8,),
-            p + "self_attn.v_proj.bias": (8,),
-            p + "self_attn.q_norm.weight": (4,),
-            p + "self_attn.k_norm.weight": (4,),
-            p + "self_attn.o_proj.weight": (16, 16),
-            p + "post_attention_layernorm.weight": (16,),
-            p + "mlp.gate_proj.weight": (24, 16),
-            p + "mlp.up_proj.weight": (24, 16),
-            p + "mlp.down_proj.weight": (16, 24),
-        })  # fmt: skip
+        expected.update(
+            {
+                p + "input_layernorm.weight": (16,),
+                p + "self_attn.q_proj.weight": (16, 16),
+                p + "self_attn.k_proj.weight": (8, 16),
+                p + "self_attn.v_proj.weight": (8, 16),
+                p + "self_attn.q_proj.bias": (16,),
+                p + "self_attn.k_proj.bias": (8,),
+                p + "self_attn.v_proj.bias": (8,),
+                p + "self_attn.q_norm.weight": (4,),
+                p + "self_attn.k_norm.weight": (4,),
+                p + "self_attn.o_proj.weight": (16, 16),
+                p + "post_attention_layernorm.weight": (16,),
+                p + "mlp.gate_proj.weight": (24, 16),
+                p + "mlp.up_proj.weight": (24, 16),
+                p + "mlp.down_proj.weight": (16, 24),
+            }
+        )
     assert shapes == expected
 
 
@@ -173,7 +178,7 @@ def test_stage_maps_cover_checkpoint_exactly_once(name, pp):
         assert local == set(range(arch.num_layers // pp))
         for m in maps:
             assert len(m.hf) == len(m.hf_shapes)
-            for hf_name, shape in zip(m.hf, m.hf_shapes):
+            for hf_name, shape in zip(m.hf, m.hf_shapes, strict=True):
                 counts[hf_name] += 1
                 shapes[hf_name] = shape
         # the layer tensors on this stage are exactly its layers
@@ -284,10 +289,16 @@ def test_qkv_layout_by_hand(heads, groups, tp):
     v = torch.randn(groups * head_dim, hidden, generator=g)
     qb, kb, vb = q[:, 0].clone(), k[:, 0].clone(), v[:, 0].clone()
     names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
-    source = MemorySource({
-        names[0] + ".weight": q, names[1] + ".weight": k, names[2] + ".weight": v,
-        names[0] + ".bias": qb, names[1] + ".bias": kb, names[2] + ".bias": vb,
-    })  # fmt: skip
+    source = MemorySource(
+        {
+            names[0] + ".weight": q,
+            names[1] + ".weight": k,
+            names[2] + ".weight": v,
+            names[0] + ".bias": qb,
+            names[1] + ".bias": kb,
+            names[2] + ".bias": vb,
+        }
+    )
     maps = {m.mcore: m for m in tensor_maps(arch, 1, 0)}
     wmap = maps["decoder.layers.0.self_attention.linear_qkv.weight"]
     bmap = maps["decoder.layers.0.self_attention.linear_qkv.bias"]
@@ -306,9 +317,13 @@ def test_qkv_layout_tiny_literal():
     # heads=2, groups=1, head_dim=1, hidden=1: q=[[0],[1]], k=[[10]], v=[[20]] -> [0, 1, 10, 20]
     arch = make_arch(heads=2, groups=1, head_dim=1, hidden=1, layers=1)
     p = "model.layers.0.self_attn."
-    source = MemorySource({p + "q_proj.weight": torch.tensor([[0.0], [1.0]]),
-                           p + "k_proj.weight": torch.tensor([[10.0]]),
-                           p + "v_proj.weight": torch.tensor([[20.0]])})  # fmt: skip
+    source = MemorySource(
+        {
+            p + "q_proj.weight": torch.tensor([[0.0], [1.0]]),
+            p + "k_proj.weight": torch.tensor([[10.0]]),
+            p + "v_proj.weight": torch.tensor([[20.0]]),
+        }
+    )
     tmap = next(m for m in tensor_maps(arch, 1, 0) if m.kind == "qkv")
     assert shard_from_hf(tmap, source, arch, 1, 0, 8).flatten().tolist() == [0.0, 1.0, 10.0, 20.0]
 
@@ -343,8 +358,10 @@ def test_vocab_padding(tp, padded_vocab):
     arch = ARCHS["llama-gqa-h4g2"]  # vocab 50
     originals = random_tensors(arch, seed=5)
     source = MemorySource(originals)
-    for mcore, hf_name in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-                           ("output_layer.weight", "lm_head.weight")):  # fmt: skip
+    for mcore, hf_name in (
+        ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        ("output_layer.weight", "lm_head.weight"),
+    ):
         tmap = next(m for m in tensor_maps(arch, 1, 0) if m.mcore == mcore)
         assert tmap.kind == "vocab"
         full = originals[hf_name]
@@ -396,7 +413,10 @@ def test_tp_split_tensors_are_read_in_slices(tp):
                     continue
                 # no TP-split tensor is ever read whole
                 assert not (_covers_all(rows, shape[0]) and (len(shape) == 1 or _covers_all(cols, shape[1]))), (
-                    tmap.mcore, hf_name, rows, cols
+                    tmap.mcore,
+                    hf_name,
+                    rows,
+                    cols,
                 )
                 total = shape[0] * (1 if len(shape) == 1 else shape[1])
                 read = n_rows * n_cols

@@ -34,7 +34,9 @@ def reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -
 def test_matches_float64_reference(temperature: float, dtype: torch.dtype, tol: float) -> None:
     logits, targets = make_inputs(dtype=dtype)
     before = logits.clone()
-    logprobs, entropy = token_logprobs_and_entropy(logits, targets, tp_group=None, vocab_size=VOCAB, temperature=temperature)
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, targets, tp_group=None, vocab_size=VOCAB, temperature=temperature
+    )
     ref_logprobs, ref_entropy = reference(logits, targets, temperature)
     assert logprobs.shape == entropy.shape == (B, S)
     assert logprobs.dtype == entropy.dtype == dtype
@@ -51,9 +53,12 @@ def test_temperature_changes_the_distribution() -> None:
     # Sanity of the reference itself: the probabilities over the real vocabulary sum to 1.
     all_targets = torch.arange(VOCAB).expand(B, S, VOCAB)
     log_p = torch.stack(
-        [token_logprobs_and_entropy(logits, all_targets[..., v], tp_group=None, vocab_size=VOCAB, temperature=0.7)[0]
-         for v in range(VOCAB)], dim=-1,
-    )  # fmt: skip
+        [
+            token_logprobs_and_entropy(logits, all_targets[..., v], tp_group=None, vocab_size=VOCAB, temperature=0.7)[0]
+            for v in range(VOCAB)
+        ],
+        dim=-1,
+    )
     assert (log_p.exp().sum(-1) - 1).abs().max() < 1e-5
 
 
@@ -76,14 +81,19 @@ def test_bf16_input_is_upcast() -> None:
 def test_gradients_match_autograd_of_reference(temperature: float, dtype: torch.dtype, tol: float) -> None:
     logits, targets = make_inputs(seed=1)
     gen = torch.Generator().manual_seed(2)
-    w_logp, w_ent = torch.randn(B, S, generator=gen, dtype=torch.float64), torch.randn(B, S, generator=gen, dtype=torch.float64)
+    w_logp, w_ent = (
+        torch.randn(B, S, generator=gen, dtype=torch.float64),
+        torch.randn(B, S, generator=gen, dtype=torch.float64),
+    )
 
     ref_in = logits.double().requires_grad_(True)  # the same (float32-representable) values
     ref_logprobs, ref_entropy = reference(ref_in, targets, temperature)
     (w_logp * ref_logprobs + w_ent * ref_entropy).sum().backward()
 
     ours_in = logits.to(dtype).requires_grad_(True)
-    logprobs, entropy = token_logprobs_and_entropy(ours_in, targets, tp_group=None, vocab_size=VOCAB, temperature=temperature)
+    logprobs, entropy = token_logprobs_and_entropy(
+        ours_in, targets, tp_group=None, vocab_size=VOCAB, temperature=temperature
+    )
     (w_logp.to(dtype) * logprobs + w_ent.to(dtype) * entropy).sum().backward()
     assert ours_in.grad.dtype == dtype
     assert (ours_in.grad.double() - ref_in.grad).abs().max() < tol
@@ -95,7 +105,9 @@ def test_gradients_match_autograd_of_reference(temperature: float, dtype: torch.
         ours_in.grad = None
         ref_out = reference(ref_in, targets, temperature)[pick]
         (w_logp * ref_out).sum().backward()
-        out = token_logprobs_and_entropy(ours_in, targets, tp_group=None, vocab_size=VOCAB, temperature=temperature)[pick]
+        out = token_logprobs_and_entropy(ours_in, targets, tp_group=None, vocab_size=VOCAB, temperature=temperature)[
+            pick
+        ]
         (w_logp.to(dtype) * out).sum().backward()
         assert (ours_in.grad.double() - ref_in.grad).abs().max() < tol
 
@@ -114,7 +126,9 @@ def test_gradcheck_float64() -> None:
 def test_without_entropy() -> None:
     logits, targets = make_inputs()
     logits.requires_grad_(True)
-    logprobs, entropy = token_logprobs_and_entropy(logits, targets, tp_group=None, vocab_size=VOCAB, compute_entropy=False)
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, targets, tp_group=None, vocab_size=VOCAB, compute_entropy=False
+    )
     assert entropy is None
     ref_logprobs, _ = reference(logits, targets, 1.0)
     assert (logprobs - ref_logprobs).abs().max() < 2e-5

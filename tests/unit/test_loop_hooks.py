@@ -87,8 +87,9 @@ def test_merged_length_counts_overlaps_once() -> None:
 
 
 def test_profile_steps_write_a_phase_report_and_a_trace_of_those_steps_only(world_of_one, tmp_path: Path) -> None:
-    cfg = LoopConfig(output_dir=str(tmp_path), save_hf=False, save_final=False, loggers=["jsonl"], max_steps=2,
-                     profile_steps=[2])  # fmt: skip
+    cfg = LoopConfig(
+        output_dir=str(tmp_path), save_hf=False, save_final=False, loggers=["jsonl"], max_steps=2, profile_steps=[2]
+    )
     run_loop(cfg, _CountingTask())
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step_2.trace.json.gz", "step_2.txt"]
     report = (tmp_path / "profile" / "step_2.txt").read_text().splitlines()

@@ -23,11 +23,19 @@ class _Shape:
 def test_kv_cache_bytes_hand_derived():
     # Qwen2.5-1.5B shape: 28 layers x 256 slots x 2 KV groups x 384 positions x (K and V) 2 x 128 x 2 bytes.
     arch = _Shape()
-    assert kv_cache_bytes(arch, generation_tp=1, slots=256, max_len=384, dtype=torch.bfloat16) == 28 * 256 * 2 * 384 * 2 * 128 * 2
-    assert kv_cache_bytes(arch, generation_tp=2, slots=256, max_len=384, dtype=torch.float32) == 28 * 256 * 1 * 384 * 2 * 128 * 4
+    assert (
+        kv_cache_bytes(arch, generation_tp=1, slots=256, max_len=384, dtype=torch.bfloat16)
+        == 28 * 256 * 2 * 384 * 2 * 128 * 2
+    )
+    assert (
+        kv_cache_bytes(arch, generation_tp=2, slots=256, max_len=384, dtype=torch.float32)
+        == 28 * 256 * 1 * 384 * 2 * 128 * 4
+    )
 
 
-@pytest.mark.parametrize("needs_gib, free_gib, offload", [(10, 100, False), (90, 100, True), (85, 100, False), (87, 100, True)])
+@pytest.mark.parametrize(
+    "needs_gib, free_gib, offload", [(10, 100, False), (90, 100, True), (85, 100, False), (87, 100, True)]
+)
 def test_auto_offloads_only_when_generation_does_not_fit(needs_gib, free_gib, offload):
     """Room = free - 10% of a 140 GiB device = free - 14 GiB."""
     decided, reason = decide_offload("auto", generation_needs=needs_gib * GIB, free=free_gib * GIB, total=140 * GIB)

@@ -58,15 +58,19 @@ def import_edges(package: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
 
 
 def test_every_room_has_a_layer():
-    rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}  # fmt: skip
+    rooms = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")
+    }
     assert rooms == set(LAYER_OF), f"rooms without a layer: {rooms - set(LAYER_OF)}; stale: {set(LAYER_OF) - rooms}"
 
 
 def test_imports_never_go_up():
     upward = {edge: files for edge, files in import_edges().items() if LAYER_OF[edge[0]] < LAYER_OF[edge[1]]}
     assert not upward, "imports from a lower layer to a higher one: " + "; ".join(
-        f"{src} -> {dst} in {sorted(set(files))}" for (src, dst), files in upward.items())
+        f"{src} -> {dst} in {sorted(set(files))}" for (src, dst), files in upward.items()
+    )
 
 
 def test_no_loop_between_rooms():

@@ -55,8 +55,11 @@ def test_first_fit_decreasing_by_hand() -> None:
         first_fit_decreasing([13], 12)
 
 
-@pytest.mark.parametrize("lengths", [skewed_lengths(300, 7), [40] * 50, [40] * 20 + [1] * 30 + [39] * 10, [5, 5, 30, 35, 40]],
-                         ids=["skewed", "all-full", "closing-bins", "small"])
+@pytest.mark.parametrize(
+    "lengths",
+    [skewed_lengths(300, 7), [40] * 50, [40] * 20 + [1] * 30 + [39] * 10, [5, 5, 30, 35, 40]],
+    ids=["skewed", "all-full", "closing-bins", "small"],
+)
 def test_first_fit_decreasing_equals_the_textbook_scan(lengths: list[int]) -> None:
     """The search that skips bins too full for the shortest sequence places every sequence where
     the textbook scan over all bins does."""
@@ -145,7 +148,9 @@ def test_packed_layout_holds_each_sequence_once_with_its_own_mask(world_of_one) 
 
 
 def build(path: str):
-    return build_role("actor", ModelConfig(path=path), architecture_of(path), world_size=1, dtype=torch.float32, device=CPU)
+    return build_role(
+        "actor", ModelConfig(path=path), architecture_of(path), world_size=1, dtype=torch.float32, device=CPU
+    )
 
 
 LENGTHS = [37, 5, 16, 9, 40, 3, 22, 11, 28, 7]
@@ -163,7 +168,11 @@ def test_packed_forward_pass_equals_unpacked(world_of_one, budget: int) -> None:
     actor, critic = build("builtin:tiny-llama"), build("builtin:tiny-llama-rm")
     pieces, _ = micro_batches(batch, budget, actor.groups, CPU)
     assert any("cu_seqlens" in p for p in pieces)
-    outputs = ((actor, logprobs_output(actor, temperature=0.7)), (critic, token_values_output()), (critic, values_output()))
+    outputs = (
+        (actor, logprobs_output(actor, temperature=0.7)),
+        (critic, token_values_output()),
+        (critic, values_output()),
+    )
     for role, fn in outputs:
         packed = forward_pass(role, batch, fn, max_tokens_per_micro_batch=budget)
         unpacked = forward_pass(role, batch, fn, max_tokens_per_micro_batch=budget, pack_sequences=False)
@@ -231,8 +240,9 @@ def test_lm_head_on_the_masked_tokens_only_trains_as_the_full_pass(world_of_one,
         recorded = UpdateLogprobs(role, *batch["input_ids"].shape) if on_policy else None
         if on_policy:
             del batch["old_logprobs"]
-        metrics = train_step(state, batch, ppo_actor_loss(role, cfg, temperature=0.7, on_policy=recorded),
-                             max_tokens_per_micro_batch=80)  # fmt: skip
+        metrics = train_step(
+            state, batch, ppo_actor_loss(role, cfg, temperature=0.7, on_policy=recorded), max_tokens_per_micro_batch=80
+        )
         grads = gradients(state)
         results.append((metrics, grads, recorded.all_rows() if on_policy else None))
     (full, full_grads, full_recorded), (selected, selected_grads, selected_recorded) = results
@@ -253,8 +263,12 @@ def test_sft_step_with_the_lm_head_on_its_targets_equals_the_full_pass(world_of_
         batch = batch_of(LENGTHS)
         role = build("builtin:tiny-llama")
         state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0))
-        metrics = train_step(state, logits_only_at(batch, "loss_mask") if selected else batch, sft_loss(role),
-                             max_tokens_per_micro_batch=80)  # fmt: skip
+        metrics = train_step(
+            state,
+            logits_only_at(batch, "loss_mask") if selected else batch,
+            sft_loss(role),
+            max_tokens_per_micro_batch=80,
+        )
         results.append((metrics, gradients(state)))
     (full, full_grads), (selected, selected_grads) = results
     for name in ("loss", "grad_norm"):
@@ -270,6 +284,8 @@ def test_lm_head_with_nothing_masked_trains_to_zero_gradients(world_of_one) -> N
     batch["logits_mask"] = batch["response_mask"]
     role = build("builtin:tiny-llama")
     state = make_train_state(role, OptimConfig(lr=1e-2))
-    metrics = train_step(state, batch, ppo_actor_loss(role, PPOLossConfig(), temperature=1.0), max_tokens_per_micro_batch=80)
+    metrics = train_step(
+        state, batch, ppo_actor_loss(role, PPOLossConfig(), temperature=1.0), max_tokens_per_micro_batch=80
+    )
     assert metrics["loss"] == 0.0
     assert not gradients(state).any()

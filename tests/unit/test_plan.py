@@ -60,8 +60,9 @@ def test_grads_and_optimizer_state_are_the_real_ones_after_a_step(world_of_one, 
     step (Adam's moments, and fp32 main parameters unless the model is fp32), against the plan."""
     path = "builtin:tiny-llama"
     arch = architecture_of(path)
-    state = make_train_state(build_role("actor", ModelConfig(path=path), arch, world_size=1, dtype=dtype, device=CPU),
-                             OptimConfig(lr=1e-3))  # fmt: skip
+    state = make_train_state(
+        build_role("actor", ModelConfig(path=path), arch, world_size=1, dtype=dtype, device=CPU), OptimConfig(lr=1e-3)
+    )
     ids = torch.randint(3, 200, (2, 12))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     train_step(state, batch, sft_loss(state.role), max_tokens_per_micro_batch=64)
@@ -76,17 +77,31 @@ def test_grads_and_optimizer_state_are_the_real_ones_after_a_step(world_of_one, 
     for inner in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
         for group in inner.optimizer.param_groups:
             optimizer += _bytes(p for p in group["params"] if p.untyped_storage().data_ptr() not in model_storages)
-        optimizer += _bytes(v for s in inner.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+        optimizer += _bytes(
+            v for s in inner.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        )
     assert optimizer == planned.optimizer
     assert planned.weights == _bytes(params)
 
 
 def test_kv_cache_is_the_engines(world_of_one) -> None:
     """The plan's KV cache equals the cache the engine allocates for a rollout of the config."""
-    cfg = load_config("ppo-tiny", ["dtype=fp32", "prompts_per_step=3", "rollout.sampling.n=2",
-                                   "rollout.sampling.max_new_tokens=4", "rollout.engine.max_batch_size=4", "mini_batch_size=6"], schema=PPOConfig)  # fmt: skip
+    cfg = load_config(
+        "ppo-tiny",
+        [
+            "dtype=fp32",
+            "prompts_per_step=3",
+            "rollout.sampling.n=2",
+            "rollout.sampling.max_new_tokens=4",
+            "rollout.engine.max_batch_size=4",
+            "mini_batch_size=6",
+        ],
+        schema=PPOConfig,
+    )
     plan = plan_ppo(cfg, 1, 80 * GIB)
-    role = build_role("actor", cfg.actor, architecture_of(cfg.actor.path), world_size=1, dtype=torch.float32, device=CPU)
+    role = build_role(
+        "actor", cfg.actor, architecture_of(cfg.actor.path), world_size=1, dtype=torch.float32, device=CPU
+    )
     engine_cfg = dataclasses.replace(cfg.rollout.engine, max_seq_len=plan.kv_len)
     engine = NativeEngine(role, engine_cfg)
     prompts = [[5, 6, 7], [8, 9], [10]]
@@ -97,8 +112,16 @@ def test_kv_cache_is_the_engines(world_of_one) -> None:
 
 def test_hand_derived_parameters_and_activations() -> None:
     """h=8, f=16, 4 layers, 2 heads and 1 query group of 4, vocab 10 (padded to 128 x tp), untied."""
-    arch = dataclasses.replace(architecture_of("builtin:tiny-llama"), vocab_size=10, hidden_size=8, ffn_hidden_size=16,
-                               num_layers=4, num_attention_heads=2, num_query_groups=1, head_dim=4)  # fmt: skip
+    arch = dataclasses.replace(
+        architecture_of("builtin:tiny-llama"),
+        vocab_size=10,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_layers=4,
+        num_attention_heads=2,
+        num_query_groups=1,
+        head_dim=4,
+    )
     # per layer at tp=2: norms 2*8, qkv (8+2*4)/2 * 8, proj 8 * 8/2, fc1+fc2 3 * 8 * 16/2
     layer = 16 + 64 + 32 + 192
     embedding = 256 // 2 * 8
@@ -107,16 +130,28 @@ def test_hand_derived_parameters_and_activations() -> None:
     assert stage_parameters(arch, Layout(2, 2, 1), 256) == embedding + 2 * layer + 8
     # training, per token and layer: 4h + (4q + 3kv + 3f) / tp = 32 + (32 + 12 + 48) / 2 = 78 elements; logits 2 x 128
     assert activation_bytes(arch, Layout(2, 1, 1), 256, 10, 2, training=True) == 4 * 10 * 78 * 2 + 2 * 10 * 128 * 2
-    assert activation_bytes(arch, Layout(2, 2, 1), 256, 10, 2, training=True) == max(2 * 2 * 10 * 78 * 2, 2 * 10 * 78 * 2 + 2 * 10 * 128 * 2)
+    assert activation_bytes(arch, Layout(2, 2, 1), 256, 10, 2, training=True) == max(
+        2 * 2 * 10 * 78 * 2, 2 * 10 * 78 * 2 + 2 * 10 * 128 * 2
+    )
     # forward: 2h + (q + 2kv + 3f) / tp = 16 + (8 + 8 + 48) / 2 = 48 elements, and 2 logits copies
     assert activation_bytes(arch, Layout(2, 1, 1), 256, 10, 2, training=False) == 10 * 48 * 2 + 2 * 10 * 128 * 2
     assert micro_batch_tokens(16384, 256, 384) == 42 * 384 and micro_batch_tokens(100, 256, 384) == 384
     assert micro_batch_tokens(16384, 8, 384) == 8 * 384
 
 
-GRPO_1_5B = ("actor.path=builtin:llama-1.5b reference.path=builtin:llama-1.5b data.max_prompt_length=128 "
-             "rollout.sampling.max_new_tokens=256 rollout.sampling.n=4 prompts_per_step=64 mini_batch_size=256 "
-             "rollout.engine.max_batch_size=256 max_steps=5 max_tokens_per_micro_batch=16384 save_hf=false").split()  # fmt: skip
+GRPO_1_5B = [
+    "actor.path=builtin:llama-1.5b",
+    "reference.path=builtin:llama-1.5b",
+    "data.max_prompt_length=128",
+    "rollout.sampling.max_new_tokens=256",
+    "rollout.sampling.n=4",
+    "prompts_per_step=64",
+    "mini_batch_size=256",
+    "rollout.engine.max_batch_size=256",
+    "max_steps=5",
+    "max_tokens_per_micro_batch=16384",
+    "save_hf=false",
+]
 
 
 def test_the_1_5b_preset_is_the_issue_12_command_and_plans() -> None:
@@ -134,8 +169,9 @@ def test_the_1_5b_preset_is_the_issue_12_command_and_plans() -> None:
     assert not plan.offload and plan.peak == plan.peaks["keep"]
     # Half the optimizer state on the host: half of it on the device, and the step's fp32 workspace
     # (4 bytes a parameter) counted through the update phase.
-    half = plan_ppo(load_config("ppo-grpo-1.5b", ["actor_optim.cpu_offload_fraction=0.5"], schema=PPOConfig), 1,
-                    int(139.8 * GIB)).models[0]  # fmt: skip
+    half = plan_ppo(
+        load_config("ppo-grpo-1.5b", ["actor_optim.cpu_offload_fraction=0.5"], schema=PPOConfig), 1, int(139.8 * GIB)
+    ).models[0]
     assert half.optimizer == 6 * actor.parameters
     assert half.training_activations == actor.training_activations + 4 * actor.parameters
 
@@ -153,25 +189,50 @@ def no_gpu_no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_plan_prints_layouts_and_phases(no_gpu_no_processes, capsys: pytest.CaptureFixture) -> None:
-    assert main(["plan", "--config", "ppo-grpo-1.5b", "--world-size", "2", "--gpu-memory-gib", "139.8", "actor.tp=2",
-                 "rollout.tp=1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                "ppo-grpo-1.5b",
+                "--world-size",
+                "2",
+                "--gpu-memory-gib",
+                "139.8",
+                "actor.tp=2",
+                "rollout.tp=1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "actor      TP2xPP1xDP1" in out and "reference  TP1xPP1xDP2" in out
     assert "generation TP1xPP1xDP2   resharded from the actor's TP2xPP1xDP1" in out
     assert "training" in out and "generation" in out and "auto would decide: hybrid.offload=auto" in out
     assert main(["plan", "--config", "ppo-grpo-1.5b", "--json", "--gpu-memory-gib", "139.8"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["models"][0]["layout"] == "TP1xPP1xDP1" and data["peaks"]["keep"]["training"] > data["peaks"]["keep"]["generation"]
+    assert (
+        data["models"][0]["layout"] == "TP1xPP1xDP1"
+        and data["peaks"]["keep"]["training"] > data["peaks"]["keep"]["generation"]
+    )
     assert main(["plan", "--config", "sft-tiny", "data.train=[builtin:arithmetic-sft]"]) == 0
     assert "model      TP1xPP1xDP1" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["actor.tp=5"], "actor.tp=5 must divide num_attention_heads=12"),
-    (["--world-size", "3", "actor.tp=2"], "actor.tp*actor.pp=2 must divide the world size 3"),
-    (["--gpu-memory-gib", "40"], "the training phase needs about"),
-    (["--gpu-memory-gib", "36", "max_tokens_per_micro_batch=1024", "hybrid.offload=never"], "the generation phase needs about"),
-])  # fmt: skip
-def test_impossible_configs_are_refused_naming_the_keys(no_gpu_no_processes, capsys: pytest.CaptureFixture, args, message) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["actor.tp=5"], "actor.tp=5 must divide num_attention_heads=12"),
+        (["--world-size", "3", "actor.tp=2"], "actor.tp*actor.pp=2 must divide the world size 3"),
+        (["--gpu-memory-gib", "40"], "the training phase needs about"),
+        (
+            ["--gpu-memory-gib", "36", "max_tokens_per_micro_batch=1024", "hybrid.offload=never"],
+            "the generation phase needs about",
+        ),
+    ],
+)
+def test_impossible_configs_are_refused_naming_the_keys(
+    no_gpu_no_processes, capsys: pytest.CaptureFixture, args, message
+) -> None:
     assert main(["plan", "--config", "ppo-grpo-1.5b", *args]) == 2
     assert message in capsys.readouterr().err

@@ -12,7 +12,7 @@ from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 def test_dual_clip_is_on_by_default_as_in_verl() -> None:
     assert PPOLossConfig().dual_clip_c == 3.0
     assert PPOLossConfig(dual_clip_c=None).dual_clip_c is None
-    with pytest.raises(ValueError, match="dual_clip_c=1.0 must be > 1"):
+    with pytest.raises(ValueError, match=r"dual_clip_c=1.0 must be > 1"):
         PPOLossConfig(dual_clip_c=1.0)
     cfg = load_config("ppo-tiny", ["algorithm.loss.dual_clip_c=null"], schema=PPOConfig)
     assert cfg.algorithm.loss.dual_clip_c is None
@@ -27,8 +27,11 @@ def test_seq_mean_token_sum_norm_needs_a_positive_scale_factor() -> None:
         PPOLossConfig(loss_scale_factor=0)
     # named with its full key by the run's up-front check, before anything is built
     cfg = load_config("ppo-tiny", ["algorithm.loss.agg_mode=seq-mean-token-sum-norm"], schema=PPOConfig)
-    with pytest.raises(ConfigError, match="algorithm.loss.agg_mode=seq-mean-token-sum-norm needs loss_scale_factor"):
+    with pytest.raises(ConfigError, match=r"algorithm.loss.agg_mode=seq-mean-token-sum-norm needs loss_scale_factor"):
         check_ppo_config(cfg, 1)
-    cfg = load_config("ppo-tiny", ["algorithm.loss.agg_mode=seq-mean-token-sum-norm",
-                                   "algorithm.loss.loss_scale_factor=24"], schema=PPOConfig)  # fmt: skip
+    cfg = load_config(
+        "ppo-tiny",
+        ["algorithm.loss.agg_mode=seq-mean-token-sum-norm", "algorithm.loss.loss_scale_factor=24"],
+        schema=PPOConfig,
+    )
     assert cfg.algorithm.loss.loss_scale_factor == 24

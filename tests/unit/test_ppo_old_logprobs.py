@@ -12,9 +12,17 @@ import torch
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.trainer.ppo_config import PPOConfig, old_logprob_pass
 
-TINY = ("device=cpu", "prompts_per_step=4", "rollout.sampling.n=4", "mini_batch_size=0", "ppo_epochs=1",
-        "rollout.sampling.max_new_tokens=8", "samples_per_step=0", "algorithm.loss.entropy_coef=0.01",
-        "max_tokens_per_micro_batch=64")  # fmt: skip
+TINY = (
+    "device=cpu",
+    "prompts_per_step=4",
+    "rollout.sampling.n=4",
+    "mini_batch_size=0",
+    "ppo_epochs=1",
+    "rollout.sampling.max_new_tokens=8",
+    "samples_per_step=0",
+    "algorithm.loss.entropy_coef=0.01",
+    "max_tokens_per_micro_batch=64",
+)
 """ppo-tiny (GRPO, a KL loss to the reference) on 16 sequences, one optimizer step per rollout made
 of several micro-batches (64 tokens each), so that rows are recorded from more than one."""
 
@@ -33,7 +41,10 @@ def _config(*overrides: str) -> PPOConfig:
         (("algorithm.kl_penalty.coef=0.05",), True),  # the reward reads them before the advantages
         (("algorithm.kl_penalty.type=adaptive", "algorithm.kl_penalty.coef=0.05"), True),
         (("algorithm.recompute_old_logprobs=always",), True),
-        (("algorithm.advantage_estimator=gae", "algorithm.loss.kl_loss_coef=0"), False),  # critic values are another pass
+        (
+            ("algorithm.advantage_estimator=gae", "algorithm.loss.kl_loss_coef=0"),
+            False,
+        ),  # critic values are another pass
     ],
 )
 def test_the_pass_is_skipped_only_when_provably_redundant(overrides: tuple[str, ...], recompute: bool) -> None:
@@ -48,7 +59,9 @@ def _run(tmp_path: Path, env, recompute: str, steps: int) -> tuple[list[dict[str
     run = set_up_ppo(cfg, env)
     assert run.old_logprob_pass == (recompute == "always")
     per_step = cfg.prompts_per_step
-    metrics = [ppo_step(run, step, list(range((step - 1) * per_step, step * per_step)))[0] for step in range(1, steps + 1)]
+    metrics = [
+        ppo_step(run, step, list(range((step - 1) * per_step, step * per_step)))[0] for step in range(1, steps + 1)
+    ]
     return metrics, {name: p.detach().clone() for name, p in run.actor.role.model.named_parameters()}
 
 
@@ -61,7 +74,7 @@ def test_skipping_the_pass_trains_as_recomputing_does(world_of_one, tmp_path: Pa
     a row or column recorded in the wrong place would change them."""
     skipped, skipped_weights = _run(tmp_path, world_of_one, "auto", steps=3)
     recomputed, recomputed_weights = _run(tmp_path, world_of_one, "always", steps=3)
-    for step, (a, b) in enumerate(zip(skipped, recomputed), start=1):
+    for step, (a, b) in enumerate(zip(skipped, recomputed, strict=True), start=1):
         assert "timing_s/old_log_prob" not in a and "timing_s/old_log_prob" in b
         assert set(a) == set(b) - {"timing_s/old_log_prob"}
         figures = sorted(key for key in a if not key.startswith(("timing_s/", "perf/")))
@@ -79,6 +92,12 @@ def test_skipping_the_pass_trains_as_recomputing_does(world_of_one, tmp_path: Pa
 def _initial_weights() -> dict[str, torch.Tensor]:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
 
-    role = build_role("actor", ModelConfig(path="builtin:tiny-llama"), architecture_of("builtin:tiny-llama"),
-                      world_size=1, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path="builtin:tiny-llama"),
+        architecture_of("builtin:tiny-llama"),
+        world_size=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     return {name: p.detach().clone() for name, p in role.model.named_parameters()}

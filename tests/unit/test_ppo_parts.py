@@ -18,8 +18,13 @@ from tests.helpers import VOCAB, hf_reference_outputs, make_tiny_hf_model
 
 
 def _completion(prompt_index: int, prompt: list[int], response: list[int]) -> Completion:
-    return Completion(prompt_index=prompt_index, sample_index=0, prompt_ids=prompt, token_ids=response,
-                      logprobs=[-1.0] * len(response))  # fmt: skip
+    return Completion(
+        prompt_index=prompt_index,
+        sample_index=0,
+        prompt_ids=prompt,
+        token_ids=response,
+        logprobs=[-1.0] * len(response),
+    )
 
 
 def test_rollout_batch_layout_hand_derived() -> None:
@@ -42,18 +47,32 @@ def test_scores_are_reward_model_last_token_plus_rules(world_of_one, tmp_path: P
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
 
     hf = make_tiny_hf_model("llama", True, tmp_path / "rm")
-    role = build_role("reward", ModelConfig(path=str(tmp_path / "rm")), architecture_of(str(tmp_path / "rm")),
-                      world_size=1, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    role = build_role(
+        "reward",
+        ModelConfig(path=str(tmp_path / "rm")),
+        architecture_of(str(tmp_path / "rm")),
+        world_size=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, VOCAB - 1, (n,), generator=g).tolist()  # noqa: E731
     completions = [_completion(0, ids(5), ids(3)), _completion(0, ids(2), ids(9)), _completion(1, ids(7), ids(1))]
-    scorer = Scorer(ScoringConfig(), {"count": resolve_rule("tests.unit.test_ppo_parts:_response_length")}, None, role,
-                    stop_ids=(), max_new_tokens=16, max_tokens_per_micro_batch=24)  # fmt: skip
+    scorer = Scorer(
+        ScoringConfig(),
+        {"count": resolve_rule("tests.unit.test_ppo_parts:_response_length")},
+        None,
+        role,
+        stop_ids=(),
+        max_new_tokens=16,
+        max_tokens_per_micro_batch=24,
+    )
     batch = rollout_batch(completions, pad_id=VOCAB - 1)
     scores = scorer.score(batch, completions, [{}, {}], lambda rows: ["x" * len(ids) for ids in rows])
     total, parts = scores.rewards, scores.metrics()
-    expected_rm = torch.stack([hf_reference_outputs(hf, torch.tensor([c.prompt_ids + c.token_ids]))[0, -1, 0]
-                               for c in completions])  # fmt: skip
+    expected_rm = torch.stack(
+        [hf_reference_outputs(hf, torch.tensor([c.prompt_ids + c.token_ids]))[0, -1, 0] for c in completions]
+    )
     lengths = torch.tensor([3.0, 9.0, 1.0])
     torch.testing.assert_close(total, expected_rm + lengths, rtol=1e-5, atol=1e-5)
     assert parts["reward/rule/count"] == pytest.approx(lengths.mean().item())
@@ -73,10 +92,19 @@ def _errors(world_size: int, *overrides: str) -> str:
 
 def test_the_preset_is_valid() -> None:
     checked = check_ppo_config(load_config("ppo-tiny", [], schema=PPOConfig), 1)
-    assert sorted(checked.archs) == ["actor", "reference"]  # GRPO with a KL loss and rule rewards: no critic, no reward model
+    assert sorted(checked.archs) == [
+        "actor",
+        "reference",
+    ]  # GRPO with a KL loss and rule rewards: no critic, no reward model
     assert list(checked.rules) == ["lowercase_fraction"]
-    archs = check_ppo_config(load_config("ppo-tiny", ["algorithm.advantage_estimator=gae", "scoring.use_reward_model=true",
-                                                          "algorithm.loss.kl_loss_coef=0"], schema=PPOConfig), 1).archs  # fmt: skip
+    archs = check_ppo_config(
+        load_config(
+            "ppo-tiny",
+            ["algorithm.advantage_estimator=gae", "scoring.use_reward_model=true", "algorithm.loss.kl_loss_coef=0"],
+            schema=PPOConfig,
+        ),
+        1,
+    ).archs
     assert sorted(archs) == ["actor", "critic", "reward"]
 
 
@@ -88,28 +116,54 @@ def test_the_preset_is_valid() -> None:
         (1, ["algorithm.advantage_estimator=ppo"], "algorithm.advantage_estimator='ppo' must be one of"),
         (1, ["scoring.rules=[]"], "nothing scores the responses"),
         (1, ["scoring.rules=[lowercase]"], "Did you mean 'lowercase_fraction'"),
-        (1, ["mini_batch_size=12"], "mini_batch_size=12 must divide the rollout's prompts_per_step x rollout.sampling.n = 32"),
-        (2, ["actor.tp=2", "prompts_per_step=3", "rollout.sampling.n=3", "mini_batch_size=9"],
-         "the rollout's 9 sequences (prompts_per_step x rollout.sampling.n) must split evenly over the reference's dp=2"),
+        (
+            1,
+            ["mini_batch_size=12"],
+            "mini_batch_size=12 must divide the rollout's prompts_per_step x rollout.sampling.n = 32",
+        ),
+        (
+            2,
+            ["actor.tp=2", "prompts_per_step=3", "rollout.sampling.n=3", "mini_batch_size=9"],
+            "the rollout's 9 sequences (prompts_per_step x rollout.sampling.n) must split evenly over the "
+            "reference's dp=2",
+        ),
         (2, ["rollout.tp=3"], "rollout.tp=3 must divide num_attention_heads=4"),
-        (1, ["data.max_prompt_length=1000", "rollout.sampling.max_new_tokens=100"],
-         "data.max_prompt_length + rollout.sampling.max_new_tokens = 1100 exceeds the actor's max_position_embeddings=1024"),
+        (
+            1,
+            ["data.max_prompt_length=1000", "rollout.sampling.max_new_tokens=100"],
+            "data.max_prompt_length + rollout.sampling.max_new_tokens = 1100 exceeds the actor's "
+            "max_position_embeddings=1024",
+        ),
         (1, ["actor.path=builtin:tiny-llama-rm"], "the actor needs a *ForCausalLM model"),
-        (1, ["scoring.use_reward_model=true", "reward.path=builtin:tiny-llama"],
-         "reward.path='builtin:tiny-llama' is a LlamaForCausalLM; the reward needs a *ForSequenceClassification"),
-        (1, ["eval.judged_by=reward_model"],
-         "eval.judged_by='reward_model' is not a scoring part; the parts are ['lowercase_fraction']"),
+        (
+            1,
+            ["scoring.use_reward_model=true", "reward.path=builtin:tiny-llama"],
+            "reward.path='builtin:tiny-llama' is a LlamaForCausalLM; the reward needs a *ForSequenceClassification",
+        ),
+        (
+            1,
+            ["eval.judged_by=reward_model"],
+            "eval.judged_by='reward_model' is not a scoring part; the parts are ['lowercase_fraction']",
+        ),
         (1, ["data.train=[]"], "data.train is empty"),
         (1, ["algorithm.loss.agg_mode=mean"], "algorithm.loss.agg_mode='mean' must be one of"),
         (1, ["warmup=sometimes"], "warmup='sometimes' must be one of ['auto', 'always', 'never']"),
         (1, ["reference.update=sometimes"], "reference.update='sometimes' must be one of ['none', 'periodic', 'ema']"),
         (1, ["reference.update=periodic", "reference.update_every=0"], "reference.update_every=0 must be >= 1"),
         (1, ["reference.update=ema", "reference.ema_decay=1"], "reference.ema_decay=1.0 must be in [0, 1)"),
-        (1, ["reference.update=ema", "algorithm.loss.kl_loss_coef=0"],
-         "reference.update='ema' refreshes a reference that nothing uses: set algorithm.kl_penalty.coef > 0 or"),
-        (1, ["reference.update=periodic", "reference.path=builtin:llama-1.5b"],
-         ("reference.path='builtin:llama-1.5b' is not the architecture of actor.path='builtin:tiny-llama' "
-          "(vocab_size 151936 vs 512, hidden_size 1536 vs 128")),
+        (
+            1,
+            ["reference.update=ema", "algorithm.loss.kl_loss_coef=0"],
+            "reference.update='ema' refreshes a reference that nothing uses: set algorithm.kl_penalty.coef > 0 or",
+        ),
+        (
+            1,
+            ["reference.update=periodic", "reference.path=builtin:llama-1.5b"],
+            (
+                "reference.path='builtin:llama-1.5b' is not the architecture of actor.path='builtin:tiny-llama' "
+                "(vocab_size 151936 vs 512, hidden_size 1536 vs 128"
+            ),
+        ),
     ],
 )
 def test_bad_configs_are_named_up_front(world_size: int, overrides: list[str], message: str) -> None:
@@ -122,22 +176,36 @@ def test_every_problem_is_listed_at_once() -> None:
 
 
 def _stub_completion(prompt_index: int, length: int, finish_reason: str = "length") -> Completion:
-    return Completion(prompt_index=prompt_index, sample_index=0, prompt_ids=[5], token_ids=[7] * length,
-                      logprobs=[0.0] * length, finish_reason=finish_reason)  # fmt: skip
+    return Completion(
+        prompt_index=prompt_index,
+        sample_index=0,
+        prompt_ids=[5],
+        token_ids=[7] * length,
+        logprobs=[0.0] * length,
+        finish_reason=finish_reason,
+    )
 
 
 def test_weighted_parts_and_the_overlong_penalty_hand_derived(world_of_one) -> None:
     """score = 0.7 x custom + 0.3 x rule; DAPO's over-long penalty ramps from 0 at
     max_new_tokens - buffer = 6 to -penalty = -0.5 at max_new_tokens = 10."""
-    cfg = ScoringConfig(use_reward_model=False, rules=["tests.unit.test_ppo_parts:_response_length"],
-                        weights={"tests.unit.test_ppo_parts:_response_length": 0.3, "custom_function": 0.7},
-                        overlong=OverlongConfig(buffer=4, penalty=0.5))  # fmt: skip
+    cfg = ScoringConfig(
+        use_reward_model=False,
+        rules=["tests.unit.test_ppo_parts:_response_length"],
+        weights={"tests.unit.test_ppo_parts:_response_length": 0.3, "custom_function": 0.7},
+        overlong=OverlongConfig(buffer=4, penalty=0.5),
+    )
     rules = {name: resolve_rule(name) for name in cfg.rules}
     custom = _inline_function(lambda **kw: {"score": float(kw["ground_truth"]), "hits": 1.0})
     completions = [_stub_completion(0, 3), _stub_completion(1, 8), _stub_completion(1, 10)]
-    extras = [{"data_source": "s", "ground_truth": 2, "extra_info": {}}, {"data_source": "s", "ground_truth": -1, "extra_info": {}}]
+    extras = [
+        {"data_source": "s", "ground_truth": 2, "extra_info": {}},
+        {"data_source": "s", "ground_truth": -1, "extra_info": {}},
+    ]
     scorer = Scorer(cfg, rules, custom, None, stop_ids=(), max_new_tokens=10, max_tokens_per_micro_batch=64)
-    scores = scorer.score(rollout_batch(completions, pad_id=0), completions, extras, lambda rows: ["x" * len(ids) for ids in rows])
+    scores = scorer.score(
+        rollout_batch(completions, pad_id=0), completions, extras, lambda rows: ["x" * len(ids) for ids in rows]
+    )
     raw, reward, metrics = scores.raw, scores.rewards, scores.metrics()
     expected_raw = torch.tensor([0.3 * 3 + 0.7 * 2, 0.3 * 8 + 0.7 * -1, 0.3 * 10 + 0.7 * -1])
     torch.testing.assert_close(raw, expected_raw)
@@ -147,10 +215,18 @@ def test_weighted_parts_and_the_overlong_penalty_hand_derived(world_of_one) -> N
 
 def test_rule_text_has_no_trailing_eos(world_of_one) -> None:
     """A stopped response's text ends before its EOS (verl decodes with special tokens skipped)."""
-    scorer = Scorer(ScoringConfig(use_reward_model=False), {}, None, None, stop_ids=(2,), max_new_tokens=8,
-                    max_tokens_per_micro_batch=64)  # fmt: skip
-    stopped = Completion(prompt_index=0, sample_index=0, prompt_ids=[5], token_ids=[9, 9, 2], logprobs=[0.0] * 3,
-                         finish_reason="stop")  # fmt: skip
+    scorer = Scorer(
+        ScoringConfig(use_reward_model=False),
+        {},
+        None,
+        None,
+        stop_ids=(2,),
+        max_new_tokens=8,
+        max_tokens_per_micro_batch=64,
+    )
+    stopped = Completion(
+        prompt_index=0, sample_index=0, prompt_ids=[5], token_ids=[9, 9, 2], logprobs=[0.0] * 3, finish_reason="stop"
+    )
     other_prompt = Completion(prompt_index=1, sample_index=0, prompt_ids=[6, 4], token_ids=[8], logprobs=[0.0])
     decoded_ids = []
 
@@ -181,8 +257,15 @@ def test_rules_score_on_a_thread_while_the_caller_goes_on(world_of_one) -> None:
 
     completions = [_stub_completion(0, 3), _stub_completion(1, 5)]
     batch = rollout_batch(completions, pad_id=0)
-    scorer = Scorer(ScoringConfig(use_reward_model=False), {"waits": waits_for_the_caller}, None, None, stop_ids=(),
-                    max_new_tokens=8, max_tokens_per_micro_batch=64)  # fmt: skip
+    scorer = Scorer(
+        ScoringConfig(use_reward_model=False),
+        {"waits": waits_for_the_caller},
+        None,
+        None,
+        stop_ids=(),
+        max_new_tokens=8,
+        max_tokens_per_micro_batch=64,
+    )
     decode = lambda rows: ["x" * len(ids) for ids in rows]  # noqa: E731
     pending = scorer.start(batch, completions, [{}, {}], decode)
     went_on.set()
@@ -194,16 +277,24 @@ def test_rules_score_on_a_thread_while_the_caller_goes_on(world_of_one) -> None:
     def fails(sample) -> float:
         raise RuntimeError("rule failed")
 
-    failing = Scorer(ScoringConfig(use_reward_model=False), {"fails": fails}, None, None, stop_ids=(), max_new_tokens=8,
-                     max_tokens_per_micro_batch=64)  # fmt: skip
+    failing = Scorer(
+        ScoringConfig(use_reward_model=False),
+        {"fails": fails},
+        None,
+        None,
+        stop_ids=(),
+        max_new_tokens=8,
+        max_tokens_per_micro_batch=64,
+    )
     pending = failing.start(batch, completions, [{}, {}], decode)
     with pytest.raises(RuntimeError, match="rule failed"):
         pending.result()
 
 
 def test_scoring_config_errors_name_the_part() -> None:
-    errors, _, _ = scoring_errors(ScoringConfig(use_reward_model=False, rules=["lowercase_fraction"],
-                                                weights={"reward_model": 1.0}))  # fmt: skip
+    errors, _, _ = scoring_errors(
+        ScoringConfig(use_reward_model=False, rules=["lowercase_fraction"], weights={"reward_model": 1.0})
+    )
     assert errors == ["scoring.weights.reward_model: no such part; the parts are ['lowercase_fraction']"]
 
 
@@ -215,13 +306,26 @@ def _inline_function(function):
 
 def test_a_reference_that_follows_the_actor_must_take_its_padded_vocabulary(tmp_path: Path) -> None:
     """Vocab 97 pads to 128 at the actor's TP1; a TP3 reference cannot split 128 rows evenly."""
-    make_tiny_hf_model("llama", False, tmp_path / "m", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
-                       max_position_embeddings=256)  # fmt: skip
-    paths = [f"actor.path={tmp_path / 'm'}", f"reference.path={tmp_path / 'm'}", "reference.tp=3", "prompts_per_step=3",
-             "mini_batch_size=12"]  # fmt: skip
+    make_tiny_hf_model(
+        "llama",
+        False,
+        tmp_path / "m",
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        hidden_size=48,
+        max_position_embeddings=256,
+    )
+    paths = [
+        f"actor.path={tmp_path / 'm'}",
+        f"reference.path={tmp_path / 'm'}",
+        "reference.tp=3",
+        "prompts_per_step=3",
+        "mini_batch_size=12",
+    ]
     check_ppo_config(load_config("ppo-tiny", paths, schema=PPOConfig), 3)  # a fixed reference may pad as it likes
-    assert ("reference.tp=3 must divide the source model's padded vocabulary 128 (vocab 97)"
-            in _errors(3, *paths, "reference.update=ema"))  # fmt: skip
+    assert "reference.tp=3 must divide the source model's padded vocabulary 128 (vocab 97)" in _errors(
+        3, *paths, "reference.update=ema"
+    )
 
 
 def test_reference_settings_check_themselves_when_built_in_code() -> None:

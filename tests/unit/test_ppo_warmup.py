@@ -12,33 +12,48 @@ import torch
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.trainer.ppo_config import PPOConfig
 
-TINY = ("device=cpu", "prompts_per_step=4", "rollout.sampling.n=4", "mini_batch_size=0", "rollout.sampling.max_new_tokens=8",
-        "samples_per_step=0", "max_tokens_per_micro_batch=64")  # fmt: skip
+TINY = (
+    "device=cpu",
+    "prompts_per_step=4",
+    "rollout.sampling.n=4",
+    "mini_batch_size=0",
+    "rollout.sampling.max_new_tokens=8",
+    "samples_per_step=0",
+    "max_tokens_per_micro_batch=64",
+)
 
 
 def _run(tmp_path: Path, env, warmup: str, extra: tuple[str, ...], steps: int = 2):
     from megatron_rlhf.trainer.ppo import ppo_step, set_up_ppo
 
-    cfg = load_config("ppo-tiny", [*TINY, *extra, f"warmup={warmup}", f"output_dir={tmp_path / warmup}"], schema=PPOConfig)
+    cfg = load_config(
+        "ppo-tiny", [*TINY, *extra, f"warmup={warmup}", f"output_dir={tmp_path / warmup}"], schema=PPOConfig
+    )
     run = set_up_ppo(cfg, env)
     per_step = cfg.prompts_per_step
-    metrics = [ppo_step(run, step, list(range((step - 1) * per_step, step * per_step)))[0] for step in range(1, steps + 1)]
+    metrics = [
+        ppo_step(run, step, list(range((step - 1) * per_step, step * per_step)))[0] for step in range(1, steps + 1)
+    ]
     states = [run.actor] + ([run.critic] if run.critic is not None else [])
-    weights = {f"{s.role.role}.{name}": p.detach().clone() for s in states for name, p in s.role.model.named_parameters()}
+    weights = {
+        f"{s.role.role}.{name}": p.detach().clone() for s in states for name, p in s.role.model.named_parameters()
+    }
     return metrics, weights, run
 
 
-@pytest.mark.parametrize("extra", [(), ("algorithm.advantage_estimator=gae", "algorithm.loss.kl_loss_coef=0")],
-                         ids=["grpo-kl-loss", "gae-critic"])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("algorithm.advantage_estimator=gae", "algorithm.loss.kl_loss_coef=0")],
+    ids=["grpo-kl-loss", "gae-critic"],
+)
 def test_a_warmed_up_run_trains_exactly_as_one_without(world_of_one, tmp_path: Path, extra: tuple[str, ...]) -> None:
     warm, warm_weights, warm_run = _run(tmp_path, world_of_one, "always", extra)
     cold, cold_weights, _ = _run(tmp_path, world_of_one, "never", extra)
     assert warm_run.actor.step == 2  # the warm-up made no optimizer step of its own
-    for step, (a, b) in enumerate(zip(warm, cold), start=1):
+    for step, (a, b) in enumerate(zip(warm, cold, strict=True), start=1):
         assert set(a) == set(b)
         figures = sorted(key for key in a if not key.startswith(("timing_s/", "perf/")))
         assert {key: a[key] for key in figures} == {key: b[key] for key in figures}, step
     assert warm[1]["actor/grad_norm"] > 0
     for name, weight in warm_weights.items():
         assert torch.equal(weight, cold_weights[name]), name
-

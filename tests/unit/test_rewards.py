@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -30,8 +31,14 @@ from megatron_rlhf.rewards import (
 
 
 def _sample(response: str, finish_reason: str = "stop", **extras) -> Sample:
-    return Sample(prompt_ids=[5], response_ids=[6], prompt_text="p", response_text=response,
-                  finish_reason=finish_reason, extras=extras)  # fmt: skip
+    return Sample(
+        prompt_ids=[5],
+        response_ids=[6],
+        prompt_text="p",
+        response_text=response,
+        finish_reason=finish_reason,
+        extras=extras,
+    )
 
 
 def test_lowercase_fraction_hand_values() -> None:
@@ -52,9 +59,14 @@ def test_exact_answer_strips_whitespace_and_needs_the_column() -> None:
 
 def test_arithmetic_rules_right_wrong_malformed() -> None:
     answer, fmt = resolve_rule("arithmetic_answer"), resolve_rule("arithmetic_format")
-    cases = [(_sample(" 85", answer="85"), 1.0, 1.0), (_sample(" 7+8=15, 3+4+1=8 #### 85", answer="85"), 1.0, 1.0),
-             (_sample(" 84", answer="85"), 0.0, 1.0), (_sample(" 85 86", answer="85"), 0.0, 0.0),
-             (_sample("", answer="85"), 0.0, 0.0), (_sample(" 85", "length", answer="85"), 0.0, 0.0)]  # fmt: skip
+    cases = [
+        (_sample(" 85", answer="85"), 1.0, 1.0),
+        (_sample(" 7+8=15, 3+4+1=8 #### 85", answer="85"), 1.0, 1.0),
+        (_sample(" 84", answer="85"), 0.0, 1.0),
+        (_sample(" 85 86", answer="85"), 0.0, 0.0),
+        (_sample("", answer="85"), 0.0, 0.0),
+        (_sample(" 85", "length", answer="85"), 0.0, 0.0),
+    ]
     for sample, right, well_formed in cases:
         assert (answer(sample), fmt(sample)) == (right, well_formed), sample.response_text
 
@@ -88,8 +100,11 @@ def test_bad_rule_names(name: str, message: str) -> None:
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, "1.0", None])
 def test_a_non_finite_or_non_numeric_score_is_an_error_naming_rule_and_sample(value) -> None:
-    with pytest.raises(ValueError, match=r"reward rule 'bad' \(.*test_rewards.py\) on sample 1 \(response 'two'\) "
-                                         r"returned score .*: expected a finite number"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"reward rule 'bad' \(.*test_rewards.py\) on sample 1 \(response 'two'\) "
+        r"returned score .*: expected a finite number",
+    ):
         rule_scores({"bad": lambda s: 0.0 if s.response_text == "one" else value}, [_sample("one"), _sample("two")])
 
 
@@ -101,7 +116,7 @@ def test_bool_scores_count_as_zero_and_one() -> None:
 
 # A reward file as verl users write them (modelled on verl's gsm8k scorer, written here): keyword
 # arguments, a dataclass (needs its module in sys.modules), a dict result with a non-numeric key.
-VERL_STYLE_FILE = '''
+VERL_STYLE_FILE = """
 import dataclasses
 import re
 
@@ -128,7 +143,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def plain(*, data_source, solution_str, ground_truth, extra_info):
     return len(solution_str) - len(ground_truth)
-'''
+"""
 
 
 def write_reward_file(tmp_path: Path, text: str = VERL_STYLE_FILE, name: str = "my_reward.py") -> Path:
@@ -146,8 +161,15 @@ def test_verl_function_end_to_end_from_prompt_rows(tmp_path: Path) -> None:
     from megatron_rlhf.data import ByteTokenizer, load_prompt_dataset
 
     problems = [("3 + 4?", "7"), ("25 * 48?", "1200")]
-    rows = [{"prompt": q, "data_source": "openai/gsm8k", "reward_model": {"style": "rule", "ground_truth": truth},
-             "extra_info": {"split": "train", "index": index}} for index, (q, truth) in enumerate(problems)]
+    rows = [
+        {
+            "prompt": q,
+            "data_source": "openai/gsm8k",
+            "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"split": "train", "index": index},
+        }
+        for index, (q, truth) in enumerate(problems)
+    ]
     prompts = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), prompts)
     dataset, _ = load_prompt_dataset(prompts, ByteTokenizer(300), max_length=64)
@@ -171,10 +193,19 @@ def test_keyword_only_function_and_metric_means_over_parts(tmp_path: Path) -> No
     assert metric_means(parts) == {"acc": pytest.approx(1 / 3), "len": 5.0}
 
 
-@pytest.mark.parametrize("value, expected", [
-    (1, 1.0), (True, 1.0), (np.float32(0.25), 0.25), (np.int64(-2), -2.0), (np.bool_(True), 1.0),
-    (torch.tensor(0.5), 0.5), (torch.tensor(3, dtype=torch.int32), 3.0), (np.array(0.75), 0.75),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (1, 1.0),
+        (True, 1.0),
+        (np.float32(0.25), 0.25),
+        (np.int64(-2), -2.0),
+        (np.bool_(True), 1.0),
+        (torch.tensor(0.5), 0.5),
+        (torch.tensor(3, dtype=torch.int32), 3.0),
+        (np.array(0.75), 0.75),
+    ],
+)
 def test_scores_may_be_python_numpy_or_0d_torch_numbers(tmp_path: Path, value, expected) -> None:
     function = CustomRewardFunction(lambda **kwargs: value, "f", tmp_path / "f.py")
     assert function.score([verl_sample("x")]).scores == [expected]
@@ -182,18 +213,38 @@ def test_scores_may_be_python_numpy_or_0d_torch_numbers(tmp_path: Path, value, e
     assert function.score([verl_sample("x")]) == CustomScores([expected], {"m": [expected]})
 
 
-@pytest.mark.parametrize("value", [math.nan, -math.inf, np.float64("nan"), torch.tensor(math.inf), "1.0", None,
-                                   torch.tensor([1.0]), np.array([0.5]), [1.0], 1 + 2j, np.complex64(1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "value",
+    [
+        math.nan,
+        -math.inf,
+        np.float64("nan"),
+        torch.tensor(math.inf),
+        "1.0",
+        None,
+        torch.tensor([1.0]),
+        np.array([0.5]),
+        [1.0],
+        1 + 2j,
+        np.complex64(1),
+    ],
+)
 def test_a_bad_score_names_function_file_and_sample(tmp_path: Path, value) -> None:
     path = tmp_path / "judge.py"
-    function = CustomRewardFunction(lambda solution_str, **kwargs: 0.0 if solution_str == "one" else value, "judge",
-                                    path)  # fmt: skip
-    with pytest.raises(ValueError, match=re.escape(f"custom reward function 'judge' ({path}) on sample 1 (data_source "
-                                                   "'openai/gsm8k', response 'two') returned score ")
-                       + ".*expected a finite number"):  # fmt: skip
+    function = CustomRewardFunction(
+        lambda solution_str, **kwargs: 0.0 if solution_str == "one" else value, "judge", path
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"custom reward function 'judge' ({path}) on sample 1 (data_source "
+            "'openai/gsm8k', response 'two') returned score "
+        )
+        + ".*expected a finite number",
+    ):
         function.score([verl_sample("one"), verl_sample("two")])
     dict_function = CustomRewardFunction(lambda **kwargs: {"score": value}, "judge", tmp_path / "judge.py")
-    with pytest.raises(ValueError, match="on sample 0 .* returned score .*expected a finite number"):
+    with pytest.raises(ValueError, match=r"on sample 0 .* returned score .*expected a finite number"):
         dict_function.score([verl_sample("one")])
 
 
@@ -204,15 +255,20 @@ def test_a_dict_without_score(tmp_path: Path) -> None:
 
 
 def test_an_exception_names_function_file_sample_and_keeps_the_traceback(tmp_path: Path) -> None:
-    path = write_reward_file(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                                       "    return float(solution_str) / float(ground_truth)\n")  # fmt: skip
+    path = write_reward_file(
+        tmp_path,
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float(solution_str) / float(ground_truth)\n",
+    )
     function = load_custom_function(path)
     assert function.score([verl_sample("3.5", ground_truth="7")]).scores == [0.5]
     with pytest.raises(RewardFunctionError) as info:
         function.score([verl_sample("1", ground_truth="7"), verl_sample("x", ground_truth="0")])
     message = str(info.value)
-    assert message.startswith(f"custom reward function 'compute_score' ({path}) on sample 1 (data_source "
-                              "'openai/gsm8k', response 'x') raised:\nTraceback (most recent call last):")
+    assert message.startswith(
+        f"custom reward function 'compute_score' ({path}) on sample 1 (data_source "
+        "'openai/gsm8k', response 'x') raised:\nTraceback (most recent call last):"
+    )
     assert f'File "{path}", line 2, in compute_score' in message
     assert message.rstrip().endswith("ValueError: could not convert string to float: 'x'")
     assert isinstance(info.value.__cause__, ValueError)
@@ -220,9 +276,12 @@ def test_an_exception_names_function_file_sample_and_keeps_the_traceback(tmp_pat
 
 def test_samples_without_verl_columns(tmp_path: Path) -> None:
     function = load_custom_function(write_reward_file(tmp_path))
-    with pytest.raises(ValueError, match=r"on sample 0 .*the prompt row has no \['data_source', 'ground_truth', "
-                                         r"'extra_info'\]; a verl reward function needs the rows' data_source and "
-                                         r"reward_model\.ground_truth columns"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"on sample 0 .*the prompt row has no \['data_source', 'ground_truth', "
+        r"'extra_info'\]; a verl reward function needs the rows' data_source and "
+        r"reward_model\.ground_truth columns",
+    ):
         function.score([_sample("x", answer="7")])
 
 
@@ -236,19 +295,27 @@ def test_loader_errors_name_the_setting(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=re.escape(f"scoring.custom_function.path='{text}': cannot be imported")):
         load_custom_function(text)
     path = write_reward_file(tmp_path)
-    with pytest.raises(ValueError, match=re.escape(f"scoring.custom_function.name='compute_scor': {path} has no "
-                                                   "'compute_scor'; functions defined there: "
-                                                   "['_parse', 'compute_score', 'plain']")):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"scoring.custom_function.name='compute_scor': {path} has no "
+            "'compute_scor'; functions defined there: "
+            "['_parse', 'compute_score', 'plain']"
+        ),
+    ):
         load_custom_function(path, name="compute_scor")
     with pytest.raises(ValueError, match=re.escape(f"{path} has a non-callable list 'CALLS'")):
         load_custom_function(path, name="CALLS")
     broken = write_reward_file(tmp_path, "import no_such_module_xyz\n", name="broken.py")
-    with pytest.raises(ValueError, match=re.escape(f"scoring.custom_function.path='{broken}': importing {broken} "
-                                                   "failed:") + r"(.|\n)*ModuleNotFoundError: No module named "
-                                                                "'no_such_module_xyz'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"scoring.custom_function.path='{broken}': importing {broken} failed:")
+        + r"(.|\n)*ModuleNotFoundError: No module named "
+        "'no_such_module_xyz'",
+    ):
         load_custom_function(broken)
     coroutine = write_reward_file(tmp_path, "async def compute_score(**kwargs):\n    return 1.0\n", name="aio.py")
-    with pytest.raises(ValueError, match="compute_score in .*aio.py is async; give a plain function"):
+    with pytest.raises(ValueError, match=r"compute_score in .*aio.py is async; give a plain function"):
         load_custom_function(coroutine)
 
 
@@ -265,14 +332,14 @@ def test_rules_accept_numpy_and_0d_torch_scores() -> None:
 
 # verl's gsm8k scorer (verl/utils/reward_score/gsm8k.py, strict format), written here: the answer
 # after '#### ' scores 1.0, anything else 0.
-GSM8K_STRICT = '''
+GSM8K_STRICT = """
 import re
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     found = re.search("#### (\\\\-?[0-9\\\\.\\\\,]+)", solution_str)
     return 1.0 if found and found.group(1).replace(",", "") == ground_truth else 0.0
-'''
+"""
 
 
 def test_rewards_read_responses_decoded_with_special_tokens_skipped_as_verl(world_of_one, tmp_path: Path) -> None:
@@ -294,18 +361,35 @@ def test_rewards_read_responses_decoded_with_special_tokens_skipped_as_verl(worl
     tok, theirs = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
     responses = ["ang 3 ####<|im_start|> 3", "#### 3<|endoftext|>", "#### <|im_start|>4"]
     prompt = theirs.encode("<|im_start|>user\nWhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n")
-    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=prompt, token_ids=ids, logprobs=[0.0] * len(ids),
-                              finish_reason="stop")
-                   for i, text in enumerate(responses) for ids in [theirs.encode(text) + [tok.eos_id]]]  # fmt: skip
+    completions = [
+        Completion(
+            prompt_index=0,
+            sample_index=i,
+            prompt_ids=prompt,
+            token_ids=ids,
+            logprobs=[0.0] * len(ids),
+            finish_reason="stop",
+        )
+        for i, text in enumerate(responses)
+        for ids in [theirs.encode(text) + [tok.eos_id]]
+    ]
     function = load_custom_function(write_reward_file(tmp_path, GSM8K_STRICT))
-    scorer = Scorer(ScoringConfig(), {}, function, None, stop_ids=tok.stop_ids, max_new_tokens=16,
-                    max_tokens_per_micro_batch=256)  # fmt: skip
+    scorer = Scorer(
+        ScoringConfig(), {}, function, None, stop_ids=tok.stop_ids, max_new_tokens=16, max_tokens_per_micro_batch=256
+    )
     extras = [{"data_source": "openai/gsm8k", "ground_truth": "3", "extra_info": {}}]
     texts = functools.partial(tok.decode_batch, skip_special_tokens=True)
     samples = scorer.samples(completions, texts, extras)
-    assert [s.response_text for s in samples] == [theirs.decode(c.token_ids[:-1], skip_special_tokens=True)
-                                                  for c in completions] == ["ang 3 #### 3", "#### 3", "#### 4"]  # fmt: skip
-    assert samples[0].prompt_text == theirs.decode(prompt, skip_special_tokens=True) == "user\nWhat is 1 plus 2?\nassistant\n"
+    assert (
+        [s.response_text for s in samples]
+        == [theirs.decode(c.token_ids[:-1], skip_special_tokens=True) for c in completions]
+        == ["ang 3 #### 3", "#### 3", "#### 4"]
+    )
+    assert (
+        samples[0].prompt_text
+        == theirs.decode(prompt, skip_special_tokens=True)
+        == "user\nWhat is 1 plus 2?\nassistant\n"
+    )
     assert [s.response_ids for s in samples] == [c.token_ids for c in completions]
     scores = scorer.score(rollout_batch(completions, tok.pad_id), completions, extras, texts)
     assert scores.parts["custom_function"].tolist() == [1.0, 1.0, 0.0]
@@ -340,9 +424,14 @@ def _leaves(how: str):
     return rule
 
 
-LEAVES = {"exit": "SystemExit: 0", "interrupt": "KeyboardInterrupt", "generator_exit": "GeneratorExit",
-          "base": "_NotAnException: deep in a library", "key": "KeyError: 'answer'",
-          "value": "ValueError: no answer in the response"}  # fmt: skip
+LEAVES = {
+    "exit": "SystemExit: 0",
+    "interrupt": "KeyboardInterrupt",
+    "generator_exit": "GeneratorExit",
+    "base": "_NotAnException: deep in a library",
+    "key": "KeyError: 'answer'",
+    "value": "ValueError: no answer in the response",
+}
 
 
 @pytest.mark.parametrize("how", sorted(LEAVES))
@@ -354,16 +443,26 @@ def test_every_way_out_of_a_rule_is_its_error_with_name_sample_and_traceback(wor
     from megatron_rlhf.rollout.engine import Completion
     from megatron_rlhf.trainer.ppo import rollout_batch
 
-    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7] * n, logprobs=[0.0] * n)
-                   for i, n in enumerate((1, 2, 3))]  # fmt: skip
-    scorer = Scorer(ScoringConfig(), {"mine": _leaves(how)}, None, None, stop_ids=(), max_new_tokens=8,
-                    max_tokens_per_micro_batch=64)  # fmt: skip
+    completions = [
+        Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7] * n, logprobs=[0.0] * n)
+        for i, n in enumerate((1, 2, 3))
+    ]
+    scorer = Scorer(
+        ScoringConfig(),
+        {"mine": _leaves(how)},
+        None,
+        None,
+        stop_ids=(),
+        max_new_tokens=8,
+        max_tokens_per_micro_batch=64,
+    )
     decode = lambda rows: [["one", "two", "three"][len(ids) - 1] if len(ids) < 4 else "p" for ids in rows]  # noqa: E731
     with pytest.raises(RewardFunctionError) as info:
         scorer.score(rollout_batch(completions, 0), completions, [{}], decode)
     message = str(info.value)
-    assert message.startswith(f"reward rule 'mine' ({__file__}) on sample 1 (response 'two') raised:\n"
-                              "Traceback (most recent call last):\n")  # fmt: skip
+    assert message.startswith(
+        f"reward rule 'mine' ({__file__}) on sample 1 (response 'two') raised:\nTraceback (most recent call last):\n"
+    )
     assert ", in rule\n" in message and "calls.py" not in message
     assert message.rstrip().endswith(LEAVES[how])
     assert isinstance(info.value, ValueError) and isinstance(info.value, RuntimeError)
@@ -378,12 +477,16 @@ def test_a_keyboard_interrupt_on_the_main_thread_passes_through() -> None:
 
 
 def test_a_custom_function_that_exits_is_its_error(tmp_path: Path) -> None:
-    path = write_reward_file(tmp_path, "import sys\n\ndef compute_score(data_source, solution_str, ground_truth, "
-                                       "extra_info=None):\n    sys.exit(0)\n")  # fmt: skip
+    path = write_reward_file(
+        tmp_path,
+        "import sys\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    sys.exit(0)\n",
+    )
     with pytest.raises(RewardFunctionError) as info:
         load_custom_function(path).score([verl_sample("x")])
-    assert str(info.value).startswith(f"custom reward function 'compute_score' ({path}) on sample 0 (data_source "
-                                      "'openai/gsm8k', response 'x') raised:\nTraceback")  # fmt: skip
+    assert str(info.value).startswith(
+        f"custom reward function 'compute_score' ({path}) on sample 0 (data_source "
+        "'openai/gsm8k', response 'x') raised:\nTraceback"
+    )
     assert f'File "{path}", line 4, in compute_score' in str(info.value)
     assert str(info.value).rstrip().endswith("SystemExit: 0")
 
@@ -392,15 +495,23 @@ def test_rule_modules_that_fail_to_import_name_the_rule(tmp_path: Path, monkeypa
     (tmp_path / "syntax_rule.py").write_text("def f(sample):\n    return 1 +\n")
     (tmp_path / "exits_rule.py").write_text("import sys\nsys.exit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match=r"reward rule 'syntax_rule:f': importing module 'syntax_rule' failed:\n"
-                                         r"(.|\n)*syntax_rule.py\", line 2(.|\n)*SyntaxError"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"reward rule 'syntax_rule:f': importing module 'syntax_rule' failed:\n"
+        r"(.|\n)*syntax_rule.py\", line 2(.|\n)*SyntaxError",
+    ):
         resolve_rule("syntax_rule:f")
-    with pytest.raises(ValueError, match=r"reward rule 'exits_rule:f': importing module 'exits_rule' failed:\n"
-                                         r"(.|\n)*SystemExit: 3"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"reward rule 'exits_rule:f': importing module 'exits_rule' failed:\n"
+        r"(.|\n)*SystemExit: 3",
+    ):
         resolve_rule("exits_rule:f")
     exits = write_reward_file(tmp_path, "import sys\nsys.exit(0)\n", name="exits_file.py")
-    with pytest.raises(ValueError, match=re.escape(f"scoring.custom_function.path='{exits}': importing {exits} "
-                                                   "failed:") + r"(.|\n)*SystemExit: 0"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"scoring.custom_function.path='{exits}': importing {exits} failed:") + r"(.|\n)*SystemExit: 0",
+    ):
         load_custom_function(exits)
 
 
@@ -411,8 +522,11 @@ def test_rule_modules_that_fail_to_import_name_the_rule(tmp_path: Path, monkeypa
 def test_a_score_past_float32_names_function_and_value(tmp_path: Path, value) -> None:
     """1e300 is a finite float64 but inf in float32, the dtype the scores are summed in."""
     shown = re.escape(repr(value))
-    with pytest.raises(RewardFunctionError, match=rf"reward rule 'big' .* on sample 0 \(response 'x'\) returned score "
-                                                  rf"{shown}: outside the range of float32 \(\|score\| <= 3.403e\+38\)"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=rf"reward rule 'big' .* on sample 0 \(response 'x'\) returned score "
+        rf"{shown}: outside the range of float32 \(\|score\| <= 3.403e\+38\)",
+    ):
         rule_scores({"big": lambda s: value}, [_sample("x")])
     function = CustomRewardFunction(lambda **kwargs: {"score": value}, "f", tmp_path / "f.py")
     with pytest.raises(RewardFunctionError, match=rf"custom reward function 'f' .* returned score {shown}: outside"):
@@ -426,18 +540,32 @@ def test_a_weighted_sum_past_float32_is_an_error_naming_the_parts(world_of_one) 
     from megatron_rlhf.rollout.engine import Completion
     from megatron_rlhf.trainer.ppo import rollout_batch
 
-    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7], logprobs=[0.0]) for i in range(2)]
+    completions = [
+        Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7], logprobs=[0.0]) for i in range(2)
+    ]
     cfg = ScoringConfig(rules=["big", "one"], weights={"big": 10.0})
-    scorer = Scorer(cfg, {"big": lambda s: 3e38 if s.response_ids == [7] and s.extras else 0.0, "one": lambda s: 1.0},
-                    None, None, stop_ids=(), max_new_tokens=8, max_tokens_per_micro_batch=64)  # fmt: skip
-    with pytest.raises(ValueError, match=r"sample 0's score inf is not finite in float32: its parts are big 3e\+38, "
-                                         r"one 1, weighted by scoring.weights=\{'big': 10.0\}"):  # fmt: skip
+    scorer = Scorer(
+        cfg,
+        {"big": lambda s: 3e38 if s.response_ids == [7] and s.extras else 0.0, "one": lambda s: 1.0},
+        None,
+        None,
+        stop_ids=(),
+        max_new_tokens=8,
+        max_tokens_per_micro_batch=64,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0's score inf is not finite in float32: its parts are big 3e\+38, "
+        r"one 1, weighted by scoring.weights=\{'big': 10.0\}",
+    ):
         scorer.score(rollout_batch(completions, 0), completions, [{"a": 1}], lambda rows: ["x"] * len(rows))
 
 
 # --------------------------------------------------------------------------- signatures, checked at start-up
 
-GSM8K_VERL_SIGNATURE = "def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n    return 0.0\n"
+GSM8K_VERL_SIGNATURE = (
+    "def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0):\n    return 0.0\n"
+)
 
 
 def test_a_function_verl_could_not_call_is_refused_when_loaded(tmp_path: Path) -> None:
@@ -446,22 +574,30 @@ def test_a_function_verl_could_not_call_is_refused_when_loaded(tmp_path: Path) -
     from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
 
     path = write_reward_file(tmp_path, GSM8K_VERL_SIGNATURE)
-    expected = (f"scoring.custom_function.name='compute_score': compute_score(solution_str, ground_truth, "
-                f"method='strict', format_score=0.0, score=1.0) in {path} cannot be called as verl calls a reward "
-                "function, compute_score(data_source=, solution_str=, ground_truth=, extra_info=) (got an unexpected "
-                "keyword argument 'data_source'); take those keywords (or **kwargs)")  # fmt: skip
+    expected = (
+        f"scoring.custom_function.name='compute_score': compute_score(solution_str, ground_truth, "
+        f"method='strict', format_score=0.0, score=1.0) in {path} cannot be called as verl calls a reward "
+        "function, compute_score(data_source=, solution_str=, ground_truth=, extra_info=) (got an unexpected "
+        "keyword argument 'data_source'); take those keywords (or **kwargs)"
+    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         load_custom_function(path)
     errors, _, _ = scoring_errors(ScoringConfig(custom_function=CustomFunctionConfig(path=str(path))))
     assert len(errors) == 1 and errors[0].startswith(expected)
-    for text in ["def compute_score(data_source, solution_str, ground_truth, extra_info, /):\n    return 0\n",
-                 "def compute_score(data_source, solution_str, ground_truth, extra_info, tokenizer):\n    return 0\n"]:
+    for text in [
+        "def compute_score(data_source, solution_str, ground_truth, extra_info, /):\n    return 0\n",
+        "def compute_score(data_source, solution_str, ground_truth, extra_info, tokenizer):\n    return 0\n",
+    ]:
         with pytest.raises(ValueError, match="cannot be called as verl calls a reward function"):
             load_custom_function(write_reward_file(tmp_path, text, name="other.py"))
-    for text in ["def compute_score(**kwargs):\n    return 0\n", "def compute_score(*, solution_str, **kwargs):\n    return 0\n",
-                 "def compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None, "
-                 "concurrent_semaphore=None, memory_limit_mb=None):\n    return 0\n",
-                 "class Scorer:\n    def __call__(self, solution_str, **kwargs):\n        return 0\n\ncompute_score = Scorer()\n"]:  # fmt: skip
+    for text in [
+        "def compute_score(**kwargs):\n    return 0\n",
+        "def compute_score(*, solution_str, **kwargs):\n    return 0\n",
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None, "
+        "concurrent_semaphore=None, memory_limit_mb=None):\n    return 0\n",
+        "class Scorer:\n    def __call__(self, solution_str, **kwargs):\n        return 0\n\n"
+        "compute_score = Scorer()\n",
+    ]:
         load_custom_function(write_reward_file(tmp_path, text, name="fine.py"))
 
 
@@ -473,9 +609,11 @@ def test_a_rule_must_take_one_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     module.fine = lambda sample, scale=1.0: 0.0
     module.star = lambda *args: 0.0
     monkeypatch.setitem(sys.modules, "shaped_rules", module)
-    for name, problem in [("two", r"\(sample, answer\).*missing a required argument: 'answer'"),
-                          ("keyword", r"\(\*, sample\).*too many positional arguments"),
-                          ("none", r"\(\).*too many positional arguments")]:  # fmt: skip
+    for name, problem in [
+        ("two", r"\(sample, answer\).*missing a required argument: 'answer'"),
+        ("keyword", r"\(\*, sample\).*too many positional arguments"),
+        ("none", r"\(\).*too many positional arguments"),
+    ]:
         with pytest.raises(ValueError, match=rf"reward rule 'shaped_rules:{name}': {name}{problem}"):
             resolve_rule(f"shaped_rules:{name}")
     with pytest.raises(ValueError, match=r"cannot be called as a rule is, two\(sample\) -> float"):
@@ -486,7 +624,7 @@ def test_a_rule_must_take_one_sample(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- scoring.timeout_s
 
 
-def _hanging_scorer(timeout_s: float, release: "threading.Event", interrupted=None):
+def _hanging_scorer(timeout_s: float, release: threading.Event, interrupted=None):
     """A scorer whose rule waits on ``release`` for sample 1 ('two'), and its rollout."""
     from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
     from megatron_rlhf.rollout.engine import Completion
@@ -497,10 +635,20 @@ def _hanging_scorer(timeout_s: float, release: "threading.Event", interrupted=No
             release.wait(60)
         return 1.0
 
-    completions = [Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7] * n, logprobs=[0.0] * n)
-                   for i, n in enumerate((1, 2, 3))]  # fmt: skip
-    scorer = Scorer(ScoringConfig(timeout_s=timeout_s), {"hangs": hangs}, None, None, stop_ids=(), max_new_tokens=8,
-                    max_tokens_per_micro_batch=64, interrupted=interrupted)  # fmt: skip
+    completions = [
+        Completion(prompt_index=0, sample_index=i, prompt_ids=[5], token_ids=[7] * n, logprobs=[0.0] * n)
+        for i, n in enumerate((1, 2, 3))
+    ]
+    scorer = Scorer(
+        ScoringConfig(timeout_s=timeout_s),
+        {"hangs": hangs},
+        None,
+        None,
+        stop_ids=(),
+        max_new_tokens=8,
+        max_tokens_per_micro_batch=64,
+        interrupted=interrupted,
+    )
     decode = lambda rows: [["one", "two", "three"][len(ids) - 1] if len(ids) < 4 else "p" for ids in rows]  # noqa: E731
     return lambda: scorer.start(rollout_batch(completions, 0), completions, [{}], decode)
 
@@ -520,10 +668,18 @@ def test_a_hung_rule_fails_after_the_timeout_naming_rule_sample_and_line(world_o
     release.set()
     assert 0.5 <= waited < 5
     message = str(info.value)
-    assert re.match(re.escape(f"reward rule 'hangs' ({__file__}) on sample 1 (response 'two') has run ") + r"0\.\d s, "
-                    + re.escape("longer than scoring.timeout_s=0.5 (raise scoring.timeout_s, or set it to 0 for no "
-                                "limit); the run ends. It is at:\n"), message)  # fmt: skip
-    assert ", in hangs\n    release.wait(60)\n" in message and message.rstrip().endswith("waiter.acquire(True, timeout)")
+    assert re.match(
+        re.escape(f"reward rule 'hangs' ({__file__}) on sample 1 (response 'two') has run ")
+        + r"0\.\d s, "
+        + re.escape(
+            "longer than scoring.timeout_s=0.5 (raise scoring.timeout_s, or set it to 0 for no "
+            "limit); the run ends. It is at:\n"
+        ),
+        message,
+    )
+    assert ", in hangs\n    release.wait(60)\n" in message and message.rstrip().endswith(
+        "waiter.acquire(True, timeout)"
+    )
     assert "calls.py" not in message and "scoring.py" not in message  # the stack starts at the rule
 
 
@@ -575,8 +731,11 @@ def test_a_call_that_returns_past_the_timeout_fails_and_zero_means_no_limit() ->
     from megatron_rlhf.rewards import RewardCalls
 
     where = lambda: "reward rule 'slow' (slow.py) on sample 0 (response 'x')"  # noqa: E731
-    with pytest.raises(RewardFunctionError, match=r"^reward rule 'slow' \(slow.py\) on sample 0 \(response 'x'\) took "
-                                                  r"0\.\d s, longer than scoring.timeout_s=0.1 \(raise"):  # fmt: skip
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"^reward rule 'slow' \(slow.py\) on sample 0 \(response 'x'\) took "
+        r"0\.\d s, longer than scoring.timeout_s=0.1 \(raise",
+    ):
         RewardCalls(0.1)(where, time.sleep, 0.3)
     assert RewardCalls(0)(where, lambda: time.sleep(0.3) or 2.0) == 2.0
     assert RewardCalls(10)(where, lambda a, *, b: a + b, 1, b=2) == 3

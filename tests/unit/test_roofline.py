@@ -32,7 +32,7 @@ def test_step_floor_by_hand():
     # (803,968 x 2 bytes) and 2 rows of KV cache (1,024 bytes a token) takes longer than the FLOPs.
     compute = [2 * (1_607_936 + 2_048 * c) / 1e9 for c in (4, 5)]
     memory = [(1_607_936 + 2 * c * 1_024) / 2.5e8 for c in (4, 5)]
-    assert all(m > c for m, c in zip(memory, compute))
+    assert all(m > c for m, c in zip(memory, compute, strict=True))
     assert floor["decode"] == pytest.approx(sum(memory))
     assert floor["decode_compute_bound"] == pytest.approx(sum(compute))
     assert floor["optimizer"] == pytest.approx(869_504 * 30 / 2.5e8)

@@ -30,12 +30,18 @@ def saved(world_of_one, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
 
     state = tiny_train_state(torch.float32, False)
     arch, groups = state.role.arch, state.role.groups
-    reference = RoleModel(role="reference", arch=arch, groups=groups, source=None,
-                          model=build_model(arch, groups, dtype=torch.float32, device=torch.device("cpu")))  # fmt: skip
+    reference = RoleModel(
+        role="reference",
+        arch=arch,
+        groups=groups,
+        source=None,
+        model=build_model(arch, groups, dtype=torch.float32, device=torch.device("cpu")),
+    )
     train_states, weights = {"actor": state}, {"reference": reference}
     root = tmp_path_factory.mktemp("run") / "checkpoints"
-    RunCheckpointWriter(root, keep_last=2, background=False).save(1, train_states=train_states, weights=weights,
-                                                                  run_state={"task": {}}, config_yaml="seed: 1\n")  # fmt: skip
+    RunCheckpointWriter(root, keep_last=2, background=False).save(
+        1, train_states=train_states, weights=weights, run_state={"task": {}}, config_yaml="seed: 1\n"
+    )
     return root / "step_1", train_states, weights
 
 
@@ -60,14 +66,24 @@ def test_a_save_before_any_update_loads(saved: tuple[Path, dict, dict]) -> None:
     assert _load(saved[0], saved) == {"step": 1, "task": {}}
 
 
-def test_a_changed_byte_in_any_file_makes_the_checkpoint_unusable_naming_it(saved: tuple[Path, dict, dict],
-                                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_a_changed_byte_in_any_file_makes_the_checkpoint_unusable_naming_it(
+    saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
     from megatron_rlhf.checkpoint.run_checkpoint import UnusableCheckpoint
 
     files = _files(saved[0])
-    assert {"run_state.json", "config.yaml", "manifest.json", "rng/rank00000.pt", "models/actor/train_state.json",
-            "models/actor/rng/rank00000.pt", "models/actor/dist/.metadata", "models/actor/dist/integrity.json",
-            "weights/reference/megatron_rlhf.json", "weights/reference/weights/__0_0.distcp"} <= set(files)  # fmt: skip
+    assert {
+        "run_state.json",
+        "config.yaml",
+        "manifest.json",
+        "rng/rank00000.pt",
+        "models/actor/train_state.json",
+        "models/actor/rng/rank00000.pt",
+        "models/actor/dist/.metadata",
+        "models/actor/dist/integrity.json",
+        "weights/reference/megatron_rlhf.json",
+        "weights/reference/weights/__0_0.distcp",
+    } <= set(files)
     for number, rel in enumerate(files):
         ckpt = _copy(saved, tmp_path / str(number))
         data = bytearray((ckpt / rel).read_bytes())
@@ -78,10 +94,18 @@ def test_a_changed_byte_in_any_file_makes_the_checkpoint_unusable_naming_it(save
         assert Path(rel).name in str(err.value), rel
 
 
-@pytest.mark.parametrize("rel", ["models/actor/dist/integrity.json", "weights/reference/weights/integrity.json",
-                                 "rng/rank00000.pt", "models/actor/dist/__0_0.distcp"])  # fmt: skip
-def test_a_deleted_file_makes_the_checkpoint_unusable_naming_it(saved: tuple[Path, dict, dict], tmp_path: Path,
-                                                                rel: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "models/actor/dist/integrity.json",
+        "weights/reference/weights/integrity.json",
+        "rng/rank00000.pt",
+        "models/actor/dist/__0_0.distcp",
+    ],
+)
+def test_a_deleted_file_makes_the_checkpoint_unusable_naming_it(
+    saved: tuple[Path, dict, dict], tmp_path: Path, rel: str
+) -> None:
     from megatron_rlhf.checkpoint.run_checkpoint import UnusableCheckpoint
 
     ckpt = _copy(saved, tmp_path)
@@ -90,8 +114,9 @@ def test_a_deleted_file_makes_the_checkpoint_unusable_naming_it(saved: tuple[Pat
         _load(ckpt, saved)
 
 
-def test_a_file_added_to_a_model_directory_makes_the_checkpoint_unusable(saved: tuple[Path, dict, dict],
-                                                                         tmp_path: Path) -> None:  # fmt: skip
+def test_a_file_added_to_a_model_directory_makes_the_checkpoint_unusable(
+    saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
     """dist_checkpointing would read a ``common.pt`` beside the shards (its older format)."""
     from megatron_rlhf.checkpoint.run_checkpoint import UnusableCheckpoint
 
@@ -101,8 +126,9 @@ def test_a_file_added_to_a_model_directory_makes_the_checkpoint_unusable(saved: 
         _load(ckpt, saved)
 
 
-def test_a_checkpoint_without_its_manifest_loads_only_when_trusted(saved: tuple[Path, dict, dict],
-                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_a_checkpoint_without_its_manifest_loads_only_when_trusted(
+    saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
     from megatron_rlhf.checkpoint.run_checkpoint import UnusableCheckpoint
 
     ckpt = _copy(saved, tmp_path)
@@ -159,8 +185,9 @@ def test_rng_states_come_back_exactly(saved: tuple[Path, dict, dict], tmp_path: 
     np.random.seed(4)
     torch.manual_seed(5)
     np.random.standard_normal()  # numpy keeps a second gaussian: its state carries it
-    RunCheckpointWriter(tmp_path, keep_last=1, background=False).save(2, train_states={}, weights={}, run_state={},
-                                                                      config_yaml="")  # fmt: skip
+    RunCheckpointWriter(tmp_path, keep_last=1, background=False).save(
+        2, train_states={}, weights={}, run_state={}, config_yaml=""
+    )
     expected = _draws()
     load_run_checkpoint(tmp_path / "step_2", train_states={}, weights={}, trust_unverified=False)
     assert _draws() == expected
@@ -190,11 +217,14 @@ def _fill(disk: Path, leave: int) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs to fill needs root")
-@pytest.mark.parametrize("failing, leave, background", [
-    ("rng/rank00000.pt", 0, False),  # the save's first file, written by this package
-    ("models/actor/dist/__0_0.distcp", 128 << 10, False),  # a shard, by megatron's writer
-    ("models/actor/dist/__0_0.distcp", 128 << 10, True),  # the same in the background writer process
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "failing, leave, background",
+    [
+        ("rng/rank00000.pt", 0, False),  # the save's first file, written by this package
+        ("models/actor/dist/__0_0.distcp", 128 << 10, False),  # a shard, by megatron's writer
+        ("models/actor/dist/__0_0.distcp", 128 << 10, True),  # the same in the background writer process
+    ],
+)
 def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
     saved: tuple[Path, dict, dict], tmp_path: Path, failing: str, leave: int, background: bool
 ) -> None:
@@ -218,8 +248,9 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
 
 
 @pytest.mark.parametrize(("keep_last", "kept"), [(2, ["step_2", "step_3"]), (0, ["step_1", "step_2", "step_3"])])
-def test_keep_last_prunes_older_checkpoints_and_zero_keeps_all(tmp_path: Path, world_of_one, keep_last: int,
-                                                                kept: list[str]) -> None:  # fmt: skip
+def test_keep_last_prunes_older_checkpoints_and_zero_keeps_all(
+    tmp_path: Path, world_of_one, keep_last: int, kept: list[str]
+) -> None:
     from megatron_rlhf.checkpoint.run_checkpoint import RunCheckpointWriter
 
     writer = RunCheckpointWriter(tmp_path, keep_last=keep_last, background=False)

@@ -21,7 +21,9 @@ def _check_ppo(overrides: list[str]) -> None:
 
 def _check_supervised(schema: type, score_head: bool) -> Callable[[list[str]], None]:
     def check(overrides: list[str]) -> None:
-        check_config(load_config("rm-tiny" if score_head else "sft-tiny", overrides, schema=schema), 1, score_head=score_head)
+        check_config(
+            load_config("rm-tiny" if score_head else "sft-tiny", overrides, schema=schema), 1, score_head=score_head
+        )
 
     return check
 
@@ -56,7 +58,9 @@ def test_output_dir_under_a_file_is_named(command: str, tmp_path: Path, data_fil
 @pytest.mark.parametrize("command", COMMANDS)
 def test_missing_data_files_are_named_with_their_setting(command: str, tmp_path: Path, data_file: Path) -> None:
     (tmp_path / "notes.txt").write_text("")
-    message = _error(command, [f"output_dir={tmp_path / 'run'}", f"data.train=[/nope.jsonl,{data_file},{tmp_path / 'notes.txt'}]"])
+    message = _error(
+        command, [f"output_dir={tmp_path / 'run'}", f"data.train=[/nope.jsonl,{data_file},{tmp_path / 'notes.txt'}]"]
+    )
     assert "data.train: dataset path '/nope.jsonl' does not exist" in message
     assert f"data.train: {tmp_path / 'notes.txt'}: unsupported data file extension '.txt'" in message
     assert str(data_file) not in message
@@ -71,7 +75,10 @@ def test_missing_validation_files_are_named(command: str, tmp_path: Path, data_f
 def test_built_in_prompt_sets_are_checked_by_name(tmp_path: Path) -> None:
     _check_ppo([f"output_dir={tmp_path}", "data.train=[builtin:lowercase-prompts]"])
     message = _error("ppo", [f"output_dir={tmp_path}", "data.train=[builtin:uppercase-prompts]"])
-    assert "data.train: unknown built-in dataset 'builtin:uppercase-prompts'; available: ['builtin:lowercase-prompts', " in message
+    assert (
+        "data.train: unknown built-in dataset 'builtin:uppercase-prompts'; available: ['builtin:lowercase-prompts', "
+        in message
+    )
 
 
 def test_unreadable_data_files_are_named(tmp_path: Path, data_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,20 +109,28 @@ def read_only_dir(tmp_path: Path):
 
     mount = tmp_path / "ro"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a read-only tmpfs here (needs root in a namespace that allows mounts)")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_an_output_dir_that_cannot_be_written_is_named_up_front(command: str, read_only_dir: Path, data_file: Path) -> None:
+def test_an_output_dir_that_cannot_be_written_is_named_up_front(
+    command: str, read_only_dir: Path, data_file: Path
+) -> None:
     message = _error(command, [f"output_dir={read_only_dir / 'run'}", f"data.train=[{data_file}]"])
     assert f"output_dir='{read_only_dir / 'run'}': cannot write in {read_only_dir} (Read-only file system)" in message
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_a_resume_value_that_is_no_mode_and_no_directory_is_named(command: str, tmp_path: Path, data_file: Path) -> None:
+def test_a_resume_value_that_is_no_mode_and_no_directory_is_named(
+    command: str, tmp_path: Path, data_file: Path
+) -> None:
     message = _error(command, [f"output_dir={tmp_path / 'run'}", f"data.train=[{data_file}]", "resume=sometimes"])
-    assert ("resume='sometimes' must be auto, never, or a checkpoint directory (.../checkpoints/step_N); 'sometimes' "
-            "does not exist") in message  # fmt: skip
+    assert (
+        "resume='sometimes' must be auto, never, or a checkpoint directory (.../checkpoints/step_N); 'sometimes' "
+        "does not exist"
+    ) in message

@@ -70,7 +70,9 @@ def test_empirical_frequencies_match_expected(temperature: float, top_k: int, to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.5), (1.0, 7, 0.9)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.5), (1.0, 7, 0.9)]
+)
 def test_logprobs_are_full_vocabulary_before_filtering(dtype, temperature, top_k, top_p) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = (2.0 * torch.randn(64, 50, generator=gen)).to(dtype)
@@ -81,7 +83,12 @@ def test_logprobs_are_full_vocabulary_before_filtering(dtype, temperature, top_k
     torch.testing.assert_close(logprobs.double(), ref, rtol=0, atol=1e-6)
     # Exactly what the trainer recomputes (so the first PPO ratio is 1).
     trainer, _ = token_logprobs_and_entropy(
-        logits[:, None, :], tokens[:, None], tp_group=None, vocab_size=50, temperature=temperature, compute_entropy=False
+        logits[:, None, :],
+        tokens[:, None],
+        tp_group=None,
+        vocab_size=50,
+        temperature=temperature,
+        compute_entropy=False,
     )
     torch.testing.assert_close(logprobs, trainer[:, 0], rtol=0, atol=1e-6)
     if top_k or top_p < 1:  # filtering changes which tokens may be drawn, never their log-prob

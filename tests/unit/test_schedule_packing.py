@@ -37,14 +37,14 @@ def test_longest_first_cuts_padding_of_skewed_lengths(world_of_one) -> None:
     start = 0
     while start < len(lengths):
         end = start + 1
-        while end < len(lengths) and (end - start + 1) * max(lengths[start:end + 1]) <= 2048:
+        while end < len(lengths) and (end - start + 1) * max(lengths[start : end + 1]) <= 2048:
             end += 1
         in_order += (end - start) * max(lengths[start:end])
         start = end
     # Measured: 1072 padded tokens against 10352 in order (9424 real): the one micro-batch that
     # mixes a 512 row with shorter ones is where the rest comes from.
     assert (computed - real) * 5 < in_order - real, (computed, in_order, real)
-    for piece, index in zip(pieces, torch.split(rows, [p["input_ids"].shape[0] for p in pieces])):
+    for piece, index in zip(pieces, torch.split(rows, [p["input_ids"].shape[0] for p in pieces]), strict=True):
         width = piece["input_ids"].shape[1]
         assert torch.equal(piece["input_ids"], batch["input_ids"][index, :width])
 
@@ -59,7 +59,9 @@ def test_pairs_stay_together(world_of_one) -> None:
 def test_forward_pass_returns_rows_in_batch_order(world_of_one) -> None:
     """Each row's output equals that row run alone (a micro-batch of one, no padding)."""
     path = "builtin:tiny-llama"
-    role = build_role("actor", ModelConfig(path=path), architecture_of(path), world_size=1, dtype=torch.float32, device=CPU)
+    role = build_role(
+        "actor", ModelConfig(path=path), architecture_of(path), world_size=1, dtype=torch.float32, device=CPU
+    )
     batch = skewed_batch([6, 20, 3, 20, 11, 4])
 
     def last_logit(piece: dict[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,7 @@ def test_forward_pass_returns_rows_in_batch_order(world_of_one) -> None:
 
     together = forward_pass(role, batch, last_logit, max_tokens_per_micro_batch=48)
     for row, length in enumerate(batch["attention_mask"].sum(dim=1).tolist()):
-        alone = forward_pass(role, {k: v[row : row + 1, :length] for k, v in batch.items()}, last_logit,
-                             max_tokens_per_micro_batch=48)  # fmt: skip
+        alone = forward_pass(
+            role, {k: v[row : row + 1, :length] for k, v in batch.items()}, last_logit, max_tokens_per_micro_batch=48
+        )
         torch.testing.assert_close(together[row, :length], alone[0], rtol=1e-5, atol=1e-5)

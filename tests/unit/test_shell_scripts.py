@@ -13,7 +13,9 @@ import pytest
 
 from tests.helpers import REPO
 
-SCRIPTS = sorted([*REPO.glob("launch/*.sh"), *REPO.glob("launch/slurm/*"), *REPO.glob("scripts/*.sh"), REPO / ".ci/run"])
+SCRIPTS = sorted(
+    [*REPO.glob("launch/*.sh"), *REPO.glob("launch/slurm/*"), *REPO.glob("scripts/*.sh"), REPO / ".ci/run"]
+)
 
 
 def test_the_scripts_are_found() -> None:

@@ -16,8 +16,14 @@ from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 
 
 def _setup(out_dir: Path, total_steps: int = 3, log_every: int = 2) -> SinkSetup:
-    return SinkSetup(out_dir=out_dir, total_steps=total_steps, log_every=log_every,
-                     progress=lambda m: f"loss {m['actor/loss']:.2f}", wandb=WandbConfig(), config={})  # fmt: skip
+    return SinkSetup(
+        out_dir=out_dir,
+        total_steps=total_steps,
+        log_every=log_every,
+        progress=lambda m: f"loss {m['actor/loss']:.2f}",
+        wandb=WandbConfig(),
+        config={},
+    )
 
 
 def test_each_logger_writes_its_destination_with_the_same_keys(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -32,8 +38,11 @@ def test_each_logger_writes_its_destination_with_the_same_keys(tmp_path: Path, c
 
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" | eta")[0] for line in lines] == [
-        "step 1/3 | loss 0.10", "step 2/3 | loss 0.20", "step 3/3 | loss 0.30",
-        "validation at step 3: accuracy 0.7500 | pairs 8"]  # fmt: skip
+        "step 1/3 | loss 0.10",
+        "step 2/3 | loss 0.20",
+        "step 3/3 | loss 0.30",
+        "validation at step 3: accuracy 0.7500 | pairs 8",
+    ]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0] == {"split": "train", "step": 1, "actor/loss": 0.1, "timing_s/gen": 0.5}
     assert rows[-1] == {"split": "validation", "step": 3, "accuracy": 0.75, "pairs": 8}
@@ -56,12 +65,18 @@ def _errors(*overrides: str) -> list[str]:
     return config_errors(load_config("ppo-tiny", list(overrides), schema=PPOConfig))
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("loggers=[console,mlflow]", "loggers=['console', 'mlflow']: unknown logger 'mlflow'; choose from ['console', "
-                                 "'jsonl', 'tensorboard', 'wandb']"),
-    ("loggers=[jsonl,jsonl]", "loggers=['jsonl', 'jsonl']: 'jsonl' is listed twice"),
-    ("wandb.mode=cloud", "wandb.mode='cloud' must be one of ['', 'online', 'offline', 'disabled']"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "loggers=[console,mlflow]",
+            "loggers=['console', 'mlflow']: unknown logger 'mlflow'; choose from ['console', "
+            "'jsonl', 'tensorboard', 'wandb']",
+        ),
+        ("loggers=[jsonl,jsonl]", "loggers=['jsonl', 'jsonl']: 'jsonl' is listed twice"),
+        ("wandb.mode=cloud", "wandb.mode='cloud' must be one of ['', 'online', 'offline', 'disabled']"),
+    ],
+)
 def test_logger_settings_are_checked(override: str, message: str) -> None:
     assert message in _errors(override)
 
@@ -69,8 +84,10 @@ def test_logger_settings_are_checked(override: str, message: str) -> None:
 def test_wandb_without_its_package_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
-    message = ("loggers=['console', 'wandb'] lists wandb, but the wandb package is not installed: pip install wandb "
-               "(or leave wandb out of loggers)")  # fmt: skip
+    message = (
+        "loggers=['console', 'wandb'] lists wandb, but the wandb package is not installed: pip install wandb "
+        "(or leave wandb out of loggers)"
+    )
     assert message in _errors("loggers=[console,wandb]")
     with pytest.raises(ConfigError, match=re.escape(message)):  # the trainer's first check, before any model
         check_ppo_config(load_config("ppo-tiny", ["loggers=[console,wandb]"], schema=PPOConfig), 1)
@@ -102,11 +119,18 @@ def test_non_finite_figures_are_written_as_null_and_listed() -> None:
     from megatron_rlhf.metrics.sinks import strict_json
 
     row = json.loads(strict_json({"step": 3, "loss": float("nan"), "lr": 1.0, "validation": {"nll": float("inf")}}))
-    assert row == {"step": 3, "loss": None, "lr": 1.0, "validation": {"nll": None}, "nonfinite": ["loss", "validation.nll"]}
+    assert row == {
+        "step": 3,
+        "loss": None,
+        "lr": 1.0,
+        "validation": {"nll": None},
+        "nonfinite": ["loss", "validation.nll"],
+    }
 
 
-def test_wandb_online_without_credentials_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch,
-                                                                              tmp_path: Path) -> None:  # fmt: skip
+def test_wandb_online_without_credentials_is_refused_before_anything_is_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     netrc_file = tmp_path / "netrc"

@@ -24,8 +24,14 @@ def _main_grads(hf_dir: Path, env, fused: bool) -> dict[str, torch.Tensor]:
     from megatron_rlhf.engine.train import _forward_backward
     from megatron_rlhf.models.architecture import load_architecture
 
-    role = build_role("actor", ModelConfig(path=str(hf_dir)), load_architecture(hf_dir), world_size=1,
-                      dtype=torch.float32, device=env.device)  # fmt: skip
+    role = build_role(
+        "actor",
+        ModelConfig(path=str(hf_dir)),
+        load_architecture(hf_dir),
+        world_size=1,
+        dtype=torch.float32,
+        device=env.device,
+    )
     config = role.model.config
     assert config.gradient_accumulation_fusion and config.apply_rope_fusion and config.bias_activation_fusion
     if not fused:
@@ -53,7 +59,9 @@ def test_fused_gradient_buffers_equal_megatrons_unfused_ones(world_of_one, tmp_p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("interleaved,rot_dim", [(False, 16), (True, 16), (False, 8)], ids=["half", "interleaved", "partial"])
+@pytest.mark.parametrize(
+    "interleaved,rot_dim", [(False, 16), (True, 16), (False, 8)], ids=["half", "interleaved", "partial"]
+)
 def test_rotary_with_tables_equals_megatrons_formula(dtype: torch.dtype, interleaved: bool, rot_dim: int) -> None:
     """``rotary_bshd`` (cos and sin taken once per angle table) against megatron's unfused formula,
     which takes them in every call: equal bit for bit, forward and backward, for the query and the
@@ -71,8 +79,10 @@ def test_rotary_with_tables_equals_megatrons_formula(dtype: torch.dtype, interle
             t = torch.randn(s, b, heads, hn, generator=g).to(dtype)
             upstream = torch.randn(s, b, heads, hn, generator=g).to(dtype)
             outputs = []
-            for fn in (lambda x: rotary_bshd(x, freqs, interleaved=interleaved),
-                       lambda x: rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)):  # fmt: skip
+            for fn in (
+                lambda x, freqs=freqs: rotary_bshd(x, freqs, interleaved=interleaved),
+                lambda x, freqs=freqs: rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved),
+            ):
                 leaf = t.clone().requires_grad_()
                 out = fn(leaf)
                 (out * upstream).sum().backward()
@@ -97,11 +107,11 @@ def test_optimizer_multi_tensor_kernels_match_float64() -> None:
 
     scaled = [t.clone() for t in grads]
     _foreach_scale(0, torch.zeros(1), [scaled, scaled], 0.25)
-    assert all(torch.equal(s, t * 0.25) for s, t in zip(scaled, grads))
+    assert all(torch.equal(s, t * 0.25) for s, t in zip(scaled, grads, strict=True))
     for scale in (1.0, 0.5):
         targets = [torch.zeros(t.shape, dtype=torch.bfloat16) for t in grads]
         _foreach_scale(0, torch.zeros(1), [grads, targets], scale)
-        assert all(torch.equal(out, (t * scale).bfloat16()) for out, t in zip(targets, grads))
+        assert all(torch.equal(out, (t * scale).bfloat16()) for out, t in zip(targets, grads, strict=True))
 
 
 def test_megatron_grad_norm_uses_the_foreach_norm(world_of_one) -> None:

@@ -15,14 +15,27 @@ def tiny_train_state(dtype: torch.dtype, tie: bool):
     from megatron_rlhf.models.roles import RoleModel
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
 
-    arch = architecture_from_hf_config({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": tie, "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    })  # fmt: skip
+    arch = architecture_from_hf_config(
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": tie,
+            "vocab_size": 97,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        }
+    )
     groups = parallel_groups(Layout.for_world(1, 1, 1))
     model = build_model(arch, groups, dtype=dtype, device=torch.device("cpu"))
-    return make_train_state(RoleModel(role="actor", arch=arch, groups=groups, model=model, source=None), OptimConfig(lr=1e-3))
+    return make_train_state(
+        RoleModel(role="actor", arch=arch, groups=groups, model=model, source=None), OptimConfig(lr=1e-3)
+    )
 
 
 def _train_state(dtype: torch.dtype, tie: bool):
@@ -71,10 +84,19 @@ def test_in_place_state_matches_megatrons(world_of_one, dtype: torch.dtype, tie:
             else:
                 ours, theirs = [ours], [theirs]
             assert len(ours) == len(theirs)
-            for one, other in zip(ours, theirs):
+            for one, other in zip(ours, theirs, strict=True):
                 assert isinstance(one, ShardedTensor)
-                for field in ("key", "dtype", "local_shape", "global_shape", "global_offset", "axis_fragmentations",
-                              "replica_id", "prepend_axis_num", "flattened_range"):  # fmt: skip
+                for field in (
+                    "key",
+                    "dtype",
+                    "local_shape",
+                    "global_shape",
+                    "global_offset",
+                    "axis_fragmentations",
+                    "replica_id",
+                    "prepend_axis_num",
+                    "flattened_range",
+                ):
                     assert getattr(one, field) == getattr(other, field), (other.key, field)
                 assert torch.equal(one.data, other.data), other.key
                 checked += 1
