@@ -17,11 +17,11 @@ import torch.distributed as dist
 from megatron_rlhf.checkpoint.sources import ModelsConfig, build_role, role_errors
 from megatron_rlhf.config.loader import config_errors, raise_if_errors, to_yaml
 from megatron_rlhf.config.run import resolve_dtype
-from megatron_rlhf.engine.train import forward_outputs
 from megatron_rlhf.metrics.log import environment_report, log, timed
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import ROLES
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
+from megatron_rlhf.training.train import forward_outputs
 
 SMOKE_BATCH, SMOKE_SEQ_LEN = 4, 32
 

@@ -39,10 +39,10 @@ def main() -> None:
     from megatron_rlhf.checkpoint.run_checkpoint import RunCheckpointWriter, load_run_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.config.run import resolve_dtype
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import train_step
 
     env = init_distributed(args.device)
     dtype = resolve_dtype("auto", env.device)

@@ -47,13 +47,13 @@ def main() -> None:
 
     from megatron_rlhf.checkpoint.sources import local_dir
     from megatron_rlhf.data.tokenizer import load_tokenizer
-    from megatron_rlhf.engine.schedule import logits_only_at, micro_batches
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
     from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig, scoring_errors
     from megatron_rlhf.rollout.engine import Completion
     from megatron_rlhf.rollout.native import _History
     from megatron_rlhf.trainer.ppo import _rollout_logprobs, rollout_batch
+    from megatron_rlhf.training.schedule import logits_only_at, micro_batches
 
     init_distributed("cpu")  # the scorer gathers rule scores over the (one-rank) world
     tokenizer = load_tokenizer(local_dir(args.model))

@@ -29,13 +29,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_rlhf.checkpoint.sources import architecture_of, load_weights
-    from megatron_rlhf.engine.train import forward_outputs
     from megatron_rlhf.metrics.log import log
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.builtin import builtin_checkpoint, is_builtin
     from megatron_rlhf.models.roles import RoleModel
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
+    from megatron_rlhf.training.train import forward_outputs
 
     env = init_distributed(args.device)
     arch = architecture_of(args.model)

@@ -139,15 +139,15 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.memory import TrainingMemory
     from megatron_rlhf.metrics.log import log
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import train_step
 
     env = init_distributed("cuda")
     arch = architecture_of(args.model)

@@ -1,6 +1,6 @@
 """Benchmark: the training step's log-prob and entropy kernels over Qwen2.5's vocabulary
-(``engine/logprobs_kernel.py``) against the compiled torch passes they replace
-(``engine/logprobs.py``), forward and backward, at the 1.5B GRPO step's micro-batch shape, and
+(``training/logprobs_kernel.py``) against the compiled torch passes they replace
+(``training/logprobs.py``), forward and backward, at the 1.5B GRPO step's micro-batch shape, and
 against the memory copy rate measured in the same run.
 
     python scripts/bench_train_kernels.py [--scored-tokens 10900] [--out kernels.json]
@@ -32,8 +32,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_train_kernels.py needs a GPU")
 
-    from megatron_rlhf.engine import logprobs_kernel
-    from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
+    from megatron_rlhf.training import logprobs_kernel
+    from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
 
     torch.manual_seed(0)
     report = KernelReport({"scored_tokens": args.scored_tokens, "vocab": args.vocab}, args.repeat)

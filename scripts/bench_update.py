@@ -59,12 +59,12 @@ def main() -> None:
     from megatron.core import tensor_parallel
 
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-    from megatron_rlhf.engine.objectives import PPOLossConfig, ppo_actor_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.schedule import logits_only_at, micro_batches
-    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.metrics.log import log
     from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.training.objectives import PPOLossConfig, ppo_actor_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.schedule import logits_only_at, micro_batches
+    from megatron_rlhf.training.train import train_step
 
     env = init_distributed(args.device)
     on_gpu = env.device.type == "cuda"

@@ -59,9 +59,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, mcore_save_request, write_bytes
 from megatron_rlhf.checkpoint.train_state import load_train_state, train_state_save_request
-from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.training.optim import TrainState
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"

@@ -51,7 +51,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest, write_bytes
-from megatron_rlhf.engine.optim import TrainState, fuse_device_adam, torch_optimizers
+from megatron_rlhf.training.optim import TrainState, fuse_device_adam, torch_optimizers
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 STATE_FILE = "train_state.json"

@@ -29,7 +29,6 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megatron_rlhf.config.fields import check_on_init, one_of
-from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.hybrid.memory import OFFLOAD_MODES, TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.log import memory_summary, phase_range, snake_case
@@ -37,6 +36,7 @@ from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.training.optim import TrainState
 
 
 @dataclasses.dataclass(kw_only=True)

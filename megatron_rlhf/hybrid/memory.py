@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from megatron_rlhf.engine.optim import TrainState, torch_optimizers
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import Layout
+from megatron_rlhf.training.optim import TrainState, torch_optimizers
 
 GIB = 1024**3
 OFFLOAD_MODES = ("auto", "always", "never")

@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config.fields import at_least
-from megatron_rlhf.engine.objectives import values_output
-from megatron_rlhf.engine.schedule import Batch
-from megatron_rlhf.engine.train import forward_all_rows
 from megatron_rlhf.metrics.log import snake_case
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.training.objectives import values_output
+from megatron_rlhf.training.schedule import Batch
+from megatron_rlhf.training.train import forward_all_rows
 
 from .calls import RewardCalls, RewardFunctionError, ScoringInterrupted, Watched, formatted
 from .custom import CustomFunctionConfig, CustomRewardFunction, CustomScores, load_custom_function, metric_means

@@ -9,7 +9,7 @@ strips megatron's vocabulary padding before calling).
 Why it is done this way:
 * The returned log-prob is that of the *unfiltered* distribution softmax(logits / T), taken over the
   full vocabulary BEFORE top-k/top-p filtering (and at T=1 for greedy, T=0): exactly what the trainer
-  recomputes with ``token_logprobs_and_entropy(..., temperature=T)`` (engine/logprobs.py), so the
+  recomputes with ``token_logprobs_and_entropy(..., temperature=T)`` (training/logprobs.py), so the
   PPO/GRPO ratio pi_new / pi_old starts at 1. It is computed the same way (float32, logits times
   1/T), so the two agree to float32 rounding. Top-k/top-p only choose which tokens may be drawn.
 * Everything runs in float32 whatever the input dtype (bf16 logits are upcast).
@@ -174,7 +174,7 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         tokens = torch.argmax(logits, dim=-1)  # first maximal index on ties
         return tokens, _logprob_of_max(logits, tokens)
 
-    z = logits.float() * (1.0 / params.temperature)  # as engine/logprobs.py scales, for identical rounding
+    z = logits.float() * (1.0 / params.temperature)  # as training/logprobs.py scales, for identical rounding
     probs = torch.softmax(apply_top_k_top_p(z, params.top_k, params.top_p), dim=-1)  # filtered -> 0
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     race.clamp_min_(torch.finfo(race.dtype).tiny)  # guard against an exact 0 draw (p / 0)

@@ -16,7 +16,7 @@ probability softmax(z)_v up to float32 rounding of the partial sums, as ``torch.
 per-element random numbers (a Gumbel-max race, as before) cost three times the memory pass in
 Philox rounds and logarithms at 256 rows (``docs/benchmarks.md``, twelfth session). The log-prob is
 z_token - logsumexp(z) over the whole vocabulary in float32, z = logits * (1 / T) as the trainer
-scales them (``engine/logprobs.py``).
+scales them (``training/logprobs.py``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
-from megatron_rlhf.engine.optim import TrainState
 from megatron_rlhf.metrics.curves import read_metrics, validation_table, write_curves
 from megatron_rlhf.metrics.kernels import profiled
 from megatron_rlhf.metrics.log import environment_report, is_rank0, log
@@ -64,6 +63,7 @@ from megatron_rlhf.rewards.calls import ScoringInterrupted
 from megatron_rlhf.trainer import run_lock
 from megatron_rlhf.trainer.resume_check import ResumeRefused, review_resume, tokenizer_fingerprint
 from megatron_rlhf.trainer.stop import RunStopped, StopSignals
+from megatron_rlhf.training.optim import TrainState
 
 StepRows = dict[str, list[dict[str, Any]]]
 """Rows a step writes beside its metrics, by file: ``{"samples": [...]}`` -> ``samples.jsonl``."""

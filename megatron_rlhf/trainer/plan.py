@@ -41,7 +41,6 @@ import torch
 from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
-from megatron_rlhf.engine.optim import OptimConfig
 from megatron_rlhf.hybrid.memory import GIB, decide_offload, generation_bytes, kv_cache_bytes
 from megatron_rlhf.hybrid.reshard import generation_layout
 from megatron_rlhf.models.architecture import Architecture
@@ -49,6 +48,7 @@ from megatron_rlhf.models.builder import padded_vocab_size
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 from megatron_rlhf.trainer.supervised import SupervisedConfig, check_config
+from megatron_rlhf.training.optim import OptimConfig
 
 LOGIT_COPIES_TRAINING = 2
 """(b, s, Vp/tp) tensors alive at once in a training pass: the output layer's logits and megatron's

@@ -53,16 +53,6 @@ from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
-from megatron_rlhf.engine.objectives import (
-    UpdateLogprobs,
-    critic_loss,
-    logprobs_output,
-    ppo_actor_loss,
-    token_values_output,
-)
-from megatron_rlhf.engine.optim import TrainState, make_train_state
-from megatron_rlhf.engine.schedule import Batch, LossFn, logits_only_at
-from megatron_rlhf.engine.train import forward_all_rows, train_step, warm_up_step
 from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimizer_bytes_to_come
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
@@ -76,6 +66,16 @@ from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.trainer.loop import StepRows, run_loop, write_run_files
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, old_logprob_pass
 from megatron_rlhf.trainer.stop import stop_requested
+from megatron_rlhf.training.objectives import (
+    UpdateLogprobs,
+    critic_loss,
+    logprobs_output,
+    ppo_actor_loss,
+    token_values_output,
+)
+from megatron_rlhf.training.optim import TrainState, make_train_state
+from megatron_rlhf.training.schedule import Batch, LossFn, logits_only_at
+from megatron_rlhf.training.train import forward_all_rows, train_step, warm_up_step
 
 # --------------------------------------------------------------------------- the run
 

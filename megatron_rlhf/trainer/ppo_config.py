@@ -21,8 +21,6 @@ from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.chat_template import template_variable_errors, tools_file_errors
 from megatron_rlhf.data.config import DataFilesConfig
-from megatron_rlhf.engine.objectives import PPOLossConfig
-from megatron_rlhf.engine.optim import OptimConfig
 from megatron_rlhf.hybrid.engine import HybridConfig
 from megatron_rlhf.hybrid.reference import ReferenceConfig
 from megatron_rlhf.hybrid.reshard import matching_vocab_pad_multiple
@@ -35,6 +33,8 @@ from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.trainer.loop import LoopConfig
+from megatron_rlhf.training.objectives import PPOLossConfig
+from megatron_rlhf.training.optim import OptimConfig
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -17,10 +17,6 @@ import torch.nn.functional as F
 
 from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import PreferenceDataset, load_preference_dataset, pack_batch
-from megatron_rlhf.engine.objectives import bradley_terry_loss, values_output
-from megatron_rlhf.engine.optim import OptimConfig
-from megatron_rlhf.engine.schedule import Batch
-from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
@@ -33,6 +29,10 @@ from megatron_rlhf.trainer.supervised import (
     reduce_over_model,
     set_up_run,
 )
+from megatron_rlhf.training.objectives import bradley_terry_loss, values_output
+from megatron_rlhf.training.optim import OptimConfig
+from megatron_rlhf.training.schedule import Batch
+from megatron_rlhf.training.train import forward_pass
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -15,10 +15,6 @@ import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import SFTDataset, load_sft_dataset, pack_batch
-from megatron_rlhf.engine.objectives import logprobs_output, sft_loss
-from megatron_rlhf.engine.optim import OptimConfig
-from megatron_rlhf.engine.schedule import logits_only_at
-from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
@@ -31,6 +27,10 @@ from megatron_rlhf.trainer.supervised import (
     reduce_over_model,
     set_up_run,
 )
+from megatron_rlhf.training.objectives import logprobs_output, sft_loss
+from megatron_rlhf.training.optim import OptimConfig
+from megatron_rlhf.training.schedule import logits_only_at
+from megatron_rlhf.training.train import forward_pass
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -24,14 +24,14 @@ from megatron_rlhf.data import Tokenizer
 from megatron_rlhf.data.builtin import data_path_errors, resolve_data_paths
 from megatron_rlhf.data.config import DataFilesConfig
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
-from megatron_rlhf.engine.optim import OptimConfig, TrainState, make_train_state
-from megatron_rlhf.engine.schedule import Batch, LossFn
-from megatron_rlhf.engine.train import train_step
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.trainer.loop import LoopConfig, StepRows, write_run_files
+from megatron_rlhf.training.optim import OptimConfig, TrainState, make_train_state
+from megatron_rlhf.training.schedule import Batch, LossFn
+from megatron_rlhf.training.train import train_step
 
 
 @dataclasses.dataclass(kw_only=True)

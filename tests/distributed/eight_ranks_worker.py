@@ -44,15 +44,15 @@ TRAIN_TP, TRAIN_PP, GENERATION_TP = 4, 2, 2
 def main() -> None:
     from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.engine import HybridEngine
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import train_step
 
     env = init_distributed("cpu")
     out, ppo_overrides = Path(sys.argv[1]), sys.argv[2:]

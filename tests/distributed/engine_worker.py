@@ -54,7 +54,9 @@ def make_batch() -> dict[str, torch.Tensor]:
 def main() -> None:
     from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-    from megatron_rlhf.engine.objectives import (
+    from megatron_rlhf.models.builtin import builtin_checkpoint
+    from megatron_rlhf.parallel.distributed import init_distributed, seed_everything
+    from megatron_rlhf.training.objectives import (
         PPOLossConfig,
         critic_loss,
         logprobs_output,
@@ -63,10 +65,8 @@ def main() -> None:
         token_aligned,
         token_values_output,
     )
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import forward_pass, train_step
-    from megatron_rlhf.models.builtin import builtin_checkpoint
-    from megatron_rlhf.parallel.distributed import init_distributed, seed_everything
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import forward_pass, train_step
 
     env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))
     out, mode = Path(sys.argv[1]), sys.argv[2]

@@ -29,13 +29,13 @@ NEW_TOKENS = 10
 
 def main() -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
-    from megatron_rlhf.engine.objectives import logprobs_output
-    from megatron_rlhf.engine.train import forward_pass
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
+    from megatron_rlhf.training.objectives import logprobs_output
+    from megatron_rlhf.training.train import forward_pass
 
     env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))
     out, tp = Path(sys.argv[1]), int(sys.argv[2])

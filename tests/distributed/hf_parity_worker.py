@@ -27,12 +27,12 @@ BATCH, SEQ_LEN, MICRO_BATCH = 4, 12, 2
 def main() -> None:
     from megatron_rlhf.checkpoint.hf import load_hf_weights, save_hf_checkpoint
     from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint
-    from megatron_rlhf.engine.train import forward_outputs
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.roles import RoleModel
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
+    from megatron_rlhf.training.train import forward_outputs
 
     env = init_distributed("cpu")
     work = Path(sys.argv[1])

@@ -50,7 +50,7 @@ def make_inputs(vocab_size: int, dtype: torch.dtype):
 def run(logits: torch.Tensor, targets, weights, tp_group, vocab_size: int, temperature: float):
     """Outputs and d(sum(w1 * logp + w2 * H))/d logits for the given logits (a shard or the whole)."""
     x = logits.detach().clone().requires_grad_(True)
-    from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
+    from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
 
     logprobs, entropy = token_logprobs_and_entropy(
         x, targets, tp_group=tp_group, vocab_size=vocab_size, temperature=temperature

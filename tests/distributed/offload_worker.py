@@ -24,10 +24,10 @@ def main() -> None:
 
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import train_step
 
     env = init_distributed("cpu")
     out = Path(sys.argv[1])

@@ -44,9 +44,6 @@ CASES = (
 
 def main() -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import forward_outputs, train_step
     from megatron_rlhf.hybrid.reshard import WeightResharder
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.parallel.distributed import init_distributed
@@ -54,6 +51,9 @@ def main() -> None:
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import forward_outputs, train_step
 
     env = init_distributed("cpu")
     out = Path(sys.argv[1])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlhf.engine.train import TEST_NAN_ENV
+from megatron_rlhf.training.train import TEST_NAN_ENV
 from tests.distributed.test_lifecycle import _deterministic, _records, _run
 from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
 from tests.helpers import load_all_tensors

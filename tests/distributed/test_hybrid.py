@@ -39,13 +39,13 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
     with it; each rollout's sampled tokens and log-probs equal those of an engine built afresh on
     the same weights with the same seed."""
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.engine import HybridEngine
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import train_step
 
     role = build_role(
         "actor",

@@ -24,12 +24,12 @@ RATIO, FLOOR = 2.0, 1e-2
 
 def main() -> None:
     from megatron_rlhf.checkpoint.hf import load_hf_weights
-    from megatron_rlhf.engine.train import forward_outputs
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.roles import RoleModel
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
+    from megatron_rlhf.training.train import forward_outputs
 
     env = init_distributed("cuda")
     work = Path(sys.argv[1])

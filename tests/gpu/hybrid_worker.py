@@ -31,14 +31,14 @@ def snapshot(state) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import train_step
     from megatron_rlhf.hybrid.memory import TrainingMemory
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import train_step
 
     env = init_distributed("cuda")
     out = Path(sys.argv[1])

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def main() -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state, torch_optimizers
     from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state, torch_optimizers
 
     env = init_distributed("cuda")
     out = Path(sys.argv[1])

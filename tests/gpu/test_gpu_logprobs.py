@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
+from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float):
@@ -47,11 +47,11 @@ def test_fused_kernels_match_float64(dtype: torch.dtype, temperature: float) -> 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_pass_kernels_at_a_full_vocabulary_on_a_sliced_view(dtype: torch.dtype) -> None:
-    """The Triton passes (``engine/logprobs_kernel.py``) at Qwen2.5's vocabulary (151,665 real of
+    """The Triton passes (``training/logprobs_kernel.py``) at Qwen2.5's vocabulary (151,665 real of
     151,936 columns: several loop blocks per row and a partial last one), on ``logits[:, :-1]`` as
     ``next_token_logprobs`` passes it (rows not evenly strided), with a target on a padding column
     (log-prob -inf, as documented): values and gradient against float64."""
-    from megatron_rlhf.engine import logprobs_kernel
+    from megatron_rlhf.training import logprobs_kernel
 
     g = torch.Generator().manual_seed(1)
     vocab_size, padded = 151_665, 151_936

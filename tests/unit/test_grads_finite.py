@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from megatron_rlhf.engine.train import _nonfinite_grads_anywhere
+from megatron_rlhf.training.train import _nonfinite_grads_anywhere
 
 
 def _model_with_buffers(*grads: torch.Tensor) -> types.SimpleNamespace:

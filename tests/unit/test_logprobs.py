@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
+from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
 
 VOCAB, PADDED = 97, 128  # 31 padding columns
 B, S = 3, 5
@@ -168,7 +168,7 @@ def test_single_pass_shard_stats_moved_to_the_max_over_shards_equal_the_two_pass
     """The GPU kernel's per-shard statistics (relative to each shard's own max), moved to the max
     over TP ranks by ``_relative_to_max``, equal ``_shard_stats`` computed from that max: per shard,
     and summed over shards (what the all-reduce adds). Two shards; the second holds the padding."""
-    from megatron_rlhf.engine.logprobs import _relative_to_max, _scaled, _shard_stats
+    from megatron_rlhf.training.logprobs import _relative_to_max, _scaled, _shard_stats
 
     logits, targets = make_inputs(seed=3, dtype=torch.float64)
     half = PADDED // 2
@@ -188,7 +188,7 @@ def test_single_pass_shard_stats_moved_to_the_max_over_shards_equal_the_two_pass
 
 def test_single_pass_shard_of_padding_only_adds_nothing() -> None:
     """A shard whose columns are all padding (its max is -inf) contributes 0 to every sum, not NaN."""
-    from megatron_rlhf.engine.logprobs import _relative_to_max
+    from megatron_rlhf.training.logprobs import _relative_to_max
 
     stats = torch.tensor([[float("-inf")], [0.0], [0.0], [float("-inf")]], dtype=torch.float64)
     moved = _relative_to_max(stats, torch.tensor([-1]), torch.tensor([2.5], dtype=torch.float64))

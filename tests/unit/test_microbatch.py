@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rlhf.engine.microbatch import equalise_count, split_by_token_budget
+from megatron_rlhf.training.microbatch import equalise_count, split_by_token_budget
 
 
 def test_split_keeps_order_and_budget() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rlhf.engine.optim import OptimConfig
+from megatron_rlhf.training.optim import OptimConfig
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rlhf"
 LAYERS = [
     {"fusion", "parallel", "config", "metrics", "algorithms", "tasks"},
     {"models"},
-    {"data", "engine"},
+    {"data", "training"},
     {"checkpoint"},
     {"rollout", "rewards"},
     {"hybrid"},

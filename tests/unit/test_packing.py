@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-from megatron_rlhf.engine import microbatch
-from megatron_rlhf.engine.microbatch import first_fit_decreasing, pack_rows
-from megatron_rlhf.engine.objectives import (
+from megatron_rlhf.models.attention import packed_rows_mask
+from megatron_rlhf.parallel.layout import Layout, parallel_groups
+from megatron_rlhf.training import microbatch
+from megatron_rlhf.training.microbatch import first_fit_decreasing, pack_rows
+from megatron_rlhf.training.objectives import (
     PPOLossConfig,
     UpdateLogprobs,
     critic_loss,
@@ -21,11 +23,9 @@ from megatron_rlhf.engine.objectives import (
     token_values_output,
     values_output,
 )
-from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-from megatron_rlhf.engine.schedule import logits_only_at, micro_batches, rows_of
-from megatron_rlhf.engine.train import forward_pass, train_step
-from megatron_rlhf.models.attention import packed_rows_mask
-from megatron_rlhf.parallel.layout import Layout, parallel_groups
+from megatron_rlhf.training.optim import OptimConfig, make_train_state
+from megatron_rlhf.training.schedule import logits_only_at, micro_batches, rows_of
+from megatron_rlhf.training.train import forward_pass, train_step
 
 CPU = torch.device("cpu")
 

@@ -13,9 +13,6 @@ import torch
 from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
 from megatron_rlhf.cli import main
 from megatron_rlhf.config.loader import load_config
-from megatron_rlhf.engine.objectives import sft_loss
-from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-from megatron_rlhf.engine.train import train_step
 from megatron_rlhf.hybrid.memory import GIB
 from megatron_rlhf.models.architecture import architecture_from_hf_config
 from megatron_rlhf.models.builder import build_model, padded_vocab_size
@@ -25,6 +22,9 @@ from megatron_rlhf.rollout.native import NativeEngine
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.trainer.plan import activation_bytes, micro_batch_tokens, plan_ppo, stage_parameters
 from megatron_rlhf.trainer.ppo_config import PPOConfig
+from megatron_rlhf.training.objectives import sft_loss
+from megatron_rlhf.training.optim import OptimConfig, make_train_state
+from megatron_rlhf.training.train import train_step
 
 ONE = Layout(1, 1, 1)
 CPU = torch.device("cpu")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_rlhf.config.loader import ConfigError, load_config
-from megatron_rlhf.engine.objectives import PPOLossConfig
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
+from megatron_rlhf.training.objectives import PPOLossConfig
 
 
 def test_dual_clip_is_on_by_default_as_in_verl() -> None:

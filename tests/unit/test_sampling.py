@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
 from megatron_rlhf.rollout.sampling import SamplingParams, apply_top_k_top_p, sample
+from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
 
 # Unsorted on purpose (the sampler must not rely on index order). Cumulative nucleus masses are
 # kept >= 0.01 away from every top_p used below (asserted in `expected_distribution`).

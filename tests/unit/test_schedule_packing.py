@@ -8,9 +8,9 @@ import random
 import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-from megatron_rlhf.engine.schedule import micro_batches
-from megatron_rlhf.engine.train import forward_pass
 from megatron_rlhf.parallel.layout import Layout, parallel_groups
+from megatron_rlhf.training.schedule import micro_batches
+from megatron_rlhf.training.train import forward_pass
 
 CPU = torch.device("cpu")
 

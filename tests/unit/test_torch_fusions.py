@@ -19,10 +19,10 @@ from tests.helpers import PAD_ID, make_tiny_hf_model
 
 def _main_grads(hf_dir: Path, env, fused: bool) -> dict[str, torch.Tensor]:
     from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
-    from megatron_rlhf.engine.objectives import sft_loss
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
-    from megatron_rlhf.engine.train import _forward_backward
     from megatron_rlhf.models.architecture import load_architecture
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import _forward_backward
 
     role = build_role(
         "actor",

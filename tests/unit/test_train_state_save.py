@@ -9,11 +9,11 @@ import torch
 
 def tiny_train_state(dtype: torch.dtype, tie: bool):
     """A 2-layer Llama's train state that has made no update (no Adam state yet)."""
-    from megatron_rlhf.engine.optim import OptimConfig, make_train_state
     from megatron_rlhf.models.architecture import architecture_from_hf_config
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.roles import RoleModel
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
 
     arch = architecture_from_hf_config(
         {

@@ -46,8 +46,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megatron_rlhf.engine import logprobs_kernel
 from megatron_rlhf.fusion import gpu_fused
+from megatron_rlhf.training import logprobs_kernel
 
 __all__ = ["token_logprobs_and_entropy"]
 

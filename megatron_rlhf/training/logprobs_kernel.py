@@ -1,7 +1,7 @@
 """The log-prob and entropy passes over a vocabulary shard as two Triton kernels (GPU, half or
 single precision logits): one pass forward, one backward.
 
-The compiled torch passes (``engine/logprobs.py``) read the logits twice forward (the max,
+The compiled torch passes (``training/logprobs.py``) read the logits twice forward (the max,
 then the sums) and a backward whose every element recomputes its column from a flat index: at an
 H200's 10,900 scored tokens x 151,936 columns per micro-batch, 0.95 + 1.76 ms forward and 3.73 ms
 backward, for a read of 0.78 ms (``docs/benchmarks.md``, thirteenth session). Here:

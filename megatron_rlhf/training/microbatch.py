@@ -1,6 +1,6 @@
 """Micro-batches formed by a token budget (dynamic batching), the same count on every DP rank.
 
-Sequences keep the order they are given in (engine/schedule.py gives them longest first):
+Sequences keep the order they are given in (training/schedule.py gives them longest first):
 micro-batch boundaries only group neighbours, so a change of budget changes how work is split,
 never which tokens are computed or how the loss is normalised.
 

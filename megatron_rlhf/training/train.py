@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_rlhf.engine.optim import TrainState
-from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, micro_batches, rows_of, run_schedule
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.training.optim import TrainState
+from megatron_rlhf.training.schedule import Batch, LossFn, OutputFn, micro_batches, rows_of, run_schedule
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -32,8 +32,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megatron_rlhf.engine.microbatch import pack_rows, plan_micro_batches
 from megatron_rlhf.parallel.layout import ParallelGroups
+from megatron_rlhf.training.microbatch import pack_rows, plan_micro_batches
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]

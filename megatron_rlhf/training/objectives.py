@@ -29,9 +29,9 @@ from megatron_rlhf.algorithms import (
     value_loss,
 )
 from megatron_rlhf.config.fields import at_least, check_on_init
-from megatron_rlhf.engine.logprobs import token_logprobs_and_entropy
-from megatron_rlhf.engine.schedule import Batch, LossFn, OutputFn, rows_of
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
+from megatron_rlhf.training.schedule import Batch, LossFn, OutputFn, rows_of
 
 
 def next_token_logprobs(
