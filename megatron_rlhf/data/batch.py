@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import TypeGuard
 
 import numpy as np
 import torch
@@ -80,20 +81,24 @@ def pack_batch(
     if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of!r}")
     kind = type(examples[0])
-    if kind not in (SFTExample, PreferenceExample, PromptExample):
-        raise TypeError(f"pack_batch takes SFTExample, PreferenceExample or PromptExample, got {kind.__name__}")
     odd = next((i for i, ex in enumerate(examples) if type(ex) is not kind), None)
     if odd is not None:
         raise TypeError(
             f"pack_batch got mixed examples: [0] is {kind.__name__}, [{odd}] is {type(examples[odd]).__name__}"
         )
-    if kind is SFTExample:
+    if _all_of(examples, SFTExample):
         return _pack([e.input_ids for e in examples], [e.loss_mask for e in examples], pad_id, pad_to_multiple_of)
-    if kind is PromptExample:
+    if _all_of(examples, PromptExample):
         return _pack([e.prompt_ids for e in examples], None, pad_id, pad_to_multiple_of)
-    sides = [e.chosen for e in examples] + [e.rejected for e in examples]
-    batch = _pack([s.input_ids for s in sides], [s.loss_mask for s in sides], pad_id, pad_to_multiple_of)
-    n = len(examples)
-    batch["pair_index"] = torch.arange(n).repeat(2)
-    batch["is_chosen"] = torch.arange(2 * n) < n
-    return batch
+    if _all_of(examples, PreferenceExample):
+        sides = [e.chosen for e in examples] + [e.rejected for e in examples]
+        batch = _pack([s.input_ids for s in sides], [s.loss_mask for s in sides], pad_id, pad_to_multiple_of)
+        n = len(examples)
+        batch["pair_index"] = torch.arange(n).repeat(2)
+        batch["is_chosen"] = torch.arange(2 * n) < n
+        return batch
+    raise TypeError(f"pack_batch takes SFTExample, PreferenceExample or PromptExample, got {kind.__name__}")
+
+
+def _all_of[E](examples: Sequence[object], kind: type[E]) -> TypeGuard[Sequence[E]]:
+    return all(type(e) is kind for e in examples)

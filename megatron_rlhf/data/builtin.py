@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from megatron_rlhf.data.records import data_files, write_jsonl
 from megatron_rlhf.models.builtin import PREFIX, cache_dir, is_builtin, made_once
@@ -66,18 +67,12 @@ def _builtin_name(path: str) -> str:
 def resolve_data_paths(paths: Sequence[str]) -> list[str]:
     """``paths`` with each ``builtin:NAME`` replaced by its JSONL file (written by rank 0 on first
     use; collective when any path is built-in)."""
-    resolved = []
-    for path in paths:
-        if not is_builtin(path):
-            resolved.append(path)
-            continue
-        name = _builtin_name(path)
-        rows = BUILTIN_DATASETS[name]
-        target = made_once(
-            cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target, rows=rows: write_jsonl(rows(), target)
-        )
-        resolved.append(str(target))
-    return resolved
+    return [str(_builtin_file(_builtin_name(path))) if is_builtin(path) else path for path in paths]
+
+
+def _builtin_file(name: str) -> Path:
+    rows = BUILTIN_DATASETS[name]
+    return made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target: write_jsonl(rows(), target))
 
 
 def data_path_errors(key: str, paths: Sequence[str]) -> list[str]:

@@ -81,7 +81,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}``: transformers marks assistant text with it; the
     rendered text is just the body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}  # type: ignore[misc]  # jinja2 declares Extension.tags without ClassVar
 
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)

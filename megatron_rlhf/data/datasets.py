@@ -49,6 +49,7 @@ against seconds of GPU work. So there is no DataLoader-style per-step prefetchin
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import json
@@ -59,7 +60,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args, overload
 
 import numpy as np
 import torch
@@ -85,7 +86,6 @@ __all__ = [
 ]
 
 OnProblem = Literal["error", "skip"]
-_POLICIES = ("error", "skip")
 
 # Skip reasons, the keys of DataReport.skipped.
 OVERLONG = "overlong"
@@ -165,6 +165,7 @@ class _TokenStore:
         # fromlist, not extend: half the time per token, a third of a loader's time with byte tokens.
         self._ids.fromlist(ids)
         if self._mask is not None:
+            assert mask is not None, "a store that keeps loss masks is given one with every sequence"
             self._mask.fromlist(mask)
         self._offsets.append(len(self._ids))
 
@@ -173,6 +174,7 @@ class _TokenStore:
         base = len(self._ids)
         self._ids.extend(other._ids)
         if self._mask is not None:
+            assert other._mask is not None, "stores of one kind keep masks alike"
             self._mask.extend(other._mask)
         self._offsets.frombytes((np.frombuffer(other._offsets, dtype=np.int64)[1:] + base).tobytes())
 
@@ -194,6 +196,12 @@ class _Sequences:
     def span(self, i: int) -> slice:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
+    def example(self, i: int) -> SFTExample:
+        """Sequence i with its loss mask (the stores of SFT and preference sides keep one)."""
+        assert self.mask is not None, "only a store that keeps loss masks makes training examples"
+        s = self.span(i)
+        return SFTExample(self.ids[s], self.mask[s])
+
     def lengths(self) -> Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
@@ -207,7 +215,27 @@ def _index(i: int, n: int) -> int:
     return j
 
 
-class SFTDataset(Sequence[SFTExample]):
+class _Examples[E](Sequence[E]):
+    """The indexing the datasets share: an int (negative from the end) gives one example, a slice
+    a list of them."""
+
+    @overload
+    def __getitem__(self, i: int) -> E: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[E]: ...
+
+    def __getitem__(self, i: int | slice) -> E | list[E]:
+        if isinstance(i, slice):
+            return [self._example(j) for j in range(*i.indices(len(self)))]
+        return self._example(_index(i, len(self)))
+
+    @abc.abstractmethod
+    def _example(self, j: int) -> E:
+        """Example ``j``, in range."""
+
+
+class SFTDataset(_Examples[SFTExample]):
     """Read-only SFT examples; ``lengths`` (N,) gives every sequence's L without building it."""
 
     def __init__(self, store: _TokenStore) -> None:
@@ -216,18 +244,15 @@ class SFTDataset(Sequence[SFTExample]):
     def __len__(self) -> int:
         return len(self._seq)
 
-    def __getitem__(self, i: int | slice) -> SFTExample | list[SFTExample]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        s = self._seq.span(_index(i, len(self)))
-        return SFTExample(self._seq.ids[s], self._seq.mask[s])
+    def _example(self, j: int) -> SFTExample:
+        return self._seq.example(j)
 
     @property
     def lengths(self) -> Tensor:
         return self._seq.lengths()
 
 
-class PreferenceDataset(Sequence[PreferenceExample]):
+class PreferenceDataset(_Examples[PreferenceExample]):
     """Read-only preference pairs; ``lengths`` (N, 2) gives (chosen L, rejected L)."""
 
     def __init__(self, chosen: _TokenStore, rejected: _TokenStore) -> None:
@@ -236,22 +261,15 @@ class PreferenceDataset(Sequence[PreferenceExample]):
     def __len__(self) -> int:
         return len(self._chosen)
 
-    def __getitem__(self, i: int | slice) -> PreferenceExample | list[PreferenceExample]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        j = _index(i, len(self))
-        c, r = self._chosen.span(j), self._rejected.span(j)
-        return PreferenceExample(
-            chosen=SFTExample(self._chosen.ids[c], self._chosen.mask[c]),
-            rejected=SFTExample(self._rejected.ids[r], self._rejected.mask[r]),
-        )
+    def _example(self, j: int) -> PreferenceExample:
+        return PreferenceExample(chosen=self._chosen.example(j), rejected=self._rejected.example(j))
 
     @property
     def lengths(self) -> Tensor:
         return torch.stack([self._chosen.lengths(), self._rejected.lengths()], dim=1)
 
 
-class PromptDataset(Sequence[PromptExample]):
+class PromptDataset(_Examples[PromptExample]):
     """Read-only RL prompts; ``lengths`` (N,) gives every prompt's P."""
 
     def __init__(self, store: _TokenStore, extras: list[dict[str, Any]]) -> None:
@@ -260,10 +278,7 @@ class PromptDataset(Sequence[PromptExample]):
     def __len__(self) -> int:
         return len(self._seq)
 
-    def __getitem__(self, i: int | slice) -> PromptExample | list[PromptExample]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        j = _index(i, len(self))
+    def _example(self, j: int) -> PromptExample:
         return PromptExample(self._seq.ids[self._seq.span(j)], dict(self._extras[j]))
 
     @property
@@ -382,11 +397,11 @@ class _ChatOptions(NamedTuple):
 
     apply: bool
     variables: dict[str, Any]
-    tools: list[dict[str, Any]] | None
+    tools: list[Mapping[str, Any]] | None
     tools_key: str
 
 
-def _row_tools(rec: Record, chat: _ChatOptions) -> list[dict[str, Any]] | None:
+def _row_tools(rec: Record, chat: _ChatOptions) -> list[Mapping[str, Any]] | None:
     """The tool schemas of a row's conversation: its own (``tools_key`` column, when present and not
     null: a list of schemas, or a JSON string of one) replace the loader's."""
     value = rec.data.get(chat.tools_key) if chat.tools_key else None
@@ -486,21 +501,21 @@ class _Part:
     worker's span, appended to the others in order."""
 
     stores: list[_TokenStore]
-    extras: list[dict[str, Any]] | None
+    extras: list[dict[str, Any]]
+    """Each row's extras, for the kinds whose rows have them (prompts); empty for the others."""
     report: DataReport
 
     def add(self, sequences: list[_Sequence], extras: dict[str, Any] | None) -> None:
         for store, (ids, mask) in zip(self.stores, sequences, strict=True):
             store.append(ids, mask)
-        if self.extras is not None:
+        if extras is not None:
             self.extras.append(extras)
         self.report.kept += 1
 
     def extend(self, other: _Part) -> None:
         for store, theirs in zip(self.stores, other.stores, strict=True):
             store.extend(theirs)
-        if self.extras is not None:
-            self.extras.extend(other.extras)
+        self.extras.extend(other.extras)
         self.report.merge(other.report)
 
 
@@ -514,22 +529,21 @@ class _Loader:
         tokenizer: Tokenizer,
         max_length: int,
         length_setting: str,
-        on_overlong: str,
-        on_invalid: str,
+        on_overlong: OnProblem,
+        on_invalid: OnProblem,
         append_eos: bool,
         add_bos: bool,
         num_workers: int,
         row: _RowFn,
         masks: tuple[bool, ...],
-        with_extras: bool,
     ) -> None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
         for name, value in (("on_overlong", on_overlong), ("on_invalid", on_invalid)):
-            if value not in _POLICIES:
-                raise ValueError(f"{name} must be one of {_POLICIES}, got {value!r}")
+            if value not in get_args(OnProblem):
+                raise ValueError(f"{name} must be one of {get_args(OnProblem)}, got {value!r}")
         if append_eos and tokenizer.eos_id is None:
             raise ValueError(f"{tokenizer!r} has no eos_id; pass append_eos=False to train without EOS")
         if add_bos and tokenizer.bos_id is None:
@@ -538,8 +552,8 @@ class _Loader:
         self.tokenizer, self.max_length, self.length_setting = tokenizer, max_length, length_setting
         self.on_overlong, self.on_invalid, self.num_workers = on_overlong, on_invalid, num_workers
         self.eos = tokenizer.eos_id if append_eos else None
-        self.bos: list[int] = [tokenizer.bos_id] if add_bos else []
-        self.row, self.masks, self.with_extras = row, masks, with_extras
+        self.bos: list[int] = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+        self.row, self.masks = row, masks
 
     def load(self) -> _Part:
         """Every row of every file, in order: here, or in ``num_workers`` processes (same result)."""
@@ -552,7 +566,7 @@ class _Loader:
         """The examples of ``records``: all rows (in this process) or one span (in a worker)."""
         part = _Part(
             [_TokenStore(with_mask=m) for m in self.masks],
-            [] if self.with_extras else None,
+            [],
             DataReport(files=len(self.files)),
         )
         for rec in records:
@@ -710,7 +724,6 @@ def load_sft_dataset(
         num_workers,
         row,
         masks=(True,),
-        with_extras=False,
     ).load()
     return SFTDataset(part.stores[0]), part.report
 
@@ -743,7 +756,6 @@ def load_preference_dataset(
         num_workers,
         row,
         masks=(True, True),
-        with_extras=False,
     ).load()
     return PreferenceDataset(*part.stores), part.report
 
@@ -792,6 +804,5 @@ def load_prompt_dataset(
         num_workers,
         row,
         masks=(False,),
-        with_extras=True,
     ).load()
     return PromptDataset(part.stores[0], part.extras), part.report

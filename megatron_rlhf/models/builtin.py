@@ -195,7 +195,7 @@ def builtin_config(path: str) -> dict[str, Any]:
     return BUILTIN_CONFIGS[name]
 
 
-def made_once(target: Path, write: Callable[[Path], None]) -> Path:
+def made_once(target: Path, write: Callable[[Path], object]) -> Path:
     """``target`` in the cache, written by ``write(target)`` on rank 0 if it does not exist yet
     (``write`` must make it appear atomically); collective: every rank waits for it."""
     rank = dist.get_rank() if dist.is_initialized() else 0

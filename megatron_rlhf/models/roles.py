@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import ParallelGroups
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 ROLES = ("actor", "critic", "reference", "reward")
 NEEDS_SCORE_HEAD = {"actor": False, "reference": False, "critic": True, "reward": True}
@@ -28,7 +30,7 @@ class RoleModel:
     role: str
     arch: Architecture
     groups: ParallelGroups
-    model: torch.nn.Module
+    model: GPTModel
     source: Path
     """The local directory the weights were read from (tokenizer files live there too)."""
 

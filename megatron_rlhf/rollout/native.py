@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,10 @@ from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 class PromptTooLongError(ValueError):
@@ -233,6 +238,7 @@ class NativeEngine:
             histories = state.history.of_slots(slots, [first_step[s] for s in slots])
             for slot, (tokens, logprobs) in zip(slots, histories, strict=True):
                 completion = occupant[slot]
+                assert completion is not None, "finish() is given occupied slots only"
                 completion.token_ids += tokens
                 completion.logprobs += logprobs
                 completion.finish_reason = "stop" if completion.token_ids[-1] in stop_ids else "length"
@@ -443,7 +449,9 @@ class NativeEngine:
             for module in self.attention:
                 module.kv_step = None
         # (b, h): each sequence's last prompt position after a prefill, the one new position after a decode step
-        final = hidden[last.to(device), torch.arange(hidden.shape[1], device=device)] if prefill else hidden[-1]
+        final = (
+            hidden[last.to(device), torch.arange(hidden.shape[1], device=device)] if last is not None else hidden[-1]
+        )
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(final[None], weight=weight)  # (1, b, Vp / tp)
         logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
@@ -471,7 +479,7 @@ def _advance_slots(
     return produced
 
 
-def _decode_fusable(decoder: torch.nn.Module) -> bool:
+def _decode_fusable(decoder: TransformerBlock) -> bool:
     """Whether ``_decode_layers`` computes what the decoder's own forward does: pre-norm layers of
     torch RMSNorms (the TE-free spec without apex), megatron's own parallel linears without biases
     outside QKV, attention without Q/K norms over at least one KV group per TP rank, then a SwiGLU
@@ -482,7 +490,7 @@ def _decode_fusable(decoder: torch.nn.Module) -> bool:
         decoder.final_layernorm
     ]
 
-    def plain(layer) -> bool:
+    def plain(layer: TransformerLayer) -> bool:
         attention, mlp = layer.self_attention, layer.mlp
         return (
             isinstance(attention, CachedSelfAttention)
@@ -513,7 +521,9 @@ def _decode_fusable(decoder: torch.nn.Module) -> bool:
     )
 
 
-def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeStep, tp_group) -> torch.Tensor:
+def _decode_layers(
+    decoder: TransformerBlock, hidden: torch.Tensor, step: DecodeStep, tp_group: dist.ProcessGroup
+) -> torch.Tensor:
     """The decoder's forward for one decode step (one token per cache slot) in as few kernels as it
     takes. At a decode step's few rows each kernel costs its launch-bound microseconds whatever it
     does, so per layer: each residual add fused with the RMSNorm after it (``add_rms_norm``), the
@@ -521,6 +531,7 @@ def _decode_layers(decoder: torch.nn.Module, hidden: torch.Tensor, step: DecodeS
     (``rotate_store_attend``), the SwiGLU compiled; the row-parallel outputs summed over TP as
     megatron's ``RowParallelLinear`` sums them. megatron's modules add a separate bias kernel and a
     copy of the query, and run each add and norm on its own."""
+    assert step.kv_len is not None, "a decode step attends over cache positions [0, kv_len)"
     delta = torch.zeros_like(hidden)
     for layer in decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
