@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, mcore_save_request, write_bytes
 from megatron_rlhf.checkpoint.train_state import load_train_state, train_state_save_request
+from megatron_rlhf.debug import faults
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.training.optim import TrainState
@@ -68,11 +69,6 @@ LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-TEST_SLOW_SAVE_ENV = "MEGATRON_RLHF_TEST_SLOW_SAVE"
-"""Test hook, ``STEP:SECONDS``: the save of step STEP sleeps SECONDS after the models' files are
-written (in the training process, or in the background writer), so that a test's SIGKILL lands
-inside a save. Never set outside tests."""
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -170,7 +166,7 @@ class RunCheckpointWriter:
             with _failed_writes_named():
                 for request in requests:
                     request.execute_sync()
-            _pause_for_test(step)
+            faults.on_checkpoint_written(step)
             self._complete(step, run_state_json, config_yaml, started=None)
             return
         started = time.perf_counter()
@@ -252,7 +248,7 @@ def _one_writer(requests: list[AsyncRequest], complete: Callable[[], None], step
     def write_all() -> None:
         for write in writes:
             write()
-        _pause_for_test(step)
+        faults.on_checkpoint_written(step)
 
     return AsyncRequest(write_all, (), [fn for request in requests for fn in request.finalize_fns] + [complete])
 
@@ -412,14 +408,6 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(states["tracker"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
-
-
-def _pause_for_test(step: int) -> None:
-    spec = os.environ.get(TEST_SLOW_SAVE_ENV)
-    if spec:
-        slow_step, seconds = spec.split(":")
-        if int(slow_step) == step:
-            time.sleep(float(seconds))
 
 
 def _write_atomically(path: Path, text: str) -> None:

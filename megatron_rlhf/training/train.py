@@ -8,12 +8,14 @@ NaN never reaches the weights or the optimizer's moments.
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_rlhf.debug import faults
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.training.optim import TrainState
 from megatron_rlhf.training.schedule import Batch, LossFn, OutputFn, micro_batches, rows_of, run_schedule
@@ -43,7 +45,7 @@ def train_step(
     device = _device(model)
     per_micro_batch = _forward_backward(state, batch, loss_fn, max_tokens_per_micro_batch, group_size, pack_sequences)
     lr = state.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it next)
-    _inject_nan_for_test(model, state.step)
+    faults.on_gradients_reduced(_gradient_buffers(model), state.step)
     bad_grads = _nonfinite_grads_anywhere(model, device)  # queued now, read after the metrics' sync
     metrics = _reduce_metrics(per_micro_batch, role, device)
     grad_norm: float | None = float("nan")
@@ -89,7 +91,12 @@ def _forward_backward(
     return run_schedule(model, state.role.groups, pieces, _loss_step(loss_fn), forward_only=False)
 
 
-def _nonfinite_grads_anywhere(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+def _gradient_buffers(model: DistributedDataParallel) -> list[torch.Tensor]:
+    """The flat buffers that hold the model's gradients (dense and expert-parallel)."""
+    return [buffer.grad_data for buffer in model.buffers + model.expert_parallel_buffers]
+
+
+def _nonfinite_grads_anywhere(model: DistributedDataParallel, device: torch.device) -> torch.Tensor:
     """Collective over the whole job: a device flag (1,), nonzero if some rank holds a non-finite
     value in its gradient buffers (checked before the optimizer reads them; a NaN in any rank's
     local gradients reaches the reduced gradients of some rank). Not read here: the caller reads
@@ -97,12 +104,7 @@ def _nonfinite_grads_anywhere(model: torch.nn.Module, device: torch.device) -> t
     # The smallest and largest gradient of each buffer (a NaN anywhere makes both NaN): one read of
     # the buffers and no host sync before the all-reduce, where ``isfinite(...).all()`` wrote and
     # read a bool copy of each (7 ms per step for a 1.5B model on an H200).
-    extremes = [
-        x
-        for buffer in model.buffers + model.expert_parallel_buffers
-        if buffer.grad_data.numel()
-        for x in torch.aminmax(buffer.grad_data)
-    ]
+    extremes = [x for grads in _gradient_buffers(model) if grads.numel() for x in torch.aminmax(grads)]
     bad = torch.zeros(1, device=device)
     if extremes:
         bad += (~torch.isfinite(torch.stack(extremes))).any()
@@ -110,26 +112,10 @@ def _nonfinite_grads_anywhere(model: torch.nn.Module, device: torch.device) -> t
     return bad
 
 
-TEST_NAN_ENV = "MEGATRON_RLHF_TEST_NAN"
-"""Test hook, ``RANK:UPDATES:TIMES``: global rank RANK fills its gradients with NaN in TIMES train
-steps (counted per process), each taken when the model has made UPDATES successful updates."""
-_nan_injected = 0
-
-
-def _inject_nan_for_test(model: torch.nn.Module, updates_done: int) -> None:
-    global _nan_injected
-    spec = os.environ.get(TEST_NAN_ENV)
-    if not spec:
-        return
-    rank, updates, times = (int(part) for part in spec.split(":"))
-    if dist.get_rank() == rank and updates_done == updates and _nan_injected < times:
-        _nan_injected += 1
-        for buffer in model.buffers + model.expert_parallel_buffers:
-            buffer.grad_data.fill_(float("nan"))
-
-
-def _loss_step(loss_fn: LossFn):
-    def step(piece: Batch, output: torch.Tensor):
+def _loss_step(
+    loss_fn: LossFn,
+) -> Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    def step(piece: Batch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         numerator, denominator, metrics = loss_fn(piece, output)
         reported = {name: value.detach().float() for name, value in metrics.items()}
         reported["_numerator"] = numerator.detach().float()
