@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,7 +28,7 @@ def gpu_fused[F: Callable](fn: F) -> F:
     compiled: list[Callable] = []
 
     @functools.wraps(fn)
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         if not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
             return fn(*args, **kwargs)
         if not compiled:

@@ -145,7 +145,9 @@ def rotate_store_attend(
 if triton is not None:
 
     @triton.jit
-    def _rotated(at, partner_at, mask, cos, sin, sign):
+    def _rotated(
+        at: tl.tensor, partner_at: tl.tensor, mask: tl.tensor, cos: tl.tensor, sin: tl.tensor, sign: tl.tensor
+    ) -> tl.tensor:
         """megatron's rotary t * cos + rotate_half(t) * sin in float32 (rotate_half: (-second, first))."""
         t = tl.load(at, mask=mask, other=0.0).to(tl.float32)
         partner = tl.load(partner_at, mask=mask, other=0.0).to(tl.float32)
@@ -153,26 +155,26 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        query,
-        cos,
-        sin,
-        cache,
-        positions,
-        out,
-        scale,
-        kv_len,
-        window,
-        q_slot,
-        q_group,
-        q_row,
-        r_slot,
-        c_slot,
-        c_group,
-        c_pos,
-        p_slot,
-        o_slot,
-        o_group,
-        o_row,
+        query: tl.tensor,
+        cos: tl.tensor,
+        sin: tl.tensor,
+        cache: tl.tensor,
+        positions: tl.tensor,
+        out: tl.tensor,
+        scale: tl.tensor,
+        kv_len: tl.tensor,
+        window: tl.tensor,
+        q_slot: tl.tensor,
+        q_group: tl.tensor,
+        q_row: tl.tensor,
+        r_slot: tl.tensor,
+        c_slot: tl.tensor,
+        c_group: tl.tensor,
+        c_pos: tl.tensor,
+        p_slot: tl.tensor,
+        o_slot: tl.tensor,
+        o_group: tl.tensor,
+        o_row: tl.tensor,
         ROWS: tl.constexpr,
         ROWS_PADDED: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -180,7 +182,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         EXACT: tl.constexpr,
         NEW_ENTRY: tl.constexpr,
-    ):
+    ) -> None:
         """One program per (slot, group). NEW_ENTRY: ``query`` is the QKV output (rows, then the
         key and the value, ``q_row`` apart), rotated with ``cos``/``sin`` (``r_slot`` per slot),
         and the new key and value go to the cache; else ``query`` holds rotated queries and the

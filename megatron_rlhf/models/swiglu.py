@@ -14,6 +14,8 @@ code path; the kernel itself is checked on a GPU against float64 (``tests/gpu``)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl as megatron_bias_swiglu
@@ -49,7 +51,7 @@ class SwiGLU(torch.autograd.Function):
     """SwiGLU of y (tokens, 2f) -> (tokens, f), saving y for the backward (as megatron does)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y)
         if not _on_gpu(y):
             return swiglu_reference(y)
@@ -62,7 +64,7 @@ class SwiGLU(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (y,) = ctx.saved_tensors
         if not _on_gpu(y):
             return swiglu_backward_reference(grad, y)
@@ -88,7 +90,15 @@ def swiglu_impl(
 if triton is not None:
 
     @triton.jit
-    def _swiglu_kernel(y_ptr, out_ptr, grad_ptr, n, HALF: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    def _swiglu_kernel(
+        y_ptr: tl.tensor,
+        out_ptr: tl.tensor,
+        grad_ptr: tl.tensor,
+        n: tl.tensor,
+        HALF: tl.constexpr,
+        BACKWARD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ) -> None:
         # One element of the (tokens, HALF) output per lane; HALF is a constant, so the division is cheap.
         index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = index < n

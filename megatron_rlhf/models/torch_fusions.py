@@ -99,7 +99,7 @@ TORCH_WGRAD_ACCUMULATION = types.SimpleNamespace(
 
 
 def _foreach_l2_norm(
-    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool, *args
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool, *args: object
 ) -> tuple[torch.Tensor, None]:
     """``multi_tensor_l2norm`` as megatron calls it: the L2 norm of all of ``tensor_lists[0]``
     together, (1,) float32 on their device."""

@@ -97,17 +97,17 @@ if triton is not None:
 
     @triton.jit
     def _chunk_stats_kernel(
-        logits_ptr,
-        row_stride,
-        vocab,
-        chunk,
-        inv_temperature,
-        stats_ptr,
-        stats_stride,
-        index_ptr,
+        logits_ptr: tl.tensor,
+        row_stride: tl.tensor,
+        vocab: tl.tensor,
+        chunk: tl.tensor,
+        inv_temperature: tl.tensor,
+        stats_ptr: tl.tensor,
+        stats_stride: tl.tensor,
+        index_ptr: tl.tensor,
         GREEDY: tl.constexpr,
         BLOCK: tl.constexpr,
-    ):
+    ) -> None:
         row = tl.program_id(0)
         part = tl.program_id(1)
         chunks = tl.num_programs(1)
@@ -135,22 +135,22 @@ if triton is not None:
 
     @triton.jit
     def _pick_kernel(
-        logits_ptr,
-        row_stride,
-        vocab,
-        chunk,
-        chunks,
-        inv_temperature,
-        stats_ptr,
-        stats_stride,
-        index_ptr,
-        uniform_ptr,
-        token_ptr,
-        logprob_ptr,
+        logits_ptr: tl.tensor,
+        row_stride: tl.tensor,
+        vocab: tl.tensor,
+        chunk: tl.tensor,
+        chunks: tl.tensor,
+        inv_temperature: tl.tensor,
+        stats_ptr: tl.tensor,
+        stats_stride: tl.tensor,
+        index_ptr: tl.tensor,
+        uniform_ptr: tl.tensor,
+        token_ptr: tl.tensor,
+        logprob_ptr: tl.tensor,
         GREEDY: tl.constexpr,
         CHUNKS: tl.constexpr,
         BLOCK: tl.constexpr,
-    ):
+    ) -> None:
         # The row's log-sum-exp from its chunks' statistics; greedy: the first maximal column of the
         # first chunk holding the maximum. Else the chunk whose cumulative mass first exceeds
         # u * total (never one without mass: the target can round up to the total), then the first

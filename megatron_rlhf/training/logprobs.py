@@ -40,6 +40,7 @@ Why it is done this way:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,7 +128,7 @@ def _relative_to_max(local_stats: Tensor, local_target: Tensor, z_max: Tensor) -
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         logits_shard: Tensor,
         targets: Tensor,
         tp_group: ProcessGroup | None,
@@ -169,7 +170,9 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+    def backward(
+        ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, None, None, None, None, None]:
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
         logits_shard, local_target, z_max, log_sum_exp, mean_z = ctx.saved_tensors

@@ -102,24 +102,26 @@ def shard_grad(
 if triton is not None:
 
     @triton.jit
-    def _scaled_block(row_ptr, columns, vocab, n_real, inv_temperature):
+    def _scaled_block(
+        row_ptr: tl.tensor, columns: tl.tensor, vocab: tl.tensor, n_real: tl.tensor, inv_temperature: tl.tensor
+    ) -> tl.tensor:
         z = tl.load(row_ptr + columns, mask=columns < vocab, other=0.0).to(tl.float32) * inv_temperature
         return tl.where(columns < n_real, z, float("-inf"))
 
     @triton.jit
     def _stats_kernel(
-        logits_ptr,
-        stride_b,
-        stride_s,
-        seq,
-        vocab,
-        n_real,
-        inv_temperature,
-        target_ptr,
-        out_ptr,
-        out_stride,
+        logits_ptr: tl.tensor,
+        stride_b: tl.tensor,
+        stride_s: tl.tensor,
+        seq: tl.tensor,
+        vocab: tl.tensor,
+        n_real: tl.tensor,
+        inv_temperature: tl.tensor,
+        target_ptr: tl.tensor,
+        out_ptr: tl.tensor,
+        out_stride: tl.tensor,
         BLOCK: tl.constexpr,
-    ):
+    ) -> None:
         token = tl.program_id(0)
         row_ptr = logits_ptr + (token // seq).to(tl.int64) * stride_b + (token % seq).to(tl.int64) * stride_s
         running_max = -float("inf")
@@ -146,22 +148,22 @@ if triton is not None:
 
     @triton.jit
     def _grad_kernel(
-        logits_ptr,
-        stride_b,
-        stride_s,
-        seq,
-        vocab,
-        n_real,
-        inv_temperature,
-        target_ptr,
-        max_ptr,
-        lse_ptr,
-        mean_ptr,
-        grad_logprobs_ptr,
-        grad_entropy_ptr,
-        grad_ptr,
+        logits_ptr: tl.tensor,
+        stride_b: tl.tensor,
+        stride_s: tl.tensor,
+        seq: tl.tensor,
+        vocab: tl.tensor,
+        n_real: tl.tensor,
+        inv_temperature: tl.tensor,
+        target_ptr: tl.tensor,
+        max_ptr: tl.tensor,
+        lse_ptr: tl.tensor,
+        mean_ptr: tl.tensor,
+        grad_logprobs_ptr: tl.tensor,
+        grad_entropy_ptr: tl.tensor,
+        grad_ptr: tl.tensor,
         BLOCK: tl.constexpr,
-    ):
+    ) -> None:
         token = tl.program_id(0)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         row_ptr = logits_ptr + (token // seq).to(tl.int64) * stride_b + (token % seq).to(tl.int64) * stride_s

@@ -31,7 +31,7 @@ from megatron_rlhf.algorithms import (
 from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
-from megatron_rlhf.training.schedule import Batch, LossFn, OutputFn, rows_of
+from megatron_rlhf.training.schedule import Batch, LossFn, LossOutput, OutputFn, rows_of
 
 
 def next_token_logprobs(
@@ -55,10 +55,10 @@ def next_token_logprobs(
         return zeros, zeros if with_entropy else None
     logprobs, entropy = token_logprobs_and_entropy(logits, piece["logit_target"][None], **settings)
 
-    def spread(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.new_zeros(b * s).index_put((index,), x[0]).view(b, s)[:, :-1]
+    def spread(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(b * s).index_put((index,), x[0]).view(b, s)[:, :-1]
 
-    return spread(logprobs), spread(entropy)
+    return spread(logprobs), None if entropy is None else spread(entropy)
 
 
 def token_aligned(piece: Batch, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +174,7 @@ def ppo_actor_loss(
     forward's own log-probs, detached, stand in for them (ratio exactly 1, the same gradient) and
     are recorded into ``on_policy``."""
 
-    def loss(piece: Batch, logits: torch.Tensor):
+    def loss(piece: Batch, logits: torch.Tensor) -> LossOutput:
         logprobs, entropy = next_token_logprobs(
             role, piece, logits, temperature=temperature, with_entropy=cfg.entropy_coef > 0
         )
@@ -198,7 +198,7 @@ def ppo_actor_loss(
         )
         metrics = {f"actor/{name}": value for name, value in metrics.items()}
         metrics["actor/pg_loss"] = numerator / denominator.clamp(min=1)
-        if cfg.entropy_coef > 0:
+        if entropy is not None:  # computed when entropy_coef > 0
             entropy_numerator, _ = entropy_bonus(
                 _scored_next(piece, entropy), mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
             )
@@ -223,7 +223,7 @@ def ppo_actor_loss(
 def critic_loss(cfg: PPOLossConfig) -> LossFn:
     """Clipped value loss on response tokens; values are read just before each token."""
 
-    def loss(piece: Batch, values: torch.Tensor):
+    def loss(piece: Batch, values: torch.Tensor) -> LossOutput:
         predicted = _scored_next(piece, values[:, :-1, 0].float())
         mask = _scored(piece, piece["response_mask"]).float()
         numerator, denominator, metrics = value_loss(
@@ -243,7 +243,7 @@ def critic_loss(cfg: PPOLossConfig) -> LossFn:
 def sft_loss(role: RoleModel) -> LossFn:
     """Next-token negative log-likelihood on response tokens (``loss_mask`` 1), token-mean."""
 
-    def loss(piece: Batch, logits: torch.Tensor):
+    def loss(piece: Batch, logits: torch.Tensor) -> LossOutput:
         logprobs = _scored_next(piece, next_token_logprobs(role, piece, logits)[0])
         mask = _scored(piece, piece["loss_mask"]).float()
         numerator, denominator = aggregate_loss(-logprobs, mask, "token-mean")
@@ -259,7 +259,7 @@ def bradley_terry_loss() -> LossFn:
     real token. Micro-batches never split a pair nor pack rows (see ``group_size`` in ``micro_batches``).
     """
 
-    def loss(piece: Batch, values: torch.Tensor):
+    def loss(piece: Batch, values: torch.Tensor) -> LossOutput:
         last = piece["attention_mask"].sum(dim=1) - 1
         rewards = values[torch.arange(values.shape[0], device=values.device), last, 0].float()
         chosen, rejected = rewards[0::2], rewards[1::2]

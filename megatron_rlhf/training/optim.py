@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -78,17 +78,17 @@ class OptimConfig:
 class TrainState:
     role: RoleModel
     ddp_model: DistributedDataParallel
-    optimizer: object
+    optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     step: int = 0
 
 
-def torch_optimizers(optimizer: object, *, split_offloaded: bool = False) -> list[torch.optim.Optimizer]:
+def torch_optimizers(optimizer: MegatronOptimizer, *, split_offloaded: bool = False) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside megatron's (chained) optimizer. With ``split_offloaded``, a
     ``HybridDeviceOptimizer`` (``cpu_offload_fraction``) is replaced by its sub-optimizers: they hold
     the state, keyed by their own fp32 copies of the parameters (the offloaded share's on the host);
     the wrapper's own ``state`` holds the same dicts once synchronised."""
-    found = []
+    found: list[torch.optim.Optimizer] = []
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = inner.optimizer
         hybrid = split_offloaded and isinstance(torch_optimizer, HybridDeviceOptimizer)
@@ -96,7 +96,7 @@ def torch_optimizers(optimizer: object, *, split_offloaded: bool = False) -> lis
     return found
 
 
-def fuse_device_adam(optimizer: object) -> None:
+def fuse_device_adam(optimizer: MegatronOptimizer) -> None:
     """Run torch's Adam on the GPU as its fused kernel (one pass over parameters, gradients and
     moments), the role apex's or TE's FusedAdam plays where megatron finds them. Without them
     megatron builds ``torch.optim.AdamW`` on its default multi-tensor path: seven passes, 34 ms per

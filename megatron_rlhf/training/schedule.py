@@ -22,9 +22,10 @@ on the micro-batch split.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import TYPE_CHECKING, overload
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -35,8 +36,14 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_rlhf.parallel.layout import ParallelGroups
 from megatron_rlhf.training.microbatch import pack_rows, plan_micro_batches
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+"""A loss function's (numerator, denominator, metrics) of one micro-batch."""
+LossFn = Callable[[Batch, torch.Tensor], LossOutput]
 OutputFn = Callable[[Batch, torch.Tensor], torch.Tensor]
 
 
@@ -62,7 +69,15 @@ class MicroBatches(Sequence[Batch]):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, index: int) -> Batch:  # type: ignore[override]  (no slices)
+    @overload
+    def __getitem__(self, index: int) -> Batch: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Batch]: ...
+
+    def __getitem__(self, index: int | slice) -> Batch | list[Batch]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self.plan))[index]]
         index = range(len(self.plan))[index]
         if index not in self._built:
             self._built[index] = _piece(self.batch, self.plan[index], self.lengths, self.device)
@@ -151,10 +166,10 @@ def _piece(batch: Batch, bins: list[list[int]], lengths: list[int], device: torc
             offset += lengths[row]
     sequences = torch.tensor([row for rows in bins for row in rows])
     # The spans tile the piece row by row: each token's sequence, and the column where it starts.
-    span = torch.tensor(span)
-    source_row = sequences.repeat_interleave(span, output_size=len(bins) * width).view(len(bins), width)
+    spans = torch.tensor(span)
+    source_row = sequences.repeat_interleave(spans, output_size=len(bins) * width).view(len(bins), width)
     offsets = torch.tensor(segment_offset)
-    start = offsets.repeat_interleave(span, output_size=len(bins) * width).view(len(bins), width)
+    start = offsets.repeat_interleave(spans, output_size=len(bins) * width).view(len(bins), width)
     position_ids = torch.arange(width) - start
     real = torch.arange(width) < torch.tensor(fills)[:, None]
     source_column = position_ids.clamp(max=batch_width - 1)
@@ -207,7 +222,7 @@ def rows_of(piece: Batch, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_schedule(
-    model: torch.nn.Module,
+    model: GPTModel,
     groups: ParallelGroups,
     pieces: MicroBatches,
     step_fn: Callable[[Batch, torch.Tensor], object],
@@ -223,7 +238,7 @@ def run_schedule(
     if config.sequence_parallel and "logits_mask" in pieces.batch:
         raise NotImplementedError("logits_mask with sequence parallelism: the LM head's input is split over TP there")
 
-    def forward_step(data_iterator, chunk):
+    def forward_step(data_iterator: Iterator[Batch], chunk: GPTModel) -> tuple[torch.Tensor, Callable[..., object]]:
         piece = next(data_iterator)
         selected = {"output_processor": partial(_logits_at, piece["logit_index_sb"])} if "logit_index" in piece else {}
         with _rotary_positions(rope, piece["position_ids"]):
@@ -251,11 +266,11 @@ def _logits_at(
     index_sb: torch.Tensor,
     *,
     hidden_states: torch.Tensor,
-    output_layer,
-    output_weight,
-    runtime_gather_output,
-    scale_logits,
-    **_,
+    output_layer: ColumnParallelLinear,
+    output_weight: torch.Tensor | None,
+    runtime_gather_output: bool | None,
+    scale_logits: Callable[[torch.Tensor], torch.Tensor],
+    **_: object,
 ) -> torch.Tensor:
     """megatron's ``output_processor``: the LM head over the final hidden states (s, b, h) at the
     positions ``index_sb`` only; (1, k, Vp/tp) logits."""
@@ -277,7 +292,7 @@ def _packed_rows(piece: Batch) -> PackedSeqParams | None:
 
 
 @contextmanager
-def _rotary_positions(rope: RotaryEmbedding | None, position_ids: torch.Tensor):
+def _rotary_positions(rope: RotaryEmbedding | None, position_ids: torch.Tensor) -> Iterator[None]:
     """megatron's GPTModel rotates the token in column t by the angles of position t, whatever
     ``position_ids`` say (they feed only learned position embeddings): index its rotary table by
     ``position_ids`` (b, s) instead, so that each sequence of a packed row starts at position 0.
@@ -292,5 +307,8 @@ def _rotary_positions(rope: RotaryEmbedding | None, position_ids: torch.Tensor):
         handle.remove()
 
 
-def _call_step(step_fn, piece, output, non_loss_data: bool = False):
+def _call_step(
+    step_fn: Callable[[Batch, torch.Tensor], object], piece: Batch, output: torch.Tensor, non_loss_data: bool = False
+) -> object:
+    """megatron's loss function of a micro-batch (it passes ``non_loss_data`` on forward-only passes)."""
     return step_fn(piece, output)
