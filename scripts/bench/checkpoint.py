@@ -1,8 +1,8 @@
 """Benchmark: a run checkpoint of the actor's train state (weights + distributed-optimizer state +
 LR schedule), written synchronously and in the background (``async_save``), then loaded.
 
-    python scripts/bench_checkpoint.py --model builtin:llama-1.5b --dir /tmp/bench_checkpoint   # one GPU
-    python scripts/bench_checkpoint.py --model builtin:tiny-llama --dir /tmp/bench_checkpoint   # CPU check
+    python scripts/bench/checkpoint.py --model builtin:llama-1.5b --dir /tmp/bench_checkpoint   # one GPU
+    python scripts/bench/checkpoint.py --model builtin:tiny-llama --dir /tmp/bench_checkpoint   # CPU check
 
 The actor is built as the ppo trainer builds it (``build_role`` + ``make_train_state``: the run's
 dtype, bf16 on a GPU, and the distributed optimizer) and takes one optimizer step so that its Adam
@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import clock
 
 
 def main() -> None:
@@ -41,13 +42,13 @@ def main() -> None:
     from megatron_rlhf.config.run import resolve_dtype
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.training.objectives import sft_loss
-    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.optim import OptimConfig, TrainState, make_train_state
     from megatron_rlhf.training.train import train_step
 
     env = init_distributed(args.device)
     dtype = resolve_dtype("auto", env.device)
 
-    def train_state(model: str):
+    def train_state(model: str) -> TrainState:
         role = build_role(
             "actor",
             ModelConfig(path=model, tp=env.world_size),
@@ -65,16 +66,13 @@ def main() -> None:
         return state
 
     def synchronized() -> float:
-        if env.device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        return time.perf_counter()
+        return clock(env.device, barrier=True)
 
     if env.rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
     dist.barrier()
 
-    def save(state, name: str, background: bool, step: int = 1) -> tuple[float, float, Path]:
+    def save(state: TrainState, name: str, background: bool, step: int = 1) -> tuple[float, float, Path]:
         """(blocking s, until complete s, the checkpoint). A background save's blocking time is
         reported as soon as it is known: writing can take minutes on a slow disk."""
         writer = RunCheckpointWriter(args.dir / name, keep_last=1, background=background)
@@ -87,7 +85,11 @@ def main() -> None:
         done = synchronized()
         return returned - start, done - start, args.dir / name / f"step_{step}"
 
-    result: dict = {"model": args.model, "device": env.device.type, "dtype": str(dtype).removeprefix("torch.")}
+    result: dict[str, Any] = {
+        "model": args.model,
+        "device": env.device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
     def report(**figures: object) -> None:
         """Print the figures so far, one JSON line each time: a run cut short keeps what it measured."""

@@ -1,18 +1,20 @@
 """Benchmark: start-up tokenization in one process vs ``data.num_workers`` processes, and the per-step
 batch assembly (index the dataset + ``pack_batch``) that the trainers do.
 
-    python scripts/bench_data.py --rows 200000 --workers 2 --out result.json
+    python scripts/bench/data.py --rows 200000 --workers 2 --out result.json
 
 Generates an SFT JSONL of ``--rows`` rows of random words (seeded) and a byte-level BPE
 ``tokenizer.json`` trained on its first rows, then times ``load_sft_dataset`` with the byte tokenizer
 and with the HF tokenizer, serial and with workers (process start-up included), and checks that
 the datasets are identical. The per-step figure packs ``--batch`` rows of ``--seq-len`` tokens.
-Worker processes re-run this file's top level (spawn): keep the imports inside ``main``.
+Worker processes re-run this file's top level (spawn): keep the imports inside the functions (this
+is why it times with its own wall + CPU clock rather than ``common.py``'s, which imports torch).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -41,7 +43,7 @@ def make_hf_tokenizer(data: Path, out: Path, rows: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     with data.open(encoding="utf-8") as f:
-        texts = [" ".join(json.loads(line).values()) for _, line in zip(range(rows), f, strict=True)]
+        texts = [" ".join(json.loads(line).values()) for line in itertools.islice(f, rows)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -77,7 +79,7 @@ def time_loads(path: Path, tokenizer: Any, workers: int) -> dict[str, float]:
     out, datasets = {}, {}
     for n in (0, workers):
         (datasets[n], report), out[f"workers_{n}_s"], out[f"workers_{n}_cpu_s"] = timed(
-            lambda: load_sft_dataset(path, tokenizer, max_length=4096, num_workers=n)
+            lambda n=n: load_sft_dataset(path, tokenizer, max_length=4096, num_workers=n)
         )
     serial, parallel = datasets[0], datasets[workers]
     assert report.kept == len(serial) and serial.lengths.equal(parallel.lengths)
@@ -154,7 +156,7 @@ def main() -> None:
         result["file_mb"] = round(data.stat().st_size / 2**20, 1)
         few = tmp / "few.jsonl"
         with data.open() as f:
-            few.write_text("".join(line for _, line in zip(range(64), f, strict=True)))
+            few.write_text("".join(itertools.islice(f, 64)))
         # 64 rows: the workers' start-up; then the scan for spans, done in the main process.
         _, result["worker_start_s"], result["worker_start_cpu_s"] = timed(
             lambda: load_sft_dataset(few, ByteTokenizer(300), max_length=4096, num_workers=args.workers)

@@ -1,7 +1,7 @@
 """Benchmark: one GRPO step end to end, against its floor and against TRL's ``GRPOTrainer``.
 
-    python scripts/bench_e2e.py --sequences 64  --out e2e-64.json    # 16 prompts x 4 samples
-    python scripts/bench_e2e.py --sequences 256 --out e2e-256.json   # 64 prompts x 4 samples
+    python scripts/bench/e2e.py --sequences 64  --out e2e-64.json    # 16 prompts x 4 samples
+    python scripts/bench/e2e.py --sequences 256 --out e2e-256.json   # 64 prompts x 4 samples
 
 One process runs, each in a subprocess of its own and on the same device:
 
@@ -10,7 +10,7 @@ One process runs, each in a subprocess of its own and on the same device:
    RL step), reading its ``metrics.jsonl``: step 1, the steady step (median of steps >= 3; a step is
    the sum of its ``timing_s/<phase>`` times) and each phase;
 2. the floor of that step from the device's bf16 matmul peak and memory copy rate, measured in this
-   run (``megatron_rlhf/models/roofline.py``): training at 6 N + 12 L h s FLOPs per token, each
+   run (``roofline.py``, ``common.py``): training at 6 N + 12 L h s FLOPs per token, each
    forward-only pass (reference log-probs; old log-probs when the trainer runs that pass) at a third
    of it, prefill at the matmul peak, each decode step at its roofline (weights + KV cache so far
    read once, or its FLOPs, whichever takes longer), the Adam step at the memory rate; then
@@ -44,12 +44,13 @@ import json
 import random
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from common import compute_dtype, copy_bandwidth, device_name, matmul_peak, median
 
 START = time.perf_counter()
 TRL_CONFIGS = ("bf16-eager", "bf16-sdpa", "fp32-sdpa", "bf16-eager-nockpt")
@@ -66,10 +67,6 @@ any non-finite output or gradient under trl.<config>.nonfinite."""
 
 def say(message: str) -> None:
     print(f"[{time.perf_counter() - START:7.1f} s] {message}", flush=True)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -125,7 +122,7 @@ def run_logged(
         for line in proc.stdout:
             log_file.write(line)
             if echo.search(line):
-                say("  " + line[line.find("[trl]") :].rstrip()[:200] if "[trl]" in line else "  " + line.rstrip()[:200])
+                say("  " + line[max(line.find("[trl]"), 0) :].rstrip()[:200])  # a TRL line from its tag on
             if time.perf_counter() > deadline:
                 proc.kill()
                 say(f"  killed after {timeout:.0f} s (--timeout)")
@@ -207,7 +204,8 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         grad_norm=[r.get("actor/grad_norm") for r in rows],
         response_length=[r.get("response_length/mean") for r in rows],
         gen_tokens_per_s=[r.get("perf/gen_tokens_per_s") for r in rows],
-        # The engine's sampling log-probs against the trainer's on the response, per step: the sampler's check in a real run.
+        # The engine's sampling log-probs against the trainer's on the response, per step: the sampler's
+        # check in a real run.
         rollout_logprob_max_abs_diff=[r.get("rollout/logprob_max_abs_diff") for r in rows],
     )
     profile = out_dir / "profile" / f"step_{args.steps}.txt"
@@ -327,7 +325,8 @@ def trl_worker(args: argparse.Namespace) -> None:
         """Wall time of every optimizer step (generation included), its logs, and at step 1 where
         non-finite values first appear (forward hooks on every module; gradients before the step)."""
 
-        hooks: list[Any] = []
+        def __init__(self) -> None:
+            self.hooks: list[Any] = []
 
         def on_train_begin(self, _args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
             record["train_begin"] = time.perf_counter()
@@ -429,15 +428,14 @@ def trl_worker(args: argparse.Namespace) -> None:
 
 def measure_device(model: str, ours: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    from roofline import ModelWork, StepShape, rl_step_floor
 
     from megatron_rlhf.checkpoint.sources import architecture_of
-    from megatron_rlhf.models.roofline import ModelWork, StepShape, copy_bandwidth, matmul_peak, rl_step_floor
 
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32  # the trainer's dtype=auto
-    peak = matmul_peak(device, 8192 if on_gpu else 1024, dtype)
-    bandwidth = copy_bandwidth(device, 2 * 1024**3 if on_gpu else 256 * 1024**2)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = compute_dtype(device)  # the trainer's dtype=auto
+    peak = matmul_peak(device, dtype)
+    bandwidth = copy_bandwidth(device)
     work = ModelWork.of(architecture_of(model), dtype_bytes=torch.finfo(dtype).bits // 8)
     forwards = sum(p in ours.get("phases_steady_s", {"ref": 0}) for p in ("ref", "old_log_prob", "values"))
     shape = StepShape(
@@ -447,7 +445,7 @@ def measure_device(model: str, ours: dict[str, Any], args: argparse.Namespace) -
         num_forward_passes=forwards,
     )
     return {
-        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "device": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
         "matmul_peak_TFLOPs": peak / 1e12,
         "copy_bandwidth_TBps": bandwidth / 1e12,

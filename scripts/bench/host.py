@@ -1,6 +1,6 @@
 """Benchmark: the host-side work of one RL step, which the GPU waits for.
 
-    python scripts/bench_host.py --model builtin:llama-1.5b --sequences 256 --prompt-len 128 --new-tokens 256
+    python scripts/bench/host.py --model builtin:llama-1.5b --sequences 256 --prompt-len 128 --new-tokens 256
 
 On a synthetic rollout of this shape (random token ids and log-probs; ``--samples`` per prompt), the
 trainer's own functions: the engine's history read into completions at the end of a rollout
@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
-import time
 from collections.abc import Callable
+
+from common import sample_seconds, write_report
 
 
 def best_ms(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    """The fastest of ``repeat`` calls, in milliseconds: the host work alone, without other processes' noise."""
+    return 1e3 * min(sample_seconds(fn, repeat=repeat))
 
 
 def main() -> None:
@@ -111,7 +107,7 @@ def main() -> None:
     gc.freeze()
     result["full_gc_after_freeze_ms"] = best_ms(gc.collect, 3)
     gc.unfreeze()
-    print(json.dumps(result, indent=1))
+    write_report(result, None)
 
 
 if __name__ == "__main__":

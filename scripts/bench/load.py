@@ -1,6 +1,6 @@
 """Benchmark: load a model from HF safetensors into a TP layout; time and GPU memory.
 
-    torchrun --nproc-per-node N scripts/bench_load.py --model builtin:llama-1.5b --tp N --out result.json
+    torchrun --nproc-per-node N scripts/bench/load.py --model builtin:llama-1.5b --tp N --out result.json
 
 The built-in model is materialised first (random bf16 weights, written once, not timed). Timed:
 model build (allocation), weight import (each rank reads only its shards), and one forward pass.
@@ -9,12 +9,12 @@ model build (allocation), weight import (each rank reads only its shards), and o
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import clock, compute_dtype, device_name, write_report
 
 
 def main() -> None:
@@ -29,7 +29,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_rlhf.checkpoint.sources import architecture_of, load_weights
-    from megatron_rlhf.metrics.log import log
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.builtin import builtin_checkpoint, is_builtin
     from megatron_rlhf.models.roles import RoleModel
@@ -43,14 +42,11 @@ def main() -> None:
     path = str(builtin_checkpoint(args.model)) if is_builtin(args.model) else args.model
     materialise_s = time.perf_counter() - t
     groups = parallel_groups(Layout.for_world(args.tp, args.pp, env.world_size))
-    dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+    dtype = compute_dtype(env.device)
     on_gpu = env.device.type == "cuda"
 
     def sync() -> float:
-        if on_gpu:
-            torch.cuda.synchronize()
-        dist.barrier()
-        return time.perf_counter()
+        return clock(env.device, barrier=True)
 
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -67,7 +63,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "layout": str(groups.layout),
-        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "device": device_name(env.device),
         "dtype": str(dtype).removeprefix("torch."),
         "params_per_rank_M": total_params.item() / 1e6,
         "materialise_s": materialise_s,
@@ -81,9 +77,7 @@ def main() -> None:
         result["gpu_allocated_GiB"] = torch.cuda.memory_allocated() / 1024**3
         result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
         result["weights_GiB_per_rank"] = local_bytes / 1024**3
-    log(json.dumps(result, indent=1))
-    if env.rank == 0 and args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.out)
     dist.destroy_process_group()
 
 

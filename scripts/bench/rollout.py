@@ -1,7 +1,7 @@
 """Benchmark: native-engine generation vs HF transformers ``generate`` on the same weights.
 
-    torchrun --nproc-per-node 1 scripts/bench_rollout.py --model builtin:llama-1.5b --out result.json
-    torchrun --nproc-per-node 2 scripts/bench_rollout.py --model builtin:llama-1.5b --out reshard.json
+    torchrun --nproc-per-node 1 scripts/bench/rollout.py --model builtin:llama-1.5b --out result.json
+    torchrun --nproc-per-node 2 scripts/bench/rollout.py --model builtin:llama-1.5b --out reshard.json
 
 With 2 ranks it measures only the hybrid engine's weight copy: TP2 training -> TP1 x DP2 generation
 (time, and GPU memory with the copy allocated and after its release).
@@ -16,37 +16,26 @@ the train<->generate switch of a training state (hybrid/memory.py) against its f
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from common import copy_bandwidth, device_name, host_bandwidth, wall_seconds, write_report
 
-from megatron_rlhf.models.roofline import copy_bandwidth
-
-
-def host_bandwidth(device: torch.device) -> float:
-    host = torch.empty(1024**3, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device)
-    dev.copy_(host)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        dev.copy_(host, non_blocking=True)
-        host.copy_(dev, non_blocking=True)
-    torch.cuda.synchronize()
-    return 6 * host.numel() / (time.perf_counter() - start)
+CUDA = torch.device("cuda")
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+def generate_seconds(engine: Any, prompts: torch.Tensor, params: Any) -> float:
+    """Seconds of one ``engine.generate`` call, the prompts' conversion to lists included."""
+    return wall_seconds(lambda: engine.generate(prompts.tolist(), params), CUDA)
 
 
-def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path | None) -> dict[str, float]:
+def profile_decode(
+    engine_for: Callable[[bool], Any], prompts: list[list[int]], steps: int, out: Path | None
+) -> dict[str, float]:
     """Where a decode step's time goes, eager and with CUDA graphs: GPU kernel time per step by
     kernel, and the share of wall time the GPU is busy (the rest is the host loop). Decode-only
     figures are differences of two profiled runs, ``steps + 1`` and 1 new tokens (the prefill)."""
@@ -55,10 +44,10 @@ def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path |
     from megatron_rlhf.metrics.kernels import costliest, op_times, print_report
     from megatron_rlhf.rollout.sampling import SamplingParams
 
-    def kernel_times(engine, new_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    def kernel_times(engine: Any, new_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = timed(lambda: engine.generate(prompts, params))
+            wall = wall_seconds(lambda: engine.generate(prompts, params), CUDA)
         return wall, op_times(prof)  # device work only, not the ops launching it
 
     figures: dict[str, float] = {}
@@ -86,10 +75,9 @@ def profile_decode(engine_for, prompts: list[list[int]], steps: int, out: Path |
     return figures
 
 
-def measure_reshard(args: argparse.Namespace, env) -> None:
+def measure_reshard(args: argparse.Namespace, env: Any) -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.reshard import WeightResharder
-    from megatron_rlhf.metrics.log import log
 
     arch = architecture_of(args.model)
     actor = build_role(
@@ -105,7 +93,7 @@ def measure_reshard(args: argparse.Namespace, env) -> None:
     training_weights = torch.cuda.memory_allocated()
     times, with_copy = [], []
     for _ in range(3):  # the first refresh builds the copy plan; each allocates the copy, then it is released
-        times.append(timed(resharder.refresh))
+        times.append(wall_seconds(resharder.refresh, env.device))
         with_copy.append(torch.cuda.memory_allocated())
         resharder.release()
     copy_bytes = resharder.destination_bytes()
@@ -120,9 +108,7 @@ def measure_reshard(args: argparse.Namespace, env) -> None:
         "allocated_GiB_with_copy": max(with_copy) / gib,
         "allocated_GiB_after_release": torch.cuda.memory_allocated() / gib,
     }
-    log(json.dumps(result, indent=1))
-    if env.rank == 0 and args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.out)
 
 
 def main() -> None:
@@ -140,7 +126,6 @@ def main() -> None:
 
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
     from megatron_rlhf.hybrid.memory import TrainingMemory
-    from megatron_rlhf.metrics.log import log
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
@@ -163,7 +148,7 @@ def main() -> None:
     kv_bytes_per_token = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * 2
     result: dict[str, object] = {
         "model": args.model,
-        "device": torch.cuda.get_device_name(),
+        "device": device_name(env.device),
         "hbm_bandwidth_TBps": bandwidth / 1e12,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -192,12 +177,10 @@ def main() -> None:
             engine.generate(prompts.tolist(), greedy)
             if graphs:
                 figures["graph_capture_s"] = engine.graph_capture_seconds
-            prefill_s = timed(
-                lambda: engine.generate(
-                    prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
-                )
+            prefill_s = generate_seconds(
+                engine, prompts, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
             )
-            total_s = timed(lambda: engine.generate(prompts.tolist(), greedy))
+            total_s = generate_seconds(engine, prompts, greedy)
             figures["prefill_tokens_per_s"] = batch * args.prompt_len / prefill_s
             figures[f"decode_tokens_per_s_{label}"] = batch * (args.new_tokens - 1) / (total_s - prefill_s)
             engine.release()  # its KV cache and graphs would otherwise count in the switch's memory below
@@ -210,16 +193,16 @@ def main() -> None:
             with torch.no_grad():
                 ids = prompts.to(env.device)
                 hf.generate(ids[:4], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-                hf_s = timed(
-                    lambda: hf.generate(
-                        ids,
-                        max_new_tokens=args.new_tokens,
-                        min_new_tokens=args.new_tokens,
-                        do_sample=False,
-                        eos_token_id=None,
-                        pad_token_id=0,
-                    )
+                generate = functools.partial(
+                    hf.generate,
+                    ids,
+                    max_new_tokens=args.new_tokens,
+                    min_new_tokens=args.new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
                 )
+                hf_s = wall_seconds(generate, env.device)
             figures["hf_generate_tokens_per_s"] = batch * args.new_tokens / hf_s
             figures["speedup_vs_hf"] = ours / figures["hf_generate_tokens_per_s"]
         result[f"batch{batch}"] = figures
@@ -228,7 +211,7 @@ def main() -> None:
         batch = max(args.batch_sizes)
         prompts = torch.randint(0, arch.vocab_size, (batch, args.prompt_len), generator=g).tolist()
 
-        def engine_for(graphs):
+        def engine_for(graphs: bool) -> NativeEngine:
             return NativeEngine(
                 role,
                 NativeEngineConfig(
@@ -249,19 +232,21 @@ def main() -> None:
     memory = TrainingMemory(state)
     host_bw = host_bandwidth(env.device)
     for _ in range(2):  # the second round reuses the pinned buffers: the steady state
-        release, restore = memory.to_generation(), memory.to_training()
+        start = time.perf_counter()
+        moved = memory.to_generation()  # synchronizes the device before it returns
+        release_s = time.perf_counter() - start
+        allocated = torch.cuda.memory_allocated()
+        restore_s = wall_seconds(memory.to_training, env.device)
     result["switch"] = {
-        "bytes_moved_GB": release.bytes_moved / 1e9,
+        "bytes_moved_GB": moved / 1e9,
         "host_bandwidth_GBps": host_bw / 1e9,
-        "train_to_generate_s": release.seconds,
-        "generate_to_train_s": restore.seconds,
-        "floor_s": release.bytes_moved / host_bw,
-        "gpu_allocated_during_generation_GiB": release.gpu_allocated_GiB,
+        "train_to_generate_s": release_s,
+        "generate_to_train_s": restore_s,
+        "floor_s": moved / host_bw,
+        "gpu_allocated_during_generation_GiB": allocated / 1024**3,
     }
     result["gpu_peak_GiB"] = torch.cuda.max_memory_allocated() / 1024**3
-    log(json.dumps(result, indent=1))
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
-"""Speed-of-light figures for the benchmarks: the device's measured ceilings and a model's work.
+"""Speed-of-light figures for the benchmarks: a model's work, and the least time a device takes for it.
 
-The benchmarks (``scripts/bench_update.py``, ``bench_rollout.py``, ``bench_e2e.py``) compare a
-measured time with the least time the device could take for the same work, both measured in the
-same run on the same device:
+The benchmarks (``update.py``, ``rollout.py``, ``e2e.py``) compare a measured time with the least
+time the device could take for the same work, given the device's ceilings measured in the same run
+(``common.matmul_peak``, ``common.copy_bandwidth``):
 
-* ceilings: the bf16 matmul rate (``matmul_peak``, a timed 8192^3 matmul) and the memory traffic
-  rate (``copy_bandwidth``, a timed device copy: bytes read + bytes written per second);
 * work: FLOPs per token of a forward (``2 N + 4 L h s``) and of a training step (three times that,
   ``6 N + 12 L h s``, the convention of the PaLM and Megatron papers: N the parameters without the
   input embedding, a lookup; ``L h s`` the attention scores and values at context s, counted over
@@ -21,9 +19,6 @@ host) counts zero: a floor, not a prediction.
 from __future__ import annotations
 
 import dataclasses
-import time
-
-import torch
 
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.hf_weights import hf_tensor_shapes
@@ -32,40 +27,6 @@ ADAM_BYTES_PER_PARAM = 30
 """Memory traffic of one Adam step per parameter with fp32 main parameters and a bf16 model copy:
 read the fp32 gradient, main parameter and two moments (16), write the main parameter and the
 moments (12) and the bf16 parameter (2)."""
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16, reps: int = 20) -> float:
-    """Matmul throughput in FLOP/s of ``size``^3 products in ``dtype`` (the practical ceiling of the
-    device's dense math; 790 TFLOP/s in bf16 on an H200 against the datasheet's 989)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    return 2 * size**3 * reps / (time.perf_counter() - start)
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 1024**3, reps: int = 10) -> float:
-    """Memory traffic rate of a device-to-device copy (bytes read + bytes written per second): the
-    rate a read-dominated decode step can at best stream its weights and KV cache at."""
-    x = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        y.copy_(x)
-    _sync(device)
-    return 2 * x.numel() * reps / (time.perf_counter() - start)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,7 +98,7 @@ def rl_step_floor(work: ModelWork, shape: StepShape, *, flops_per_s: float, byte
     b, p, r = shape.num_sequences, shape.prompt_len, shape.response_len
     s = p + r
     # Training rows: every row is s tokens; the attention term at the mean causal context is s / 2 per token,
-    # but the convention counts the whole context (as bench_update's MFU does): s.
+    # but the convention counts the whole context (as update.py's MFU does): s.
     train = b * s * work.train_flops_per_token(s) / flops_per_s
     forward = shape.num_forward_passes * b * s * work.forward_flops_per_token(s) / flops_per_s
     prefill = b * p * work.forward_flops_per_token(p) / flops_per_s

@@ -1,14 +1,15 @@
 """Benchmark: a PPO actor update vs a plain next-token-loss Megatron step, same model and batch.
 
-    torchrun --nproc-per-node 1 scripts/bench_update.py --model builtin:llama-1.5b --out result.json
+    torchrun --nproc-per-node 1 scripts/bench/update.py --model builtin:llama-1.5b --out result.json
 
 Both steps run the same megatron-core pipeline schedule, DDP and distributed optimizer over the
 same token-budget micro-batches; they differ in the loss: the PPO step computes exact
 vocab-parallel log-probs at the sampling temperature, entropy, the clipped surrogate and KL, with
 the LM head only at the positions that predict a response token (``logits_mask``, as the trainer
 runs it); the plain step is megatron's ``vocab_parallel_cross_entropy`` NLL over every position.
-Reported: tokens/s, MFU (6 N + 12 L h s FLOPs per token against the bf16 matmul peak measured in
-the same run and the 989 TFLOP/s datasheet figure), and the ratio PPO / plain.
+Reported: tokens/s, MFU (6 N + 12 L h s FLOPs per token against the matmul peak measured in the same
+run, bf16 on a GPU and fp32 on a CPU, and the 989 TFLOP/s bf16 datasheet figure of an H100/H200), and
+the ratio PPO / plain.
 
 ``--skewed``: rows of random lengths from 16 to ``--seq-len`` (right-padded) instead of full rows, and
 beside them a batch of as many rows all of the mean length (the same real tokens): the PPO step's
@@ -26,14 +27,12 @@ written beside ``--out`` as ``.profile.txt``.
 from __future__ import annotations
 
 import argparse
-import json
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
-
-from megatron_rlhf.models.roofline import matmul_peak
+from common import DATASHEET_BF16_FLOPS, loop_seconds, matmul_peak, wall_seconds, write_report
 
 
 def main() -> None:
@@ -59,7 +58,6 @@ def main() -> None:
     from megatron.core import tensor_parallel
 
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-    from megatron_rlhf.metrics.log import log
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.training.objectives import PPOLossConfig, ppo_actor_loss
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
@@ -107,7 +105,9 @@ def main() -> None:
     ppo = ppo_actor_loss(role, PPOLossConfig(entropy_coef=0.01, kl_loss_coef=0.01), temperature=0.7)
     tp_group = role.groups.pg_collection.tp
 
-    def plain_nll(piece, logits):
+    def plain_nll(
+        piece: dict[str, torch.Tensor], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         targets = piece["input_ids"][:, 1:]
         nll = tensor_parallel.vocab_parallel_cross_entropy(
             logits[:, :-1].float().contiguous(), targets.contiguous(), tp_group=tp_group
@@ -115,19 +115,13 @@ def main() -> None:
         mask = piece["loss_mask"][:, 1:]
         return (nll * mask).sum(), mask.sum(), {}
 
-    def timed_steps(loss_fn, batch: dict[str, torch.Tensor] = batch, pack: bool = args.pack) -> float:
-        for _ in range(args.warmup):
+    def timed_steps(loss_fn: Any, batch: dict[str, torch.Tensor], pack: bool) -> float:
+        """Seconds per optimizer step, after ``--warmup`` untimed ones, every rank waited for."""
+
+        def step() -> None:
             train_step(state, batch, loss_fn, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=pack)
-        if on_gpu:
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            train_step(state, batch, loss_fn, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=pack)
-        if on_gpu:
-            torch.cuda.synchronize()
-        dist.barrier()
-        return (time.perf_counter() - start) / args.steps
+
+        return loop_seconds(step, calls=args.steps, warmup=args.warmup, device=env.device, barrier=True)
 
     # Alternate the runs twice so that none benefits from running later.
     # name -> (loss, batch, packed)
@@ -148,7 +142,7 @@ def main() -> None:
     params = sum(p.numel() for p in role.model.parameters())
     embedding = arch.vocab_size * arch.hidden_size / env.world_size
     flops_per_token = 6 * (params - embedding) * env.world_size + 12 * arch.num_layers * arch.hidden_size * args.seq_len
-    peak = matmul_peak(env.device) if on_gpu else float("nan")
+    peak = matmul_peak(env.device)
     result = {
         "model": args.model,
         "layout": str(role.groups.layout),
@@ -163,7 +157,7 @@ def main() -> None:
         result[f"{name}_tokens_per_s"] = throughput
         result[f"{name}_TFLOPs"] = throughput * flops_per_token / 1e12 / env.world_size
         result[f"{name}_MFU_vs_measured_peak"] = throughput * flops_per_token / env.world_size / peak
-        result[f"{name}_MFU_vs_989_TFLOPs"] = throughput * flops_per_token / env.world_size / 989e12
+        result[f"{name}_MFU_vs_989_TFLOPs"] = throughput * flops_per_token / env.world_size / DATASHEET_BF16_FLOPS
     result["ratio_ppo_over_plain"] = result["ppo_tokens_per_s"] / result["plain_tokens_per_s"]
     result["packed"] = args.pack
     for name, (_, run_batch, pack) in variants.items():
@@ -185,26 +179,21 @@ def main() -> None:
             train_step(state, ppo_batch, ppo, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
 
         floor_s = tokens * flops_per_token / env.world_size / peak
-        result["profile"] = profile_step(ppo_step, on_gpu, floor_s, args.out if env.rank == 0 else None)
-    log(json.dumps(result, indent=1))
-    if env.rank == 0 and args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        result["profile"] = profile_step(ppo_step, env.device, floor_s, args.out if env.rank == 0 else None)
+    write_report(result, args.out)
 
 
-def profile_step(step, on_gpu: bool, floor_s: float, out: Path | None) -> dict[str, float]:
+def profile_step(step: Callable[[], None], device: torch.device, floor_s: float, out: Path | None) -> dict[str, float]:
     """One ``step()`` under torch.profiler: wall and busy time, busy time by kind of kernel, and
     the costliest kernels (operators on the CPU), printed and written beside ``out``."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_rlhf.metrics.kernels import by_kind, costliest, op_times, print_report
 
+    on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        step()
-        if on_gpu:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        wall = wall_seconds(step, device)
     times = op_times(prof)
     busy_s = sum(us for us, _ in times.values()) / 1e6
     kinds = {kind: us / 1e6 for kind, us in by_kind(times).items()}

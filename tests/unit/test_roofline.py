@@ -1,11 +1,29 @@
-"""The RL-step floor (models/roofline.py) against figures worked out by hand for builtin:tiny-llama."""
+"""The RL-step floor (scripts/bench/roofline.py) against figures worked out by hand for builtin:tiny-llama."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
 
 import pytest
 
 from megatron_rlhf.checkpoint.sources import architecture_of
-from megatron_rlhf.models.roofline import ModelWork, StepShape, rl_step_floor
+from tests.helpers import REPO
+
+
+def _load_roofline() -> ModuleType:
+    """The benchmarks' roofline module, loaded from its file: scripts/bench/ is a folder of scripts, not a package."""
+    spec = importlib.util.spec_from_file_location("bench_roofline", REPO / "scripts" / "bench" / "roofline.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+roofline = _load_roofline()
+ModelWork, StepShape, rl_step_floor = roofline.ModelWork, roofline.StepShape, roofline.rl_step_floor
 
 
 def test_tiny_llama_work():
