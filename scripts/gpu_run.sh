@@ -1,83 +1,152 @@
 #!/usr/bin/env bash
-# On the lent GPU machine: install carried wheels, run the GPU test tier, run benchmarks.
-# Results (logs, JSON) go to $OUT (the device tool's output folder), or ./gpu-out elsewhere.
-#   device run, carry [.whl]:  bash scripts/gpu_run.sh [all|tests|bench|pipeline|seeds|big|e2e]
-# All of it takes more than one device call (10 minutes at most), so it splits: "tests" (the GPU
-# tier), "bench" (benchmarks), "pipeline" (the GPU preset of `megatron-rlhf pipeline`, seed 1) and
-# "seeds" (its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model) and "big" (3 GRPO
-# steps of a 7B-class actor with a reference on one GPU, the optimizer state on the host:
-# FRACTION=actor_optim.cpu_offload_fraction, default 1.0; not part of "all"), "e2e" (scripts/bench_e2e.py:
-# our GRPO step, its floor and TRL's GRPOTrainer on the same shape; SEQUENCES=64|256, default 64;
-# TRL_CONFIGS, default the script's; extra arguments go to the script; .whl must hold trl, datasets,
-# dill and multiprocess; not part of "all").
+# Run the GPU test tier and the benchmarks on any CUDA machine; logs and JSON results go to one folder.
+#
+#   scripts/gpu_run.sh [-o OUT_DIR] [STAGE ...] [-- E2E_ARGS ...]
+#
+# Stages (default: all):
+#   tests     the GPU test tier (pytest -m gpu tests/gpu)
+#   bench     scripts/bench/: model import (TP1, and TP2 with 2+ GPUs), the actor update (profiled), generation
+#             vs HF generate (profiled; with 2+ GPUs the TP2 -> TP1 x DP2 weight copy), checkpoint save/load,
+#             the host work of a step
+#   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the log-prob kernels
+#   pipeline  the GPU preset of `megatron-rlhf pipeline` (SFT -> RM -> GRPO and PPO), seed 1
+#   seeds     its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model (after pipeline)
+#   all       tests bench kernels pipeline seeds
+#   e2e       scripts/bench/e2e.py: one GRPO step, its floor and TRL's GRPOTrainer on the same shape
+#             (SEQUENCES=64|256, default 64; TRL_CONFIGS, default the script's; arguments after -- go to the
+#             script; needs the `bench` extra: trl, datasets)
+#   big       3 GRPO steps of a 7B-class actor with a reference on one GPU, the optimizer state on the host
+#             (FRACTION=actor_optim.cpu_offload_fraction, default 1.0)
+#
+# Environment:
+#   PYTHON      the interpreter (default: python3 of the active environment)
+#   OUT         the results folder when -o is not given (default: ./gpu-out)
+#   WORK        checkpoints, runs and the model cache stay here (default: ${TMPDIR:-/tmp}/megatron-rlhf-gpu)
+#   WHEELS      a folder of wheels to install offline when the package is not importable (default: .whl)
+# The package and its dependencies are used from the active environment when they import; otherwise they are
+# installed: from $WHEELS without the network where that folder exists, else `pip install -e '.[test]'`.
 set -uo pipefail
-stage=${1:-all}
-case $stage in all|tests|bench|pipeline|seeds|big|e2e) ;; *) echo "usage: $0 [all|tests|bench|pipeline|seeds|big|e2e] (got '$stage')" >&2; exit 2;; esac
+
+usage() { sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit "${1:-2}"; }
+out=${OUT:-gpu-out}
+stages=()
+e2e_args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    -o|--out) [ $# -ge 2 ] || usage; out=$2; shift 2;;
+    -h|--help) usage 0;;
+    --) shift; e2e_args=("$@"); break;;
+    tests|bench|kernels|pipeline|seeds|e2e|big) stages+=("$1"); shift;;
+    all) stages+=(tests bench kernels pipeline seeds); shift;;
+    *) echo "unknown stage or option '$1'" >&2; usage;;
+  esac
+done
+[ ${#stages[@]} -gt 0 ] || stages=(tests bench kernels pipeline seeds)
+wants() { [[ " ${stages[*]} " == *" $1 "* ]]; }
+
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export MEGATRON_RLHF_CACHE=/tmp/mrlhf-cache
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+mkdir -p "$out" || exit 1
+out=$(cd "$out" && pwd)
+python=${PYTHON:-python3}
+work=${WORK:-${TMPDIR:-/tmp}/megatron-rlhf-gpu}
+mkdir -p "$work" || exit 1
+export PYTHONUNBUFFERED=1
+export MEGATRON_RLHF_CACHE=${MEGATRON_RLHF_CACHE:-$work/cache}
+# NVLink SHARP (multicast) needs a fabric set-up that not every machine has: off unless asked for.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+
+# Set-up: the working tree's package, on the active environment's dependencies or installed ones.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ! "$python" -c "import megatron_rlhf, megatron.core, pytest" 2>/dev/null; then
+  wheels=${WHEELS:-.whl}
+  if [ -d "$wheels" ]; then
+    echo "installing the wheels of $wheels into $work/site"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --target "$work/site" "$wheels"/*.whl || exit 1
+    export PYTHONPATH=$work/site:$PYTHONPATH
+  else
+    echo "installing the package and its test dependencies (pip install -e '.[test]')"
+    "$python" -m pip install -q -e ".[test]" || exit 1
+  fi
 fi
-ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+if ! ngpu=$("$python" -c "import torch; assert torch.cuda.is_available(); print(torch.cuda.device_count())"); then
+  echo "no CUDA device is visible to $python (torch.cuda.is_available() is False)" >&2
+  exit 1
+fi
+{
+  echo "$ngpu GPU(s); $("$python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)")"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  fi
+} | tee "$out/gpu.txt"
+
 status=0
-RUNS=${RUNS:-/tmp/pipeline-runs}  # checkpoints and exports stay on the machine; figures go to $OUT
-pipeline() {  # seed, extra overrides...
-  local seed=$1; shift
-  python3 -m megatron_rlhf pipeline --config pipeline-arith-gpu seed="$seed" output_dir="$RUNS/seed$seed" "$@" \
-    2>&1 | grep -v "Warning\|warn" | tee "$OUT/pipeline_seed$seed.log" | grep -E "^(pipeline|test|  |step [0-9]+/[0-9]+ \|)" || status=1
-  (cd "$RUNS" && find "seed$seed" \( -name metrics.jsonl -o -name curves.png -o -name result.json -o -name pipeline.json \
-    -o -name summary.json -o -path "*/test/*.jsonl" \) -print0 | xargs -0 tar cf - | tar xf - -C "$OUT")
+quiet() { grep -v "Warning\|warn"; }
+torchrun() { "$python" -m torch.distributed.run --standalone --nproc-per-node="$1" "${@:2}"; }
+bench() {  # name, lines of output to keep, command...
+  local name=$1 keep=$2; shift 2
+  "$@" 2>&1 | tail -"$keep" | tee "$out/bench_$name.log" || status=1
 }
-if [ "$stage" = big ]; then  # the first run writes the random 7B checkpoint (15 GB) into the cache
-  free -g | tee "$OUT/host.txt"
-  (while sleep 5; do echo "$(date +%T) host used $(free -m | awk '/Mem:/{print $3}') MiB," \
-    "gpu used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0)"; done) > "$OUT/big_memory.log" &
-  sampler=$!
-  python3 -m megatron_rlhf ppo --config ppo-tiny actor.path=builtin:llama-7b reference.path=builtin:llama-7b \
-    data.max_prompt_length=128 rollout.sampling.max_new_tokens=256 rollout.sampling.n=4 prompts_per_step=16 \
-    mini_batch_size=16 max_steps=3 max_tokens_per_micro_batch=4096 log_every=1 save_hf=false save_final=false \
-    actor_optim.cpu_offload_fraction="${FRACTION:-1.0}" output_dir=/tmp/big-run resume=never overwrite=true \
-    2>&1 | grep -v "Warning\|warn" | tee "$OUT/big_7b.log" || status=1
-  kill "$sampler"
-  cp /tmp/big-run/metrics.jsonl "$OUT/big_7b_metrics.jsonl"
-  sort -k4 -n "$OUT/big_memory.log" | tail -1 | sed 's/^/highest host use: /'
-  exit $status
+pipeline() {  # seed, extra overrides...
+  local seed=$1 runs=$work/pipeline-runs; shift
+  "$python" -m megatron_rlhf pipeline --config pipeline-arith-gpu seed="$seed" output_dir="$runs/seed$seed" "$@" \
+    2>&1 | quiet | tee "$out/pipeline_seed$seed.log" | grep -E "^(pipeline|test|  |step [0-9]+/[0-9]+ \|)" || status=1
+  (cd "$runs" && find "seed$seed" \( -name metrics.jsonl -o -name curves.png -o -name result.json \
+    -o -name pipeline.json -o -name summary.json -o -path "*/test/*.jsonl" \) -print0 | xargs -0 tar cf - \
+    | tar xf - -C "$out")
+}
+
+if wants tests; then
+  "$python" -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || status=1
 fi
-if [ "$stage" = e2e ]; then
-  seqs=${SEQUENCES:-64}
-  # shellcheck disable=SC2086  # TRL_CONFIGS is a list of words
-  python3 scripts/bench_e2e.py --sequences "$seqs" --work-dir /tmp/bench_e2e --out "$OUT/bench_e2e_$seqs.json" \
-    ${TRL_CONFIGS:+--trl-configs $TRL_CONFIGS} "${@:2}" 2>&1 | grep -v "Warning\|warn" | tee "$OUT/bench_e2e_$seqs.log" || status=1
-  cp /tmp/bench_e2e/*.log "$OUT/" 2>/dev/null
-  exit $status
+if wants bench; then
+  model=builtin:llama-1.5b
+  bench load_tp1 25 torchrun 1 scripts/bench/load.py --model "$model" --tp 1 --out "$out/bench_load_tp1.json"
+  bench update 80 torchrun 1 scripts/bench/update.py --model "$model" --profile --out "$out/bench_update.json"
+  bench rollout 40 torchrun 1 scripts/bench/rollout.py --model "$model" --profile --out "$out/bench_rollout.json"
+  bench checkpoint 5 "$python" scripts/bench/checkpoint.py --model "$model" --dir "$work/bench_checkpoint"
+  bench host 12 "$python" scripts/bench/host.py --model "$model"
+  if [ "$ngpu" -ge 2 ]; then
+    bench load_tp2 25 torchrun 2 scripts/bench/load.py --model "$model" --tp 2 --out "$out/bench_load_tp2.json"
+    bench reshard 25 torchrun 2 scripts/bench/rollout.py --model "$model" --out "$out/bench_reshard.json"
+  fi
 fi
-if [ "$stage" = pipeline ] || [ "$stage" = all ]; then
+if wants kernels; then
+  bench decode_kernels 40 "$python" scripts/bench/decode_kernels.py --out "$out/bench_decode_kernels.json"
+  bench swiglu 10 "$python" scripts/bench/swiglu.py --out "$out/bench_swiglu.json"
+  bench train_kernels 10 "$python" scripts/bench/train_kernels.py --out "$out/bench_train_kernels.json"
+fi
+if wants pipeline; then
   pipeline 1
 fi
-if [ "$stage" = seeds ] || [ "$stage" = all ]; then
+if wants seeds; then
   for seed in 2 3; do
-    pipeline "$seed" "stages=[grpo,ppo,test]" sft.output_dir="$RUNS/seed1/sft" rm.output_dir="$RUNS/seed1/rm"
+    pipeline "$seed" "stages=[grpo,ppo,test]" sft.output_dir="$work/pipeline-runs/seed1/sft" \
+      rm.output_dir="$work/pipeline-runs/seed1/rm"
   done
 fi
-case $stage in pipeline|seeds) exit $status;; esac
-if [ "$stage" != bench ]; then
-  python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+if wants e2e; then
+  seqs=${SEQUENCES:-64}
+  read -ra trl_configs <<< "${TRL_CONFIGS:-}"
+  "$python" scripts/bench/e2e.py --sequences "$seqs" --work-dir "$work/bench_e2e" --out "$out/bench_e2e_$seqs.json" \
+    ${trl_configs[@]+--trl-configs "${trl_configs[@]}"} ${e2e_args[@]+"${e2e_args[@]}"} 2>&1 | quiet \
+    | tee "$out/bench_e2e_$seqs.log" || status=1
+  cp "$work"/bench_e2e/*.log "$out/" 2>/dev/null
 fi
-[ "$stage" = tests ] && exit $status
-bench() { python3 -m torch.distributed.run --standalone --nproc-per-node="$1" "${@:2}"; }
-bench 1 scripts/bench_load.py --model builtin:llama-1.5b --tp 1 --out "$OUT/bench_load_tp1.json" 2>&1 | tail -25 | tee "$OUT/bench_load_tp1.log" || status=1
-bench 1 scripts/bench_update.py --model builtin:llama-1.5b --profile --out "$OUT/bench_update.json" 2>&1 | tail -80 | tee "$OUT/bench_update.log" || status=1
-bench 1 scripts/bench_rollout.py --model builtin:llama-1.5b --profile --out "$OUT/bench_rollout.json" 2>&1 | tail -40 | tee "$OUT/bench_rollout.log" || status=1
-python3 scripts/bench_checkpoint.py --model builtin:llama-1.5b --dir /tmp/bench_checkpoint 2>&1 | tail -5 | tee "$OUT/bench_checkpoint.log" || status=1
-python3 scripts/bench_host.py --model builtin:llama-1.5b 2>&1 | tail -12 | tee "$OUT/bench_host.log" || status=1
-if [ "$ngpu" -ge 2 ]; then
-  bench 2 scripts/bench_load.py --model builtin:llama-1.5b --tp 2 --out "$OUT/bench_load_tp2.json" 2>&1 | tail -25 | tee "$OUT/bench_load_tp2.log" || status=1
-  bench 2 scripts/bench_rollout.py --model builtin:llama-1.5b --out "$OUT/bench_reshard.json" 2>&1 | tail -25 | tee "$OUT/bench_reshard.log" || status=1
+if wants big; then  # the first run writes the random 7B checkpoint (15 GB) into the cache
+  free -g | tee "$out/host.txt"
+  (while sleep 5; do
+    echo "$(date +%T) host used $(free -m | awk '/Mem:/{print $3}') MiB," \
+      "gpu used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0)"
+  done) > "$out/big_memory.log" &
+  sampler=$!
+  "$python" -m megatron_rlhf ppo --config ppo-tiny actor.path=builtin:llama-7b reference.path=builtin:llama-7b \
+    data.max_prompt_length=128 rollout.sampling.max_new_tokens=256 rollout.sampling.n=4 prompts_per_step=16 \
+    mini_batch_size=16 max_steps=3 max_tokens_per_micro_batch=4096 log_every=1 save_hf=false save_final=false \
+    actor_optim.cpu_offload_fraction="${FRACTION:-1.0}" output_dir="$work/big-run" resume=never overwrite=true \
+    2>&1 | quiet | tee "$out/big_7b.log" || status=1
+  kill "$sampler"
+  cp "$work/big-run/metrics.jsonl" "$out/big_7b_metrics.jsonl"
+  sort -k4 -n "$out/big_memory.log" | tail -1 | sed 's/^/highest host use: /'
 fi
+echo "results in $out"
 exit $status
