@@ -6,8 +6,8 @@ generation weights up to date (zero copy when the layouts match, else a reshardi
 place into the generation layout), generate with the run's one native engine on this rank's share
 of the prompts (data parallel over the generation layout), and when offloading free the KV cache,
 the CUDA graphs and the generation copy and restore the training memory. Every rank gets all
-completions. Each phase is timed and reports GPU memory. No process group is created after
-construction.
+completions. Each of these parts is timed into the caller's phase timer, under the phase it
+has open (ppo's ``timing_s/gen/<part>``). No process group is created after construction.
 
 What stays allocated between rollouts follows the offload decision. Without offloading (the
 generation memory fits beside the training memory; always on CPU) the engine keeps its KV cache,
@@ -21,17 +21,15 @@ the same addresses back (the engine recaptures whenever the weights it read have
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from megatron_rlhf.config.fields import check_on_init, one_of
 from megatron_rlhf.hybrid.memory import OFFLOAD_MODES, TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
-from megatron_rlhf.metrics.log import memory_summary, phase_range, snake_case
+from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
@@ -55,14 +53,9 @@ class HybridConfig:
         return one_of(self, "offload", OFFLOAD_MODES)
 
 
-@dataclasses.dataclass
-class PhaseReport:
-    phase: str
-    seconds: float
-    memory: str
-
-
 class HybridEngine:
+    """The ``RolloutEngine`` of the actor trained here: generation in the actor's own memory."""
+
     def __init__(
         self, actor: TrainState, generation_tp: int, engine_cfg: NativeEngineConfig, *, offload: bool = True
     ) -> None:
@@ -85,44 +78,32 @@ class HybridEngine:
         return f"generation {generation} ({how})"
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> tuple[list[Completion], list[PhaseReport]]:
-        """All completions (every rank gets all of them, ordered), and the phase reports."""
-        reports: list[PhaseReport] = []
-
-        @contextlib.contextmanager
-        def phase(name: str) -> Iterator[None]:
-            start = time.perf_counter()
-            with phase_range(f"gen/{snake_case(name)}"):
-                yield
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            reports.append(PhaseReport(name, time.perf_counter() - start, memory_summary(self.device)))
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, timer: PhaseTimer | None = None
+    ) -> list[Completion]:
+        """All completions (every rank gets all of them, ordered); ``timer`` gets the switch's parts
+        (release, generation weights, generate, CUDA graph capture, free, restore)."""
+        parts = timer if timer is not None else PhaseTimer(self.device)
 
         if self.memory is not None:
-            with phase("release training memory"):
+            with parts.part("release training memory"):
                 self.memory.to_generation()
 
-        with phase("generation weights" + (" (zero copy)" if self.resharder.zero_copy else " (reshard)")):
+        with parts.part("generation weights" + (" (zero copy)" if self.resharder.zero_copy else " (reshard)")):
             self.resharder.refresh()
 
         captured = self.engine.graph_capture_seconds
-        with phase("generate"):
+        with parts.part("generate"):
             completions = generate_data_parallel(self.engine, prompts, params)
         if self.device.type == "cuda" and self.engine.cfg.cuda_graphs:  # part of generate
-            reports.append(
-                PhaseReport(
-                    "cuda graph capture", self.engine.graph_capture_seconds - captured, memory_summary(self.device)
-                )
-            )
+            parts.add("cuda graph capture", self.engine.graph_capture_seconds - captured)
 
         if self.memory is not None:
-            with phase("free generation memory"):
+            with parts.part("free generation memory"):
                 self.engine.release()  # KV cache and graphs (emptying the allocator's cache)
                 self.resharder.release()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 
-            with phase("restore training memory"):
+            with parts.part("restore training memory"):
                 self.memory.to_training()
-        return completions, reports
+        return completions

@@ -5,7 +5,7 @@ steps: the next step zeroes them anyway), and the optimizer's fp32 main paramete
 move to pinned CPU memory. After generation (``to_training``) they come back, bit for bit. Model
 weights stay where they are: generation reads them directly (or reshards them, hybrid/reshard.py).
 Nothing here creates process groups. On CPU (CPU mode) there is no device memory to free and both
-calls only report.
+calls move nothing.
 
 Main parameters that alias the model's own parameters (fp32 training) are left in place: moving
 them would break the aliasing the optimizer relies on. With ``cpu_offload_fraction`` the optimizer
@@ -19,9 +19,6 @@ so was fp32 after one step). Before that step they hold only zeros; the first ro
 """
 
 from __future__ import annotations
-
-import dataclasses
-import time
 
 import torch
 
@@ -99,15 +96,6 @@ def decide_offload(mode: str, *, generation_needs: int, free: int, total: int) -
     )
 
 
-@dataclasses.dataclass
-class SwitchReport:
-    phase: str
-    seconds: float
-    bytes_moved: int
-    gpu_allocated_GiB: float
-    gpu_peak_GiB: float
-
-
 class TrainingMemory:
     def __init__(self, state: TrainState) -> None:
         self.state = state
@@ -120,7 +108,7 @@ class TrainingMemory:
         """(owner, state key or None for a parameter, tensor) for every optimizer tensor on a GPU; the
         state an offloading optimizer keeps on the host stays there."""
         model_storages = {p.untyped_storage().data_ptr() for p in self.state.role.model.parameters()}
-        found = []
+        found: list[tuple[object, str | None, torch.Tensor]] = []
         for torch_optimizer in torch_optimizers(self.state.optimizer, split_offloaded=True):
             for group in torch_optimizer.param_groups:
                 for param in group["params"]:
@@ -132,8 +120,8 @@ class TrainingMemory:
                         found.append((param_state, key, value))
         return found
 
-    def to_generation(self) -> SwitchReport:
-        start = time.perf_counter()
+    def to_generation(self) -> int:
+        """Free the gradient buffers and move the optimizer state to the host; returns the bytes moved."""
         moved = 0
         if self.on_gpu:
             torch.cuda.synchronize()
@@ -151,10 +139,10 @@ class TrainingMemory:
             for owner, key, host, _ in self._offloaded:
                 self._set(owner, key, host)
             torch.cuda.empty_cache()
-        return self._report("train->generate", start, moved)
+        return moved
 
-    def to_training(self) -> SwitchReport:
-        start = time.perf_counter()
+    def to_training(self) -> int:
+        """Bring back what ``to_generation`` moved, bit for bit; returns the bytes moved."""
         moved = 0
         if self._grads_released:
             self.state.ddp_model.restore_grad_buffers(synchronize=False)
@@ -168,22 +156,14 @@ class TrainingMemory:
             self._offloaded = []
         if self.on_gpu:
             torch.cuda.synchronize()
-        return self._report("generate->train", start, moved)
+        return moved
 
     @staticmethod
     def _set(owner: object, key: str | None, tensor: torch.Tensor) -> None:
+        """Point a parameter (``key`` None) or an optimizer state entry at ``tensor``."""
         if key is None:
+            assert isinstance(owner, torch.Tensor)
             owner.data = tensor
         else:
+            assert isinstance(owner, dict)
             owner[key] = tensor
-
-    def _report(self, phase: str, start: float, moved: int) -> SwitchReport:
-        on_gpu = self.on_gpu
-        gib = 1024**3
-        return SwitchReport(
-            phase=phase,
-            seconds=time.perf_counter() - start,
-            bytes_moved=moved,
-            gpu_allocated_GiB=torch.cuda.memory_allocated() / gib if on_gpu else 0.0,
-            gpu_peak_GiB=torch.cuda.max_memory_allocated() / gib if on_gpu else 0.0,
-        )

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,9 @@ class Progress:
     """A progress line for long work, at most every ``every_s`` seconds and at the end (rank 0):
     ``label: done/total (rate/s, eta)``. Call it with the count done so far."""
 
-    def __init__(self, label: str, total: int, unit: str, every_s: float = 10.0, clock=time.perf_counter) -> None:
+    def __init__(
+        self, label: str, total: int, unit: str, every_s: float = 10.0, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, every_s, clock
         self.start = self.last = clock()
 
@@ -141,7 +143,7 @@ def timed(
         yield
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    if measure:
+    if peaks is not None and measure:
         for kind, value in (
             ("allocated", torch.cuda.max_memory_allocated(device)),
             ("reserved", torch.cuda.max_memory_reserved(device)),

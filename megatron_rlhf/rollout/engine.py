@@ -1,7 +1,9 @@
-"""The interface every generation backend implements, and what it returns.
+"""How the trainer generates (``RolloutEngine``), and what generation returns (``Completion``).
 
-The trainer only sees ``RolloutEngine.generate``: the native engine (``rollout/native.py``) is the
-default; sglang or megatron's ``DynamicInferenceEngine`` can plug in behind the same call.
+The RL trainer (``trainer/ppo.py``) sees generation only through ``RolloutEngine``. Its one
+implementation today is ``hybrid.engine.HybridEngine``: the native engine (``rollout/native.py``)
+running in the actor's own memory, data parallel over the generation layout. Another backend (an
+sglang server colocated with the actor) implements the same two members.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length")
@@ -40,7 +43,18 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        """``params.n`` completions per prompt, ordered by (prompt_index, sample_index).
-        Collective over the generation model's tensor-parallel group: every rank returns the same."""
+    """Generation from the actor's current weights, for the trainer."""
+
+    @property
+    def layout_description(self) -> str:
+        """Where and in which layout generation runs, for the start-up report."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, timer: PhaseTimer | None = None
+    ) -> list[Completion]:
+        """``params.n`` completions per prompt from the actor's weights as they are now, ordered by
+        (prompt_index, sample_index). Collective over the world: every rank passes the same prompts
+        and gets every completion. ``timer`` gets the backend's own parts (weight refresh, memory
+        switches, generation) under the phase it has open."""
         ...
