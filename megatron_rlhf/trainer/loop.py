@@ -19,7 +19,8 @@ at the checkpoint's step), the changes are reported, and those a checkpoint cann
 at start-up, before any model is built (``resume_check.RULES``). The final checkpoint is written
 before the HF export, so a failed export loses no step.
 
-One run per output_dir: ``write_run_files`` takes its lock (``run_lock``) and ``run_loop`` releases it.
+One run per output_dir: ``write_run_files`` takes its lock (``run_lock``) and returns it in the run's
+``RunClaim``, which the trainer hands to ``run_loop``; ``run_loop`` releases it.
 """
 
 from __future__ import annotations
@@ -174,26 +175,55 @@ class LoopConfig(RunConfig):
 class Task(Protocol):
     """What a trainer gives the loop (``sft``, ``rm``, ``ppo``)."""
 
-    name: str
-    num_examples: int
-    batch_size: int
-    """Examples per step over all ranks (sequences, preference pairs, prompts)."""
-    batch_description: str
-    """How a step's batch is made up, for the plan line (e.g. ``prompts, 8 per step x 4 samples``)."""
-    layouts: str
-    """Every model's layout (and where generation runs), for the start-up report."""
-    headline: tuple[str, str]
-    """The metric whose first and last values the summary keeps, and its name in the final line."""
-    evaluate: Callable[[], tuple[dict[str, float], StepRows]] | None
-    """Validation figures (identical on every rank) and rows for other files (validation samples),
-    or None without validation."""
-    eval_every: int
-    """Evaluate every this many steps (0: only at the end), when ``evaluate`` is set."""
-    eval_before_train: bool
-    """Also evaluate before the first step (logged as step 0): the starting point of the curve."""
-    export_role: RoleModel
-    """The model written to ``hf/`` at the end (with the tokenizer's files)."""
-    tokenizer: Tokenizer
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_examples(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int:
+        """Examples per step over all ranks (sequences, preference pairs, prompts)."""
+        ...
+
+    @property
+    def batch_description(self) -> str:
+        """How a step's batch is made up, for the plan line (e.g. ``prompts, 8 per step x 4 samples``)."""
+        ...
+
+    @property
+    def layouts(self) -> str:
+        """Every model's layout (and where generation runs), for the start-up report."""
+        ...
+
+    @property
+    def headline(self) -> tuple[str, str]:
+        """The metric whose first and last values the summary keeps, and its name in the final line."""
+        ...
+
+    @property
+    def evaluate(self) -> Callable[[], tuple[dict[str, float], StepRows]] | None:
+        """Validation figures (identical on every rank) and rows for other files (validation
+        samples), or None without validation."""
+        ...
+
+    @property
+    def eval_every(self) -> int:
+        """Evaluate every this many steps (0: only at the end), when ``evaluate`` is set."""
+        ...
+
+    @property
+    def eval_before_train(self) -> bool:
+        """Also evaluate before the first step (logged as step 0): the starting point of the curve."""
+        ...
+
+    @property
+    def export_role(self) -> RoleModel:
+        """The model written to ``hf/`` at the end (with the tokenizer's files)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     def step(self, step: int, epoch: int, indices: list[int]) -> tuple[dict[str, float], StepRows]:
         """Train on the global batch ``indices``; returns the step's metrics (identical on every rank)
@@ -238,17 +268,65 @@ class RunClaim:
     """``tokenizer_fingerprint`` of the run's tokenizer."""
 
 
-_claims: dict[Path, RunClaim] = {}
-"""Output dir -> its run's claim, from ``write_run_files`` (before the models are built) to the end
-of ``run_loop``."""
+@dataclasses.dataclass
+class LoopState:
+    """What the loop carries from step to step, and keeps in every checkpoint (``run_state.json``:
+    ``summary``, the figures the result reports, and ``loop``, the loop's own position)."""
+
+    headline: str
+    """The task's headline metric (``Task.headline``)."""
+    first_headline: float | None = None
+    """Its value at step 1; None before."""
+    last_headline: float | None = None
+    """Its value at the latest step."""
+    validation: dict[str, float] | None = None
+    """The latest validation figures; None before the first validation."""
+    last_eval_step: int = -1
+    """The step the latest validation followed (-1: none yet)."""
+    train_seconds: float = 0.0
+    """Seconds trained before this process's steps started (by the runs it continues)."""
+    reseeded: list[list[int]] = dataclasses.field(default_factory=list)
+    """[first, last] of each window of steps redone after a rollback, with another data order."""
+
+    def record(self, metrics: dict[str, float]) -> None:
+        """A step's metrics: its headline value."""
+        value = metrics[self.headline]
+        self.first_headline = value if self.first_headline is None else self.first_headline
+        self.last_headline = value
+
+    def summary(self, total: int, per_epoch: int) -> dict[str, Any]:
+        """``result.json``'s figures: steps, the headline's first and last value, the validation."""
+        stem = self.headline.replace("/", "_")
+        out: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
+        if self.first_headline is not None:
+            out |= {f"first_{stem}": self.first_headline, f"last_{stem}": self.last_headline}
+        if self.validation is not None:
+            out["validation"] = self.validation
+        return out
+
+    def loop_figures(self, train_seconds: float) -> dict[str, Any]:
+        """The loop's position as a checkpoint keeps it, with the seconds trained so far."""
+        return {"last_eval_step": self.last_eval_step, "train_seconds": train_seconds, "reseeded": self.reseeded}
+
+    def restore(self, run_state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``summary`` and ``loop``."""
+        stem = self.headline.replace("/", "_")
+        summary, loop = run_state["summary"], run_state["loop"]
+        self.first_headline = summary.get(f"first_{stem}")
+        self.last_headline = summary.get(f"last_{stem}")
+        self.validation = summary.get("validation")
+        self.last_eval_step = loop["last_eval_step"]
+        self.train_seconds = loop["train_seconds"]
+        self.reseeded = loop["reseeded"]
 
 
-def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architecture], tokenizer: Tokenizer) -> None:
+def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architecture], tokenizer: Tokenizer) -> RunClaim:
     """Collective, before any model is built: take the output_dir's lock (``run_lock``); refuse an
     output_dir that holds another run's files and nothing to resume, and a resume whose config
     changes what a checkpoint cannot follow (``resume_check``), reporting what it does change;
     then write config.yaml. One decision, made by rank 0, so that no rank sees files another rank
-    has just written. ``models``: role -> architecture of every model the run uses."""
+    has just written. ``models``: role -> architecture of every model the run uses. Returns the
+    run's claim, for ``run_loop``."""
     claim = RunClaim(lock=None, models=models, tokenizer=tokenizer_fingerprint(tokenizer))
     refusal: list[ConfigError | None] = [None]
     if is_rank0():
@@ -263,9 +341,9 @@ def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architectu
         if claim.lock is not None:
             run_lock.release(claim.lock)
         raise refusal[0]
-    _claims[out_dir.resolve()] = claim
     if is_rank0():
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    return claim
 
 
 def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
@@ -348,9 +426,10 @@ def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
     return per_epoch, total
 
 
-def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
+def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict[str, Any]:
     """Train for the configured steps (continuing a checkpoint when ``resume`` finds one), saving
-    checkpoints; export, write ``result.json``; returns the summary."""
+    checkpoints; export, write ``result.json``; returns the summary. ``claim``: what
+    ``write_run_files`` returned (its lock is released at the end; None: no run files were written)."""
     out_dir = Path(cfg.output_dir)
     per_epoch, total = plan_steps(cfg, task)
     left_over = task.num_examples - per_epoch * task.batch_size
@@ -361,12 +440,8 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     )
     log(environment_report())
     log(f"layouts: {task.layouts}")
-    metric, label = task.headline
-    stem = metric.replace("/", "_")
-    summary: dict[str, Any] = {"steps": total, "steps_per_epoch": per_epoch}
-    loop_state: dict[str, Any] = {"last_eval_step": -1, "train_seconds": 0.0, "reseeded": []}
-    resumed_step = _resume(cfg, task, summary, loop_state)
-    summary.update(steps=total, steps_per_epoch=per_epoch)
+    state = LoopState(headline=task.headline[0])
+    resumed_step = _resume(cfg, task, state)
     setup = SinkSetup(
         out_dir=out_dir,
         total_steps=total,
@@ -384,45 +459,37 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     # so that a process running several trainers (``pipeline``, tests) can still free a finished one.
     gc.collect()
     gc.freeze()
-    start = time.perf_counter()
-
-    writer = RunCheckpointWriter(checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save)
-    claim = _claims.pop(out_dir.resolve(), None)
-    recorded = (
-        {}
-        if claim is None
-        else {"models": {role: arch.hf_config for role, arch in claim.models.items()}, "tokenizer": claim.tokenizer}
+    steps = _Steps(
+        cfg=cfg,
+        task=task,
+        state=state,
+        per_epoch=per_epoch,
+        total=total,
+        sink=sink,
+        writer=RunCheckpointWriter(checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save),
+        recorded=(
+            {}
+            if claim is None
+            else {
+                "models": {role: arch.hf_config for role, arch in claim.models.items()},
+                "tokenizer": claim.tokenizer,
+            }
+        ),
     )
-
-    def save(step: int) -> None:
-        run_state = {
-            "summary": summary,
-            "loop": {**loop_state, "train_seconds": loop_state["train_seconds"] + time.perf_counter() - start},
-            "task": task.state_dict(),
-            **recorded,
-        }
-        writer.save(
-            step,
-            train_states=task.train_states(),
-            weights=task.changing_weights(),
-            run_state=run_state,
-            config_yaml=to_yaml(cfg),
-        )
-
     try:
         with StopSignals() as signals:
             try:
-                _train(cfg, task, total, per_epoch, resumed_step, summary, loop_state, sink, save, writer, signals)
+                steps.run(resumed_step, signals)
             except RunStopped:
-                writer.wait()  # the stop's checkpoint is complete before the process exits
+                steps.writer.wait()  # the stop's checkpoint is complete before the process exits
                 raise
             finally:
                 sink.close()
                 gc.unfreeze()
-        summary["train_seconds"] = loop_state["train_seconds"] + time.perf_counter() - start
+        summary = state.summary(total, per_epoch) | {"train_seconds": steps.train_seconds()}
         if cfg.save_final and resumed_step != total:  # before the export: a failed export costs no step
-            save(total)
-        writer.wait()
+            steps.save(total)
+        steps.writer.wait()
         if cfg.save_hf:
             _export(cfg, task, out_dir, total if cfg.save_final or resumed_step == total else None)
             summary["hf_dir"] = str(out_dir / "hf")
@@ -432,9 +499,10 @@ def run_loop(cfg: LoopConfig, task: Task) -> dict[str, Any]:
     finally:
         if claim is not None and claim.lock is not None:
             run_lock.release(claim.lock)
+    label = task.headline[1]
     log(
-        f"{task.name} done: {label} {summary[f'first_{stem}']:.4f} (step 1) -> {summary[f'last_{stem}']:.4f} "
-        f"(step {total})" + _validation_headline(summary) + f"; {out_dir}"
+        f"{task.name} done: {label} {state.first_headline:.4f} (step 1) -> {state.last_headline:.4f} "
+        f"(step {total})" + _validation_headline(state.validation) + f"; {out_dir}"
     )
     return summary
 
@@ -467,81 +535,128 @@ def _export(cfg: LoopConfig, task: Task, out_dir: Path, final_step: int | None) 
         raise ExportFailed(f"the HF export to {hf} failed: {err}; {what}") from err
 
 
-def _train(
-    cfg: LoopConfig,
-    task: Task,
-    total: int,
-    per_epoch: int,
-    resumed_step: int | None,
-    summary: dict[str, Any],
-    loop_state: dict[str, Any],
-    sink: Sink,
-    save: Callable[[int], None],
-    writer: RunCheckpointWriter,
-    signals: StopSignals,
-) -> None:
-    """The steps after ``resumed_step`` and the final validation; a background save is completed at
-    the first step boundary after its files are written. A stop
-    request saves a checkpoint at the step boundary and raises ``RunStopped``; ``max_bad_steps``
-    skipped updates in a row roll back (``_roll_back``)."""
-    metric = task.headline[0]
-    stem = metric.replace("/", "_")
-    step, bad_steps = resumed_step or 0, 0
-    if task.evaluate is not None and task.eval_before_train and resumed_step is None:
-        _evaluate(task.evaluate, 0, sink)
-    while step < total:
-        step += 1
-        epoch, indices = _batch(cfg, task, per_epoch, step, loop_state["reseeded"])
-        try:
-            with _profiled(cfg, step):
-                metrics, rows = task.step(step, epoch, indices)
-        except ScoringInterrupted as interrupted:
-            _stop_mid_step(cfg, step - 1, bad_steps, save, signals, interrupted)
-        sink.write("train", step, {"epoch": epoch, **metrics})
-        for name, file_rows in rows.items():
-            sink.write_rows(name, [{"step": step, **row} for row in file_rows])
-        summary.setdefault(f"first_{stem}", metrics[metric])
-        summary[f"last_{stem}"] = metrics[metric]
-        bad_steps = bad_steps + 1 if any(k.endswith("update_skipped") and v for k, v in metrics.items()) else 0
-        if bad_steps == cfg.max_bad_steps:
-            step, bad_steps = _roll_back(cfg, task, step, summary, loop_state, sink, writer), 0
-            continue
-        if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
-            summary["validation"] = _evaluate(task.evaluate, step, sink)
-            loop_state["last_eval_step"] = step
-        writer.poll()
-        stop = signals.agreed()
-        # Not in a run of skipped updates: a rollback goes back to before its first step.
-        if step < total and not bad_steps and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
-            save(step)
-        if stop is not None and step < total:
-            raise RunStopped(f"stopped on request after step {step}; the same command continues from there", stop)
-    if task.evaluate is not None and loop_state["last_eval_step"] != total:
-        summary["validation"] = _evaluate(task.evaluate, total, sink)
-        loop_state["last_eval_step"] = total
+@dataclasses.dataclass
+class _Steps:
+    """The steps of one ``run_loop``: what they run, write to and save with, and the state they carry."""
 
+    cfg: LoopConfig
+    task: Task
+    state: LoopState
+    per_epoch: int
+    total: int
+    sink: Sink
+    writer: RunCheckpointWriter
+    recorded: dict[str, Any]
+    """What each checkpoint records of the run's models and tokenizer (``RunClaim``)."""
+    start: float = dataclasses.field(default_factory=time.perf_counter)
 
-def _stop_mid_step(
-    cfg: LoopConfig,
-    done: int,
-    bad_steps: int,
-    save: Callable[[int], None],
-    signals: StopSignals,
-    why: ScoringInterrupted,
-) -> NoReturn:
-    """Collective (every rank's step was interrupted alike): a stop request arrived while step
-    ``done + 1`` waited on reward code that had not returned. Nothing of that step is kept: save
-    step ``done`` (its models, optimizer and the loop's state are still as that step left them;
-    the RNG has moved on, so the redone step samples anew) unless no step is done, a checkpoint of
-    it exists, or it ends a run of skipped updates (which a rollback goes back before); then stop."""
-    code = signals.agreed() or 0
-    root = checkpoints_root(cfg.output_dir)
-    newest = newest_checkpoint(root)
-    if done and not bad_steps and (newest is None or newest.name != f"step_{done}"):
-        save(done)
+    def train_seconds(self) -> float:
+        return self.state.train_seconds + time.perf_counter() - self.start
+
+    def save(self, step: int) -> None:
+        run_state = {
+            "summary": self.state.summary(self.total, self.per_epoch),
+            "loop": self.state.loop_figures(self.train_seconds()),
+            "task": self.task.state_dict(),
+            **self.recorded,
+        }
+        self.writer.save(
+            step,
+            train_states=self.task.train_states(),
+            weights=self.task.changing_weights(),
+            run_state=run_state,
+            config_yaml=to_yaml(self.cfg),
+        )
+
+    def run(self, resumed_step: int | None, signals: StopSignals) -> None:
+        """The steps after ``resumed_step`` and the final validation; a background save is completed
+        at the first step boundary after its files are written. A stop request saves a checkpoint at
+        the step boundary and raises ``RunStopped``; ``max_bad_steps`` skipped updates in a row roll
+        back (``roll_back``)."""
+        cfg, task, state, total = self.cfg, self.task, self.state, self.total
+        step, bad_steps = resumed_step or 0, 0
+        if task.evaluate is not None and task.eval_before_train and resumed_step is None:
+            _evaluate(task.evaluate, 0, self.sink)
+        while step < total:
+            step += 1
+            epoch, indices = _batch(cfg, task, self.per_epoch, step, state.reseeded)
+            try:
+                with _profiled(cfg, step):
+                    metrics, rows = task.step(step, epoch, indices)
+            except ScoringInterrupted as interrupted:
+                self._stop_mid_step(step - 1, bad_steps, signals, interrupted)
+            self.sink.write("train", step, {"epoch": epoch, **metrics})
+            for name, file_rows in rows.items():
+                self.sink.write_rows(name, [{"step": step, **row} for row in file_rows])
+            state.record(metrics)
+            bad_steps = bad_steps + 1 if any(k.endswith("update_skipped") and v for k, v in metrics.items()) else 0
+            if bad_steps == cfg.max_bad_steps:
+                step, bad_steps = self.roll_back(step), 0
+                continue
+            if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
+                state.validation = _evaluate(task.evaluate, step, self.sink)
+                state.last_eval_step = step
+            self.writer.poll()
+            stop = signals.agreed()
+            # Not in a run of skipped updates: a rollback goes back to before its first step.
+            if step < total and not bad_steps and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
+                self.save(step)
+            if stop is not None and step < total:
+                raise RunStopped(f"stopped on request after step {step}; the same command continues from there", stop)
+        if task.evaluate is not None and state.last_eval_step != total:
+            state.validation = _evaluate(task.evaluate, total, self.sink)
+            state.last_eval_step = total
+
+    def _stop_mid_step(self, done: int, bad_steps: int, signals: StopSignals, why: ScoringInterrupted) -> NoReturn:
+        """Collective (every rank's step was interrupted alike): a stop request arrived while step
+        ``done + 1`` waited on reward code that had not returned. Nothing of that step is kept: save
+        step ``done`` (its models, optimizer and the loop's state are still as that step left them;
+        the RNG has moved on, so the redone step samples anew) unless no step is done, a checkpoint
+        of it exists, or it ends a run of skipped updates (which a rollback goes back before); then
+        stop."""
+        code = signals.agreed() or 0
+        root = checkpoints_root(self.cfg.output_dir)
         newest = newest_checkpoint(root)
-    where = f"continues from {newest}" if newest is not None else "starts over"
-    raise RunStopped(f"stopped on request during step {done + 1} ({why}); the same command {where}", code)
+        if done and not bad_steps and (newest is None or newest.name != f"step_{done}"):
+            self.save(done)
+            newest = newest_checkpoint(root)
+        where = f"continues from {newest}" if newest is not None else "starts over"
+        raise RunStopped(f"stopped on request during step {done + 1} ({why}); the same command {where}", code)
+
+    def roll_back(self, step: int) -> int:
+        """Load the newest checkpoint after ``max_bad_steps`` skipped updates ending at ``step``; the
+        steps after it are redone with another data order. Returns the checkpoint's step. Raises
+        ``RunStopped`` (exit 3) with no checkpoint, or when these steps were redone once already."""
+        cfg, task = self.cfg, self.task
+        first_bad = step - cfg.max_bad_steps + 1
+        what = (
+            f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
+            f"gradients (max_bad_steps={cfg.max_bad_steps})"
+        )
+        self.writer.wait()  # a checkpoint still being written is older than these steps: the one to go back to
+        ckpt = newest_checkpoint(checkpoints_root(cfg.output_dir))
+        if ckpt is None:
+            raise RunStopped(
+                f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "
+                "lower the learning rate or check the data",
+                3,
+            )
+        run_state = load_run_checkpoint(
+            ckpt,
+            train_states=task.train_states(),
+            weights=task.changing_weights(),
+            trust_unverified=cfg.trust_unverified_checkpoint,
+        )
+        good = int(run_state["step"])
+        reseeded = self.state.reseeded
+        if any(first == good + 1 for first, _ in reseeded):
+            raise RunStopped(f"{what}, again after a rollback to {ckpt} with another data order: stopping", 3)
+        task.load_state_dict(run_state["task"])
+        self.state.restore(run_state)
+        self.state.reseeded = [*reseeded, [good + 1, step]]
+        self.sink.write("rollback", step, {"to_step": good})
+        log(f"{what}: rolled back to {ckpt}; redoing steps {good + 1}-{step} with another data order")
+        return good
 
 
 def _profiled(cfg: LoopConfig, step: int) -> contextlib.AbstractContextManager[Any]:
@@ -568,52 +683,8 @@ def _batch(cfg: LoopConfig, task: Task, per_epoch: int, step: int, reseeded: lis
     return epoch, _epoch_order(task.num_examples, task.batch_size, seed, epoch)[position]
 
 
-def _roll_back(
-    cfg: LoopConfig,
-    task: Task,
-    step: int,
-    summary: dict[str, Any],
-    loop_state: dict[str, Any],
-    sink: Sink,
-    writer: RunCheckpointWriter,
-) -> int:
-    """Load the newest checkpoint after ``max_bad_steps`` skipped updates ending at ``step``; the
-    steps after it are redone with another data order. Returns the checkpoint's step. Raises
-    ``RunStopped`` (exit 3) with no checkpoint, or when these steps were redone once already."""
-    first_bad = step - cfg.max_bad_steps + 1
-    what = (
-        f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
-        f"gradients (max_bad_steps={cfg.max_bad_steps})"
-    )
-    writer.wait()  # a checkpoint still being written is older than these steps: the one to go back to
-    ckpt = newest_checkpoint(checkpoints_root(cfg.output_dir))
-    if ckpt is None:
-        raise RunStopped(
-            f"{what}, and no checkpoint to roll back to (save_every={cfg.save_every}): stopping; "
-            "lower the learning rate or check the data",
-            3,
-        )
-    run_state = load_run_checkpoint(
-        ckpt,
-        train_states=task.train_states(),
-        weights=task.changing_weights(),
-        trust_unverified=cfg.trust_unverified_checkpoint,
-    )
-    good = int(run_state["step"])
-    reseeded = loop_state["reseeded"]
-    if any(first == good + 1 for first, _ in reseeded):
-        raise RunStopped(f"{what}, again after a rollback to {ckpt} with another data order: stopping", 3)
-    task.load_state_dict(run_state["task"])
-    summary.clear()
-    summary.update(run_state["summary"])
-    loop_state.update(run_state["loop"], reseeded=[*reseeded, [good + 1, step]])
-    sink.write("rollback", step, {"to_step": good})
-    log(f"{what}: rolled back to {ckpt}; redoing steps {good + 1}-{step} with another data order")
-    return good
-
-
-def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: dict[str, Any]) -> int | None:
-    """Load the checkpoint ``cfg.resume`` names into the task, the summary and the loop's state;
+def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
+    """Load the checkpoint ``cfg.resume`` names into the task and the loop's state;
     returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first. With
     resume=auto an unusable newest checkpoint (changed bytes, missing files) is reported and the
     previous complete one is used."""
@@ -644,8 +715,7 @@ def _resume(cfg: LoopConfig, task: Task, summary: dict[str, Any], loop_state: di
                 ) from err
             log(f"{err}; trying the previous checkpoint")
     task.load_state_dict(run_state["task"])
-    summary.update(run_state["summary"])
-    loop_state.update(run_state["loop"])
+    state.restore(run_state)
     log(f"resumed from {ckpt} at step {run_state['step']}")
     return int(run_state["step"])
 
@@ -673,9 +743,8 @@ def _report_curves(out_dir: Path, task: Task) -> None:
         log("validation curve:\n" + table)
 
 
-def _validation_headline(summary: dict[str, Any]) -> str:
+def _validation_headline(figures: dict[str, float] | None) -> str:
     """``, validation <first figure> <value>`` (e.g. accuracy for rm, nll for sft), if validated."""
-    figures = summary.get("validation")
     if not figures:
         return ""
     name, value = next(iter(figures.items()))

@@ -40,11 +40,11 @@ from megatron_rlhf.data.records import write_jsonl
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.rollout.generate_cmd import policy_engine
 from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
+from megatron_rlhf.rollout.offline import policy_engine
 from megatron_rlhf.rollout.sampling import SamplingParams
-from megatron_rlhf.tasks.arithmetic import judge, preference_pairs, verdict_rates
+from megatron_rlhf.tasks.arithmetic import Verdict, judge, preference_pairs, verdict_rates
 from megatron_rlhf.trainer.ppo import run_ppo
 from megatron_rlhf.trainer.ppo_config import PPOConfig
 from megatron_rlhf.trainer.rm import RMConfig, run_rm
@@ -170,7 +170,7 @@ def _stage_table(result: dict[str, Any]) -> str:
 
 def sample_and_judge(
     engine: NativeEngine, tokenizer: Tokenizer, prompt_paths: list[str], count: int, params: SamplingParams
-) -> tuple[list[str], list[list[str]], list[list[str]]]:
+) -> tuple[list[str], list[list[str]], list[list[Verdict]]]:
     """Sample ``params.n`` responses to each of the first ``count`` prompts (all of them if fewer)
     and judge each against the prompt's ``answer``: (prompt texts, responses per prompt, verdicts
     per prompt), identical on every rank. Collective."""
@@ -180,7 +180,7 @@ def sample_and_judge(
     examples = dataset[: min(count, len(dataset))]
     completions: list[Completion] = generate_data_parallel(engine, [e.prompt_ids.tolist() for e in examples], params)
     responses: list[list[str]] = [[] for _ in examples]
-    verdicts: list[list[str]] = [[] for _ in examples]
+    verdicts: list[list[Verdict]] = [[] for _ in examples]
     texts = tokenizer.decode_batch([c.text_ids(tokenizer.stop_ids) for c in completions], skip_special_tokens=True)
     for c, text in zip(completions, texts, strict=True):
         responses[c.prompt_index].append(text)

@@ -29,8 +29,8 @@ the actor as an HF checkpoint at the end; the settings and their checks are in
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,25 +46,24 @@ from megatron_rlhf.algorithms.kl import (
     controller_kl,
 )
 from megatron_rlhf.algorithms.utils import masked_mean
-from megatron_rlhf.checkpoint.sources import build_role, local_dir
-from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import PromptDataset, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.chat_template import load_tool_schemas
-from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
+from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimizer_bytes_to_come
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
 from megatron_rlhf.metrics.log import log, snake_case, timed
-from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
+from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.models.roles import RoleModel
-from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.rewards.scoring import Scorer, Scores
-from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.parallel.distributed import DistEnv
+from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
+from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
-from megatron_rlhf.trainer.loop import StepRows, run_loop, write_run_files
-from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, old_logprob_pass
+from megatron_rlhf.trainer.loop import RunClaim, StepRows, run_loop
+from megatron_rlhf.trainer.ppo_config import CheckedConfig, PPOConfig, check_ppo_config, old_logprob_pass
+from megatron_rlhf.trainer.start import RunModel, start_run
 from megatron_rlhf.trainer.stop import stop_requested
 from megatron_rlhf.training.objectives import (
     UpdateLogprobs,
@@ -96,11 +95,16 @@ class PPORun:
     """Moves the reference towards the actor after each actor update; None: a fixed reference."""
     reward_model: RoleModel | None
     scorer: Scorer
-    hybrid: HybridEngine
+    generation: RolloutEngine
+    """Samples the rollouts from the actor's current weights (``hybrid.engine.HybridEngine``)."""
     kl_controller: KLController
     old_logprob_pass: bool
     """Whether the actor's log-probs before the update get a forward pass of their own (else the
     update's forward supplies them; ``ppo_config.old_logprob_pass``)."""
+    claim: RunClaim
+    """The run's claim on its output_dir, for ``run_loop``."""
+    timer: PhaseTimer
+    """Times each step's phases (``timing_s/...``, ``memory/...``)."""
 
     def texts(self, rows: list[list[int]]) -> list[str]:
         """Token rows as rewards, rules and samples.jsonl read them: special tokens skipped, as verl
@@ -108,73 +112,62 @@ class PPORun:
         return self.tokenizer.decode_batch(rows, skip_special_tokens=True)
 
 
-def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
-    checked = check_ppo_config(cfg, env.world_size)
-    archs = checked.archs
-    seed_everything(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env.device)
-    log(
-        f"ppo: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
-        f"advantages {cfg.algorithm.advantage_estimator}, models: "
-        + ", ".join(f"{role} {cfg.role(role).path} (tp {cfg.role(role).tp}, pp {cfg.role(role).pp})" for role in archs)
-    )
-    tokenizer = resolve_tokenizer(local_dir(cfg.actor.path), archs["actor"], cfg.actor.path)
-    data = cfg.data
+def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = None) -> PPORun:
+    """Check the config (unless ``checked``, what ``check_ppo_config`` returned for it, says it was),
+    make the run's start (``start_run``: the prompts), build the models the algorithm uses, the
+    rollout engine and the scorer; warm up (``warmup``)."""
+    if checked is None:
+        checked = check_ppo_config(cfg, env.world_size)
+    archs, data, rollout = checked.archs, cfg.data, cfg.rollout
 
-    def load(paths: list[str], what: str) -> PromptDataset:
-        dataset, report = load_prompt_dataset(
-            resolve_data_paths(paths),
-            tokenizer,
-            max_length=data.max_prompt_length,
-            on_overlong=data.on_overlong,
-            on_invalid=data.on_invalid,
-            prompt_key=data.prompt_key,
-            extra_keys=data.extra_keys,
-            add_bos=data.add_bos,
-            apply_chat_template=data.apply_chat_template,
-            chat_template_kwargs=data.chat_template_kwargs,
-            tools=load_tool_schemas(data.tools_file) if data.tools_file else None,
-            tools_key=data.tools_key,
-            num_workers=data.num_workers,
-        )
-        log(f"{what}: {report.summary()}")
-        return dataset
-
-    prompts = load(data.train, "prompts")
-    validation = load(data.validation, "validation prompts") if data.validation else None
-    write_run_files(
-        cfg, Path(cfg.output_dir), archs, tokenizer
-    )  # after the data: a run that fails on its data leaves none
-
-    def build(role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
-        with timed(f"{role}: build+load", env.device):
-            return build_role(
-                role,
-                cfg.role(role),
-                archs[role],
-                world_size=env.world_size,
-                dtype=dtype,
-                device=env.device,
-                vocab_pad_multiple=vocab_pad_multiple,
+    def load_data(tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+        def load(paths: list[str], what: str) -> PromptDataset:
+            dataset, report = load_prompt_dataset(
+                resolve_data_paths(paths),
+                tokenizer,
+                max_length=data.max_prompt_length,
+                on_overlong=data.on_overlong,
+                on_invalid=data.on_invalid,
+                prompt_key=data.prompt_key,
+                extra_keys=data.extra_keys,
+                add_bos=data.add_bos,
+                apply_chat_template=data.apply_chat_template,
+                chat_template_kwargs=data.chat_template_kwargs,
+                tools=load_tool_schemas(data.tools_file) if data.tools_file else None,
+                tools_key=data.tools_key,
+                num_workers=data.num_workers,
             )
+            log(f"{what}: {report.summary()}")
+            return dataset
 
-    actor = make_train_state(build("actor"), cfg.actor_optim)
-    critic = make_train_state(build("critic"), cfg.critic_optim) if "critic" in archs else None
+        return load(data.train, "prompts"), load(data.validation, "validation prompts") if data.validation else None
+
+    start, (prompts, validation) = start_run(
+        cfg,
+        env,
+        name="ppo",
+        models={role: RunModel(cfg.role(role), arch) for role, arch in archs.items()},
+        tokenizer_of="actor",
+        load_data=load_data,
+        details=f"advantages {cfg.algorithm.advantage_estimator}, ",
+    )
+    tokenizer = start.tokenizer
+    actor = make_train_state(start.build("actor"), cfg.actor_optim)
+    critic = make_train_state(start.build("critic"), cfg.critic_optim) if "critic" in archs else None
     reference = updater = None
     if "reference" in archs:
-        reference = build("reference", reference_vocab_pad_multiple(cfg.reference, actor.role))
+        reference = start.build("reference", reference_vocab_pad_multiple(cfg.reference, actor.role))
         if cfg.reference.update != "none":
             updater = ReferenceUpdater(actor.role, reference, cfg.reference)
             log(updater.description)
-    reward_model = build("reward") if "reward" in archs else None
+    reward_model = start.build("reward") if "reward" in archs else None
     # The engine never holds more than a rollout's longest sequence, and stops on the tokenizer's EOS
     # ids unless the config names its own.
-    rollout = cfg.rollout
-    longest = data.max_prompt_length + rollout.sampling.max_new_tokens
     engine_cfg = dataclasses.replace(
-        rollout.engine.with_eos_of(tokenizer.stop_ids), max_seq_len=min(rollout.engine.max_seq_len, longest)
+        rollout.engine.with_eos_of(tokenizer.stop_ids),
+        max_seq_len=min(rollout.engine.max_seq_len, cfg.longest_sequence),
     )
-    hybrid = HybridEngine(
+    generation = HybridEngine(
         actor,
         rollout.tp or cfg.actor.tp,
         engine_cfg,
@@ -194,20 +187,22 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv) -> PPORun:
     recompute, reason = old_logprob_pass(cfg)
     log(reason)
     run = PPORun(
-        cfg,
-        env.device,
-        tokenizer,
-        prompts,
-        validation,
-        actor,
-        critic,
-        reference,
-        updater,
-        reward_model,
-        scorer,
-        hybrid,
-        build_kl_controller(cfg.algorithm.kl_penalty),
-        recompute,
+        cfg=cfg,
+        device=env.device,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        validation=validation,
+        actor=actor,
+        critic=critic,
+        reference=reference,
+        reference_updater=updater,
+        reward_model=reward_model,
+        scorer=scorer,
+        generation=generation,
+        kl_controller=build_kl_controller(cfg.algorithm.kl_penalty),
+        old_logprob_pass=recompute,
+        claim=start.claim,
+        timer=PhaseTimer(env.device),
     )
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
@@ -258,7 +253,7 @@ class PPOTask:
         }
         return (
             ", ".join(f"{name} {role.groups.layout}" for name, role in models.items() if role is not None)
-            + f"; {run.hybrid.layout_description}"
+            + f"; {run.generation.layout_description}"
         )
 
     @property
@@ -295,33 +290,75 @@ class PPOTask:
             self.run.kl_controller.value = state["kl_coef"]
 
 
-def run_ppo(cfg: PPOConfig, env: DistEnv) -> dict[str, Any]:
-    """Train for the configured steps; returns a summary (first and last mean reward, timings)."""
-    return run_loop(cfg, PPOTask(set_up_ppo(cfg, env)))
+def run_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = None) -> dict[str, Any]:
+    """Train for the configured steps; returns a summary (first and last mean reward, timings).
+    ``checked``: what ``check_ppo_config`` returned for this config and world size, when the caller
+    ran it (else set-up runs it)."""
+    run = set_up_ppo(cfg, env, checked)
+    return run_loop(cfg, PPOTask(run), run.claim)
+
+
+@dataclasses.dataclass
+class Rollout:
+    """A step's samples: the completions, their batch, their scores (or the work that returns them)."""
+
+    completions: list[Completion]
+    """``rollout.sampling.n`` per prompt, ordered by group (``prompt_index``)."""
+    batch: Batch
+    """``rollout_batch`` of the completions, (B, T)."""
+    scores: Scores | PendingScores
+    """Their scores, or the scoring still running on a host thread (``Scorer.start``)."""
+    metrics: dict[str, float]
+    """Dynamic sampling's figures (``rollout/...``); empty without ``rollout.filter_groups``."""
+
+    def scored(self) -> Scores:
+        """The scores; collective while they are pending (``PendingScores.result``)."""
+        return self.scores.result() if isinstance(self.scores, PendingScores) else self.scores
+
+
+@dataclasses.dataclass
+class ForwardPasses:
+    """The rollout's forward-only passes, (B, T) each; None where the run has no such pass."""
+
+    ref_logprobs: torch.Tensor | None
+    """The reference's log-probs (with a KL term)."""
+    old_logprobs: torch.Tensor | None
+    """The actor's log-probs before its update (when they get a pass of their own)."""
+    values: torch.Tensor | None
+    """The critic's values (with a critic)."""
+
+
+@dataclasses.dataclass
+class ActorUpdate:
+    """The actor update's inputs: the batch, the loss and where its forward records the old log-probs."""
+
+    batch: Batch
+    loss: LossFn
+    on_policy: UpdateLogprobs | None
+    """Records the update's own log-probs as the old ones, when no pass computed them before."""
 
 
 def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """One RL step (see the module docstring); returns its metrics, identical on every rank, and
     the first ``samples_per_step`` rollouts as text with their reward."""
-    cfg, algo, device = run.cfg, run.cfg.algorithm, run.device
-    times: dict[str, float] = {}
-    peaks: dict[str, float] = {}  # GPU memory peaks of the phases (timed)
+    cfg, algo, timer = run.cfg, run.cfg.algorithm, run.timer
 
-    completions, batch, switch_reports, rollout_scores, rollout_metrics = sample_rollout(
-        run, step, indices, times, peaks
-    )
+    rollout = sample_rollout(run, step, indices)
+    completions, batch = rollout.completions, rollout.batch
     mask = batch["response_mask"]
 
     # The rules score on a host thread while these passes run on the GPU (``Scorer.start``).
-    ref_logprobs, old_logprobs, values = forward_passes(run, batch, times, peaks)
-    with timed("reward", device, times, quiet=True, peaks=peaks):
-        scored = rollout_scores()
+    passes = forward_passes(run, batch)
+    ref_logprobs, old_logprobs, values = passes.ref_logprobs, passes.old_logprobs, passes.values
+    with timer.phase("reward"):
+        scored = rollout.scored()
     scores = scored.rewards
 
     def kl_to_reference(logprobs: torch.Tensor) -> torch.Tensor:
+        assert ref_logprobs is not None
         return torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(logprobs, ref_logprobs), 0.0)
 
-    with timed("adv", device, times, quiet=True, peaks=peaks):
+    with timer.phase("adv"):
         token_rewards = torch.zeros(mask.shape)
         token_rewards[torch.arange(len(scores)), batch["lengths"] - 1] = scores
         kl = None
@@ -338,20 +375,21 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
             config=algo.advantage,
         )
 
-    with timed("update_actor", device, times, quiet=True, peaks=peaks):
-        actor_batch, actor_loss, on_policy = actor_update_inputs(run, batch, advantages, ref_logprobs, old_logprobs)
-        actor_metrics = update(run, run.actor, actor_batch, actor_loss, step)
-        if on_policy is not None:
-            old_logprobs = on_policy.all_rows()
+    with timer.phase("update_actor"):
+        actor_update = actor_update_inputs(run, batch, advantages, passes)
+        actor_metrics = update(run, run.actor, actor_update.batch, actor_update.loss, step)
+        if actor_update.on_policy is not None:
+            old_logprobs = actor_update.on_policy.all_rows()
             if ref_logprobs is not None:
                 kl = kl_to_reference(old_logprobs)
     reference_metrics: dict[str, float] = {}
     if run.reference_updater is not None:
-        with timed("update_ref", device, times, quiet=True, peaks=peaks):
+        with timer.phase("update_ref"):
             reference_metrics["reference/refreshed"] = float(run.reference_updater.after_step(step))
     critic_metrics: dict[str, float] = {}
     if run.critic is not None:
-        with timed("update_critic", device, times, quiet=True, peaks=peaks):
+        assert values is not None
+        with timer.phase("update_critic"):
             critic_metrics = update(
                 run, run.critic, critic_update_inputs(batch, values, returns), critic_loss(algo.loss), step
             )
@@ -362,11 +400,13 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         run.kl_controller.update(controller_kl(kl, mask, algo.kl_penalty.kl_measure), n_steps=len(scores))
     lengths = mask.sum(1).float()
     rollout_logprobs = _rollout_logprobs(completions, mask)
+    assert old_logprobs is not None  # from their pass, or recorded by the update
+    timing = timer.step_metrics()
     metrics = {
         "reward/mean": float(scores.mean()),
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         **scored.metrics(),
-        **rollout_metrics,
+        **rollout.metrics,
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
@@ -379,64 +419,57 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         **_prefixed("actor/", actor_metrics),
         **reference_metrics,
         **_prefixed("critic/", critic_metrics, loss="vf_loss"),
-        **{f"timing_s/{phase}": seconds for phase, seconds in times.items()},
-        **{f"timing_s/gen/{snake_case(phase)}": seconds for phase, seconds in switch_reports.items()},
-        **{f"memory/{key}": gib for key, gib in peaks.items()},
-        "perf/gen_tokens_per_s": float(lengths.sum()) / max(times["gen"], 1e-9),
+        **timing,
+        "perf/gen_tokens_per_s": float(lengths.sum()) / max(timing["timing_s/gen"], 1e-9),
     }
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
     return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores[: cfg.samples_per_step])
 
 
-def forward_passes(
-    run: PPORun, batch: Batch, times: dict[str, float], peaks: dict[str, float]
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The rollout's forward-only passes, each timed: reference log-probs, the actor's old log-probs
-    (when they get a pass of their own) and the critic's values; None where the run has none."""
-    cfg, device = run.cfg, run.device
+def forward_passes(run: PPORun, batch: Batch, timer: PhaseTimer | None = None) -> ForwardPasses:
+    """The rollout's forward-only passes, each a phase of ``timer`` (the run's when None):
+    reference log-probs, the actor's old log-probs (when they get a pass of their own) and the
+    critic's values."""
+    cfg, timer = run.cfg, timer or run.timer
     temperature = cfg.rollout.sampling.temperature
-    passes = {"max_tokens_per_micro_batch": cfg.max_tokens_per_micro_batch, "pack_sequences": cfg.pack_sequences}
-    ref_logprobs = values = old_logprobs = None
+    forward = functools.partial(
+        forward_all_rows, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, pack_sequences=cfg.pack_sequences
+    )
+    out = ForwardPasses(None, None, None)
     response_only = logits_only_at(batch, "response_mask")  # the LM head skips the prompts
     if run.reference is not None:
-        with timed("ref", device, times, quiet=True, peaks=peaks):
-            ref_logprobs = forward_all_rows(
-                run.reference, response_only, logprobs_output(run.reference, temperature=temperature), **passes
+        with timer.phase("ref"):
+            out.ref_logprobs = forward(
+                run.reference, response_only, logprobs_output(run.reference, temperature=temperature)
             )
     if run.old_logprob_pass:
-        with timed("old_log_prob", device, times, quiet=True, peaks=peaks):
-            old_logprobs = forward_all_rows(
-                run.actor.role, response_only, logprobs_output(run.actor.role, temperature=temperature), **passes
+        with timer.phase("old_log_prob"):
+            out.old_logprobs = forward(
+                run.actor.role, response_only, logprobs_output(run.actor.role, temperature=temperature)
             )
     if run.critic is not None:
-        with timed("values", device, times, quiet=True, peaks=peaks):
-            values = forward_all_rows(run.critic.role, batch, token_values_output(), **passes)
-    return ref_logprobs, old_logprobs, values
+        with timer.phase("values"):
+            out.values = forward(run.critic.role, batch, token_values_output())
+    return out
 
 
-def actor_update_inputs(
-    run: PPORun,
-    batch: Batch,
-    advantages: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    old_logprobs: torch.Tensor | None,
-) -> tuple[Batch, LossFn, UpdateLogprobs | None]:
-    """The actor update's batch and loss; without ``old_logprobs`` the update's own forward records
-    them into the returned ``UpdateLogprobs``."""
+def actor_update_inputs(run: PPORun, batch: Batch, advantages: torch.Tensor, passes: ForwardPasses) -> ActorUpdate:
+    """The actor update's batch and loss; without ``passes.old_logprobs`` the update's own forward
+    records them into the returned ``on_policy``."""
     actor_batch = {**logits_only_at(_model_inputs(batch), "response_mask"), "advantages": advantages}
-    if ref_logprobs is not None:
-        actor_batch["ref_logprobs"] = ref_logprobs
+    if passes.ref_logprobs is not None:
+        actor_batch["ref_logprobs"] = passes.ref_logprobs
     on_policy = None
-    if old_logprobs is None:
+    if passes.old_logprobs is None:
         on_policy = UpdateLogprobs(run.actor.role, *advantages.shape)
         actor_batch["row_index"] = torch.arange(len(advantages))
     else:
-        actor_batch["old_logprobs"] = old_logprobs
+        actor_batch["old_logprobs"] = passes.old_logprobs
     loss = ppo_actor_loss(
         run.actor.role, run.cfg.algorithm.loss, temperature=run.cfg.rollout.sampling.temperature, on_policy=on_policy
     )
-    return actor_batch, loss, on_policy
+    return ActorUpdate(actor_batch, loss, on_policy)
 
 
 def critic_update_inputs(batch: Batch, values: torch.Tensor, returns: torch.Tensor) -> Batch:
@@ -455,25 +488,26 @@ def warm_up(run: PPORun) -> None:
     that kernels compiled for one shape are recompiled for any shape here, not in step 1.
     """
     cfg = run.cfg
-    longest = run.hybrid.engine.cfg.max_seq_len
+    longest = cfg.longest_sequence
     prompt_length = min(cfg.data.max_prompt_length, longest - 1)
     first = run.prompts[0].prompt_ids.tolist()
     prompt = (first * -(-prompt_length // len(first)))[:prompt_length]
     params = dataclasses.replace(cfg.rollout.sampling, ignore_eos=True, seed=cfg.seed)
-    completions, _ = run.hybrid.generate([prompt] * cfg.prompts_per_step, params)
+    completions = run.generation.generate([prompt] * cfg.prompts_per_step, params)
     world = dist.get_world_size()  # every model's data-parallel size divides it
     per_rank = min(len(completions) // world, max(1, cfg.max_tokens_per_micro_batch // longest) + 2)
     batch = rollout_batch(completions[: max(per_rank, 1) * world], run.tokenizer.pad_id)
     if run.reward_model is not None:
         run.scorer.reward_model_scores(batch)
-    scratch: dict[str, float] = {}
-    ref_logprobs, old_logprobs, values = forward_passes(run, batch, scratch, scratch)
+    passes = forward_passes(run, batch, PhaseTimer(run.device))  # timings not kept
     zeros = torch.zeros(batch["response_mask"].shape)
-    actor_batch, actor_loss, _ = actor_update_inputs(run, batch, zeros, ref_logprobs, old_logprobs)
-    _warm_up_update(run, run.actor, actor_batch, actor_loss)
+    actor_update = actor_update_inputs(run, batch, zeros, passes)
+    _warm_up_update(run, run.actor, actor_update.batch, actor_update.loss)
     if run.critic is not None:
-        assert values is not None
-        _warm_up_update(run, run.critic, critic_update_inputs(batch, values, zeros), critic_loss(cfg.algorithm.loss))
+        assert passes.values is not None
+        _warm_up_update(
+            run, run.critic, critic_update_inputs(batch, passes.values, zeros), critic_loss(cfg.algorithm.loss)
+        )
 
 
 def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn) -> None:
@@ -490,13 +524,10 @@ def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossF
     )
 
 
-def sample_rollout(
-    run: PPORun, step: int, indices: list[int], times: dict[str, float], peaks: dict[str, float]
-) -> tuple[list[Completion], Batch, dict[str, float], Callable[[], Scores], dict[str, float]]:
-    """``rollout.sampling.n`` responses for each prompt of ``indices`` (completions ordered by
-    group), their ``rollout_batch`` (the one the scorer read, unless groups were filtered), the
-    hybrid engine's phase times, what returns their scores (collective; scoring runs on a host
-    thread meanwhile, ``Scorer.start``) and the sampling metrics.
+def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
+    """``rollout.sampling.n`` responses for each prompt of ``indices``, timed as the step's ``gen``
+    (the engine's own parts under it) and ``reward`` phases; the rollout's scores are still pending
+    (scoring runs on a host thread meanwhile, ``Scorer.start``) unless groups were filtered.
 
     With ``rollout.filter_groups`` (DAPO's dynamic sampling) a group whose raw scores all match
     carries no signal for a group-relative advantage: it is dropped and more prompts are drawn (a
@@ -505,29 +536,27 @@ def sample_rollout(
     filled with dropped groups, so that every step trains on the same number of sequences; the
     shortfall is reported (``rollout/groups_short``).
     """
-    cfg, rollout, device = run.cfg, run.cfg.rollout, run.device
+    cfg, rollout, timer = run.cfg, run.cfg.rollout, run.timer
     n, wanted = rollout.sampling.n, cfg.prompts_per_step
     kept: list[tuple[list[Completion], Scores]] = []
     dropped: list[tuple[list[Completion], Scores]] = []
-    phase_seconds: dict[str, float] = {}
     draws = 0
     while True:
         seed = _step_seed(cfg, step) + draws * 1_000_003
         if draws:
             generator = torch.Generator().manual_seed(seed)
             indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
-        with timed("gen", device, times, quiet=True, peaks=peaks):
+        with timer.phase("gen"):
             prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
-            completions, reports = run.hybrid.generate(prompts, dataclasses.replace(rollout.sampling, seed=seed))
-        for report in reports:
-            phase_seconds[report.phase] = phase_seconds.get(report.phase, 0.0) + report.seconds
-        with timed("reward", device, times, quiet=True, peaks=peaks):
+            params = dataclasses.replace(rollout.sampling, seed=seed)
+            completions = run.generation.generate(prompts, params, timer)
+        with timer.phase("reward"):
             batch = rollout_batch(completions, run.tokenizer.pad_id)
             pending = run.scorer.start(batch, completions, [run.prompts[i].extras for i in indices], run.texts)
         draws += 1
         if not rollout.filter_groups:
-            return completions, batch, phase_seconds, pending.result, {}
-        with timed("reward", device, times, quiet=True, peaks=peaks):
+            return Rollout(completions, batch, pending, metrics={})
+        with timer.phase("reward"):
             scores = pending.result()
         raw = scores.raw.view(len(indices), n)
         for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
@@ -549,8 +578,7 @@ def sample_rollout(
         "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped)),
     }
     batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
-    kept_scores = Scores.cat([s for _, s in chosen])
-    return completions, batch, phase_seconds, lambda: kept_scores, metrics
+    return Rollout(completions, batch, Scores.cat([s for _, s in chosen]), metrics)
 
 
 def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
@@ -568,7 +596,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor, torch.Tensor]:
         """Completions, their raw scores and whether each is correct, (prompts, n)."""
         params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
-        completions, _ = run.hybrid.generate(ids, params)
+        completions = run.generation.generate(ids, params)
         scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.texts)
         judged = scores.parts[ev.judged_by] if ev.judged_by else scores.raw
         return completions, scores.raw.view(len(ids), n), (judged >= ev.correct_score).view(len(ids), n)

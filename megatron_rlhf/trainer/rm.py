@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rlhf.checkpoint.sources import ModelConfig
-from megatron_rlhf.data import PreferenceDataset, load_preference_dataset, pack_batch
+from megatron_rlhf.data import PreferenceDataset, Tokenizer, load_preference_dataset, pack_batch
 from megatron_rlhf.metrics.log import log
+from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.trainer.loop import run_loop
@@ -60,7 +61,7 @@ class RMConfig(SupervisedConfig):
     """Training / validation files and columns."""
 
 
-def _load(paths: list[str], tokenizer, data: PreferenceDataConfig, what: str) -> PreferenceDataset:
+def _load(paths: list[str], tokenizer: Tokenizer, data: PreferenceDataConfig, what: str) -> PreferenceDataset:
     dataset, report = load_preference_dataset(
         paths,
         tokenizer,
@@ -125,13 +126,16 @@ def preference_accuracy(
     return {"accuracy": correct / count, "loss": loss / count, "margin": margin / count, "pairs": int(count)}
 
 
-def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
-    run = set_up_run(cfg, env, name="rm", role="reward", score_head=True, load=_load)
+def run_rm(cfg: RMConfig, env: DistEnv, checked: Architecture | None = None) -> dict[str, Any]:
+    """Train; returns the summary. ``checked``: what ``check_config`` returned for this config and
+    world size, when the caller ran it (else set-up runs it)."""
+    run = set_up_run(cfg, env, name="rm", role="reward", score_head=True, load=_load, arch=checked)
     role, train, validation, pad_id = run.role, run.train, run.validation, run.tokenizer.pad_id
     lengths = train.lengths  # (N, 2)
     per_rank = cfg.global_batch_size // role.groups.layout.dp
 
     def evaluate() -> dict[str, float]:
+        assert validation is not None
         return preference_accuracy(
             role,
             validation,
@@ -153,4 +157,4 @@ def run_rm(cfg: RMConfig, env: DistEnv) -> dict[str, Any]:
         figures=evaluate if validation is not None else None,
         extra_headline=("accuracy", "margin"),
     )
-    return run_loop(cfg, task)
+    return run_loop(cfg, task, run.claim)

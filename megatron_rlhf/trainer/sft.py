@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig
-from megatron_rlhf.data import SFTDataset, load_sft_dataset, pack_batch
+from megatron_rlhf.data import SFTDataset, Tokenizer, load_sft_dataset, pack_batch
 from megatron_rlhf.metrics.log import log
+from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.trainer.loop import run_loop
@@ -53,7 +54,7 @@ class SFTConfig(SupervisedConfig):
     """Training / validation files and columns."""
 
 
-def _load(paths: list[str], tokenizer, data: SFTDataConfig, what: str) -> SFTDataset:
+def _load(paths: list[str], tokenizer: Tokenizer, data: SFTDataConfig, what: str) -> SFTDataset:
     dataset, report = load_sft_dataset(
         paths,
         tokenizer,
@@ -92,13 +93,16 @@ def validation_nll(
     return {"nll": nll, "perplexity": math.exp(min(nll, 50.0)), "tokens": int(tokens), "examples": len(dataset)}
 
 
-def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
-    run = set_up_run(cfg, env, name="sft", role="actor", score_head=False, load=_load)
+def run_sft(cfg: SFTConfig, env: DistEnv, checked: Architecture | None = None) -> dict[str, Any]:
+    """Train; returns the summary. ``checked``: what ``check_config`` returned for this config and
+    world size, when the caller ran it (else set-up runs it)."""
+    run = set_up_run(cfg, env, name="sft", role="actor", score_head=False, load=_load, arch=checked)
     role, train, validation, pad_id = run.role, run.train, run.validation, run.tokenizer.pad_id
     lengths = train.lengths
     per_rank = cfg.global_batch_size // role.groups.layout.dp
 
     def evaluate() -> dict[str, float]:
+        assert validation is not None
         return validation_nll(
             role,
             validation,
@@ -119,4 +123,4 @@ def run_sft(cfg: SFTConfig, env: DistEnv) -> dict[str, Any]:
         group_size=1,
         figures=evaluate if validation is not None else None,
     )
-    return run_loop(cfg, task)
+    return run_loop(cfg, task, run.claim)

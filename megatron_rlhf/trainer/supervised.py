@@ -1,5 +1,6 @@
-"""What the SFT and reward-model trainers share: their config, up-front checks, set-up (tokenizer,
-data, model, training state) and the supervised step the loop calls.
+"""What the SFT and reward-model trainers share: their config, up-front checks, set-up (the start
+every trainer makes, ``trainer/start.py``, then the model and its training state) and the
+supervised step the loop calls.
 
 Each data-parallel rank trains on its own slice of every global batch; the engine (``train_step``)
 reduces gradients and metrics over the model's data-parallel group.
@@ -10,25 +11,24 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, model_errors
+from megatron_rlhf.checkpoint.sources import ModelConfig, model_errors
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
-from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import Tokenizer
 from megatron_rlhf.data.builtin import data_path_errors, resolve_data_paths
 from megatron_rlhf.data.config import DataFilesConfig
-from megatron_rlhf.data.tokenizer import resolve_tokenizer
-from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
-from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.trainer.loop import LoopConfig, StepRows, write_run_files
+from megatron_rlhf.parallel.distributed import DistEnv
+from megatron_rlhf.parallel.layout import Layout
+from megatron_rlhf.trainer.loop import LoopConfig, RunClaim, StepRows
+from megatron_rlhf.trainer.start import RunModel, start_run
 from megatron_rlhf.training.optim import OptimConfig, TrainState, make_train_state
 from megatron_rlhf.training.schedule import Batch, LossFn
 from megatron_rlhf.training.train import train_step
@@ -72,7 +72,7 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
     errors, arch = model_errors("model", cfg.model, world_size, score_head=score_head, head_from_lm=score_head)
     model = cfg.model
     if model.tp >= 1 and model.pp >= 1 and world_size % (model.tp * model.pp) == 0 and cfg.global_batch_size >= 1:
-        dp = world_size // (model.tp * model.pp)
+        dp = Layout.for_world(model.tp, model.pp, world_size).dp
         if cfg.global_batch_size % dp:
             errors.append(
                 f"global_batch_size={cfg.global_batch_size} must be divisible by the data-parallel size "
@@ -116,6 +116,8 @@ class SupervisedRun:
     train: Any
     validation: Any | None
     state: TrainState
+    claim: RunClaim
+    """The run's claim on its output_dir, for ``run_loop``."""
 
     @property
     def role(self) -> RoleModel:
@@ -130,30 +132,32 @@ def set_up_run(
     role: str,
     score_head: bool,
     load: Callable[[list[str], Tokenizer, Any, str], Any],
+    arch: Architecture | None = None,
 ) -> SupervisedRun:
-    """Check the config, seed, read the train/validation data with ``load(paths, tokenizer,
-    cfg.data, "train" | "validation")``, write config.yaml (a run that fails on its data leaves
-    none behind), build the model and its state."""
-    arch = check_config(cfg, env.world_size, score_head=score_head)
-    seed_everything(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env.device)
-    log(
-        f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
-        f"model {cfg.model.path}"
-    )
-    tokenizer = resolve_tokenizer(local_dir(cfg.model.path), arch, cfg.model.path)
+    """Check the config (unless ``arch``, what ``check_config`` returned, says it was), make the run's
+    start (``start_run``: reading the train/validation data with ``load(paths, tokenizer, cfg.data,
+    "train" | "validation")``), build the model and its state."""
+    if arch is None:
+        arch = check_config(cfg, env.world_size, score_head=score_head)
     data = cfg.data  # type: ignore[attr-defined]
-    train = load(resolve_data_paths(data.train), tokenizer, data, "train")
-    validation = load(resolve_data_paths(data.validation), tokenizer, data, "validation") if data.validation else None
-    write_run_files(cfg, Path(cfg.output_dir), {role: arch}, tokenizer)
-    with timed("build+load model", env.device):
-        model = build_role(role, cfg.model, arch, world_size=env.world_size, dtype=dtype, device=env.device)
-        state = make_train_state(model, cfg.optim)
+
+    def load_data(tokenizer: Tokenizer) -> tuple[Any, Any | None]:
+        train = load(resolve_data_paths(data.train), tokenizer, data, "train")
+        validation = (
+            load(resolve_data_paths(data.validation), tokenizer, data, "validation") if data.validation else None
+        )
+        return train, validation
+
+    start, (train, validation) = start_run(
+        cfg, env, name=name, models={role: RunModel(cfg.model, arch)}, tokenizer_of=role, load_data=load_data
+    )
+    model = start.build(role)
+    state = make_train_state(model, cfg.optim)
     log(
         f"model {arch.hf_class_name} {arch.num_layers} layers, {model.groups.layout}, "
         f"{sum(p.numel() for p in model.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {model.source}"
     )
-    return SupervisedRun(tokenizer, train, validation, state)
+    return SupervisedRun(start.tokenizer, train, validation, state, start.claim)
 
 
 @dataclasses.dataclass(kw_only=True)

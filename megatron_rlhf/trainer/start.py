@@ -1,0 +1,85 @@
+"""The start every trainer (``ppo``, ``sft``, ``rm``) makes after its checks, in one order: seed,
+dtype, the tokenizer, the data, then the run's files in output_dir (``write_run_files``, after the
+data: a run that fails on its data leaves none behind); then it builds its models with
+``RunStart.build``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir
+from megatron_rlhf.config.run import resolve_dtype
+from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
+from megatron_rlhf.metrics.log import log, timed
+from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
+from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
+from megatron_rlhf.trainer.loop import LoopConfig, RunClaim, write_run_files
+
+
+@dataclasses.dataclass(frozen=True)
+class RunModel:
+    """A model a run uses: its settings and its architecture (as the checks read it)."""
+
+    cfg: ModelConfig
+    arch: Architecture
+
+
+@dataclasses.dataclass
+class RunStart:
+    """What a trainer's start made: the dtype, the tokenizer and the run's claim on its output_dir
+    (for ``run_loop``)."""
+
+    env: DistEnv
+    dtype: torch.dtype
+    tokenizer: Tokenizer
+    claim: RunClaim
+    models: dict[str, RunModel]
+
+    def build(self, role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
+        """The model of ``role``, built in its layout and loaded from its path (timed)."""
+        model = self.models[role]
+        with timed(f"{role}: build+load", self.env.device):
+            return build_role(
+                role,
+                model.cfg,
+                model.arch,
+                world_size=self.env.world_size,
+                dtype=self.dtype,
+                device=self.env.device,
+                vocab_pad_multiple=vocab_pad_multiple,
+            )
+
+
+def start_run[Data](
+    cfg: LoopConfig,
+    env: DistEnv,
+    *,
+    name: str,
+    models: dict[str, RunModel],
+    tokenizer_of: str,
+    load_data: Callable[[Tokenizer], Data],
+    details: str = "",
+) -> tuple[RunStart, Data]:
+    """Seed, log the run's line (``details`` before its models), read the tokenizer of the model
+    ``tokenizer_of``, ``load_data`` with it, and write the run's files (collective). Returns the
+    start and the data."""
+    seed_everything(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    log(
+        f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
+        f"{details}models: "
+        + ", ".join(f"{role} {m.cfg.path} (tp {m.cfg.tp}, pp {m.cfg.pp})" for role, m in models.items())
+    )
+    source = models[tokenizer_of]
+    tokenizer = resolve_tokenizer(local_dir(source.cfg.path), source.arch, source.cfg.path)
+    data = load_data(tokenizer)
+    archs = {role: model.arch for role, model in models.items()}
+    claim = write_run_files(cfg, Path(cfg.output_dir), archs, tokenizer)
+    return RunStart(env, dtype, tokenizer, claim, models), data
