@@ -20,6 +20,7 @@ of ng (heads and query groups of this TP rank); output (sq, b, np * hn).
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 try:
     from torch.nn.attention.varlen import varlen_attn
+
+    HAS_VARLEN_ATTN = True
 except ImportError:  # torch < 2.10 (e.g. an older NGC image): packed rows take the masked path
-    varlen_attn = None
+    HAS_VARLEN_ATTN = False
 
 from megatron_rlhf.fusion import gpu_fused
 from megatron_rlhf.models import decode_attention
@@ -64,7 +67,7 @@ def packed_rows_mask(cu_seqlens: torch.Tensor, rows: int, width: int) -> torch.T
 def _flash_varlen_usable(query: torch.Tensor, dropout_p: float) -> bool:
     """Whether flash attention's variable-length kernel runs these inputs (sq, b, np, hn)."""
     return (
-        varlen_attn is not None
+        HAS_VARLEN_ATTN
         and query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
         and dropout_p == 0.0
@@ -156,7 +159,11 @@ class SDPAttention(MegatronModule):
         width, batch, num_heads, head_dim = query.shape
         q, k, v = (t.transpose(0, 1).reshape(batch * width, t.shape[2], head_dim) for t in (query, key, value))
         window = (self.window if self.window is not None else -1, 0)
-        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, width, width, scale=self.softmax_scale, window_size=window)
+        # varlen_attn returns a tuple only when return_aux asks for more than the output
+        out = cast(
+            torch.Tensor,
+            varlen_attn(q, k, v, cu_seqlens, cu_seqlens, width, width, scale=self.softmax_scale, window_size=window),
+        )
         return out.view(batch, width, num_heads * head_dim).transpose(0, 1).contiguous()
 
 
@@ -168,8 +175,7 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return t * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-@gpu_fused
-def rotate_into_cache(
+def _rotate_into_cache(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -187,6 +193,9 @@ def rotate_into_cache(
     entry = torch.cat([rotate(key, cos, sin), value], dim=-1)
     cache[slots[:, None], :, positions] = entry.transpose(0, 1).to(cache.dtype)  # (b, sq, groups, 2hn)
     return rotate(query, cos, sin), entry
+
+
+rotate_into_cache = gpu_fused(_rotate_into_cache)
 
 
 @gpu_fused
@@ -227,7 +236,7 @@ def split_rotate_into_cache(
     same compiled function: megatron's split makes the query contiguous with a copy kernel of its
     own."""
     query, key, value = split_qkv(mixed, cache.shape[1], heads_per_group)
-    return rotate_into_cache.__wrapped__(query, key, value, cos, sin, cache, slots, positions)
+    return _rotate_into_cache(query, key, value, cos, sin, cache, slots, positions)
 
 
 swiglu = gpu_fused(swiglu_reference)
@@ -336,6 +345,41 @@ def _masked_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float, dtyp
     return torch.softmax(scores * scale + bias, dim=-1).to(dtype)
 
 
+class LayerCaches(Protocol):
+    def layer(self, layer_number: int) -> torch.Tensor:
+        """(slots, groups, max_len, 2 * hn): the cache of layer ``layer_number`` (from 1)."""
+        ...
+
+
+class KVStep(Protocol):
+    """What the cached attention reads of one generation forward: the engine's ``DecodeStep``
+    (``rollout/kv_cache.py``, which documents the fields), seen from this lower layer."""
+
+    @property
+    def cache(self) -> LayerCaches: ...
+
+    @property
+    def slots(self) -> torch.Tensor: ...
+
+    @property
+    def positions(self) -> torch.Tensor: ...
+
+    @property
+    def cos(self) -> torch.Tensor: ...
+
+    @property
+    def sin(self) -> torch.Tensor: ...
+
+    @property
+    def prefill(self) -> bool: ...
+
+    @property
+    def kv_len(self) -> int | None: ...
+
+    @property
+    def window(self) -> int | None: ...
+
+
 class CachedSelfAttention(SelfAttention):
     """megatron's SelfAttention, plus a KV-cache path used by the generation engine.
 
@@ -347,9 +391,11 @@ class CachedSelfAttention(SelfAttention):
     is megatron's forward unchanged.
     """
 
-    kv_step: object | None = None
+    kv_step: KVStep | None = None
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args, **kwargs):
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = self.kv_step
         if step is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
@@ -361,6 +407,7 @@ class CachedSelfAttention(SelfAttention):
             key, value = entry[..., :head_dim], entry[..., head_dim:]  # views: rotated key, value
             out = self.core_attention(query, key, value, None, attn_mask_type=AttnMaskType.causal)
         else:
+            assert step.kv_len is not None, "a decode step attends over cache positions [0, kv_len)"
             out = cached_decode_attention(
                 query, cache, step.positions, step.kv_len, step.window, self.core_attention.softmax_scale
             )
