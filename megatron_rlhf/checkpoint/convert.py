@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.models.gpt import GPTModel
 
 from megatron_rlhf.checkpoint.hf import checkpoint_torch_dtype, load_hf_weights, save_hf_checkpoint
 from megatron_rlhf.checkpoint.mcore import (
@@ -80,7 +81,7 @@ def _trained_architecture(model_dir: Path) -> Architecture:
     return architecture_from_hf_config(models[model_dir.name], source=f"{run_state}:models.{model_dir.name}")
 
 
-def _load_trained_weights(model: torch.nn.Module, groups: ParallelGroups, model_dir: Path) -> None:
+def _load_trained_weights(model: GPTModel, groups: ParallelGroups, model_dir: Path) -> None:
     """Fill ``model`` (any layout) with the weights of a run checkpoint's trained model."""
     dist_dir = model_dir / "dist"
     with global_dp_rank_of(groups):

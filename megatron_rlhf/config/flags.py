@@ -11,26 +11,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from megatron_rlhf.config.fields import field_docs
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def _flag(field: dataclasses.Field) -> str:
     return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+def add_flags(parser: argparse._ActionsContainer, cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of ``cls`` (except ``skip``), defaulting to the dataclass's default."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
-        kind, default = hints[field.name], field.default
-        if default is dataclasses.MISSING:
-            default = field.default_factory()  # type: ignore[misc]
+        kind = hints[field.name]
+        default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
         kwargs: dict[str, Any] = {"dest": field.name, "default": default, "help": docs.get(field.name, "")}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -42,7 +42,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
         parser.add_argument(_flag(field), **kwargs)
 
 
-def from_flags[T](args: argparse.Namespace, cls: type[T], **fixed: Any) -> T:
+def from_flags[T: DataclassInstance](args: argparse.Namespace, cls: type[T], **fixed: Any) -> T:
     """``cls`` built from the parsed flags of ``add_flags`` (and ``fixed`` values for skipped fields)."""
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(cls) if field.name not in fixed}
     for field in dataclasses.fields(cls):

@@ -1,4 +1,6 @@
-"""``megatron-rlhf generate``: prompts (JSONL/Parquet) in, completions (JSONL) out.
+"""Generation outside a training run: prompts (JSONL/Parquet) in, completions (JSONL) out, the work
+of ``megatron-rlhf generate``; and ``policy_engine``, a causal LM with its own native engine, which
+the pipeline's held-out test uses too.
 
 Input rows hold ``prompt`` (text, tokenized with the model's tokenizer, or a list of chat messages,
 rendered with its chat template) or ``prompt_ids``. Under torchrun the world is split into

@@ -1,4 +1,5 @@
-"""``megatron-rlhf plan``: each model's layout and the per-GPU memory of a run, before launching it.
+"""The memory plan of a run: each model's layout and the per-GPU memory, before launching it
+(what ``megatron-rlhf plan`` prints).
 
 Everything comes from the resolved config and each model's ``Architecture`` (a ``config.json``, or a
 built-in's): no weights are read, no model is built, no GPU or process group is touched. The
@@ -13,12 +14,11 @@ Per rank, for each model the command uses, in the largest of its pipeline stages
   fp32 themselves (then the main parameters are the parameters), sharded over DP by the
   distributed optimizer; the ``cpu_offload_fraction`` share of it lives in host memory instead;
 * activations of a training pass (``activation_bytes``) and of a forward-only pass, and the
-  optimizer step's workspace: none for torch's fused Adam (``engine.optim.fuse_device_adam``), but
+  optimizer step's workspace: none for torch's fused Adam (``training.optim.fuse_device_adam``), but
   with a host share (megatron's ``HybridDeviceOptimizer``, whose device share steps on torch's
   multi-tensor path) one fp32 temporary of the main-parameter shard, which stays allocated through
-  the update phase, so the next mini-batch's activations come on top of it: measured on an H200,
-  7.6B at fraction 1.0 (update peak 108.1 GiB allocated, docs/benchmarks.md); this term was set
-  after that measurement.
+  the update phase, so the next mini-batch's activations come on top of it (docs/benchmarks.md, memory
+  plan against measured peaks).
 Generation adds the KV cache (``hybrid.memory.kv_cache_bytes``), the resharded generation copy
 when the generation layout differs from the actor's, the decode CUDA graphs' static logits (one
 (slots, Vp/tp) tensor per KV-length bucket), and the prefill and sampling workspace.
@@ -33,13 +33,11 @@ CUDA context and the allocator's fragmentation are not counted.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig
-from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.hybrid.memory import GIB, decide_offload, generation_bytes, kv_cache_bytes
 from megatron_rlhf.hybrid.reshard import generation_layout
@@ -419,20 +417,3 @@ def format_plan(plan: MemoryPlan) -> str:
     else:
         lines += ["", f"peak per GPU: training {plan.peak.training / GIB:.2f} GiB"]
     return "\n".join(lines)
-
-
-def run_plan(command: str, cfg: Any, world_size: int, gpu_memory_gib: float, *, as_json: bool) -> str:
-    """The plan's text (or JSON) for ``command``'s config; ``ConfigError`` when the run would be
-    refused or would not fit."""
-    if world_size < 1:
-        raise ConfigError(f"--world-size={world_size} must be >= 1")
-    gpu_memory = int(gpu_memory_gib * GIB)
-    if command == "ppo":
-        plan = plan_ppo(cfg, world_size, gpu_memory)
-    else:
-        plan = plan_supervised(cfg, world_size, gpu_memory, score_head=command == "rm")
-    text = json.dumps(plan.to_json(), indent=1) if as_json else format_plan(plan)
-    errors = plan_errors(plan)
-    if errors:
-        raise ConfigError(text + "\n\ndoes not fit:\n  " + "\n  ".join(errors))
-    return text

@@ -16,8 +16,8 @@ from megatron_rlhf.parallel.layout import layout_errors
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron_rlhf.checkpoint.sources import ModelConfig
-    from megatron_rlhf.smoke import SmokeConfig
-    from megatron_rlhf.smoke import check_smoke_config as validate
+    from megatron_rlhf.trainer.smoke import SmokeConfig
+    from megatron_rlhf.trainer.smoke import check_smoke_config as validate
 
 
 def load_config(preset=None, overrides=()):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.cli import TRAINERS, _trainer, build_parser, main
+from megatron_rlhf.cli import build_parser, main
+from megatron_rlhf.commands import TRAINERS
 from megatron_rlhf.config.loader import COMMAND_LINE, ConfigError, load_config, load_config_with_sources, presets
 from megatron_rlhf.config.verl_names import VERL_NAMES, verl_key_hint
 from megatron_rlhf.docs import DOCS, PAGES, rendered
@@ -36,7 +37,7 @@ def test_a_trainer_command_without_config_builds_on_no_preset(command: str) -> N
 def test_a_users_run_differs_from_the_library_defaults_only_where_it_says(command: str) -> None:
     """Nothing reaches a run without --config but its own settings (a preset that leaked in would
     show up here with its own origin)."""
-    cfg, sources = load_config_with_sources(None, USER_RUNS[command], schema=_trainer(command).schema)
+    cfg, sources = load_config_with_sources(None, USER_RUNS[command], schema=TRAINERS[command].trainer().schema)
     given = {item.split("=")[0] for item in USER_RUNS[command]}
     assert {c.key for c in sources.changed} == given | DERIVED[command]
     assert all(c.origin == COMMAND_LINE for c in sources.changed if c.key in given)
@@ -51,10 +52,10 @@ def test_a_users_run_differs_from_the_library_defaults_only_where_it_says(comman
 
 @pytest.mark.parametrize("preset", presets())
 def test_every_preset_is_named_and_is_the_origin_of_what_it_sets(preset: str) -> None:
-    from megatron_rlhf.smoke import SmokeConfig
+    from megatron_rlhf.trainer.smoke import SmokeConfig
 
     command = next((c for c in TRAINERS if preset.startswith(f"{c}-")), None)
-    schema = _trainer(command).schema if command else SmokeConfig
+    schema = TRAINERS[command].trainer().schema if command else SmokeConfig
     _, sources = load_config_with_sources(preset, [], schema=schema)
     assert sources.report().startswith(f"settings: built on preset {preset}")
     assert sources.changed
@@ -64,7 +65,9 @@ def test_every_preset_is_named_and_is_the_origin_of_what_it_sets(preset: str) ->
 def test_origins_follow_the_merge_order(tmp_path: Path) -> None:
     run = tmp_path / "run.yaml"
     run.write_text("_base_: ppo-tiny\nactor_optim: {lr: 3.0e-6}\nrollout:\n  sampling: {n: 8}\n")
-    cfg, sources = load_config_with_sources(str(run), ["rollout.sampling.n=6", "seed=7"], schema=_trainer("ppo").schema)
+    cfg, sources = load_config_with_sources(
+        str(run), ["rollout.sampling.n=6", "seed=7"], schema=TRAINERS["ppo"].trainer().schema
+    )
     origin = {c.key: c.origin for c in sources.changed}
     assert origin["actor_optim.lr"] == str(run) and cfg.actor_optim.lr == 3e-6
     assert origin["rollout.sampling.n"] == COMMAND_LINE and cfg.rollout.sampling.n == 6
@@ -142,7 +145,7 @@ def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(
 )
 def test_a_verl_key_is_answered_with_this_projects_key(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(None, [override], schema=_trainer("ppo").schema)
+        load_config(None, [override], schema=TRAINERS["ppo"].trainer().schema)
     assert f"unknown key '{override.split('=')[0]}'" in str(info.value) and expected in str(info.value)
 
 
@@ -157,7 +160,7 @@ def _is_key(schema: type, dotted: str) -> bool:
 
 
 def test_every_key_the_verl_table_names_exists() -> None:
-    schema = _trainer("ppo").schema
+    schema = TRAINERS["ppo"].trainer().schema
     named = [key for rows in VERL_NAMES.values() for row in rows for key in row.here]
     assert named and [key for key in named if not _is_key(schema, key)] == []
     assert verl_key_hint("rollout.sampling.n") is None and verl_key_hint("data.train") is None
@@ -173,7 +176,7 @@ def test_the_defaults_page_lists_every_key_of_every_trainer() -> None:
 
     text = (DOCS / "defaults.md").read_text()
     for command in ("ppo", "sft", "rm"):
-        schema = _trainer(command).schema
+        schema = TRAINERS[command].trainer().schema
         assert to_yaml(load_config(None, [], schema=schema)) == to_yaml(schema())
         for field in dataclasses.fields(schema):
             assert f"| `{field.name}" in text

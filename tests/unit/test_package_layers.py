@@ -21,7 +21,7 @@ LAYERS = [
     {"rollout", "rewards"},
     {"hybrid"},
     {"trainer"},
-    {"smoke", "cli", "__main__", "docs"},
+    {"commands", "cli", "__main__", "docs"},
 ]
 LAYER_OF = {room: level for level, rooms in enumerate(LAYERS) for room in rooms}
 

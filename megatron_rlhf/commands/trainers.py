@@ -1,0 +1,82 @@
+"""What the trainer commands (ppo, sft, rm, pipeline) share: their config arguments and
+``--print-config``, the run's start-up checks before torch.distributed starts, and the run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from megatron_rlhf.commands.config_args import add_config_args
+from megatron_rlhf.config.loader import load_config_with_sources, to_yaml
+
+if TYPE_CHECKING:
+    from megatron_rlhf.parallel.distributed import DistEnv
+
+OUTPUTS = (
+    "Writes metrics.jsonl, TensorBoard events (tb/) and, with save_hf=true, an HF checkpoint (hf/) under "
+    "output_dir; loggers=[console,jsonl,tensorboard,wandb] chooses where metrics go."
+)
+"""What ppo, sft and rm write, for their ``--help``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """A trainer command's config schema, its start-up checks and its run."""
+
+    schema: type[Any]
+    check: Callable[[Any, int], object]
+    """Every check a run makes before it builds anything (``ConfigError``), given the world size."""
+    run: Callable[[Any, DistEnv, Any], object]
+    """The run, given the config, the process's ``DistEnv`` and what ``check`` returned (so that set-up
+    does not check again: a user's reward file is executed once)."""
+
+
+def add_trainer_arguments(
+    parser: argparse.ArgumentParser, *, prefix: str, example: str, default: str | None = None
+) -> None:
+    """``--config`` (a trainer run is the user's own: it builds on the library defaults unless
+    ``--config`` names a preset), the overrides and ``--print-config``."""
+    add_config_args(parser, default=default, example=example, prefix=prefix)
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="run every start-up check, then print the resolved configuration as YAML (the "
+        "settings that differ from the library defaults first, as comments) and exit",
+    )
+
+
+def run_trainer(trainer: Trainer, args: argparse.Namespace) -> int:
+    """Load and check the config, then print it (``--print-config``) or run it; the exit status."""
+    cfg, sources = load_config_with_sources(args.config, args.overrides, schema=trainer.schema)
+    # The run's own checks, before torch.distributed starts or anything is built: a run and
+    # --print-config accept and refuse the same configs. torchrun names the world size.
+    checked = trainer.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.print_config:
+        print(_commented(sources.report()) + to_yaml(cfg), end="")
+        return 0
+    if os.environ.get("RANK", "0") == "0":
+        print(sources.report(), flush=True)
+    import torch
+
+    from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.trainer.stop import RunStopped
+
+    try:
+        env = init_distributed(cfg.device, cfg.dist_timeout_s)
+        threads = cfg.host_thread_count(env.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        trainer.run(cfg, env, checked)
+    except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
+        if stop.code and os.environ.get("RANK", "0") == "0":
+            print(f"megatron-rlhf: {stop}", file=sys.stderr)
+        return stop.code
+    return 0
+
+
+def _commented(text: str) -> str:
+    return "".join(f"# {line}\n" for line in text.splitlines())
