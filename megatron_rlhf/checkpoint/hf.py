@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from megatron_rlhf.models.hf_weights import (
     tensor_maps,
 )
 from megatron_rlhf.parallel.layout import ParallelGroups
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,6 +58,15 @@ class CheckpointError(ValueError):
     """A checkpoint does not match what its config describes; the message names file and tensor."""
 
 
+class _TensorSlice(Protocol):
+    """What ``safe_open(...).get_slice`` returns (safetensors types it only as Any): a tensor's
+    shape, and its rows or (rows, columns) read on indexing."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
 class SafetensorsCheckpoint:
     """An HF safetensors checkpoint directory, read lazily tensor by tensor."""
 
@@ -71,7 +84,7 @@ class SafetensorsCheckpoint:
         for path in set(self.file_of.values()):
             if not path.is_file():
                 raise CheckpointError(f"{index}: lists {path.name}, which does not exist")
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -79,7 +92,7 @@ class SafetensorsCheckpoint:
     def names(self) -> set[str]:
         return set(self.file_of)
 
-    def _slice(self, name: str):
+    def _slice(self, name: str) -> _TensorSlice:
         if name not in self.file_of:
             raise CheckpointError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
         path = self.file_of[name]
@@ -98,7 +111,7 @@ class SafetensorsCheckpoint:
 
 
 def load_hf_weights(
-    model: torch.nn.Module, arch: Architecture, groups: ParallelGroups, model_dir: str | Path, *, new_head: bool = False
+    model: GPTModel, arch: Architecture, groups: ParallelGroups, model_dir: str | Path, *, new_head: bool = False
 ) -> None:
     """Fill this rank's shard of ``model`` from the HF checkpoint in ``model_dir``.
 
@@ -166,7 +179,7 @@ def copy_side_files(source: str | Path, target: str | Path) -> None:
 
 
 def save_hf_checkpoint(
-    model: torch.nn.Module,
+    model: GPTModel,
     arch: Architecture,
     groups: ParallelGroups,
     out_dir: str | Path,

@@ -25,9 +25,8 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -38,6 +37,9 @@ from megatron_rlhf.checkpoint.hf import copy_side_files
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 from megatron_rlhf.parallel.layout import ParallelGroups
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 FORMAT_VERSION = 1
 META_FILE = "megatron_rlhf.json"
@@ -90,7 +92,7 @@ def write_bytes(path: Path, data: bytes) -> None:
         raise OSError(err.errno, err.strerror, str(path)) from err
 
 
-def _sharded_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict:
+def _sharded_state_dict(model: GPTModel, groups: ParallelGroups) -> dict:
     # Pass the model's own data-parallel group: megatron otherwise reads its global parallel_state.
     with global_dp_rank_of(groups):
         return model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
@@ -149,7 +151,7 @@ def _naming_write_errors(write: Callable[..., None]) -> Callable[..., None]:
 
 
 def mcore_save_request(
-    model: torch.nn.Module,
+    model: GPTModel,
     arch: Architecture,
     groups: ParallelGroups,
     ckpt_dir: str | Path,
@@ -192,7 +194,7 @@ def _write_error(failure: Exception, path: Path, size: int) -> Exception:
 
 
 def save_mcore_checkpoint(
-    model: torch.nn.Module,
+    model: GPTModel,
     arch: Architecture,
     groups: ParallelGroups,
     ckpt_dir: str | Path,
@@ -203,7 +205,7 @@ def save_mcore_checkpoint(
     mcore_save_request(model, arch, groups, ckpt_dir, side_files_from=side_files_from).execute_sync()
 
 
-def load_mcore_checkpoint(model: torch.nn.Module, groups: ParallelGroups, ckpt_dir: str | Path) -> None:
+def load_mcore_checkpoint(model: GPTModel, groups: ParallelGroups, ckpt_dir: str | Path) -> None:
     """Fill ``model`` (any layout) from a checkpoint written by ``save_mcore_checkpoint``."""
     weights = Path(ckpt_dir) / WEIGHTS_DIR
     if not weights.is_dir():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE, build_model
 from megatron_rlhf.models.builtin import builtin_checkpoint, builtin_config, is_builtin
 from megatron_rlhf.models.roles import HEAD_FROM_LM, NEEDS_SCORE_HEAD, RoleModel
 from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,7 +139,7 @@ def local_dir(path: str) -> Path:
     return builtin_checkpoint(path) if is_builtin(path) else Path(path)
 
 
-def load_weights(model: torch.nn.Module, arch: Architecture, groups: ParallelGroups, path: str) -> Path:
+def load_weights(model: GPTModel, arch: Architecture, groups: ParallelGroups, path: str) -> Path:
     """Fill ``model`` from ``path``; returns the local directory the weights came from (collective).
     A score-head ``arch`` with a causal LM at ``path`` loads the backbone and keeps its new head."""
     local = local_dir(path)

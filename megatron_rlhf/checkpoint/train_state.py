@@ -48,7 +48,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import param_group_identifier_keys
+from megatron.core.optimizer.optimizer import MegatronOptimizer, param_group_identifier_keys
 
 from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest, write_bytes
 from megatron_rlhf.training.optim import TrainState, fuse_device_adam, torch_optimizers
@@ -211,7 +211,7 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
             torch.cuda.set_rng_state(rng["cuda"])
 
 
-def _keep_current_hyperparameters(optimizer: object, loaded: dict) -> None:
+def _keep_current_hyperparameters(optimizer: MegatronOptimizer, loaded: dict) -> None:
     """Give the checkpoint's parameter groups the hyperparameters of ``optimizer``'s (lr, min/max lr,
     weight decay, betas, eps), so that a resumed run follows its own config. megatron pairs saved
     with current groups by a tuple that includes max_lr and min_lr: without this, a changed learning

@@ -20,7 +20,8 @@ TRAIN_KEYS = ("kl/per_sequence",)
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train rows, validation rows) of a ``metrics.jsonl``, in file order."""
-    train, validation = [], []
+    train: list[dict[str, Any]] = []
+    validation: list[dict[str, Any]] = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
         {"train": train, "validation": validation}.get(row.get("split"), []).append(row)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -59,7 +59,7 @@ def by_kind(times: dict[str, tuple[float, int]]) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def costliest(times: dict[str, tuple[float, float]], count: int) -> list[str]:
+def costliest(times: Mapping[str, tuple[float, float]], count: int) -> list[str]:
     """Table lines (microseconds, launches, name) of the ``count`` costliest entries of ``times``."""
     ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:count]
     return [f"{us:12.1f} us {n:8.1f}x  {name[:110]}" for name, (us, n) in ranked]

@@ -22,6 +22,7 @@ import importlib.machinery
 import inspect
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -164,7 +165,7 @@ _TORCH_PROXY = _TorchOnCpu()
 
 def _patch_module(module: types.ModuleType) -> None:
     if getattr(module, "torch", None) is torch:
-        module.torch = _TORCH_PROXY
+        vars(module)["torch"] = _TORCH_PROXY
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -227,28 +228,27 @@ _ORIGINAL_TENSOR_TYPE = torch.Tensor.type
 def _tensors_look_like_cuda(func: Any) -> Any:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        original_cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        torch.Tensor.type = _cuda_style_type
-        try:
+        with _tensor_methods(cuda=lambda t, *a, **k: t, type=_cuda_style_type):
             return func(*args, **kwargs)
-        finally:
-            torch.Tensor.cuda = original_cuda
-            torch.Tensor.type = _ORIGINAL_TENSOR_TYPE
 
     return wrapper
 
 
 @contextlib.contextmanager
-def _tensor_methods(**methods: Any) -> Any:
-    """Temporarily give ``torch.Tensor`` these attributes (all inherited from the C base class)."""
+def _tensor_methods(**methods: Any) -> Iterator[None]:
+    """Temporarily give ``torch.Tensor`` these attributes (all inherited from the C base class);
+    nested uses restore the enclosing one's."""
+    enclosing = {attr: torch.Tensor.__dict__.get(attr) for attr in methods}
     for attr, value in methods.items():
         setattr(torch.Tensor, attr, value)
     try:
         yield
     finally:
-        for attr in methods:
-            delattr(torch.Tensor, attr)
+        for attr, previous in enclosing.items():
+            if previous is None:
+                delattr(torch.Tensor, attr)
+            else:
+                setattr(torch.Tensor, attr, previous)
 
 
 def _hybrid_split_on_cpu(split: Any) -> Any:
@@ -307,8 +307,10 @@ def _patch_known_cuda_paths(module: types.ModuleType) -> None:
     """Narrow fixes for megatron code that calls CUDA through tensor methods or ``torch._C``."""
     name = module.__name__
     if name == "megatron.core.tensor_parallel.random":
-        module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-        module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        vars(module).update(
+            _get_cuda_rng_state=lambda *a, **k: torch.get_rng_state(),
+            _set_cuda_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+        )
     if name == "megatron.core.optimizer.cpu_offloading.hybrid_optimizer":
         hdo = module.HybridDeviceOptimizer
         hdo._get_sub_optimizer_param_groups = _hybrid_split_on_cpu(hdo._get_sub_optimizer_param_groups)

@@ -126,7 +126,7 @@ class RewardCalls:
 _CALL_CODE = RewardCalls.__call__.__code__
 
 
-def _frames_below(frame: FrameType, stop: Any) -> traceback.StackSummary:
+def _frames_below(frame: FrameType | None, stop: Any) -> traceback.StackSummary:
     """The stack from ``frame`` outwards up to (not including) the frame running code ``stop``,
     outermost first: the user's frames of a call made through ``RewardCalls``."""
     frames = []

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -54,7 +55,7 @@ def _me() -> dict[str, object]:
     }
 
 
-def _alive(holder: dict[str, object]) -> bool:
+def _alive(holder: dict[str, Any]) -> bool:
     """Whether the holder (a process of this host) still runs: same pid, same start time."""
     try:
         return abs(psutil.Process(int(holder["pid"])).create_time() - float(holder["process_started"])) < 1.0
@@ -156,9 +157,9 @@ def release(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _read(path: Path) -> dict[str, object] | None:
+def _read(path: Path) -> dict[str, Any] | None:
     """The holder a lock file names (None: no lock file); an unreadable one names an unknown host, which
-    is refused with the hint to delete it."""
+    is refused with the hint to delete it. Its values are whatever the file holds: ``_alive`` checks them."""
     try:
         holder = json.loads(path.read_text())
     except FileNotFoundError:
