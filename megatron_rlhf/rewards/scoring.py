@@ -302,8 +302,8 @@ class Scorer:
                     column[r::world] = torch.tensor(part[name], dtype=SCORE_DTYPE)
                 parts[name] = column
             if self.function is not None:
-                custom_metrics = metric_means([c for _, c in shares])
-        raw = sum(self.cfg.weights.get(name, 1.0) * value for name, value in parts.items())
+                custom_metrics = metric_means([c for _, c in shares if c is not None])
+        raw = sum((self.cfg.weights.get(name, 1.0) * value for name, value in parts.items()), torch.zeros(()))
         unusable = (~torch.isfinite(raw)).nonzero()
         if len(unusable):
             row = int(unusable[0])
