@@ -20,8 +20,10 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
                   right after the actor's, the reference follows it if ``reference.update`` says so
                   (a copy every ``update_every`` steps, or an EMA; ``hybrid/reference.py``).
 
-Each phase is timed (``timing_s/<phase>``; the metric names are listed in the README's "Metrics").
-The loop around it (``trainer/loop.py``) writes the metrics to the sinks ``loggers`` names and saves
+Each phase is timed by the run's ``PhaseTimer`` (``metrics/phases.py``: ``timing_s/<phase>``, its
+std over recent steps, the generation's parts under ``timing_s/gen/``; the metric names are listed
+in the README's "Metrics"). Generation goes through ``RolloutEngine`` (``rollout/engine.py``). The
+loop around it (``trainer/loop.py``) writes the metrics to the sinks ``loggers`` names and saves
 the actor as an HF checkpoint at the end; the settings and their checks are in
 ``trainer/ppo_config.py``.
 """
@@ -298,6 +300,9 @@ def run_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = None) 
     return run_loop(cfg, PPOTask(run), run.claim)
 
 
+# --------------------------------------------------------------------------- the step
+
+
 @dataclasses.dataclass
 class Rollout:
     """A step's samples: the completions, their batch, their scores (or the work that returns them)."""
@@ -427,6 +432,63 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores[: cfg.samples_per_step])
 
 
+def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
+    """``rollout.sampling.n`` responses for each prompt of ``indices``, timed as the step's ``gen``
+    (the engine's own parts under it) and ``reward`` phases; the rollout's scores are still pending
+    (scoring runs on a host thread meanwhile, ``Scorer.start``) unless groups were filtered.
+
+    With ``rollout.filter_groups`` (DAPO's dynamic sampling) a group whose raw scores all match
+    carries no signal for a group-relative advantage: it is dropped and more prompts are drawn (a
+    random draw per extra batch, a function of the seed and the step) until ``prompts_per_step``
+    groups are kept or ``rollout.max_sample_batches`` batches were drawn. A batch still short then is
+    filled with dropped groups, so that every step trains on the same number of sequences; the
+    shortfall is reported (``rollout/groups_short``).
+    """
+    cfg, rollout, timer = run.cfg, run.cfg.rollout, run.timer
+    n, wanted = rollout.sampling.n, cfg.prompts_per_step
+    kept: list[tuple[list[Completion], Scores]] = []
+    dropped: list[tuple[list[Completion], Scores]] = []
+    draws = 0
+    while True:
+        seed = _step_seed(cfg, step) + draws * 1_000_003
+        if draws:
+            generator = torch.Generator().manual_seed(seed)
+            indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
+        with timer.phase("gen"):
+            prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
+            params = dataclasses.replace(rollout.sampling, seed=seed)
+            completions = run.generation.generate(prompts, params, timer)
+        with timer.phase("reward"):
+            batch = rollout_batch(completions, run.tokenizer.pad_id)
+            pending = run.scorer.start(batch, completions, [run.prompts[i].extras for i in indices], run.texts)
+        draws += 1
+        if not rollout.filter_groups:
+            return Rollout(completions, batch, pending, metrics={})
+        with timer.phase("reward"):
+            scores = pending.result()
+        raw = scores.raw.view(len(indices), n)
+        for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
+            rows = torch.arange(group * n, (group + 1) * n)
+            (kept if informative else dropped).append((completions[group * n : (group + 1) * n], scores.select(rows)))
+        if len(kept) >= wanted or (rollout.max_sample_batches and draws >= rollout.max_sample_batches):
+            break
+    short = max(wanted - len(kept), 0)
+    if short:
+        log(
+            f"step {step}: {len(kept)} of {wanted} groups have differing scores after {draws} sample batches "
+            f"(rollout.max_sample_batches={rollout.max_sample_batches}); filling with {short} uniform groups"
+        )
+    chosen = (kept + dropped)[:wanted]
+    completions = [dataclasses.replace(c, prompt_index=group) for group, (cs, _) in enumerate(chosen) for c in cs]
+    metrics = {
+        "rollout/sample_batches": float(draws),
+        "rollout/groups_short": float(short),
+        "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped)),
+    }
+    batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
+    return Rollout(completions, batch, Scores.cat([s for _, s in chosen]), metrics)
+
+
 def forward_passes(run: PPORun, batch: Batch, timer: PhaseTimer | None = None) -> ForwardPasses:
     """The rollout's forward-only passes, each a phase of ``timer`` (the run's when None):
     reference log-probs, the actor's old log-probs (when they get a pass of their own) and the
@@ -522,63 +584,6 @@ def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossF
         max_tokens_per_micro_batch=run.cfg.max_tokens_per_micro_batch,
         pack_sequences=run.cfg.pack_sequences,
     )
-
-
-def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
-    """``rollout.sampling.n`` responses for each prompt of ``indices``, timed as the step's ``gen``
-    (the engine's own parts under it) and ``reward`` phases; the rollout's scores are still pending
-    (scoring runs on a host thread meanwhile, ``Scorer.start``) unless groups were filtered.
-
-    With ``rollout.filter_groups`` (DAPO's dynamic sampling) a group whose raw scores all match
-    carries no signal for a group-relative advantage: it is dropped and more prompts are drawn (a
-    random draw per extra batch, a function of the seed and the step) until ``prompts_per_step``
-    groups are kept or ``rollout.max_sample_batches`` batches were drawn. A batch still short then is
-    filled with dropped groups, so that every step trains on the same number of sequences; the
-    shortfall is reported (``rollout/groups_short``).
-    """
-    cfg, rollout, timer = run.cfg, run.cfg.rollout, run.timer
-    n, wanted = rollout.sampling.n, cfg.prompts_per_step
-    kept: list[tuple[list[Completion], Scores]] = []
-    dropped: list[tuple[list[Completion], Scores]] = []
-    draws = 0
-    while True:
-        seed = _step_seed(cfg, step) + draws * 1_000_003
-        if draws:
-            generator = torch.Generator().manual_seed(seed)
-            indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
-        with timer.phase("gen"):
-            prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
-            params = dataclasses.replace(rollout.sampling, seed=seed)
-            completions = run.generation.generate(prompts, params, timer)
-        with timer.phase("reward"):
-            batch = rollout_batch(completions, run.tokenizer.pad_id)
-            pending = run.scorer.start(batch, completions, [run.prompts[i].extras for i in indices], run.texts)
-        draws += 1
-        if not rollout.filter_groups:
-            return Rollout(completions, batch, pending, metrics={})
-        with timer.phase("reward"):
-            scores = pending.result()
-        raw = scores.raw.view(len(indices), n)
-        for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
-            rows = torch.arange(group * n, (group + 1) * n)
-            (kept if informative else dropped).append((completions[group * n : (group + 1) * n], scores.select(rows)))
-        if len(kept) >= wanted or (rollout.max_sample_batches and draws >= rollout.max_sample_batches):
-            break
-    short = max(wanted - len(kept), 0)
-    if short:
-        log(
-            f"step {step}: {len(kept)} of {wanted} groups have differing scores after {draws} sample batches "
-            f"(rollout.max_sample_batches={rollout.max_sample_batches}); filling with {short} uniform groups"
-        )
-    chosen = (kept + dropped)[:wanted]
-    completions = [dataclasses.replace(c, prompt_index=group) for group, (cs, _) in enumerate(chosen) for c in cs]
-    metrics = {
-        "rollout/sample_batches": float(draws),
-        "rollout/groups_short": float(short),
-        "rollout/uniform_group_fraction": len(dropped) / (len(kept) + len(dropped)),
-    }
-    batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
-    return Rollout(completions, batch, Scores.cat([s for _, s in chosen]), metrics)
 
 
 def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
