@@ -1,11 +1,8 @@
-"""Shared test helpers: tiny random HF models and chat tokenizers made with transformers, torchrun launching."""
+"""Shared test helpers: tiny random HF models and chat tokenizers made with transformers."""
 
 from __future__ import annotations
 
 import glob
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -182,23 +179,3 @@ def load_all_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     for path in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
         tensors.update(load_file(path))
     return tensors
-
-
-def subprocess_env() -> dict[str, str]:
-    """This environment with the repo first on PYTHONPATH (carried packages stay reachable)."""
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
-
-
-def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = subprocess_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

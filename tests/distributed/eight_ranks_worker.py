@@ -25,7 +25,6 @@ exit code. One launch for both parts saves a second start-up of 8 processes (imp
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import make_tiny_hf_model
+from tests.launch import WorkerSession, worker_session
 
 PROMPT_LENGTHS = (3, 9, 5, 1, 7, 4, 11, 6)  # two prompts for each generation-DP rank
 NEW_TOKENS = 8
@@ -41,11 +41,11 @@ TOLERANCE = 1e-5
 TRAIN_TP, TRAIN_PP, GENERATION_TP = 4, 2, 2
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.engine import HybridEngine
-    from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.metrics.phases import PhaseTimer
     from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
@@ -54,11 +54,9 @@ def main() -> None:
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import train_step
 
-    env = init_distributed("cpu")
-    out, ppo_overrides = Path(sys.argv[1]), sys.argv[2:]
+    env, out, results = session.env, session.out, session.results
     if env.world_size != 8:
         raise AssertionError(f"run with 8 processes, not {env.world_size}")
-    results: dict[str, object] = {}
     engine_cfg = NativeEngineConfig(max_batch_size=2, max_seq_len=32)  # fewer slots than sequences: slots reused
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, top_p=0.9, n=2, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=11)
@@ -117,18 +115,19 @@ def main() -> None:
             return NativeEngine(build("reference", model_path, 1, 1), engine_cfg)
 
         tp1 = reference(path)
-        completions, reports = hybrid.generate(prompts, greedy)
-        results[f"{name}/phases"] = [r.phase for r in reports]
+        timer = PhaseTimer(env.device)
+        completions = hybrid.generate(prompts, greedy, timer)
+        results[f"{name}/phases"] = list(timer.step_metrics())
         compare(f"{name}/greedy", completions, tp1.generate(prompts, greedy))
 
         # Sampling: this rank's generation-DP share, in one engine call on the TP1 model.
-        completions, _ = hybrid.generate(prompts, sampled)
+        completions = hybrid.generate(prompts, sampled)
         share = list(range(generation.groups.dp_rank, len(prompts), generation.groups.layout.dp))
         expected = tp1.generate([prompts[i] for i in share], sampled)
         for completion in expected:
             completion.prompt_index = share[completion.prompt_index]
         compare(f"{name}/sampled", [c for c in completions if c.prompt_index in share], expected)
-        greedy_tokens = [c.token_ids for c in hybrid.generate(prompts, greedy)[0]]
+        greedy_tokens = [c.token_ids for c in hybrid.generate(prompts, greedy)]
         results[f"{name}/sampled_differs_from_greedy"] = bool(
             world_max(any(c.token_ids != greedy_tokens[c.prompt_index] for c in completions))
         )
@@ -140,7 +139,7 @@ def main() -> None:
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
             train_step(state, batch, sft_loss(actor), max_tokens_per_micro_batch=64)
             save_hf_checkpoint(actor.model, actor.arch, actor.groups, out / "llama-after-step")
-            completions, _ = hybrid.generate(prompts, greedy)
+            completions = hybrid.generate(prompts, greedy)
             compare(
                 f"{name}/after_step_greedy",
                 completions,
@@ -150,14 +149,11 @@ def main() -> None:
             if not results[f"{name}/step_changed_tokens"]:
                 raise AssertionError(f"{name}: the optimizer step did not change the greedy tokens")
 
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    if ppo_overrides:
-        from megatron_rlhf.cli import main as cli_main
-
-        sys.exit(cli_main(["ppo", "--config", "ppo-tiny", *ppo_overrides]))
-
 
 if __name__ == "__main__":  # the checkpoint writer spawns processes that import this file
-    main()
+    with worker_session() as session:
+        main(session)
+    if session.args:
+        from megatron_rlhf.cli import main as cli_main
+
+        sys.exit(cli_main(["ppo", "--config", "ppo-tiny", *session.args]))

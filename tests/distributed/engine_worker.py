@@ -18,8 +18,6 @@ Any mismatch raises; figures go to OUT/results.json.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import load_all_tensors
+from tests.launch import WorkerSession, worker_session
 
 BATCH, SEQ_LEN = 8, 20
 SMALL_BUDGET, LARGE_BUDGET = 48, 100_000  # several micro-batches vs one
@@ -51,11 +50,11 @@ def make_batch() -> dict[str, torch.Tensor]:
     }
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.models.builtin import builtin_checkpoint
-    from megatron_rlhf.parallel.distributed import init_distributed, seed_everything
+    from megatron_rlhf.parallel.distributed import seed_everything
     from megatron_rlhf.training.objectives import (
         PPOLossConfig,
         critic_loss,
@@ -68,14 +67,13 @@ def main() -> None:
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import forward_pass, train_step
 
-    env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))
-    out, mode = Path(sys.argv[1]), sys.argv[2]
-    reference = Path(sys.argv[3]) if mode == "compare" else None
+    env, out, results = session.env, session.out, session.results
+    mode = session.args[0]
+    reference = Path(session.args[1]) if mode == "compare" else None
     pack = mode == "compare"
     layouts = {1: [(1, 1)], 2: [(1, 1), (2, 1), (1, 2)], 4: [(1, 1), (2, 1), (1, 2), (2, 2)]}[env.world_size]
     split_check_layout = layouts[-1]
     full = make_batch()
-    results: dict[str, float] = {}
     loss_cfg = PPOLossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, entropy_coef=0.01)
     optim_cfg = OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0)
 
@@ -151,9 +149,6 @@ def main() -> None:
     initial_dir = builtin_checkpoint("builtin:tiny-llama")  # collective: every rank calls it
     if env.rank == 0:
         _check(out, reference, layouts, results, load_all_tensors(initial_dir))
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _last_stage_rank0(role) -> int:
@@ -211,4 +206,5 @@ def _check(out: Path, reference: Path | None, layouts, results: dict[str, float]
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -22,24 +20,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import FAMILIES, PAD_ID, make_tiny_hf_model
+from tests.launch import WorkerSession, worker_session
 
 PROMPT_LENGTHS = (3, 9, 5, 1, 7)
 NEW_TOKENS = 10
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
     from megatron_rlhf.models.architecture import load_architecture
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
     from megatron_rlhf.training.objectives import logprobs_output
     from megatron_rlhf.training.train import forward_pass
 
-    env = init_distributed(os.environ.get("MEGATRON_RLHF_TEST_DEVICE", "cpu"))
-    out, tp = Path(sys.argv[1]), int(sys.argv[2])
-    results: dict[str, float] = {}
+    env, out, results = session.env, session.out, session.results
+    tp = int(session.args[0])
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, PAD_ID, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     for family in FAMILIES:
@@ -101,10 +98,8 @@ def main() -> None:
                 diff = max(diff, (recomputed[row, start : start + len(c.token_ids)] - engine_lp).abs().max().item())
             results[f"{family}/logprob_max_abs_diff_t{temperature}"] = diff
             assert diff < 1e-5, f"{family} T={temperature}: engine vs trainer log-probs differ by {diff:.3e}"
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

@@ -9,7 +9,6 @@ Rank 0 writes the measured figures to RESULTS_JSON. Any failure raises (non-zero
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -18,26 +17,24 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import FAMILIES, PAD_ID, hf_reference_outputs, load_all_tensors, make_tiny_hf_model
+from tests.launch import WorkerSession, worker_session
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 TOLERANCE = 1e-4
 BATCH, SEQ_LEN, MICRO_BATCH = 4, 12, 2
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.hf import load_hf_weights, save_hf_checkpoint
     from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.roles import RoleModel
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
     from megatron_rlhf.training.train import forward_outputs
 
-    env = init_distributed("cpu")
-    work = Path(sys.argv[1])
-    families = sys.argv[2].split(",") if len(sys.argv) > 2 else FAMILIES
-    results: dict[str, float] = {}
+    env, work, results = session.env, session.out, session.results
+    families = session.args[0].split(",") if session.args else FAMILIES
     tp1 = parallel_groups(Layout.for_world(1, 1, env.world_size))
 
     for family in families:
@@ -86,11 +83,8 @@ def main() -> None:
                         assert not bad, f"{tag} {label}: not bit-identical: {bad[:5]}"
                     results[f"{tag}/round_trip_bit_identical"] = 1.0
                 dist.barrier()
-    if env.rank == 0:
-        Path(work / "results.json").write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

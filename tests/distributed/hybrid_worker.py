@@ -9,21 +9,20 @@ rollout, or kept (the same storage every rollout).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import WorkerSession, worker_session
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.engine import HybridEngine
-    from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.metrics.phases import PhaseTimer
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
@@ -31,8 +30,8 @@ def main() -> None:
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import train_step
 
-    env = init_distributed("cpu")
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+    env, out, results = session.env, session.out, session.results
+    mode = session.args[0]
     path = "builtin:tiny-llama"
     arch = architecture_of(path)
     actor = build_role(
@@ -57,15 +56,15 @@ def main() -> None:
         )
         return [c.token_ids for c in NativeEngine(role, engine_cfg).generate(prompts, greedy)]
 
-    results = {}
     tokens_by_round = []
     for round_ in range(2):
-        completions, reports = hybrid.generate(prompts, greedy)
+        timer = PhaseTimer(env.device)
+        completions = hybrid.generate(prompts, greedy, timer)
         tokens_by_round.append([c.token_ids for c in completions])
         assert [c.prompt_index for c in completions] == list(range(len(prompts)))
         expected = reference(path if round_ == 0 else str(out / "after-step"))
         results[f"round{round_}_mismatches"] = sum(c.token_ids != e for c, e in zip(completions, expected, strict=True))
-        results[f"round{round_}_phases"] = [r.phase for r in reports]
+        results[f"round{round_}_phases"] = list(timer.step_metrics())
         # What the generation copy and the KV cache hold once the rollout is over (freed, or kept).
         copy = list(hybrid.resharder.target.model.parameters())
         results[f"round{round_}_copy_bytes_after"] = sum(p.untyped_storage().nbytes() for p in copy)
@@ -78,13 +77,10 @@ def main() -> None:
         save_hf_checkpoint(actor.model, arch, actor.groups, out / "after-step")
     # The step must have changed what the actor generates, or round 1 would prove nothing.
     results["tokens_changed_by_step"] = tokens_by_round[0] != tokens_by_round[1]
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-        print(json.dumps(results))
     assert results["round0_mismatches"] == 0 and results["round1_mismatches"] == 0, results
     assert results["tokens_changed_by_step"], results
-    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

@@ -7,12 +7,11 @@ case (temperature, vocab_size, dtype):
   as |a - b| <= 1e-6 + 1e-6 |b|: log-probs reach |logp| > 8, where one float32 ulp is 9.5e-7 and
   the TP split of the sum of exponentials alone may move the result by an ulp;
 * in float64 they equal an independent float64 reference (log_softmax + autograd) to 1e-10.
-Rank 0 prints the max diffs and writes them to RESULTS_JSON (argv[1]). Any mismatch raises.
+Rank 0 writes the max diffs to OUT/results.json. Any mismatch raises.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import WorkerSession, worker_session
 
 B, S, PADDED = 3, 7, 128
 # (temperature, vocab_size, dtype); vocab_size=60 leaves rank 1 with padding only.
@@ -76,15 +76,13 @@ def max_diffs(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
     return out
 
 
-def main() -> None:
-    from megatron_rlhf.parallel.distributed import init_distributed
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
 
-    env = init_distributed("cpu")
+    env, results = session.env, session.results
     tp_group = parallel_groups(Layout.for_world(2, 1, env.world_size)).pg_collection.tp
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     local = PADDED // tp_size
-    results: dict[str, float] = {}
     failures: list[str] = []
 
     for temperature, vocab_size, dtype in CASES:
@@ -120,18 +118,10 @@ def main() -> None:
         if tp_grad_shard.dtype != dtype:
             failures.append(f"{tag}: grad dtype {tp_grad_shard.dtype}")
 
-    if env.rank == 0:
-        for key, value in results.items():
-            print(f"{key}: max abs diff {value:.3e}")
-        if len(sys.argv) > 1:
-            Path(sys.argv[1]).write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
     if failures:
         raise AssertionError(f"rank {env.rank}: " + "; ".join(failures))
-    if env.rank == 0:
-        print("logprobs TP2 parity: OK")
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

@@ -7,7 +7,6 @@ then 2 offloading steps, save, a fresh model + optimizer, load, 2 steps: must eq
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,22 +14,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.resume_worker import batch_for
+from tests.launch import WorkerSession, worker_session
 
 LR = 3e-3
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.training.objectives import sft_loss
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import train_step
 
-    env = init_distributed("cpu")
-    out = Path(sys.argv[1])
+    env, out, results = session.env, session.out, session.results
 
     def fresh(fraction: float):
         role = build_role(
@@ -56,7 +54,6 @@ def main() -> None:
     plain_losses = run(plain, range(1))
     plain_one_step = weights(plain)
     plain_losses += run(plain, range(1, 4))
-    results = {}
     for fraction in (1.0, 0.5):
         state = fresh(fraction)
         hdo = state.optimizer.chained_optimizers[0].optimizer
@@ -89,9 +86,8 @@ def main() -> None:
             "resume_losses_equal": resumed_losses == losses[2:],
             "resume_bit_identical": all(torch.equal(b[k], c[k]) for k in b),
         }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

@@ -14,7 +14,6 @@ equal weights, and both models' padded vocabularies to OUT/results.json.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import make_chat_tokenizer, make_tiny_hf_model
+from tests.launch import WorkerSession, worker_session
 
 # A Qwen2 model with tied embeddings and a vocabulary of 600: padded to 640 at TP1 but 768 at TP2,
 # so a TP2 reference must take the TP1 actor's padding.
@@ -75,19 +75,16 @@ def save(role, directory: Path) -> None:
     save_hf_checkpoint(role.model, role.arch, role.groups, directory)
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.config.loader import load_config
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.trainer.ppo import ppo_step, set_up_ppo
     from megatron_rlhf.trainer.ppo_config import PPOConfig
 
-    env = init_distributed("cpu")
-    out = Path(sys.argv[1])
+    env, out, results = session.env, session.out, session.results
     if env.rank == 0:
         make_tiny_hf_model("qwen2", False, out / TIED, vocab_size=600)
         make_chat_tokenizer("qwen2", out / TIED)
     dist.barrier()
-    results: dict[str, dict] = {}
     for case, (steps, overrides) in CASES.items():
         overrides = [o.replace(TIED, str(out / TIED)) for o in overrides]
         cfg = load_config("ppo-tiny", [*COMMON, *overrides, f"output_dir={out / case / 'run'}"], schema=PPOConfig)
@@ -108,10 +105,8 @@ def main() -> None:
             )
         padded = {"actor": run.actor.role.padded_vocab_size, "reference": run.reference.padded_vocab_size}
         results[case] = {"padded_vocab": padded, "steps": records}
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

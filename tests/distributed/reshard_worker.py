@@ -18,7 +18,6 @@ Raises on any mismatch; rank 0 writes the measured figures to OUT/results.json.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import PAD_ID, make_tiny_hf_model
+from tests.launch import WorkerSession, worker_session
 
 PROMPT_LENGTHS = (3, 9, 5, 1, 7)
 NEW_TOKENS = 8
@@ -42,11 +42,10 @@ CASES = (
 )
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
     from megatron_rlhf.hybrid.reshard import WeightResharder
     from megatron_rlhf.models.architecture import load_architecture
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
@@ -55,9 +54,7 @@ def main() -> None:
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import forward_outputs, train_step
 
-    env = init_distributed("cpu")
-    out = Path(sys.argv[1])
-    results: dict[str, float | int | bool] = {}
+    env, out, results = session.env, session.out, session.results
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, PAD_ID, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     input_ids = torch.randint(0, PAD_ID, (4, 12), generator=g)
@@ -203,10 +200,7 @@ def main() -> None:
         if not same:
             raise AssertionError(f"zero copy at TP{tp}: refresh() did not return the source RoleModel itself")
 
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    dist.barrier()
-
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

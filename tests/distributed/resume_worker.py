@@ -7,15 +7,14 @@ C: load the same checkpoint at TP2xDP1, 1 step: must equal A to 1e-5 relative (F
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import load_all_tensors
+from tests.launch import WorkerSession, worker_session
 
 
 def batch_for(step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
@@ -28,17 +27,15 @@ def batch_for(step: int, dp_rank: int, dp: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids[rows], "attention_mask": mask[rows], "loss_mask": loss_mask[rows]}
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.training.objectives import sft_loss
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import train_step
 
-    env = init_distributed("cpu")
-    out = Path(sys.argv[1])
+    env, out, results = session.env, session.out, session.results
     optim = OptimConfig(lr=3e-3, warmup_steps=2, decay_style="cosine", decay_steps=10, min_lr=1e-4, clip_grad=1.0)
 
     def fresh(tp: int):
@@ -79,20 +76,18 @@ def main() -> None:
 
     if env.rank == 0:
         ta, tb, tc = (load_all_tensors(out / k) for k in "ABC")
-        results = {
-            "adam_steps_distinct_after_load": distinct,
-            "adam_step_values": step_values,
-            "resume_bit_identical": all(torch.equal(ta[k], tb[k]) for k in ta),
-            "resume_max_abs_diff": max((ta[k] - tb[k]).abs().max().item() for k in ta),
-            "reshard_max_rel_diff": max(((tc[k] - ta[k]).norm() / ta[k].norm()).item() for k in ta),
-        }
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-        print(json.dumps(results))
+        results.update(
+            adam_steps_distinct_after_load=distinct,
+            adam_step_values=step_values,
+            resume_bit_identical=all(torch.equal(ta[k], tb[k]) for k in ta),
+            resume_max_abs_diff=max((ta[k] - tb[k]).abs().max().item() for k in ta),
+            reshard_max_rel_diff=max(((tc[k] - ta[k]).norm() / ta[k].norm()).item() for k in ta),
+        )
         assert results["adam_steps_distinct_after_load"] and results["adam_step_values"] == [2.0], results
         assert results["resume_bit_identical"], results
         assert results["reshard_max_rel_diff"] < 1e-5, results
-    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session() as session:
+        main(session)

@@ -3,14 +3,13 @@ share succeeds and when one rank's share fails (a rule raises there, or hangs pa
 
     scoring_worker.py OUT
 
-Rows split over the ranks as the scorer splits them (row i on rank i % 2). Each rank writes
-OUT/rank<r>.json: per case, the gathered scores or the error it raised (type, message) and the
-seconds the case took.
+Rows split over the ranks as the scorer splits them (row i on rank i % 2). OUT/results.json holds,
+under "ranks", each rank's outcome of each case: the gathered scores or the error it raised (type,
+message), and the seconds the case took.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -19,10 +18,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megatron_rlhf.parallel.distributed import init_distributed
 from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.trainer.ppo import rollout_batch
+from tests.launch import WorkerSession, worker_session
 
 RELEASE = threading.Event()
 
@@ -46,9 +45,7 @@ def hangs_on_row_2(sample) -> float:
 CASES = {"ok": (length, 60.0), "raises_on_rank_1": (raises_on_row_3, 60.0), "hangs_on_rank_0": (hangs_on_row_2, 1.0)}
 
 
-def main(out: Path) -> None:
-    init_distributed("cpu")
-    rank = dist.get_rank()
+def main(session: WorkerSession) -> None:
     completions = [
         Completion(
             prompt_index=i // 2, sample_index=i % 2, prompt_ids=[5], token_ids=[7] * (i + 1), logprobs=[0.0] * (i + 1)
@@ -57,7 +54,7 @@ def main(out: Path) -> None:
     ]
     batch = rollout_batch(completions, 0)
     decode = lambda rows: [f"r{len(ids)}" for ids in rows]  # noqa: E731
-    results = {}
+    results: dict[str, dict] = {}
     for case, (rule, timeout_s) in CASES.items():
         scorer = Scorer(
             ScoringConfig(timeout_s=timeout_s),
@@ -76,9 +73,11 @@ def main(out: Path) -> None:
             results[case] = {"error": type(err).__name__, "message": str(err)}
         results[case]["seconds"] = time.monotonic() - start
     RELEASE.set()
-    dist.barrier()  # the collectives still line up after the failed cases
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    ranks: list[dict[str, dict]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(ranks, results)  # the collectives still line up after the failed cases
+    session.results["ranks"] = ranks
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    with worker_session() as session:
+        main(session)

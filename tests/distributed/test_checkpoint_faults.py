@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlhf.training.train import TEST_NAN_ENV
-from tests.distributed.test_lifecycle import _deterministic, _records, _run
+from megatron_rlhf.debug.faults import NAN_GRADIENTS_ENV
+from tests.distributed.test_lifecycle import _deterministic, _records
 from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
 from tests.helpers import load_all_tensors
+from tests.launch import run_cli
 
 
 @pytest.mark.distributed
@@ -23,15 +24,12 @@ def test_a_save_before_any_update_resumes_exactly(tmp_path: Path) -> None:
     train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(64, 0))
     args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "log_every=1", "save_every=1")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    first = _run(1, (*args, "max_steps=2", f"output_dir={resumed}"), **{TEST_NAN_ENV: "0:0:2"})
-    assert first.returncode == 0, first.stderr[-6000:]
+    run_cli(*args, "max_steps=2", f"output_dir={resumed}", env={NAN_GRADIENTS_ENV: "0:0:2"})
     assert (resumed / "checkpoints" / "latest").read_text().strip() == "step_2"
     # Without the hook: the resumed model has made no update either, and would get the NaNs again.
-    again = _run(1, (*args, "max_steps=4", f"output_dir={resumed}"))
-    assert again.returncode == 0, again.stderr[-6000:]
+    again = run_cli(*args, "max_steps=4", f"output_dir={resumed}")
     assert f"resumed from {resumed / 'checkpoints' / 'step_2'} at step 2" in again.stdout
-    whole = _run(1, (*args, "max_steps=4", f"output_dir={straight}"), **{TEST_NAN_ENV: "0:0:2"})
-    assert whole.returncode == 0, whole.stderr[-6000:]
+    run_cli(*args, "max_steps=4", f"output_dir={straight}", env={NAN_GRADIENTS_ENV: "0:0:2"})
     records = [_deterministic(r) for r in _records(resumed)]
     assert [r["update_skipped"] for r in records if r["split"] == "train"] == [1.0, 1.0, 0.0, 0.0]
     assert records == [_deterministic(r) for r in _records(straight)]

@@ -1,61 +1,288 @@
-"""The command line as a user runs it: subprocesses, exit codes, files on disk."""
+"""The command line as a user runs it: subprocesses, exit codes, files on disk.
+
+``CASES`` declares the runs that are one command each: its flags, the exit it must end with, what its
+output must say and which files it must not leave; one runner launches them all. A case whose check
+is more than that names a small check function. Runs that compare two launches follow the table.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import PAD_ID, REPO, hf_classes, make_tiny_hf_model, run_torchrun, subprocess_env
+from tests.distributed.test_ppo_verl import _verl_parquet
+from tests.distributed.test_sft_rm import _preference_rows, _write_jsonl
+from tests.helpers import PAD_ID, hf_classes, make_tiny_hf_model
+from tests.launch import run_cli
+
+Check = Callable[[Path, subprocess.CompletedProcess], None]
+"""A case's own assertions: its directory and the finished process."""
 
 
-def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_rlhf", *args],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
+@dataclass(frozen=True)
+class CliCase:
+    """One command line and what it must do. In ``args`` and the expected texts, ``{tmp}`` stands for
+    the case's own directory, where ``files`` are written (name -> contents) before the run."""
+
+    name: str
+    description: str
+    args: tuple[str, ...]
+    exit_code: int | None = 0  # None: any failure
+    nproc: int = 1
+    files: dict[str, str] = field(default_factory=dict)
+    prepare: Callable[[Path], object] | None = None  # inputs that are more than a text file
+    stdout_has: tuple[str, ...] = ()
+    stdout_lacks: tuple[str, ...] = ()
+    stderr_has: tuple[str, ...] = ()
+    stderr_once: tuple[str, ...] = ()  # said once in all, not once by every rank
+    absent: tuple[str, ...] = ()  # paths under {tmp} that the run must not create
+    check: Check | None = None
+    quotes_a_traceback: bool = False  # a failure that prints one: torchrun's, or the user's code's
+    builds_models: bool = True  # marked ``distributed``: starts torch.distributed and builds models
+
+
+def _defaults_without_config_are_named(tmp: Path, proc: subprocess.CompletedProcess) -> None:
+    assert "(default: none, the library defaults)" in " ".join(proc.stdout.split())  # argparse wraps lines
+
+
+def _verl_parquet_in(tmp: Path) -> None:
+    _verl_parquet(tmp / "train.parquet", 8)
+
+
+def _rm_rows_in(tmp: Path) -> None:
+    _write_jsonl(tmp / "train.jsonl", _preference_rows(16, 2))
+
+
+def _error_names_the_exiting_function(tmp: Path, proc: subprocess.CompletedProcess) -> None:
+    error = proc.stderr[proc.stderr.index("megatron-rlhf: error: ") :]
+    assert error.startswith(
+        f"megatron-rlhf: error: custom reward function 'compute_score' ({tmp / 'exits.py'}) on sample 0 "
+        "(data_source 'openai/gsm8k', response "
     )
+    assert f'File "{tmp / "exits.py"}", line 5, in compute_score' in error
+    assert error.rstrip().endswith("SystemExit: 0")
 
 
-def test_help_lists_every_command() -> None:
-    proc = _cli("--help")
-    assert proc.returncode == 0
-    for command in ("smoke", "config", "convert"):
-        assert command in proc.stdout
+BUILT = "build+load"
+"""What a run prints once it has built its models."""
+ROW_FOR_EVERY_TRAINER = '{"prompt": "a", "response": "b", "chosen": "b", "rejected": "c"}\n'
+VERL_PPO = (
+    "ppo",
+    "--config",
+    "ppo-tiny",
+    "data.train=[{tmp}/train.parquet]",
+    "max_steps=2",
+    "prompts_per_step=4",
+    "scoring.use_reward_model=false",
+    "scoring.rules=[]",
+    "data.apply_chat_template=false",
+    "data.prompt_key=ability",
+    "output_dir={tmp}/run",
+)
+
+CASES: list[CliCase] = [
+    CliCase(
+        "help",
+        "--help lists every command",
+        ("--help",),
+        stdout_has=("smoke", "config", "convert", "sft", "rm"),
+        builds_models=False,
+    ),
+    CliCase(
+        "rm_help",
+        "a trainer's help names its demo preset and says what runs without --config",
+        ("rm", "--help"),
+        stdout_has=("a preset name (rm-tiny)",),
+        check=_defaults_without_config_are_named,
+        builds_models=False,
+    ),
+    CliCase(
+        "config_override",
+        "config prints the tree with dotlist overrides applied",
+        ("config", "actor.tp=2", "seed=7"),
+        stdout_has=("seed: 7", "tp: 2"),
+        builds_models=False,
+    ),
+    CliCase(
+        "config_unknown_key",
+        "a misspelt key is refused with the nearest real one",
+        ("config", "actor.tpp=2"),
+        exit_code=2,
+        stderr_has=("unknown key 'actor.tpp'; did you mean 'actor.tp'?",),
+        builds_models=False,
+    ),
+    CliCase(
+        "invalid_layout",
+        "a layout that cannot divide the model is reported once, before anything is built",
+        ("smoke", "output_dir={tmp}/run", "reference.tp=4"),
+        nproc=4,
+        exit_code=None,
+        quotes_a_traceback=True,
+        stderr_once=("reference.tp=4 must divide num_key_value_heads=2 (model builtin:tiny-llama)",),
+        stdout_lacks=(BUILT,),
+    ),
+    CliCase(
+        "convert_tp_not_dividing_heads",
+        "convert refuses a TP that divides neither head count, and writes nothing",
+        ("convert", "hf-to-mcore", "{tmp}/hf", "{tmp}/ckpt", "--tp", "3"),
+        exit_code=2,
+        prepare=lambda tmp: make_tiny_hf_model("llama", False, tmp / "hf"),
+        stderr_has=("--tp=3 must divide num_attention_heads=4", "--tp=3 must divide num_key_value_heads=2"),
+        absent=("ckpt",),
+        builds_models=False,
+    ),
+    CliCase(
+        "generate_missing_column",
+        "generate names the file and the column a prompt row lacks",
+        ("generate", "--model", "builtin:tiny-llama", "--input", "{tmp}/bad.jsonl", "--output", "{tmp}/o.jsonl"),
+        exit_code=2,
+        files={"bad.jsonl": '{"question": "hi"}\n'},
+        stderr_has=("{tmp}/bad.jsonl", "prompt"),
+        builds_models=False,
+    ),
+    *(
+        CliCase(
+            f"{command}_output_dir_under_a_file",
+            "an output_dir below a file is a named error, not a traceback",
+            (command, "--config", f"{command}-tiny", "output_dir={tmp}/somefile/run", "data.train=[{tmp}/rows.jsonl]"),
+            exit_code=2,
+            files={"somefile": "", "rows.jsonl": ROW_FOR_EVERY_TRAINER},
+            stderr_has=("output_dir='{tmp}/somefile/run': {tmp}/somefile is a file, not a directory",),
+            stdout_lacks=(BUILT,),
+            builds_models=False,
+        )
+        for command in ("ppo", "sft", "rm")
+    ),
+    *(
+        CliCase(
+            f"{command}_missing_dataset",
+            "a dataset path that does not exist fails before the run writes or builds anything",
+            (command, "--config", f"{command}-tiny", "output_dir={tmp}/run", "data.train=[/nope.jsonl]"),
+            exit_code=2,
+            stderr_has=("data.train: dataset path '/nope.jsonl' does not exist",),
+            stdout_lacks=(BUILT,),
+            absent=("run",),  # no config.yaml left behind
+            builds_models=False,
+        )
+        for command in ("ppo", "sft", "rm")
+    ),
+    *(
+        CliCase(
+            f"{command}_rows_without_columns",
+            "rows without the trainer's columns fail before the run writes or builds anything",
+            (command, "--config", f"{command}-tiny", "output_dir={tmp}/run", "data.train=[{tmp}/rows.jsonl]"),
+            exit_code=2,
+            files={"rows.jsonl": '{"question": "a"}\n'},
+            stderr_has=("{tmp}/rows.jsonl", "no column 'prompt'"),
+            stdout_lacks=(BUILT,),
+            absent=("run",),
+            builds_models=False,
+        )
+        for command in ("ppo", "sft", "rm")
+    ),
+    *(
+        CliCase(
+            f"sft_missing_response_column_{num_workers}_workers",
+            "the same message whether the row is read here or in a data-loading worker process",
+            (
+                "sft",
+                "--config",
+                "sft-tiny",
+                "data.train=[{tmp}/no-response.jsonl]",
+                "output_dir={tmp}/run",
+                f"data.num_workers={num_workers}",
+            ),
+            exit_code=2,
+            files={"no-response.jsonl": '{"prompt": "a b c =", "answer": " c b a"}\n'},
+            stderr_has=("{tmp}/no-response.jsonl", "no column 'response'"),
+        )
+        for num_workers in (0, 2)
+    ),
+    CliCase(
+        "rm_global_batch_not_divisible_by_dp",
+        "a global batch that DP cannot split is a config error, said once by rank 0",
+        ("rm", "--config", "rm-tiny", "data.train=[{tmp}/train.jsonl]", "global_batch_size=3", "output_dir={tmp}/run"),
+        nproc=2,
+        exit_code=None,
+        prepare=_rm_rows_in,
+        quotes_a_traceback=True,
+        stderr_once=("global_batch_size=3 must be divisible by the data-parallel size dp=2",),
+        stdout_lacks=(BUILT,),
+    ),
+    CliCase(
+        "verl_reward_function_exits",
+        "a compute_score that calls sys.exit(0) ends the run with exit 2 and the function's error (it used to "
+        "end it with exit 0, no message and no model)",
+        (*VERL_PPO, "scoring.custom_function.path={tmp}/exits.py"),
+        exit_code=2,
+        files={
+            "exits.py": "import sys\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    sys.exit(0)\n"
+        },
+        prepare=_verl_parquet_in,
+        absent=("run/hf",),
+        quotes_a_traceback=True,
+        check=_error_names_the_exiting_function,
+    ),
+    CliCase(
+        "verl_gsm8k_signature",
+        "a compute_score with verl's gsm8k signature (no data_source, no extra_info) is refused before anything "
+        "is built",
+        (*VERL_PPO, "scoring.custom_function.path={tmp}/gsm8k.py"),
+        exit_code=2,
+        files={
+            "gsm8k.py": "def compute_score(solution_str, ground_truth, method='strict', format_score=0.0, "
+            "score=1.0):\n    return 0.0\n"
+        },
+        prepare=_verl_parquet_in,
+        stderr_has=(
+            "scoring.custom_function.name='compute_score': compute_score(solution_str, ground_truth, "
+            "method='strict', format_score=0.0, score=1.0) in {tmp}/gsm8k.py cannot be called as verl calls a "
+            "reward function, compute_score(data_source=, solution_str=, ground_truth=, extra_info=)",
+        ),
+        stdout_lacks=(BUILT,),
+    ),
+]
 
 
-def test_config_override_and_unknown_key() -> None:
-    proc = _cli("config", "actor.tp=2", "seed=7")
-    assert proc.returncode == 0, proc.stderr
-    assert "seed: 7" in proc.stdout and "tp: 2" in proc.stdout
-    bad = _cli("config", "actor.tpp=2")
-    assert bad.returncode == 2
-    assert "unknown key 'actor.tpp'; did you mean 'actor.tp'?" in bad.stderr
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, id=c.name, marks=[pytest.mark.distributed] if c.builds_models else []) for c in CASES],
+)
+def test_cli_case(case: CliCase, tmp_path: Path) -> None:
+    def here(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path))
 
-
-@pytest.mark.distributed
-def test_smoke_run_single_process(tmp_path: Path) -> None:
-    proc = _cli("smoke", f"output_dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"torch {torch.__version__}, CUDA " in proc.stdout  # the versions line a health check shows
-    report = json.loads((tmp_path / "smoke.json").read_text())
-    assert set(report) == {"actor", "critic", "reference", "reward"}
-    # actor and reference load the same built-in weights: same outputs.
-    assert report["actor"]["output_mean"] == report["reference"]["output_mean"]
+    for name, contents in case.files.items():
+        (tmp_path / name).write_text(contents)
+    if case.prepare is not None:
+        case.prepare(tmp_path)
+    proc = run_cli(*map(here, case.args), nproc=case.nproc, exit_code=case.exit_code)
+    for text in map(here, case.stdout_has):
+        assert text in proc.stdout, (text, proc.stdout[-3000:])
+    for text in map(here, case.stderr_has):
+        assert text in proc.stderr, (text, proc.stderr[-3000:])
+    for text in map(here, case.stderr_once):
+        assert proc.stderr.count(text) == 1, (text, proc.stderr[-3000:])
+    for text in map(here, case.stdout_lacks):
+        assert text not in proc.stdout, (text, proc.stdout[-3000:])
+    for path in case.absent:
+        assert not (tmp_path / path).exists(), path
+    if case.exit_code != 0 and not case.quotes_a_traceback:  # a user's error is named, not a traceback
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if case.check is not None:
+        case.check(tmp_path, proc)
 
 
 @pytest.mark.distributed
 def test_smoke_run_per_model_layouts_under_torchrun(tmp_path: Path) -> None:
-    proc = run_torchrun(
-        REPO / "megatron_rlhf" / "__main__.py",
-        4,
+    proc = run_cli(
         "smoke",
         f"output_dir={tmp_path}",
         "actor.tp=2",
@@ -63,14 +290,17 @@ def test_smoke_run_per_model_layouts_under_torchrun(tmp_path: Path) -> None:
         "critic.pp=2",
         "reference.tp=2",
         "reward.tp=1",
+        nproc=4,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     for layout in ("TP2xPP2xDP1", "TP1xPP2xDP2", "TP2xPP1xDP2", "TP1xPP1xDP4"):
         assert layout in proc.stdout
-    single = _cli("smoke", f"output_dir={tmp_path / 'single'}")
-    assert single.returncode == 0, single.stderr[-4000:]
+    single = run_cli("smoke", f"output_dir={tmp_path / 'single'}")
+    assert f"torch {torch.__version__}, CUDA " in single.stdout  # the versions line a health check shows
     multi = json.loads((tmp_path / "smoke.json").read_text())
     ref = json.loads((tmp_path / "single" / "smoke.json").read_text())
+    assert set(ref) == {"actor", "critic", "reference", "reward"}
+    # actor and reference load the same built-in weights: same outputs.
+    assert ref["actor"]["output_mean"] == ref["reference"]["output_mean"]
     for role in ("actor", "critic", "reference", "reward"):
         assert abs(multi[role]["output_mean"] - ref[role]["output_mean"]) < 1e-5
         assert abs(multi[role]["output_std"] - ref[role]["output_std"]) < 1e-5
@@ -79,44 +309,13 @@ def test_smoke_run_per_model_layouts_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_convert_round_trip_loads_in_transformers(tmp_path: Path) -> None:
     original = make_tiny_hf_model("qwen3", False, tmp_path / "hf")
-    to_mcore = run_torchrun(
-        REPO / "megatron_rlhf" / "__main__.py",
-        4,
-        "convert",
-        "hf-to-mcore",
-        str(tmp_path / "hf"),
-        str(tmp_path / "ckpt"),
-        "--tp",
-        "2",
-        "--pp",
-        "2",
-    )
-    assert to_mcore.returncode == 0, to_mcore.stderr[-4000:]
-    to_hf = _cli("convert", "mcore-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    assert to_hf.returncode == 0, to_hf.stderr[-4000:]
+    run_cli("convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2", nproc=4)
+    run_cli("convert", "mcore-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"))
     _, lm_cls, _ = hf_classes("qwen3")
     reloaded = lm_cls.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     ids = torch.randint(0, PAD_ID, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, original(ids).logits)
-
-
-@pytest.mark.distributed
-def test_invalid_layout_is_reported_once_before_anything_is_built(tmp_path: Path) -> None:
-    proc = run_torchrun(REPO / "megatron_rlhf" / "__main__.py", 4, "smoke", f"output_dir={tmp_path}", "reference.tp=4")
-    assert proc.returncode != 0
-    message = "reference.tp=4 must divide num_key_value_heads=2 (model builtin:tiny-llama)"
-    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
-    assert "build+load" not in proc.stdout
-
-
-def test_convert_refuses_tp_not_dividing_heads(tmp_path: Path) -> None:
-    make_tiny_hf_model("llama", False, tmp_path / "hf")
-    proc = _cli("convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--tp", "3")
-    assert proc.returncode == 2
-    assert "--tp=3 must divide num_attention_heads=4" in proc.stderr
-    assert "--tp=3 must divide num_key_value_heads=2" in proc.stderr
-    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.distributed
@@ -136,19 +335,8 @@ def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
         "--max-batch-size",
         "2",
     ]
-    single = _cli("generate", *common, "--output", str(tmp_path / "tp1.jsonl"))
-    assert single.returncode == 0, single.stderr[-4000:]
-    multi = run_torchrun(
-        REPO / "megatron_rlhf" / "__main__.py",
-        2,
-        "generate",
-        *common,
-        "--tp",
-        "2",
-        "--output",
-        str(tmp_path / "tp2.jsonl"),
-    )
-    assert multi.returncode == 0, multi.stderr[-4000:]
+    run_cli("generate", *common, "--output", str(tmp_path / "tp1.jsonl"))
+    run_cli("generate", *common, "--tp", "2", "--output", str(tmp_path / "tp2.jsonl"), nproc=2)
     rows1 = [json.loads(line) for line in (tmp_path / "tp1.jsonl").read_text().splitlines()]
     rows2 = [json.loads(line) for line in (tmp_path / "tp2.jsonl").read_text().splitlines()]
     assert [r["prompt_index"] for r in rows1] == [0, 1, 2]
@@ -156,41 +344,3 @@ def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
     assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows1)
     for a, b in zip(rows1, rows2, strict=True):
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < 1e-5
-
-
-def test_generate_command_names_a_missing_column(tmp_path: Path) -> None:
-    prompts = tmp_path / "bad.jsonl"
-    prompts.write_text('{"question": "hi"}\n')
-    proc = _cli(
-        "generate", "--model", "builtin:tiny-llama", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl")
-    )
-    assert proc.returncode == 2
-    assert str(prompts) in proc.stderr and "prompt" in proc.stderr
-
-
-@pytest.mark.parametrize("command", ["ppo", "sft", "rm"])
-def test_output_dir_under_a_file_is_a_named_error_not_a_traceback(command: str, tmp_path: Path) -> None:
-    blocker = tmp_path / "somefile"
-    blocker.write_text("")
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"prompt": "a", "response": "b", "chosen": "b", "rejected": "c"}\n')
-    proc = _cli(command, "--config", f"{command}-tiny", f"output_dir={blocker / 'run'}", f"data.train=[{rows}]")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"output_dir='{blocker / 'run'}': {blocker} is a file, not a directory" in proc.stderr
-    assert "Traceback" not in proc.stderr and "build+load" not in proc.stdout
-
-
-@pytest.mark.parametrize("command", ["ppo", "sft", "rm"])
-def test_unusable_data_fails_before_the_run_writes_or_builds_anything(command: str, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    missing = _cli(command, "--config", f"{command}-tiny", f"output_dir={out}", "data.train=[/nope.jsonl]")
-    assert missing.returncode == 2, missing.stderr[-3000:]
-    assert "data.train: dataset path '/nope.jsonl' does not exist" in missing.stderr
-    no_columns = tmp_path / "rows.jsonl"
-    no_columns.write_text('{"question": "a"}\n')
-    bad_rows = _cli(command, "--config", f"{command}-tiny", f"output_dir={out}", f"data.train=[{no_columns}]")
-    assert bad_rows.returncode == 2, bad_rows.stderr[-3000:]
-    assert str(no_columns) in bad_rows.stderr and "no column 'prompt'" in bad_rows.stderr
-    for proc in (missing, bad_rows):
-        assert "Traceback" not in proc.stderr and "build+load" not in proc.stdout
-    assert not out.exists()  # no config.yaml left behind

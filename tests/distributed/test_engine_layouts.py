@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 
@@ -16,13 +16,8 @@ WORKER = Path(__file__).with_name("engine_worker.py")
 @pytest.mark.distributed
 def test_logprobs_and_updates_match_tp1_in_every_layout(tmp_path: Path) -> None:
     reference, compare = tmp_path / "reference", tmp_path / "compare"
-    reference.mkdir()
-    compare.mkdir()
-    proc = run_torchrun(WORKER, 1, str(reference), "reference")
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    proc = run_torchrun(WORKER, 4, str(compare), "compare", str(reference))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((compare / "results.json").read_text())
+    reference_results = run_worker(WORKER, 1, reference, "reference")
+    results = run_worker(WORKER, 4, compare, "compare", str(reference))
     print(json.dumps(results, indent=1))
     for layout in ("tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"):
         for label in ("logprobs_t1", "logprobs_t07", "entropy"):
@@ -30,4 +25,4 @@ def test_logprobs_and_updates_match_tp1_in_every_layout(tmp_path: Path) -> None:
         assert results[f"{layout}/actor_update_max_rel_diff"] < 1e-5
         assert results[f"{layout}/critic_update_max_rel_diff"] < 1e-5
     assert results["tp2pp2/split_independence_rel"] < 1e-5
-    assert json.loads((reference / "results.json").read_text())["split_independence_rel"] < 1e-5
+    assert reference_results["split_independence_rel"] < 1e-5

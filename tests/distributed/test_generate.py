@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("generate_worker.py")
 
@@ -18,9 +17,7 @@ WORKER = Path(__file__).with_name("generate_worker.py")
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engine_matches_hf_and_trainer(tp: int, tmp_path: Path) -> None:
-    proc = run_torchrun(WORKER, tp, str(tmp_path), str(tp))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = run_worker(WORKER, tp, tmp_path, str(tp))
     assert all(v == 0 for k, v in results.items() if k.endswith("greedy_mismatches"))
     assert all(v < 1e-5 for k, v in results.items() if "logprob_max_abs_diff" in k)
     # Both decode paths meet HF above: the engine's own layer forward, and megatron's modules for

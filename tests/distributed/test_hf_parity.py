@@ -3,22 +3,19 @@ all families: each launch costs its ranks' imports)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAMILIES, run_torchrun
+from tests.helpers import FAMILIES
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("hf_parity_worker.py")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("hf_parity")
-    proc = run_torchrun(WORKER, 4, str(out), ",".join(FAMILIES))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads((out / "results.json").read_text())
+    return run_worker(WORKER, 4, tmp_path_factory.mktemp("hf_parity"), ",".join(FAMILIES))
 
 
 @pytest.mark.distributed

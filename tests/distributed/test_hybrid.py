@@ -3,13 +3,12 @@ one generation engine per run, its memory freed after each rollout or kept."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("hybrid_worker.py")
 
@@ -17,17 +16,17 @@ WORKER = Path(__file__).with_name("hybrid_worker.py")
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["offload", "keep"])
 def test_hybrid_generation_follows_training(mode: str, tmp_path: Path) -> None:
-    proc = run_torchrun(WORKER, 2, str(tmp_path), mode)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = run_worker(WORKER, 2, tmp_path, mode)
     assert results["round0_mismatches"] == 0 and results["round1_mismatches"] == 0
     assert results["tokens_changed_by_step"]
-    assert "generation weights (reshard)" in results["round1_phases"]
+    assert "timing_s/generation_weights_reshard" in results["round1_phases"]
     if mode == "offload":  # the generation copy and the KV cache exist only while generating
         assert results["round0_copy_bytes_after"] == 0 and results["round1_copy_bytes_after"] == 0
         assert results["round0_kv_pointer"] is None and results["round1_kv_pointer"] is None
     else:  # kept, and refreshed in place: the addresses a CUDA graph would read stay valid
-        assert results["round0_copy_bytes_after"] > 0 and "free generation memory" not in results["round1_phases"]
+        assert (
+            results["round0_copy_bytes_after"] > 0 and "timing_s/free_generation_memory" not in results["round1_phases"]
+        )
         assert results["round0_copy_pointer"] == results["round1_copy_pointer"]
         assert results["round0_kv_pointer"] == results["round1_kv_pointer"] is not None
 
@@ -40,6 +39,7 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
     the same weights with the same seed."""
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.engine import HybridEngine
+    from megatron_rlhf.metrics.phases import PhaseTimer
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
@@ -65,10 +65,11 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
     caches, kv_pointers, tokens = [], set(), []
     for rollout in range(3):
         params = SamplingParams(temperature=1.0, n=2, max_new_tokens=10, ignore_eos=True, seed=rollout)
-        completions, reports = hybrid.generate(prompts, params)
+        timer = PhaseTimer(torch.device("cpu"))
+        completions = hybrid.generate(prompts, params, timer)
         assert hybrid.engine is engine
         if offload:
-            assert engine.kv_cache is None and "free generation memory" in [r.phase for r in reports]
+            assert engine.kv_cache is None and "timing_s/free_generation_memory" in timer.step_metrics()
         else:
             caches.append(engine.kv_cache)
             kv_pointers.add(engine.kv_cache.data.data_ptr())
@@ -81,7 +82,5 @@ def test_one_engine_serves_every_rollout(offload: bool, world_of_one) -> None:
         train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=64)
     assert len(kv_pointers) == (0 if offload else 1) and all(cache is caches[0] for cache in caches)
     # Generating again with the first rollout's seed gives other tokens: the steps changed the weights.
-    again, _ = hybrid.generate(
-        prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, ignore_eos=True, seed=0)
-    )
+    again = hybrid.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, ignore_eos=True, seed=0))
     assert [c.token_ids for c in again] != tokens[0]

@@ -11,7 +11,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,38 +18,17 @@ import pytest
 import torch
 
 import megatron_rlhf
-from megatron_rlhf.checkpoint.run_checkpoint import TEST_SLOW_SAVE_ENV
+from megatron_rlhf.debug.faults import NAN_GRADIENTS_ENV, SLOW_SAVE_ENV
 from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
-from tests.helpers import REPO, load_all_tensors, subprocess_env
-
-MAIN = REPO / "megatron_rlhf" / "__main__.py"
-
-
-def _command(nproc: int, args: tuple[str, ...]) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "megatron_rlhf", *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(MAIN),
-        *args,
-    ]
-
-
-def _run(nproc: int, args: tuple[str, ...], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        _command(nproc, args), env={**subprocess_env(), **env}, capture_output=True, text=True, timeout=600
-    )
+from tests.helpers import load_all_tensors
+from tests.launch import REPO, command, run_cli, subprocess_env
 
 
 def _run_killed_after_first_checkpoint(nproc: int, args: tuple[str, ...], out: Path) -> None:
     """Start the run; SIGKILL it and every process under it (torchrun starts its workers in their
     own sessions) as soon as a checkpoint is complete (``checkpoints/latest`` exists)."""
     proc = subprocess.Popen(
-        _command(nproc, args), env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command(nproc, *args), env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
@@ -85,8 +63,7 @@ def _deterministic(record: dict) -> dict:
 
 def _straight_run(nproc: int, args: tuple[str, ...], straight: Path) -> Path:
     """An uninterrupted run of ``args`` into ``straight``: the reference of resumed runs."""
-    first = _run(nproc, (*args, f"output_dir={straight}"))
-    assert first.returncode == 0, first.stderr[-6000:]
+    run_cli(*args, f"output_dir={straight}", nproc=nproc)
     return straight
 
 
@@ -104,8 +81,7 @@ def _check_resume_matches(
     resumed = root / "resumed"
     straight = straight or _straight_run(nproc, args, root / "straight")
     _run_killed_after_first_checkpoint(nproc, (*args, *resumed_args, f"output_dir={resumed}"), resumed)
-    again = _run(nproc, (*args, *resumed_args, f"output_dir={resumed}"))
-    assert again.returncode == 0, again.stderr[-6000:]
+    again = run_cli(*args, *resumed_args, f"output_dir={resumed}", nproc=nproc)
     step = int(again.stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
     assert 0 < step < total, again.stdout[-3000:]
     records = _records(resumed)
@@ -245,11 +221,9 @@ def test_checkpoint_resumes_in_another_layout(tmp_path: Path, saved_layout: str)
     uninterrupted run's per-step losses (to 1e-5: only the summation order changes)."""
     train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
     args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "max_steps=6", "save_every=3")
-    sharded = _run(2, (*args, saved_layout, f"output_dir={tmp_path / 'sharded'}"))
-    assert sharded.returncode == 0, sharded.stderr[-6000:]
+    run_cli(*args, saved_layout, f"output_dir={tmp_path / 'sharded'}", nproc=2)
     checkpoint = tmp_path / "sharded" / "checkpoints" / "step_3"
-    single = _run(1, (*args, f"resume={checkpoint}/", f"output_dir={tmp_path / 'single'}/"))  # trailing slashes
-    assert single.returncode == 0, single.stderr[-6000:]
+    single = run_cli(*args, f"resume={checkpoint}/", f"output_dir={tmp_path / 'single'}/")  # trailing slashes
     assert f"resumed from {checkpoint} at step 3" in single.stdout
     expected = {r["step"]: r["loss"] for r in _records(tmp_path / "sharded") if r["step"] > 3}
     got = {r["step"]: r["loss"] for r in _records(tmp_path / "single")}
@@ -272,9 +246,9 @@ def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -
         "rollout.sampling.max_new_tokens=12",
     )
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert _run(1, (*args, f"output_dir={straight}")).returncode == 0
+    run_cli(*args, f"output_dir={straight}")
     proc = subprocess.Popen(
-        _command(1, (*args, f"output_dir={stopped}")),
+        command(1, *args, f"output_dir={stopped}"),
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -289,8 +263,7 @@ def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -
     assert "SIGTERM received" in out and not (stopped / "hf").exists()
     step = int((stopped / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 1 <= step < 8
-    again = _run(1, (*args, f"output_dir={stopped}"))
-    assert again.returncode == 0, again.stderr[-6000:]
+    again = run_cli(*args, f"output_dir={stopped}")
     assert f"at step {step}" in again.stdout
     assert [_deterministic(r) for r in _records(stopped)] == [_deterministic(r) for r in _records(straight)]
     a, b = load_all_tensors(straight / "hf"), load_all_tensors(stopped / "hf")
@@ -320,18 +293,15 @@ def test_diverging_sft_stops_with_exit_3_and_exports_nothing(tmp_path: Path, sft
     """optim.lr=1e12: the loss turns NaN at step 3. Without a checkpoint the run stops at once; with
     one it rolls back, redoes steps 3-5 with another data order, diverges again and stops."""
     out = tmp_path / "run"
-    proc = _run(
-        1,
-        (
-            *SFT,
-            f"data.train=[{sft_train}]",
-            "optim.lr=1e12",
-            "max_steps=8",
-            f"save_every={save_every}",
-            f"output_dir={out}",
-        ),
+    proc = run_cli(
+        *SFT,
+        f"data.train=[{sft_train}]",
+        "optim.lr=1e12",
+        "max_steps=8",
+        f"save_every={save_every}",
+        f"output_dir={out}",
+        exit_code=3,
     )
-    assert proc.returncode == 3, proc.stderr[-6000:]
     assert "steps 3-5: 3 updates in a row skipped" in proc.stderr
     assert ("no checkpoint to roll back to" if save_every == 0 else "again after a rollback") in proc.stderr
     assert not (out / "hf").exists() and not (out / "result.json").exists()
@@ -346,10 +316,14 @@ def test_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path: Path, sft_trai
     """NaN gradients on rank 1 only (data-parallel over 2 ranks), once: step 3's update is skipped
     on both ranks (the LR schedule waits too) and the run ends normally with finite weights."""
     out = tmp_path / "run"
-    proc = _run(
-        2, (*SFT, f"data.train=[{sft_train}]", "max_steps=5", f"output_dir={out}"), MEGATRON_RLHF_TEST_NAN="1:2:1"
+    run_cli(
+        *SFT,
+        f"data.train=[{sft_train}]",
+        "max_steps=5",
+        f"output_dir={out}",
+        nproc=2,
+        env={NAN_GRADIENTS_ENV: "1:2:1"},
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
     train = [r for r in _strict_records(out) if r["split"] == "train"]
     assert [r["update_skipped"] for r in train] == [0.0, 0.0, 1.0, 0.0, 0.0]
     assert train[2]["grad_norm"] is None and train[3]["lr"] == train[2]["lr"]
@@ -361,12 +335,14 @@ def test_rollback_with_another_data_order_recovers(tmp_path: Path, sft_train: Pa
     """Three NaN updates in a row after a checkpoint at step 2: back to step 2, steps 3-5 again with
     other batches (the NaNs are spent), and the run completes."""
     out = tmp_path / "run"
-    proc = _run(
-        1,
-        (*SFT, f"data.train=[{sft_train}]", "max_steps=6", "save_every=2", f"output_dir={out}"),
-        MEGATRON_RLHF_TEST_NAN="0:2:3",
+    run_cli(
+        *SFT,
+        f"data.train=[{sft_train}]",
+        "max_steps=6",
+        "save_every=2",
+        f"output_dir={out}",
+        env={NAN_GRADIENTS_ENV: "0:2:3"},
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
     records = _strict_records(out)
     assert [(r["split"], r["step"]) for r in records if r["split"] != "train" or r["step"] > 2] == [
         ("train", 3),
@@ -392,7 +368,7 @@ def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sf
     out = tmp_path / "run"
     log = (tmp_path / "log").open("w")
     proc = subprocess.Popen(
-        _command(2, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=10", f"output_dir={out}")),
+        command(2, *SFT, f"data.train=[{sft_train}]", "max_steps=100000", "dist_timeout_s=10", f"output_dir={out}"),
         env=subprocess_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -423,8 +399,7 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
     config with that one's), deletes the leftovers, and redoes the steps with the same losses."""
     out = tmp_path / "run"
     args = (*SFT, f"data.train=[{sft_train}]", "save_every=2", "keep_last=3", f"output_dir={out}")
-    first = _run(1, (*args, "max_steps=6"))
-    assert first.returncode == 0, first.stderr[-6000:]
+    run_cli(*args, "max_steps=6")
     losses = {r["step"]: r["loss"] for r in _records(out)}
     shard = out / "checkpoints" / "step_4" / "models" / "actor" / "dist" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -434,8 +409,7 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
     config.write_bytes(b"\xff\xfe" + config.read_bytes())
     (out / "checkpoints" / "step_8.tmp" / "models").mkdir(parents=True)
     (out / "checkpoints" / "latest.tmp").write_text("step_8\n")
-    again = _run(1, (*args, "max_steps=8"))
-    assert again.returncode == 0, again.stderr[-6000:]
+    again = run_cli(*args, "max_steps=8")
     assert f"step_6 is unusable: {config}: changed since the save" in again.stdout
     assert "step_4 is unusable" in again.stdout and "__0_0.distcp" in again.stdout
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
@@ -466,7 +440,7 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
     )
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
-        _command(2, args), env={**subprocess_env(), TEST_SLOW_SAVE_ENV: "4:600"}, stdout=log, stderr=subprocess.STDOUT
+        command(2, *args), env=subprocess_env(**{SLOW_SAVE_ENV: "4:600"}), stdout=log, stderr=subprocess.STDOUT
     )
     partial = out / "checkpoints" / "step_4.tmp"
     deadline = time.monotonic() + 600
@@ -480,8 +454,7 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
     proc.wait()
     assert any(partial.rglob("*.distcp")), (tmp_path / "killed.log").read_text()[-5000:]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
-    again = _run(2, args)
-    assert again.returncode == 0, again.stderr[-6000:]
+    again = run_cli(*args, nproc=2)
     assert f"removed {partial}: an interrupted save" in again.stdout
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6"]
@@ -495,10 +468,8 @@ def test_start_up_report_names_versions_layouts_and_the_resumed_step(tmp_path: P
     each checkpointed model's layout, and the checkpoint step a resumed run continues from."""
     out = tmp_path / "run"
     args = (*SFT, f"data.train=[{sft_train}]", f"output_dir={out}")
-    fresh = _run(1, (*args, "max_steps=2"))
-    assert fresh.returncode == 0, fresh.stderr[-6000:]
-    resumed = _run(1, (*args, "max_steps=3"))
-    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    fresh = run_cli(*args, "max_steps=2")
+    resumed = run_cli(*args, "max_steps=3")
     commit = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -526,17 +497,17 @@ def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_pat
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"split": "train", "step": 1}\n')
     args = (*SFT, f"data.train=[{sft_train}]", "max_steps=1", f"output_dir={out}")
-    refused = _run(1, args)
-    assert refused.returncode == 2 and "holds another run's files (metrics.jsonl)" in refused.stderr
+    refused = run_cli(*args, exit_code=2)
+    assert "holds another run's files (metrics.jsonl)" in refused.stderr
     assert "overwrite=true" in refused.stderr
-    assert _run(1, (*args, "overwrite=true")).returncode == 0
+    run_cli(*args, "overwrite=true")
 
 
 @pytest.mark.distributed
 def test_sigint_saves_and_exits_130_and_a_second_signal_exits_at_once(tmp_path: Path, sft_train: Path) -> None:
     def started(out: Path) -> subprocess.Popen:
         proc = subprocess.Popen(
-            _command(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}")),
+            command(1, *SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}"),
             env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

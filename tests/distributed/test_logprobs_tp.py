@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("logprobs_worker.py")
 
 
 @pytest.mark.distributed
 def test_tp2_logprobs_entropy_and_grads_match_tp1(tmp_path: Path) -> None:
-    results_json = tmp_path / "results.json"
-    proc = run_torchrun(WORKER, 2, str(results_json), timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert "logprobs TP2 parity: OK" in proc.stdout
-    results = json.loads(results_json.read_text())
+    results = run_worker(WORKER, 2, tmp_path, timeout=300)
     for key, value in results.items():  # the worker checks 1e-6 + 1e-6 |ref| (float32), 1e-10 (float64)
         assert value < (1e-10 if "float64" in key else 2e-5), key
     # Every case compared every quantity, and float64 also against the float64 reference.

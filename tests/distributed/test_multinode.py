@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, subprocess_env
+from tests.launch import REPO, subprocess_env
 
 
 def _free_port() -> int:

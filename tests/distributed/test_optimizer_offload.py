@@ -3,22 +3,19 @@ rounding, bit-exact resume (torchrun, 1 rank, bf16 on CPU)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.offload_worker import LR
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("offload_worker.py")
 
 
 @pytest.mark.distributed
 def test_offloaded_optimizer_trains_like_the_plain_one_and_resumes_exactly(tmp_path: Path) -> None:
-    proc = run_torchrun(WORKER, 1, str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = run_worker(WORKER, 1, tmp_path)
     # 1.0: every parameter's state on the host; 0.5: split between the host and the device Adam.
     assert results["1.0"]["device_params"] == 0 and results["1.0"]["host_params"] > 0
     assert results["0.5"]["device_params"] > 0 and results["0.5"]["host_params"] > 0

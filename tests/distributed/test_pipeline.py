@@ -6,14 +6,13 @@ accuracy (judged by the rule) is checked to ignore the reward model mixed into i
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rlhf.tasks.arithmetic import judge
-from tests.helpers import subprocess_env
+from tests.launch import run
 
 MIN_GAIN = 0.15
 """The issue's bar for the CPU pipeline, met by its GRPO stage (+20.4 points when written)."""
@@ -37,8 +36,7 @@ def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         f"output_dir={out}",
         "device=cpu",
     ]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    proc = run(cmd, timeout=1500)
     return out, proc.stdout + proc.stderr
 
 

@@ -10,27 +10,16 @@ from __future__ import annotations
 import json
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, load_all_tensors, run_torchrun, subprocess_env
+from tests.helpers import REPO, load_all_tensors
+from tests.launch import run_cli
 
 MAIN = REPO / "megatron_rlhf" / "__main__.py"
 PHASES = ("gen", "reward", "ref", "old_log_prob", "adv", "update_actor")
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_rlhf", *args],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def _records(out_dir: Path, name: str = "metrics") -> list[dict]:
@@ -69,8 +58,7 @@ def _lowercase_fraction(text: str) -> float:
 def test_default_grpo_run_learns_its_rule_reward(tmp_path: Path) -> None:
     """The built-in run (GRPO, tiny random actor, lowercase-letter reward): the mean reward climbs."""
     out = tmp_path / "run"
-    proc = _cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=30", "log_every=10")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = run_cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=30", "log_every=10")
     assert "step 30/30" in proc.stdout and "ppo done: mean reward" in proc.stdout
     records = _records(out)
     assert [r["step"] for r in records] == list(range(1, 31))
@@ -130,11 +118,8 @@ COMPARED = (
 def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
     """PPO with a critic (PP2), reward model and KL penalty: every model sharded over 2 ranks
     (data-parallel size 1 everywhere, so the rollout is the same) gives the TP1 run's figures."""
-    single = _cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'one'}", *PPO_ARGS)
-    assert single.returncode == 0, single.stderr[-6000:]
-    sharded = run_torchrun(
-        MAIN,
-        2,
+    run_cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'one'}", *PPO_ARGS)
+    run_cli(
         "ppo",
         "--config",
         "ppo-tiny",
@@ -145,8 +130,8 @@ def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
         "reward.tp=2",
         "critic.pp=2",
         "rollout.tp=2",
+        nproc=2,
     )
-    assert sharded.returncode == 0, sharded.stderr[-6000:]
     for one, two in zip(_records(tmp_path / "one"), _records(tmp_path / "two"), strict=True):
         for key in COMPARED:
             assert two[key] == pytest.approx(one[key], rel=1e-3, abs=1e-4), (one["step"], key)
@@ -156,10 +141,9 @@ def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
 def test_ppo_generates_from_resharded_weights(tmp_path: Path) -> None:
     """Actor trained at TP2, generation at TP1 x DP2 from resharded weights: the engine's log-probs
     equal the trainer's recomputation, and the reference (TP1) agrees with the actor at step 1."""
-    proc = run_torchrun(
-        MAIN, 2, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1"
+    run_cli(
+        "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1", nproc=2
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
     records = _records(tmp_path)
     assert all("timing_s/gen/generation_weights_reshard" in r for r in records)
     _check_keys(records)
@@ -184,9 +168,7 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
     computed each row; the figures and the exported actor equal those of the run that recomputes."""
     runs = {}
     for mode in ("auto", "always"):
-        proc = run_torchrun(
-            MAIN,
-            2,
+        run_cli(
             "ppo",
             "--config",
             "ppo-tiny",
@@ -194,8 +176,8 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
             *ONE_STEP_PER_ROLLOUT,
             *layout,
             f"algorithm.recompute_old_logprobs={mode}",
+            nproc=2,
         )
-        assert proc.returncode == 0, proc.stderr[-6000:]
         runs[mode] = _records(tmp_path / mode)
     for skipped, recomputed in zip(runs["auto"], runs["always"], strict=True):
         assert "timing_s/old_log_prob" not in skipped and "timing_s/old_log_prob" in recomputed
@@ -210,7 +192,7 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
 def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
     """A run with every part on (critic, reward model, rule, KL penalty, KL loss, entropy bonus):
     its metric keys have no spaces, follow the scheme and are listed in the README."""
-    proc = _cli(
+    proc = run_cli(
         "ppo",
         "--config",
         "ppo-tiny",
@@ -220,7 +202,6 @@ def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
         "algorithm.loss.kl_loss_coef=0.001",
         "algorithm.loss.entropy_coef=0.01",
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
     (record,) = _records(tmp_path)
     assert {
         "critic/vf_loss",
@@ -282,9 +263,7 @@ def test_wandb_offline_history_equals_metrics_jsonl(tmp_path: Path, monkeypatch:
         "wandb", reason="wandb is not installed (pip install wandb, or the test extra): no offline wandb run to check"
     )
     monkeypatch.setenv("WANDB_MODE", "offline")
-    proc = run_torchrun(
-        MAIN,
-        2,
+    run_cli(
         "ppo",
         "--config",
         "ppo-tiny",
@@ -292,8 +271,8 @@ def test_wandb_offline_history_equals_metrics_jsonl(tmp_path: Path, monkeypatch:
         "max_steps=3",
         "loggers=[console,jsonl,tensorboard,wandb]",
         "wandb.project=megatron-rlhf-tests",
+        nproc=2,
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")  # rank 0 only
     config, history = _offline_wandb_run(run_dir)
     assert config["max_steps"] == 3 and config["loggers"] == ["console", "jsonl", "tensorboard", "wandb"]

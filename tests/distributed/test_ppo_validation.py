@@ -4,14 +4,12 @@ the figures recomputed from the validation samples the run wrote, at the steps a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.test_ppo import _check_keys, _lowercase_fraction
-from tests.helpers import subprocess_env
+from tests.launch import run_cli
 
 
 @pytest.mark.distributed
@@ -28,30 +26,20 @@ def test_validation_figures_match_the_samples_and_run_at_the_asked_steps(tmp_pat
         )
     )
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_rlhf",
-            "ppo",
-            "--config",
-            "ppo-tiny",
-            f"output_dir={out}",
-            "max_steps=4",
-            "eval_every=2",
-            f"data.train=[{train}]",
-            f"data.validation=[{prompts}]",
-            "eval.n=3",
-            "eval.correct_score=0.5",
-            "eval.samples=6",
-            "data.extra_keys=[data_source]",
-        ],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_cli(
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={out}",
+        "max_steps=4",
+        "eval_every=2",
+        f"data.train=[{train}]",
+        f"data.validation=[{prompts}]",
+        "eval.n=3",
+        "eval.correct_score=0.5",
+        "eval.samples=6",
+        "data.extra_keys=[data_source]",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     validations = [r for r in records if r["split"] == "validation"]
     assert [r["step"] for r in validations] == [0, 2, 4]

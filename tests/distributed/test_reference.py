@@ -9,13 +9,13 @@ weights the worker saved after each RL step (``reference_worker.py``):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import load_all_tensors, run_torchrun
+from tests.helpers import load_all_tensors
+from tests.launch import run_worker, worker_results
 
 WORKER = Path(__file__).with_name("reference_worker.py")
 DECAY = 0.6  # the worker's reference.ema_decay
@@ -25,8 +25,7 @@ EMA_CASES = ("ema_tp2_to_tp1", "ema_tied_tp1_to_tp2", "ema_same_tp2")
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reference")
-    proc = run_torchrun(WORKER, 2, str(out), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_worker(WORKER, 2, out, timeout=600)
     return out
 
 
@@ -35,7 +34,7 @@ def _weights(out: Path, case: str, name: str) -> dict[str, torch.Tensor]:
 
 
 def _steps(out: Path, case: str) -> list[dict]:
-    return json.loads((out / "results.json").read_text())[case]["steps"]
+    return worker_results(out)[case]["steps"]
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -66,7 +65,7 @@ def test_the_resharded_reference_takes_the_actors_padded_vocabulary(out: Path) -
     """Vocab 600 pads to 640 at TP1 and to 768 at TP2: the TP2 reference of a TP1 actor holds 640."""
     from megatron_rlhf.models.builder import padded_vocab_size
 
-    padded = json.loads((out / "results.json").read_text())["ema_tied_tp1_to_tp2"]["padded_vocab"]
+    padded = worker_results(out)["ema_tied_tp1_to_tp2"]["padded_vocab"]
     assert padded == {"actor": 640, "reference": 640} and padded_vocab_size(600, 2) == 768
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 TOLERANCE = 1e-5
@@ -16,10 +15,7 @@ COPY_CASES = ("tp2", "pp2", "tp2_tied", "pp2_tied", "tp1_to_tp2")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("reshard")
-    proc = run_torchrun(WORKER, 2, str(out), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads((out / "results.json").read_text())
+    return run_worker(WORKER, 2, tmp_path_factory.mktemp("reshard"), timeout=300)
 
 
 @pytest.mark.distributed

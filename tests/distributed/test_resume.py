@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 
 
 @pytest.mark.distributed
 def test_resume_is_bit_exact_and_reshards(tmp_path: Path) -> None:
-    proc = run_torchrun(WORKER, 2, str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = run_worker(WORKER, 2, tmp_path)
     # Without the shared-step guard, Adam's bias correction drifts after resume (measured 7.4e-4).
     assert results["adam_steps_distinct_after_load"]
     assert results["resume_bit_identical"] and results["resume_max_abs_diff"] == 0.0

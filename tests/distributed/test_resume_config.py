@@ -16,9 +16,9 @@ import pytest
 
 from megatron_rlhf.checkpoint.run_checkpoint import is_complete
 from megatron_rlhf.trainer.run_lock import LOCK_FILE
-from tests.distributed.test_lifecycle import _command, _records, _run
+from tests.distributed.test_lifecycle import _records
 from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
-from tests.helpers import subprocess_env
+from tests.launch import command, run_cli, subprocess_env
 
 PPO = (
     "ppo",
@@ -49,8 +49,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory, sft_train: Path) -> dict[str
     for name, (args, *_) in TRAINERS.items():
         args = (*args, f"data.train=[{sft_train}]") if name == "sft" else args
         out = tmp_path_factory.mktemp(name) / "run"
-        proc = _run(1, (*args, "max_steps=2", f"output_dir={out}"))
-        assert proc.returncode == 0, proc.stderr[-6000:]
+        run_cli(*args, "max_steps=2", f"output_dir={out}")
         runs[name] = (args, out)
     return runs
 
@@ -72,8 +71,7 @@ def test_a_new_learning_rate_applies_at_the_first_resumed_step_and_changes_are_r
     _, _, lr_key, lr_metric, change, reported = TRAINERS[trainer]
     out = _copy(saved_run, tmp_path)
     old_lr = _records(out)[-1][lr_metric]
-    proc = _run(1, (*args, "max_steps=3", f"{lr_key}={old_lr * 2}", change, f"output_dir={out}"))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = run_cli(*args, "max_steps=3", f"{lr_key}={old_lr * 2}", change, f"output_dir={out}")
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in proc.stdout
     assert f"{lr_key}: {old_lr!r} -> {old_lr * 2!r}" in proc.stdout and reported in proc.stdout, proc.stdout[-3000:]
     (resumed,) = [r for r in _records(out) if r["split"] == "train" and r["step"] == 3]
@@ -92,8 +90,7 @@ def test_another_architecture_is_refused_before_anything_is_built(tmp_path: Path
     smaller = shutil.copytree(out / "hf", tmp_path / "smaller")
     config = json.loads((smaller / "config.json").read_text())
     (smaller / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] // 2}))
-    refused = _run(1, (*args, "max_steps=3", f"{model_key}={smaller}", f"output_dir={out}"))
-    assert refused.returncode == 2, refused.stderr[-6000:]
+    refused = run_cli(*args, "max_steps=3", f"{model_key}={smaller}", f"output_dir={out}", exit_code=2)
     assert f"num_layers {config['num_hidden_layers']} -> {config['num_hidden_layers'] // 2}" in refused.stderr
     assert (
         "resume=never, or another output_dir" in refused.stderr and "build+load" not in refused.stdout + refused.stderr
@@ -102,8 +99,7 @@ def test_another_architecture_is_refused_before_anything_is_built(tmp_path: Path
     if trainer == "ppo":
         return
     moved = shutil.copytree(out / "hf", tmp_path / "moved")
-    accepted = _run(1, (*args, "max_steps=3", f"{model_key}={moved}", f"output_dir={out}"))
-    assert accepted.returncode == 0, accepted.stderr[-6000:]
+    accepted = run_cli(*args, "max_steps=3", f"{model_key}={moved}", f"output_dir={out}")
     assert f"-> '{moved}' (compared by architecture and tokenizer" in accepted.stdout
 
 
@@ -118,17 +114,16 @@ def test_a_second_run_on_a_busy_output_dir_is_refused_and_the_first_is_unharmed(
     log = tmp_path / "first.log"
     with log.open("w") as sink:  # a file, not a pipe: a pipe nobody reads fills and stops the run
         first = subprocess.Popen(
-            _command(1, (*args, "max_steps=100000")), env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT
+            command(1, *args, "max_steps=100000"), env=subprocess_env(), stdout=sink, stderr=subprocess.STDOUT
         )
     while not (out / "checkpoints" / "latest").is_file():
         assert first.poll() is None, log.read_text()[-6000:]
         time.sleep(0.02)
     try:
-        second = _run(1, (*args, "max_steps=8"))  # ends by itself where it is not refused
+        second = run_cli(*args, "max_steps=8", exit_code=2)  # ends by itself where it is not refused
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=600)
-    assert second.returncode == 2, second.stderr[-6000:]
     assert f"in use by another run: pid {first.pid}" in second.stderr and str(out / LOCK_FILE) in second.stderr
     assert first.returncode == 0, log.read_text()[-6000:]
     steps = [r["step"] for r in _records(out) if r["split"] == "train"]
@@ -141,13 +136,16 @@ def test_a_run_that_failed_at_step_1_is_corrected_in_the_same_output_dir(tmp_pat
     """A reward rule that raises: the run dies at step 1 after writing config.yaml. Before: the
     corrected command was refused ('holds another run's files') without overwrite=true."""
     out = tmp_path / "run"
-    failed = _run(
-        1, (*PPO, "max_steps=2", "scoring.rules=[tests.distributed.failing_reward:fails]", f"output_dir={out}")
+    failed = run_cli(
+        *PPO,
+        "max_steps=2",
+        "scoring.rules=[tests.distributed.failing_reward:fails]",
+        f"output_dir={out}",
+        exit_code=None,
     )
-    assert failed.returncode != 0 and "failing_reward.fails" in failed.stderr, failed.stderr[-6000:]
+    assert "failing_reward.fails" in failed.stderr, failed.stderr[-6000:]
     assert (out / "config.yaml").is_file() and not (out / LOCK_FILE).exists()
-    again = _run(1, (*PPO, "max_steps=2", f"output_dir={out}"))
-    assert again.returncode == 0, again.stderr[-6000:]
+    again = run_cli(*PPO, "max_steps=2", f"output_dir={out}")
     assert "replacing the files of an earlier run that completed no step (config.yaml" in again.stdout
 
 
@@ -161,14 +159,12 @@ def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes
     out = tmp_path / "run"
     out.mkdir()
     (out / "hf").write_text("not a directory\n")
-    proc = _run(1, (*SFT, f"data.train=[{sft_train}]", "max_steps=2", "overwrite=true", f"output_dir={out}"))
-    assert proc.returncode == 2, proc.stderr[-6000:]
+    proc = run_cli(*SFT, f"data.train=[{sft_train}]", "max_steps=2", "overwrite=true", f"output_dir={out}", exit_code=2)
     ckpt = out / "checkpoints" / "step_2"
     assert is_complete(ckpt) and f"the checkpoint {ckpt} holds every step" in proc.stderr
     command = proc.stderr.split("redo the export with: megatron-rlhf ")[1].split(" (then")[0].split()
     assert command == ["convert", "mcore-to-hf", str(ckpt / "models" / "actor"), str(out / "hf")]
-    converted = _run(1, (*command[:-1], str(tmp_path / "hf")))
-    assert converted.returncode == 0, converted.stderr[-6000:]
+    run_cli(*command[:-1], str(tmp_path / "hf"))
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, run_torchrun, subprocess_env
+from tests.launch import REPO, run_cli
 
 MAIN = REPO / "megatron_rlhf" / "__main__.py"
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
 MARKER = "#"  # the tiny built-in reward model starts out preferring rows *without* it (see test)
 PAD, BOS, EOS, OFFSET = 0, 1, 2, 3  # ByteTokenizer ids
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_rlhf", *args],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -83,7 +71,7 @@ def rm_single(rm_data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     """The reward model trained at TP1 in one process: 16 steps, evaluated every 8."""
     out = tmp_path_factory.mktemp("rm-single")
     train, val = rm_data
-    proc = _cli(
+    proc = run_cli(
         "rm",
         "--config",
         "rm-tiny",
@@ -95,15 +83,6 @@ def rm_single(rm_data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
         "eval_every=8",
     )
     return out, proc
-
-
-def test_help_lists_sft_and_rm() -> None:
-    proc = _cli("--help")
-    assert proc.returncode == 0
-    assert "sft" in proc.stdout and "rm" in proc.stdout
-    sub = _cli("rm", "--help")
-    assert sub.returncode == 0 and "a preset name (rm-tiny)" in sub.stdout
-    assert "(default: none, the library defaults)" in " ".join(sub.stdout.split())
 
 
 def test_adjacent_pairs_reorders_pack_batch_layout() -> None:
@@ -128,7 +107,7 @@ def sft_single(tmp_path_factory: pytest.TempPathFactory):
     train = _write_jsonl(root / "train.jsonl", _sft_rows(256, 0))
     val = _write_jsonl(root / "val.jsonl", _sft_rows(32, 1))
     out = root / "run"
-    proc = _cli(
+    proc = run_cli(
         "sft",
         "--config",
         "sft-tiny",
@@ -147,7 +126,6 @@ def test_sft_loss_drops_and_export_loads_in_transformers(sft_single) -> None:
 
     out, _, proc = sft_single
     val_rows = _sft_rows(32, 1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "tokenizer: HFTokenizer(" in proc.stdout and "copied tokenizer.json, tokenizer_config.json" in proc.stdout
     assert "train data: read 256 rows from 1 file(s): kept 256" in proc.stdout
     assert "step 40/40" in proc.stdout and "tokens/s" in proc.stdout
@@ -186,11 +164,10 @@ def test_sft_export_is_a_model_path_that_tokenizes_identically(sft_single) -> No
 
     from megatron_rlhf.data import ByteTokenizer, load_tokenizer
 
-    first_out, train, first = sft_single
-    assert first.returncode == 0, first.stderr[-3000:]
+    first_out, train, _ = sft_single
     hf_dir = first_out / "hf"
     second_out = first_out.parent / "from-export"
-    proc = _cli(
+    proc = run_cli(
         "sft",
         "--config",
         "sft-tiny",
@@ -200,7 +177,6 @@ def test_sft_export_is_a_model_path_that_tokenizes_identically(sft_single) -> No
         "max_steps=3",
         "log_every=1",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"tokenizer: HFTokenizer('{hf_dir / 'tokenizer.json'}'" in proc.stdout
     assert [r["tokens"] for r in _records(second_out, "train")] == [
         r["tokens"] for r in _records(first_out, "train")[:3]
@@ -223,7 +199,6 @@ def test_rm_learns_the_marker_to_high_validation_accuracy(rm_single, rm_data) ->
     from transformers import LlamaForSequenceClassification
 
     out, proc = rm_single
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = _records(out, "train")
     validations = _records(out, "validation")
     assert [v["step"] for v in validations] == [8, 16]
@@ -256,13 +231,10 @@ def test_rm_learns_the_marker_to_high_validation_accuracy(rm_single, rm_data) ->
 
 @pytest.mark.distributed
 def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_path: Path) -> None:
-    single_out, single_proc = rm_single
-    assert single_proc.returncode == 0, single_proc.stderr[-3000:]
+    single_out, _ = rm_single
     train, val = rm_data
     out = tmp_path / "dp2"
-    proc = run_torchrun(
-        MAIN,
-        2,
+    proc = run_cli(
         "rm",
         "--config",
         "rm-tiny",
@@ -271,9 +243,9 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
         f"data.validation=[{val}]",
         f"output_dir={out}",
         "max_steps=8",
+        nproc=2,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "TP1xPP1xDP2" in proc.stdout and "(8 per DP rank x 2)" in proc.stdout
     assert "validation at step 8: accuracy" in proc.stdout
     # Same global batches, loss normalised over the global batch: the layout does not change the run.
@@ -287,43 +259,6 @@ def test_rm_under_torchrun_dp2_matches_single_process(rm_single, rm_data, tmp_pa
     assert validation["pairs"] == 64  # each DP rank scored its half; counts summed over DP
     assert abs(validation["accuracy"] - reference_validation["accuracy"]) <= 1 / 64
     assert abs(validation["loss"] - reference_validation["loss"]) < 1e-3
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_missing_response_column_fails_naming_file_and_column(tmp_path: Path, num_workers: int) -> None:
-    """The same message whether the row is read here or in a data-loading worker process."""
-    bad = _write_jsonl(tmp_path / "no-response.jsonl", [{"prompt": "a b c =", "answer": " c b a"}])
-    proc = _cli(
-        "sft",
-        "--config",
-        "sft-tiny",
-        f"data.train=[{bad}]",
-        f"output_dir={tmp_path / 'run'}",
-        f"data.num_workers={num_workers}",
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert str(bad) in proc.stderr and "no column 'response'" in proc.stderr, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.distributed
-def test_global_batch_not_divisible_by_dp_is_a_config_error(rm_data, tmp_path: Path) -> None:
-    proc = run_torchrun(
-        MAIN,
-        2,
-        "rm",
-        "--config",
-        "rm-tiny",
-        f"data.train=[{rm_data[0]}]",
-        "global_batch_size=3",
-        f"output_dir={tmp_path}",
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    message = "global_batch_size=3 must be divisible by the data-parallel size dp=2"
-    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]  # said once, by rank 0
-    assert "build+load" not in proc.stdout
 
 
 def _write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
@@ -348,7 +283,7 @@ def test_sft_of_an_hf_model_uses_and_exports_its_tokenizer(tmp_path: Path) -> No
     _write_word_tokenizer(tmp_path / "model", VOCAB)
     train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(32, 0))
     out = tmp_path / "run"
-    proc = _cli(
+    proc = run_cli(
         "sft",
         "--config",
         "sft-tiny",
@@ -360,7 +295,6 @@ def test_sft_of_an_hf_model_uses_and_exports_its_tokenizer(tmp_path: Path) -> No
         "optim.lr=1e-4",
         "log_every=1",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "tokenizer: HFTokenizer(" in proc.stdout
     assert "copied tokenizer.json, tokenizer_config.json" in proc.stdout
     assert (out / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "model" / "tokenizer.json").read_bytes()

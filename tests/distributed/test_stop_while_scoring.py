@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import subprocess_env
+from tests.launch import subprocess_env
 
 # 8 prompts x 4 samples a step on one rank: the rule hangs on step 2's first sample.
 HANGING_RULE = """

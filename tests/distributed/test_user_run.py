@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_ppo_verl import _cli, _records, _verl_parquet
+from tests.distributed.test_ppo_verl import _records, _verl_parquet
 from tests.helpers import make_chat_tokenizer, make_tiny_hf_model
+from tests.launch import run_cli
 
 # verl's default_compute_score shape: data_source first, extra_info and more optional.
 DEFAULT_COMPUTE_SCORE = """
@@ -43,8 +44,7 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
         "rollout.sampling.max_new_tokens=12",
         "samples_token_ids=true",
     ]
-    proc = _cli("ppo", *given)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_cli("ppo", *given)
     report = proc.stdout.split("settings: library defaults (no --config); ", 1)[1].split("\n\n")[0]
     for item in given:
         assert f"  {item.split('=')[0]} " in report and "command line" in report

@@ -9,19 +9,19 @@ bucket, so an engine captures one graph per KV cache. Figures go to OUT/results.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import WorkerSession, worker_session
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.engine import HybridEngine
-    from megatron_rlhf.parallel.distributed import init_distributed
+    from megatron_rlhf.metrics.phases import PhaseTimer
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
@@ -29,8 +29,8 @@ def main() -> None:
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import train_step
 
-    env = init_distributed("cuda")
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+    env, results = session.env, session.results
+    mode = session.args[0]
     role = build_role(
         "actor",
         ModelConfig(path="builtin:tiny-llama"),
@@ -44,18 +44,13 @@ def main() -> None:
     hybrid = HybridEngine(state, generation_tp=1, engine_cfg=engine_cfg, offload=mode == "offload")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 16, 9, 12)]
-    results: dict[str, list] = {
-        "captures": [],
-        "capture_report_s": [],
-        "kv_pointer": [],
-        "mismatches": [],
-        "tokens": [],
-    }
+    results.update(captures=[], capture_report_s=[], kv_pointer=[], mismatches=[], tokens=[])
     for rollout in range(3):
         params = SamplingParams(temperature=1.0, n=3, max_new_tokens=16, ignore_eos=True, seed=rollout)
-        completions, reports = hybrid.generate(prompts, params)
+        timer = PhaseTimer(torch.device("cuda"))
+        completions = hybrid.generate(prompts, params, timer)
         results["captures"].append(hybrid.engine.graph_captures)
-        results["capture_report_s"].append(next(r.seconds for r in reports if r.phase == "cuda graph capture"))
+        results["capture_report_s"].append(timer.step_metrics()["timing_s/cuda_graph_capture"])
         cache = hybrid.engine.kv_cache
         results["kv_pointer"].append(None if cache is None else cache.data.data_ptr())
         fresh = NativeEngine(role, engine_cfg)
@@ -72,13 +67,10 @@ def main() -> None:
         ids = torch.randint(3, 512, (8, 32), generator=g)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
         train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=256)
-    again, _ = hybrid.generate(
-        prompts, SamplingParams(temperature=1.0, n=3, max_new_tokens=16, ignore_eos=True, seed=0)
-    )
+    again = hybrid.generate(prompts, SamplingParams(temperature=1.0, n=3, max_new_tokens=16, ignore_eos=True, seed=0))
     results["weights_changed_tokens"] = [c.token_ids for c in again] != results["tokens"][0]
-    (out / "results.json").write_text(json.dumps(results))
-    print(json.dumps({k: v for k, v in results.items() if k != "tokens"}))
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session("cuda") as session:
+        main(session)

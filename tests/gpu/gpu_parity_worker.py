@@ -8,7 +8,6 @@ the order of the logits themselves, orders of magnitude above it.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,24 +16,22 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import FAMILIES, PAD_ID, hf_reference_outputs, make_tiny_hf_model
+from tests.launch import WorkerSession, worker_session
 
 BATCH, SEQ_LEN, MICRO_BATCH = 4, 64, 2
 RATIO, FLOOR = 2.0, 1e-2
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.hf import load_hf_weights
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.builder import build_model
     from megatron_rlhf.models.roles import RoleModel
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
     from megatron_rlhf.training.train import forward_outputs
 
-    env = init_distributed("cuda")
-    work = Path(sys.argv[1])
+    env, work, results = session.env, session.out, session.results
     layouts = [(1, 1)] + ([(2, 1), (1, 2)] if env.world_size == 2 else [])
-    results: dict[str, float] = {}
     for family in FAMILIES:
         for score_head in (False, True):
             name = f"{family}-{'cls' if score_head else 'lm'}"
@@ -63,11 +60,8 @@ def main() -> None:
                 results[f"{tag}/hf_bf16_max_abs_err"] = hf_bf16_err.item()
                 bound = max(RATIO * hf_bf16_err.item(), FLOOR)
                 assert err.item() <= bound, f"{tag}: bf16 error {err.item():.4f} > bound {bound:.4f}"
-    if env.rank == 0:
-        (work / "results.json").write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session("cuda") as session:
+        main(session)

@@ -8,11 +8,14 @@ to before the detour, and the next step must run. Figures go to OUT/results.json
 
 from __future__ import annotations
 
-import json
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import WorkerSession, worker_session
 
 
 def snapshot(state) -> dict[str, torch.Tensor]:
@@ -29,10 +32,9 @@ def snapshot(state) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.memory import TrainingMemory
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
@@ -40,8 +42,7 @@ def main() -> None:
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import train_step
 
-    env = init_distributed("cuda")
-    out = Path(sys.argv[1])
+    env = session.env
     role = build_role(
         "actor",
         ModelConfig(path="builtin:tiny-llama"),
@@ -58,34 +59,39 @@ def main() -> None:
     before = snapshot(state)
     memory = TrainingMemory(state)
     allocated_train = torch.cuda.memory_allocated()
-    release = memory.to_generation()
+    start = time.perf_counter()
+    moved = memory.to_generation()
+    release_s = time.perf_counter() - start
     allocated_generate = torch.cuda.memory_allocated()
     engine = NativeEngine(role, NativeEngineConfig(max_batch_size=8, max_seq_len=96))
     completions = engine.generate(
         [ids[i, :16].tolist() for i in range(8)], SamplingParams(temperature=1.0, max_new_tokens=32, seed=5)
     )
     del engine
-    restore = memory.to_training()
+    start = time.perf_counter()
+    memory.to_training()
+    restore_s = time.perf_counter() - start
     after = snapshot(state)
     different = [k for k in before if not torch.equal(before[k], after[k])]
     metrics = train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=256)
-    results = {
-        "tensors_compared": len(before),
-        "tensors_different": len(different),
-        "allocated_training_GiB": allocated_train / 1024**3,
-        "allocated_generation_GiB": allocated_generate / 1024**3,
-        "release_s": release.seconds,
-        "restore_s": restore.seconds,
-        "bytes_moved": release.bytes_moved,
-        "generated_tokens": sum(len(c.token_ids) for c in completions),
-        "next_step_loss": metrics["loss"],
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results))
+    session.results.update(
+        {
+            "tensors_compared": len(before),
+            "tensors_different": len(different),
+            "allocated_training_GiB": allocated_train / 1024**3,
+            "allocated_generation_GiB": allocated_generate / 1024**3,
+            "release_s": release_s,
+            "restore_s": restore_s,
+            "bytes_moved": moved,
+            "generated_tokens": sum(len(c.token_ids) for c in completions),
+            "next_step_loss": metrics["loss"],
+        }
+    )
     assert not different, f"round trip changed {different[:5]}"
-    assert release.bytes_moved > 0 and allocated_generate < allocated_train
+    assert moved > 0 and allocated_generate < allocated_train
     assert torch.isfinite(torch.tensor(metrics["loss"]))
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session("cuda") as session:
+        main(session)

@@ -8,23 +8,21 @@ one's. Figures go to OUT/results.json.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import WorkerSession, worker_session
 
 
-def main() -> None:
+def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
-    from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.training.optim import OptimConfig, make_train_state, torch_optimizers
 
-    env = init_distributed("cuda")
-    out = Path(sys.argv[1])
+    env, out, results = session.env, session.out, session.results
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0)
 
     def fresh_state():
@@ -59,7 +57,7 @@ def main() -> None:
 
     state = fresh_state()
     (torch_optimizer,) = torch_optimizers(state.optimizer)
-    results = {"fused": [bool(g["fused"]) and not g["foreach"] for g in torch_optimizer.param_groups]}
+    results["fused"] = [bool(g["fused"]) and not g["foreach"] for g in torch_optimizer.param_groups]
     params = main_params(state)
     reference = [p.detach().double().clone().requires_grad_() for _, p, _ in params]
     ref_optimizer = torch.optim.AdamW(
@@ -96,8 +94,8 @@ def main() -> None:
     resumed_steps = [resumed_optimizer.state[p]["step"] for _, p, _ in main_params(resumed)]
     results["resumed_steps"] = sorted({s.item() for s in resumed_steps})
     results["resumed_steps_on_device"] = all(s.is_cuda for s in resumed_steps)
-    (out / "results.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main()
+    with worker_session("cuda") as session:
+        main(session)

@@ -8,21 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, run_torchrun
+from tests.helpers import REPO
+from tests.launch import DEVICE_ENV, run_worker
 
 
 @pytest.mark.gpu
-def test_engine_layouts_on_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MEGATRON_RLHF_TEST_DEVICE", "cuda")
+def test_engine_layouts_on_gpu(tmp_path: Path) -> None:
     worker = REPO / "tests" / "distributed" / "engine_worker.py"
     reference, compare = tmp_path / "reference", tmp_path / "compare"
-    reference.mkdir()
-    compare.mkdir()
-    proc = run_torchrun(worker, 1, str(reference), "reference")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_worker(worker, 1, reference, "reference", env={DEVICE_ENV: "cuda"})
     nproc = min(2, torch.cuda.device_count())
-    proc = run_torchrun(worker, nproc, str(compare), "compare", str(reference))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((compare / "results.json").read_text())
+    results = run_worker(worker, nproc, compare, "compare", str(reference), env={DEVICE_ENV: "cuda"})
     print(json.dumps(results, indent=1))
     assert all(v < 1e-5 for k, v in results.items() if k.endswith(("_max_abs_diff", "_max_rel_diff")))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_torchrun
+from tests.launch import run_worker
 
 WORKER = Path(__file__).with_name("gpu_parity_worker.py")
 
@@ -16,9 +16,7 @@ WORKER = Path(__file__).with_name("gpu_parity_worker.py")
 @pytest.mark.gpu
 def test_bf16_parity_with_hf(tmp_path: Path) -> None:
     nproc = min(2, torch.cuda.device_count())
-    proc = run_torchrun(WORKER, nproc, str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = run_worker(WORKER, nproc, tmp_path)
     print(json.dumps(results, indent=1))
     assert any(key.endswith("tp1pp1/bf16_max_abs_err") for key in results)
     if nproc == 2:

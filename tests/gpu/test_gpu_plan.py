@@ -12,9 +12,8 @@ import torch
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.trainer.plan import plan_ppo
 from megatron_rlhf.trainer.ppo_config import PPOConfig
-from tests.helpers import REPO, run_torchrun
+from tests.launch import run_cli
 
-MAIN = REPO / "megatron_rlhf" / "__main__.py"
 TOLERANCE = 0.15
 PEAK = "memory/peak_allocated_gib/"
 
@@ -22,8 +21,7 @@ PEAK = "memory/peak_allocated_gib/"
 @pytest.mark.gpu
 def test_plan_peaks_match_the_measured_ones_for_the_1_5b_preset(tmp_path: Path) -> None:
     overrides = [f"output_dir={tmp_path}", "max_steps=3"]
-    proc = run_torchrun(MAIN, 1, "ppo", "--config", "ppo-grpo-1.5b", *overrides)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_cli("ppo", "--config", "ppo-grpo-1.5b", *overrides)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if r["step"] in (2, 3)]  # Adam's moments exist from step 2 on
     assert len(steady) == 2

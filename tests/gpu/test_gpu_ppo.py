@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, run_torchrun
+from tests.launch import run_cli, run_worker
 
-MAIN = REPO / "megatron_rlhf" / "__main__.py"
 ARGS = (
     "device=cuda",
     "dtype=fp32",
@@ -49,9 +48,7 @@ def _check(out: Path, generation: str, *, captured_once: bool = False, warmed_up
 @pytest.mark.gpu
 @pytest.mark.parametrize("warmup", ["auto", "never"])
 def test_ppo_on_one_gpu(warmup: str, tmp_path: Path) -> None:
-    proc = run_torchrun(
-        MAIN,
-        1,
+    run_cli(
         "ppo",
         "--config",
         "ppo-tiny",
@@ -61,16 +58,12 @@ def test_ppo_on_one_gpu(warmup: str, tmp_path: Path) -> None:
         "hybrid.offload=never",
         f"warmup={warmup}",
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "zero_copy", captured_once=True, warmed_up=warmup == "auto")
 
 
 @pytest.mark.gpu
 def test_ppo_offloading_frees_and_recaptures_the_graphs(tmp_path: Path) -> None:
-    proc = run_torchrun(
-        MAIN, 1, "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=always"
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", *ARGS, *ONE_BUCKET, "hybrid.offload=always")
     _check(tmp_path, "zero_copy")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["timing_s/gen/cuda_graph_capture"] > 0 and "timing_s/gen/free_generation_memory" in r for r in records)
@@ -82,9 +75,7 @@ def test_hybrid_engine_captures_once_and_matches_a_fresh_engine(mode: str, tmp_p
     """The hybrid engine's one native engine over three rollouts with optimizer steps between them:
     kept, it captures its graph once and keeps its KV cache; offloading, it captures every rollout.
     Either way each rollout equals an engine built afresh on the same weights and seed."""
-    proc = run_torchrun(Path(__file__).with_name("engine_reuse_worker.py"), 1, str(tmp_path), mode)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = run_worker(Path(__file__).with_name("engine_reuse_worker.py"), 1, tmp_path, mode)
     assert results["mismatches"] == [0, 0, 0] and results["weights_changed_tokens"]
     if mode == "keep":
         assert results["captures"] == [1, 1, 1], results["captures"]
@@ -97,9 +88,7 @@ def test_hybrid_engine_captures_once_and_matches_a_fresh_engine(mode: str, tmp_p
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ppo_on_two_gpus_with_resharded_generation(tmp_path: Path) -> None:
-    proc = run_torchrun(
-        MAIN,
-        2,
+    run_cli(
         "ppo",
         "--config",
         "ppo-tiny",
@@ -110,6 +99,6 @@ def test_ppo_on_two_gpus_with_resharded_generation(tmp_path: Path) -> None:
         "actor.tp=2",
         "rollout.tp=1",
         "critic.pp=2",
+        nproc=2,
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
     _check(tmp_path, "reshard", captured_once=True)
