@@ -14,7 +14,7 @@ setup(
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.19.2",
-        "omegaconf>=2.3",
+        "omegaconf>=2.4",
         "sentencepiece",
         "tensorboard",
         "safetensors",
@@ -30,7 +30,7 @@ setup(
     # pytest-xdist: scripts/test.sh runs the CPU tiers in two worker processes
     # ruff, mypy and the stubs: scripts/lint.sh and the pre-commit hooks (pinned: a new release's rules would fail CI
     # unasked)
-    # bench: scripts/bench_e2e.py's comparison with TRL's GRPOTrainer
+    # bench: scripts/bench/e2e.py's comparison with TRL's GRPOTrainer
     extras_require={
         "test": [
             "pytest",

@@ -12,9 +12,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from megatron_rlhf.config.fields import field_docs
+from megatron_rlhf.config.loader import library_defaults
 from megatron_rlhf.config.verl_names import VERL_NAMES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -39,22 +38,11 @@ def _field_docs(cls: type, prefix: str = "") -> dict[str, str]:
     found: dict[str, str] = {}
     for field in dataclasses.fields(cls):
         kind = hints[field.name]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             found.update(_field_docs(kind, f"{prefix}{field.name}."))
         else:
             found[prefix + field.name] = docs.get(field.name, "")
     return found
-
-
-def _leaf_defaults(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """``{dotted key: default}``; a section's defaults as its parent sets them (``critic_optim.lr``)."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_leaf_defaults(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 def defaults_tables() -> str:
@@ -66,7 +54,7 @@ def defaults_tables() -> str:
     parts = []
     for command, schema in (("ppo", PPOConfig), ("sft", SFTConfig), ("rm", RMConfig)):
         parts += ["", f"### `megatron-rlhf {command}`", "", "| key | default | what it is |", "|---|---|---|"]
-        defaults = _leaf_defaults(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
+        defaults = library_defaults(schema)
         parts += [
             f"| `{key}` | `{_shown(defaults[key])}` | {doc.replace('|', '/')} |"
             for key, doc in _field_docs(schema).items()

@@ -3,6 +3,10 @@
 Convention: ``errors()`` returns messages that start with the field's name relative to its
 dataclass (``"n=0 must be >= 1"``); ``config.loader.config_errors`` prefixes the dotted path of the
 dataclass in the command's tree, so users read the full key (``rollout.sampling.n=0 must be >= 1``).
+
+A setting with a fixed set of values is a ``Literal[...]`` field: the type checker checks it in
+code, OmegaConf when a preset or override is merged (the loader names key, value and choices), and
+``choice_errors`` when a dataclass is built in code; no ``errors()`` repeats the choices.
 """
 
 from __future__ import annotations
@@ -11,22 +15,24 @@ import ast
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import functools
 import inspect
 import itertools
 import textwrap
-from collections.abc import Iterable, Iterator
-from typing import Any
+import typing
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
 
 _LOADER_BUILDING = contextvars.ContextVar("loader_building", default=False)
 
 
 def check_on_init(cfg: Any) -> None:
-    """For ``__post_init__``: a dataclass built in code raises ``ValueError`` with its ``errors()``
-    at once; inside the loader (``building_tree``) nothing is raised, the loader collects the
-    errors of the whole tree itself and reports them together."""
+    """For ``__post_init__``: a dataclass built in code raises ``ValueError`` with its
+    ``choice_errors`` and ``errors()`` at once; inside the loader (``building_tree``) nothing is
+    raised, the loader collects the errors of the whole tree itself and reports them together."""
     if not _LOADER_BUILDING.get():
-        errors = cfg.errors()
+        errors = choice_errors(cfg) + cfg.errors()
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -46,10 +52,45 @@ def at_least(cfg: Any, low: float, *names: str) -> list[str]:
 
 
 def one_of(cfg: Any, name: str, choices: Iterable[Any]) -> list[str]:
-    """``name=value must be one of [...]`` when the value is not a choice."""
+    """``name=value must be one of [...]`` when the value is not a choice (a ``str`` field; a
+    ``Literal`` field needs no such check)."""
     choices = list(choices)
     value = getattr(cfg, name)
     return [] if value in choices else [f"{name}={value!r} must be one of {choices}"]
+
+
+def literal_choices(kind: object) -> tuple[object, ...] | None:
+    """The values of a ``Literal[...]`` type; None for any other type."""
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+
+
+def not_a_choice(key: str, value: object, choices: Sequence[object]) -> str:
+    """``key=value must be one of [...]``, and the closest choice when one is close."""
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{key}={value!r} must be one of {list(choices)}{hint}"
+
+
+@functools.cache
+def _choice_fields(cls: type) -> dict[str, tuple[object, ...]]:
+    """The ``Literal`` fields of the dataclass ``cls`` and their choices."""
+    hints = typing.get_type_hints(cls)
+    return {
+        field.name: choices
+        for field in dataclasses.fields(cls)
+        if (choices := literal_choices(hints[field.name])) is not None
+    }
+
+
+def choice_errors(cfg: object) -> list[str]:
+    """``not_a_choice`` for each ``Literal`` field of the dataclass ``cfg`` whose value is none of its
+    choices (a dataclass built in code: the loader's merge refuses such values already)."""
+    cls: type = type(cfg)
+    return [
+        not_a_choice(name, getattr(cfg, name), choices)
+        for name, choices in _choice_fields(cls).items()
+        if getattr(cfg, name) not in choices
+    ]
 
 
 @functools.cache

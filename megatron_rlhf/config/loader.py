@@ -2,8 +2,9 @@
 
 Unknown keys are refused with the closest valid key suggested (and verl's names with this
 project's, ``config/verl_names.py``); values of the wrong type name the key, the value and the
-expected type. Values are then checked by the command: ``config_errors`` collects every
-dataclass's own ``errors()`` with its full key, the command adds the rules that span sections, and
+expected type, and a value outside a ``Literal`` field's choices names the choices and the closest
+one. Values are then checked by the command: ``config_errors`` collects every dataclass's own
+``errors()`` with its full key, the command adds the rules that span sections, and
 ``raise_if_errors`` reports all of them at once.
 
 ``load_config_with_sources`` also says where each setting that differs from the library default
@@ -20,10 +21,10 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from megatron_rlhf.config.fields import building_tree
+from megatron_rlhf.config.fields import building_tree, choice_errors, literal_choices, not_a_choice
 from megatron_rlhf.config.verl_names import verl_key_hint
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -46,7 +47,8 @@ def config_errors(cfg: Any, prefix: str = "", *, unused: Collection[str] = ()) -
     ``unused`` names sections of ``cfg`` the command will not use (the critic's optimizer of a run
     without a critic): they are not checked.
     """
-    errors = [prefix + message for message in (cfg.errors() if hasattr(cfg, "errors") else [])]
+    own = choice_errors(cfg) + (cfg.errors() if hasattr(cfg, "errors") else [])
+    errors = [prefix + message for message in own]
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
         if dataclasses.is_dataclass(value) and field.name not in unused:
@@ -70,21 +72,33 @@ def _resolve_preset(name_or_path: str) -> Path:
     return preset
 
 
+def _section_of(dotted_key: str, schema: type) -> type | None:
+    """The dataclass that ``dotted_key``'s last component belongs to (None: not a section's key)."""
+    cls = schema
+    for part in dotted_key.split(".")[:-1]:
+        section = typing.get_type_hints(cls).get(part)
+        if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+            return None
+        cls = section
+    return cls
+
+
 def _fields_at(dotted_key: str, schema: type) -> list[str]:
     """Valid field names of the dataclass that ``dotted_key``'s last component belongs to."""
-    cls: Any = schema
-    for part in dotted_key.split(".")[:-1]:
-        hints = typing.get_type_hints(cls)
-        if part not in hints or not dataclasses.is_dataclass(hints[part]):
-            return []
-        cls = hints[part]
-    return [f.name for f in dataclasses.fields(cls)]
+    cls = _section_of(dotted_key, schema)
+    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+
+
+def _choices_of(dotted_key: str, schema: type) -> tuple[object, ...] | None:
+    """The choices of ``dotted_key`` when it is a ``Literal`` field, else None."""
+    cls = _section_of(dotted_key, schema)
+    return literal_choices(typing.get_type_hints(cls).get(dotted_key.rpartition(".")[2])) if cls else None
 
 
 def _unknown_key_error(full_key: str, origin: str, schema: type, update: Any = None) -> ConfigError:
     """Names ``full_key`` (the first unknown part of a key), the closest valid key, or, for a key of
     ``update`` under it that is verl's, this project's name for it."""
-    given = _leaves(OmegaConf.to_container(update)) if isinstance(update, DictConfig) else {}
+    given = _leaves(_plain(update)) if isinstance(update, DictConfig) else {}
     for key in (k for k in given if k == full_key or k.startswith(full_key + ".")):
         verl_hint = verl_key_hint(key)
         if verl_hint:
@@ -102,7 +116,7 @@ def _check_sections(update: Mapping[Any, Any], cls: type, origin: str, prefix: s
     hints = typing.get_type_hints(cls)
     for key, value in update.items():
         section = hints.get(key)
-        if not dataclasses.is_dataclass(section):
+        if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
             continue  # unknown keys and plain values are the merge's to check
         if isinstance(value, Mapping):
             _check_sections(value, section, origin, f"{prefix}{key}.")
@@ -116,14 +130,21 @@ def _check_sections(update: Mapping[Any, Any], cls: type, origin: str, prefix: s
         )
 
 
+def _plain(cfg: DictConfig, *, resolve: bool = False) -> dict[str, Any]:
+    """``cfg`` as plain nested dicts and lists (OmegaConf types the result as any container)."""
+    return typing.cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=resolve))
+
+
 def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
     if isinstance(update, DictConfig):
-        _check_sections(OmegaConf.to_container(update), schema, origin)
+        _check_sections(_plain(update), schema, origin)
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as err:
         raise _unknown_key_error(err.full_key or str(err.key), origin, schema, update) from None
     except ValidationError as err:
+        if err.full_key and (choices := _choices_of(err.full_key, schema)) is not None:
+            raise ConfigError(f"{origin}: {not_a_choice(err.full_key, err.value, choices)}") from None
         reason = (err.msg or str(err)).splitlines()[0]
         raise ConfigError(f"{origin}: {err.full_key}={err.value!r} is not valid: {reason}") from None
     except (OmegaConfBaseException, TypeError) as err:  # TypeError: e.g. a YAML list at the top level
@@ -135,18 +156,20 @@ BASE_KEY = "_base_"
 file's values override it (a GPU-sized preset that changes the sizes of a CPU one)."""
 
 
-def _preset_chain(name_or_path: str) -> list[tuple[Path, DictConfig]]:
-    """The files to merge, the furthest base first, each without its ``_base_`` key."""
-    chain: list[tuple[Path, DictConfig]] = []
-    while name_or_path is not None:
-        path = _resolve_preset(name_or_path)
+def _preset_chain(name_or_path: str) -> list[tuple[Path, DictConfig | ListConfig]]:
+    """The files to merge, the furthest base first, each without its ``_base_`` key (a YAML list is
+    returned as it is, for the merge to refuse)."""
+    chain: list[tuple[Path, DictConfig | ListConfig]] = []
+    next_file: str | None = name_or_path
+    while next_file is not None:
+        path = _resolve_preset(next_file)
         if any(path == seen for seen, _ in chain):
             raise ConfigError(f"{path}: {BASE_KEY} loops back to a file already loaded ({[str(p) for p, _ in chain]})")
         try:
             file_cfg = OmegaConf.load(path)
         except Exception as err:  # yaml errors come in several types
             raise ConfigError(f"{path}: not valid YAML ({err})") from None
-        name_or_path = file_cfg.pop(BASE_KEY, None) if isinstance(file_cfg, DictConfig) else None
+        next_file = file_cfg.pop(BASE_KEY, None) if isinstance(file_cfg, DictConfig) else None
         chain.append((path, file_cfg))
     return chain[::-1]
 
@@ -232,7 +255,8 @@ def load_config_with_sources[T](
         set_by.update(dict.fromkeys(_leaves(OmegaConf.to_container(update)), COMMAND_LINE))
     with building_tree():
         cfg = OmegaConf.to_object(merged)
-    defaults = _leaves(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
+    assert isinstance(cfg, schema), "a structured config of a dataclass builds that dataclass"
+    defaults = library_defaults(schema)
     final = _leaves(OmegaConf.to_container(OmegaConf.structured(cfg)))
     changed = tuple(
         ChangedSetting(key, value, defaults.get(key), _setter(key, set_by))
@@ -240,6 +264,12 @@ def load_config_with_sources[T](
         if value != defaults.get(key)
     )
     return cfg, ConfigSources(preset, changed)
+
+
+def library_defaults(schema: type) -> dict[str, Any]:
+    """``{dotted key: library default}`` of every setting of ``schema``; a section's defaults as its
+    parent sets them (``critic_optim.lr``)."""
+    return _leaves(_plain(OmegaConf.structured(schema), resolve=True))
 
 
 def _setter(key: str, set_by: dict[str, str]) -> str:

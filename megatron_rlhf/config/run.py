@@ -9,13 +9,15 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from megatron_rlhf.config.fields import one_of
-from megatron_rlhf.parallel.distributed import DEFAULT_TIMEOUT_S, DEVICES
+from megatron_rlhf.parallel.distributed import DEFAULT_TIMEOUT_S, Device
 
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The torch dtype of each ``Dtype`` but auto."""
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -27,9 +29,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda when a GPU is visible, else cpu), cuda, or cpu (gloo CPU mode)."""
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     """Parameter dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."""
     seed: int = 1234
     """Seeds the data order, sampling and everything random."""
@@ -42,15 +44,13 @@ class RunConfig:
     host_threads: int = 0
     """torch's intra-op threads for this process's work on the host. 0 (auto): 1 on a GPU, where
     that work is many small ops (a rollout's batch, micro-batch layouts, advantages) and waking a
-    pool of threads for each costs milliseconds (on an H200 host with 16 threads, the 1.5B GRPO
-    step's reward and advantage phases took 57 and 33 ms; with one, 31 and 2 ms); torch's default
+    pool of threads for each costs milliseconds (docs/benchmarks.md, "Host overheads"); torch's default
     in CPU mode, where the models run on those threads, and on a GPU when an optimizer keeps state
     on the host (``cpu_offload_fraction``: its Adam step runs there). OMP_NUM_THREADS, where set,
     decides instead of auto."""
 
     def errors(self) -> list[str]:
-        errors = one_of(self, "device", DEVICES) + one_of(self, "dtype", ["auto", *DTYPES])
-        errors += [] if self.host_threads >= 0 else [f"host_threads={self.host_threads} must be >= 0 (0: auto)"]
+        errors = [] if self.host_threads >= 0 else [f"host_threads={self.host_threads} must be >= 0 (0: auto)"]
         return errors + ([] if self.dist_timeout_s > 0 else [f"dist_timeout_s={self.dist_timeout_s} must be > 0"])
 
     def host_thread_count(self, device: torch.device) -> int | None:

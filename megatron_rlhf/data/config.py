@@ -4,9 +4,8 @@ do with a row that is too long or holds a bad value (the loaders in ``datasets.p
 from __future__ import annotations
 
 import dataclasses
-from typing import get_args
 
-from megatron_rlhf.config.fields import at_least, one_of
+from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.data.datasets import OnProblem
 
 
@@ -16,9 +15,9 @@ class DataFilesConfig:
     """Training data: .jsonl / .parquet files or directories of them (e.g. data.train=[a.jsonl])."""
     prompt_key: str = "prompt"
     """Column of the prompt text (or pre-tokenized ``<key>_ids``)."""
-    on_overlong: str = "error"
+    on_overlong: OnProblem = "error"
     """error: stop naming the file and row; skip: drop such rows and count them in the data report."""
-    on_invalid: str = "error"
+    on_invalid: OnProblem = "error"
     """The same for rows with a bad value (null, empty, wrong type, token id out of range)."""
     add_bos: bool = False
     """Prepend the tokenizer's BOS id to every sequence (for text that does not already hold it)."""
@@ -28,8 +27,4 @@ class DataFilesConfig:
     starts its own: for sets that take minutes to tokenize, with workers x ranks per node <= cores."""
 
     def errors(self) -> list[str]:
-        return (
-            one_of(self, "on_overlong", get_args(OnProblem))
-            + one_of(self, "on_invalid", get_args(OnProblem))
-            + at_least(self, 0, "num_workers")
-        )
+        return at_least(self, 0, "num_workers")

@@ -29,23 +29,22 @@ of the two has the same shape.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig
-from megatron_rlhf.config.fields import at_least, check_on_init, one_of
+from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.hybrid.reshard import LayoutCopy, matching_vocab_pad_multiple
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
 from megatron_rlhf.models.roles import RoleModel
-
-REFERENCE_UPDATES = ("none", "periodic", "ema")
 
 
 @dataclasses.dataclass(kw_only=True)
 class ReferenceConfig(ModelConfig):
     """The reference model, its layout, and whether it follows the actor during RL."""
 
-    update: str = "none"
+    update: Literal["none", "periodic", "ema"] = "none"
     """none: fixed reference; periodic: copy the actor into it every update_every steps; ema: after
     every step ref <- ema_decay * ref + (1 - ema_decay) * actor. Needs the actor's architecture."""
     update_every: int = 100
@@ -57,7 +56,7 @@ class ReferenceConfig(ModelConfig):
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        errors = super().errors() + one_of(self, "update", REFERENCE_UPDATES) + at_least(self, 1, "update_every")
+        errors = super().errors() + at_least(self, 1, "update_every")
         if not 0 <= self.ema_decay < 1:
             errors.append(f"ema_decay={self.ema_decay} must be in [0, 1)")
         return errors

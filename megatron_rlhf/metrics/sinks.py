@@ -19,9 +19,8 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from megatron_rlhf.config.fields import one_of
 from megatron_rlhf.metrics.log import format_eta, is_rank0, log
 
 
@@ -147,9 +146,6 @@ class TensorBoardSink(Sink):
         self.writer.close()
 
 
-WANDB_MODES = ("", "online", "offline", "disabled")
-
-
 @dataclasses.dataclass(kw_only=True)
 class WandbConfig:
     """Where the ``wandb`` logger sends a run (read only when ``loggers`` lists wandb)."""
@@ -158,12 +154,9 @@ class WandbConfig:
     """The wandb project (the entity is wandb's default, or the WANDB_ENTITY environment variable)."""
     name: str = ""
     """The run's name; empty: the last part of output_dir."""
-    mode: str = ""
+    mode: Literal["", "online", "offline", "disabled"] = ""
     """online, offline (files under output_dir/wandb; `wandb sync` uploads them later) or disabled;
     empty: the WANDB_MODE environment variable, else online."""
-
-    def errors(self) -> list[str]:
-        return one_of(self, "mode", WANDB_MODES)
 
 
 class WandbSink(Sink):

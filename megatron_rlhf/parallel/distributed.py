@@ -11,6 +11,7 @@ import datetime
 import os
 import random
 import socket
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from megatron_rlhf.parallel.cpu_mode import enable_cpu_mode
 
-DEVICES = ("auto", "cuda", "cpu")
+Device = Literal["auto", "cuda", "cpu"]
+DEVICES = get_args(Device)
 
 
 @dataclasses.dataclass(frozen=True)

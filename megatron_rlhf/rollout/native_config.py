@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
-from megatron_rlhf.config.fields import at_least, check_on_init, one_of
-
-LONG_PROMPT_POLICIES = ("error", "truncate")
+from megatron_rlhf.config.fields import at_least, check_on_init
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -19,7 +18,7 @@ class NativeEngineConfig:
     max_seq_len: int = 2048
     """Prompt + response tokens per sequence (the cache length). ppo caps it at
     data.max_prompt_length + rollout.sampling.max_new_tokens, the longest sequence a rollout holds."""
-    on_long_prompt: str = "error"
+    on_long_prompt: Literal["error", "truncate"] = "error"
     """A prompt with no room for one new token: error, or truncate (drop its oldest tokens, counted)."""
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids; generation stops on them unless ignore_eos. Empty: the tokenizer's."""
@@ -39,8 +38,4 @@ class NativeEngineConfig:
         return self if self.eos_token_ids else dataclasses.replace(self, eos_token_ids=tuple(stop_ids))
 
     def errors(self) -> list[str]:
-        return (
-            one_of(self, "on_long_prompt", LONG_PROMPT_POLICIES)
-            + at_least(self, 1, "max_batch_size", "graph_kv_bucket")
-            + at_least(self, 2, "max_seq_len")
-        )
+        return at_least(self, 1, "max_batch_size", "graph_kv_bucket") + at_least(self, 2, "max_seq_len")

@@ -11,12 +11,12 @@ reference that follows the actor against the actor).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
 from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
-from megatron_rlhf.config.fields import at_least, one_of
+from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.chat_template import template_variable_errors, tools_file_errors
@@ -90,10 +90,6 @@ class RolloutConfig:
         return at_least(self, 0, "tp", "max_sample_batches")
 
 
-RECOMPUTE_OLD_LOGPROBS = ("auto", "always")
-WARMUP_MODES = ("auto", "always", "never")
-
-
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
     advantage_estimator: str = "gae"
@@ -105,7 +101,7 @@ class AlgorithmConfig:
     """KL estimator of the reward penalty."""
     loss: PPOLossConfig = dataclasses.field(default_factory=PPOLossConfig)
     """Actor and critic losses (clip ranges, entropy bonus, KL loss, aggregation)."""
-    recompute_old_logprobs: str = "auto"
+    recompute_old_logprobs: Literal["auto", "always"] = "auto"
     """The actor's log-probs before its update (the PPO ratio's denominator): always, a forward pass
     of their own (timing_s/old_log_prob); auto, that pass only where the update's own forward cannot
     supply them, i.e. unless the rollout feeds exactly one optimizer step (ppo_epochs=1, one
@@ -113,11 +109,8 @@ class AlgorithmConfig:
     start-up."""
 
     def errors(self) -> list[str]:
-        return (
-            ADVANTAGE_ESTIMATORS.field_errors("advantage_estimator", self.advantage_estimator)
-            + KL_ESTIMATORS.field_errors("kl_penalty_estimator", self.kl_penalty_estimator)
-            + one_of(self, "recompute_old_logprobs", RECOMPUTE_OLD_LOGPROBS)
-        )
+        errors = ADVANTAGE_ESTIMATORS.field_errors("advantage_estimator", self.advantage_estimator)
+        return errors + KL_ESTIMATORS.field_errors("kl_penalty_estimator", self.kl_penalty_estimator)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -172,7 +165,7 @@ class PPOConfig(LoopConfig, ModelsConfig):
     """With data.validation: evaluate every this many steps (and always at the end)."""
     eval_before_train: bool = True
     """With data.validation: also evaluate before the first step (logged as step 0)."""
-    warmup: str = "auto"
+    warmup: Literal["auto", "always", "never"] = "auto"
     """Run every phase of a step once at start-up, keeping nothing (``trainer/ppo.py::warm_up``), so
     that kernel compilation, decode-graph capture and allocator growth are paid before step 1:
     auto (on a GPU), always, never."""
@@ -182,8 +175,12 @@ class PPOConfig(LoopConfig, ModelsConfig):
             super().errors()
             + at_least(self, 1, "prompts_per_step", "ppo_epochs")
             + at_least(self, 0, "mini_batch_size", "samples_per_step", "eval_every")
-            + one_of(self, "warmup", WARMUP_MODES)
         )
+
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens of a rollout's longest sequence: the longest prompt and the longest response."""
+        return self.data.max_prompt_length + self.rollout.sampling.max_new_tokens
 
 
 def models_used(cfg: PPOConfig) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Literal
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -26,10 +27,8 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_rlhf.config.fields import at_least, check_on_init, one_of
+from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.models.roles import RoleModel
-
-LR_DECAY_STYLES = ("constant", "cosine", "linear")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,7 +46,7 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
     warmup_steps: int = 0
-    decay_style: str = "constant"
+    decay_style: Literal["constant", "cosine", "linear"] = "constant"
     """constant, cosine or linear (after warmup)."""
     decay_steps: int = 1000
     distributed_optimizer: bool = True
@@ -61,7 +60,7 @@ class OptimConfig:
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        errors = one_of(self, "decay_style", LR_DECAY_STYLES) + at_least(self, 0, "warmup_steps", "clip_grad")
+        errors = at_least(self, 0, "warmup_steps", "clip_grad")
         errors += at_least(self, 1, "decay_steps")
         if not self.lr > 0:
             errors.append(f"lr={self.lr} must be > 0")
@@ -99,8 +98,8 @@ def torch_optimizers(optimizer: MegatronOptimizer, *, split_offloaded: bool = Fa
 def fuse_device_adam(optimizer: MegatronOptimizer) -> None:
     """Run torch's Adam on the GPU as its fused kernel (one pass over parameters, gradients and
     moments), the role apex's or TE's FusedAdam plays where megatron finds them. Without them
-    megatron builds ``torch.optim.AdamW`` on its default multi-tensor path: seven passes, 34 ms per
-    step for a 1.5B model on an H200 (``docs/benchmarks.md``, thirteenth session). The fused kernel
+    megatron builds ``torch.optim.AdamW`` on its default multi-tensor path: seven passes over the
+    state (``docs/benchmarks.md``, "Kernels"). The fused kernel
     reads each ``step`` on the device, so existing ones (state loaded from a checkpoint) move there.
     Called again after loading a checkpoint, whose saved parameter groups replace these settings.
     Offloading optimizers (``cpu_offload_fraction``) keep megatron's own settings."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
 
 from megatron_rlhf.algorithms import (
+    KL_CONTROLLERS,
     KL_ESTIMATORS,
+    KL_MEASURES,
     AdaptiveKLController,
     FixedKLController,
     KLControllerConfig,
@@ -149,8 +152,16 @@ def test_build_kl_controller():
     assert isinstance(ad, AdaptiveKLController)
     ad.update(current_kl=1.1, n_steps=10)
     assert ad.value == pytest.approx(0.2 * (1 + 0.1 * 10 / 100))
-    with pytest.raises(ValueError, match=r"KL controller.*Did you mean 'adaptive'"):
+    with pytest.raises(
+        ValueError, match=r"^type='adaptiv' must be one of \['fixed', 'adaptive'\]; did you mean 'adaptive'\?"
+    ):
         build_kl_controller(KLControllerConfig(type="adaptiv"))  # type: ignore[arg-type]
+
+
+def test_the_controller_settings_offer_exactly_the_registered_entries():
+    hints = typing.get_type_hints(KLControllerConfig)
+    assert set(typing.get_args(hints["type"])) == set(KL_CONTROLLERS.names())
+    assert set(typing.get_args(hints["kl_measure"])) == set(KL_MEASURES.names())
 
 
 def test_controller_kl_measures_hand_computed():
@@ -169,7 +180,7 @@ def test_controller_kl_measures_hand_computed():
 def test_kl_measure_config_default_and_check():
     assert KLControllerConfig().kl_measure == "token_mean"
     assert KLControllerConfig(kl_measure="sequence_sum").kl_measure == "sequence_sum"
-    with pytest.raises(ValueError, match="Did you mean 'sequence_sum'"):
+    with pytest.raises(ValueError, match=r"kl_measure='sequence-sum' must be one of .*; did you mean 'sequence_sum'\?"):
         KLControllerConfig(kl_measure="sequence-sum")  # type: ignore[arg-type]
 
 

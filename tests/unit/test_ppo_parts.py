@@ -84,9 +84,9 @@ def _response_length(sample) -> float:
 
 
 def _errors(world_size: int, *overrides: str) -> str:
-    cfg = load_config("ppo-tiny", list(overrides), schema=PPOConfig)
+    """The refusal of the overrides: by the loader (a setting outside its choices) or by the check."""
     with pytest.raises(ConfigError) as err:
-        check_ppo_config(cfg, world_size)
+        check_ppo_config(load_config("ppo-tiny", list(overrides), schema=PPOConfig), world_size)
     return str(err.value)
 
 

@@ -74,11 +74,15 @@ def _errors(*overrides: str) -> list[str]:
             "'jsonl', 'tensorboard', 'wandb']",
         ),
         ("loggers=[jsonl,jsonl]", "loggers=['jsonl', 'jsonl']: 'jsonl' is listed twice"),
-        ("wandb.mode=cloud", "wandb.mode='cloud' must be one of ['', 'online', 'offline', 'disabled']"),
     ],
 )
 def test_logger_settings_are_checked(override: str, message: str) -> None:
     assert message in _errors(override)
+
+
+def test_an_unknown_wandb_mode_is_refused_when_loaded() -> None:
+    with pytest.raises(ConfigError, match=re.escape("wandb.mode='onlin' must be one of ['', 'online', 'offline',")):
+        _errors("wandb.mode=onlin")
 
 
 def test_wandb_without_its_package_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
