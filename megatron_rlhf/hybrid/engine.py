@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_rlhf.config.fields import check_on_init, one_of
-from megatron_rlhf.hybrid.memory import OFFLOAD_MODES, TrainingMemory
+from megatron_rlhf.config.fields import check_on_init
+from megatron_rlhf.hybrid.memory import OffloadMode, TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.rollout.engine import Completion
@@ -39,7 +39,7 @@ from megatron_rlhf.training.optim import TrainState
 
 @dataclasses.dataclass(kw_only=True)
 class HybridConfig:
-    offload: str = "auto"
+    offload: OffloadMode = "auto"
     """Move the actor's optimizer state and gradient buffers off the GPU while generating: always,
     never, or auto (only when generation's KV cache and weights would not fit beside them; the
     decision and its figures are printed at start-up). Without offloading, generation's memory (KV
@@ -50,7 +50,7 @@ class HybridConfig:
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        return one_of(self, "offload", OFFLOAD_MODES)
+        return []
 
 
 class HybridEngine:

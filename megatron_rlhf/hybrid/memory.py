@@ -14,11 +14,13 @@ on the device moves.
 
 Gradient buffers are released only once the model has taken an optimizer step: with fp32 parameters
 on a GPU, releasing megatron's buffers before the first step made the next ``zero_grad_buffer``
-fault (illegal memory access, measured on an H200 with megatron-core 0.19.2; bf16 was fine, and
+fault (illegal memory access with megatron-core 0.19.2; bf16 was fine, and
 so was fp32 after one step). Before that step they hold only zeros; the first rollout keeps them.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
@@ -27,7 +29,7 @@ from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.training.optim import TrainState, torch_optimizers
 
 GIB = 1024**3
-OFFLOAD_MODES = ("auto", "always", "never")
+OffloadMode = Literal["auto", "always", "never"]
 HEADROOM_FRACTION = 0.10
 """Device memory kept free beyond the estimate in ``auto`` (allocator fragmentation, CUDA graph pools,
 sampling workspaces)."""
@@ -75,7 +77,7 @@ def optimizer_bytes_to_come(state: TrainState) -> int:
     )
 
 
-def decide_offload(mode: str, *, generation_needs: int, free: int, total: int) -> tuple[bool, str]:
+def decide_offload(mode: OffloadMode, *, generation_needs: int, free: int, total: int) -> tuple[bool, str]:
     """Whether the training memory leaves the device while generating, and why.
 
     ``auto`` offloads only when what generation allocates (KV cache, generation weights) does not fit
