@@ -43,12 +43,20 @@ class Layout:
 
 
 class ModelShape(Protocol):
-    """The sizes a layout must divide (``models.architecture.Architecture`` has them)."""
+    """The sizes a layout must divide (``models.architecture.Architecture`` has them), read-only:
+    the frozen ``Architecture`` matches."""
 
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    num_layers: int
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_query_groups(self) -> int: ...
+
+    @property
+    def ffn_hidden_size(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
 
 
 def layout_errors(

@@ -9,7 +9,7 @@ sglang server colocated with the actor) implements the same two members.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from megatron_rlhf.metrics.phases import PhaseTimer
@@ -34,7 +34,7 @@ class Completion:
     prompt_tokens_dropped: int = 0
     """Tokens cut from the front of an over-long prompt (on_long_prompt=truncate), else 0."""
 
-    def text_ids(self, stop_ids: Sequence[int]) -> list[int]:
+    def text_ids(self, stop_ids: Collection[int]) -> list[int]:
         """The response's ids without its final stop token: what its text is decoded from, with
         special tokens skipped as verl decodes the responses it scores (a stop id that is no special
         token would otherwise stay in the text). ``token_ids`` keeps every token."""
