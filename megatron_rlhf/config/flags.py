@@ -36,6 +36,8 @@ def add_flags(parser: argparse._ActionsContainer, cls: type, *, skip: tuple[str,
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is tuple:
             kwargs.update(type=typing.get_args(kind)[0], nargs="*")
+        elif typing.get_origin(kind) is typing.Literal:
+            kwargs["choices"] = typing.get_args(kind)
         else:
             kwargs["type"] = kind
         kwargs["help"] += " (default: %(default)s)"
