@@ -7,9 +7,9 @@ The work is the library's (``trainer/``, ``rollout/offline.py``, ``checkpoint/co
 command loads and checks its settings and calls it. The trainer commands also offer ``trainer()``:
 their config schema, start-up checks and run.
 
-Every command's parser is built before one runs, so a command module imports only what its flags
-need at import time, and what its run needs inside ``run``: a config typo is reported before the
-models' libraries load.
+Every command's parser is built before one runs, so a command module imports at module level only
+what its flags need, and what its run needs inside ``run``: no command pays for another's imports
+(``config``'s check of a typo, for one, never loads the trainers).
 """
 
 from __future__ import annotations
