@@ -1,7 +1,7 @@
 """Hybrid engine: the actor trains in one layout and generates in another, in the same ranks; the
 reference follows the actor (in its own layout) when ``reference.update`` says so."""
 
-from megatron_rlhf.hybrid.engine import HybridEngine, PhaseReport
+from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.memory import TrainingMemory
 from megatron_rlhf.hybrid.reference import ReferenceConfig, ReferenceUpdater
 from megatron_rlhf.hybrid.reshard import LayoutCopy, WeightResharder, generation_layout
@@ -9,7 +9,6 @@ from megatron_rlhf.hybrid.reshard import LayoutCopy, WeightResharder, generation
 __all__ = [
     "HybridEngine",
     "LayoutCopy",
-    "PhaseReport",
     "ReferenceConfig",
     "ReferenceUpdater",
     "TrainingMemory",
