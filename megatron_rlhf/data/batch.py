@@ -34,8 +34,8 @@ _NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
 
 def flat_tensor(rows: Iterable[Iterable[int | float]], dtype: torch.dtype) -> Tensor:
     """The rows' Python numbers one after the other, as one tensor (int64 or float32). numpy reads
-    an iterator several times faster than ``torch.tensor`` reads a list (5 ms against 45 ms for a
-    rollout of 256 x 384 token ids)."""
+    an iterator several times faster than ``torch.tensor`` reads a list (docs/benchmarks.md, "Host
+    overheads")."""
     return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), dtype=_NUMPY_DTYPES[dtype]))
 
 

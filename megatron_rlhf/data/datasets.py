@@ -42,8 +42,8 @@ can hang), and get the loader pickled, tokenizer included (a chat template is co
 
 Data is read once, at start-up; nothing is loaded per step. A step's batch is the sampler's indices
 (a function of seed, epoch and step: a run's data position is its step) into this storage, padded
-by ``pack_batch``: about 10 ms on one CPU core for 512 rows of ~1k tokens (docs/benchmarks.md),
-against seconds of GPU work. So there is no DataLoader-style per-step prefetching
+by ``pack_batch``: milliseconds of host work against seconds of GPU work (docs/benchmarks.md, "Data
+loading"). So there is no DataLoader-style per-step prefetching
 (``prefetch_factor``, ``persistent_workers``): there is no per-step loading for it to overlap.
 """
 

@@ -188,8 +188,8 @@ def _rotate_into_cache(
     """The rotated query, and the cache entry [rotated key | value] (last dim 2 * hn), also written
     into ``cache`` (slots, groups, max_len, 2 * hn) at each row's ``positions`` (b, sq) of its slot
     in ``slots`` (b,). On GPU it is compiled: the rotation in float32, rounded once, and the store
-    in a few generated kernels (a decode step's H200 profile: three, the query's rotation, the cache
-    entry and the scatter into the cache) instead of eager indexing, copy and elementwise ones."""
+    in a few generated kernels (the query's rotation, the cache entry and the scatter into the
+    cache) instead of eager indexing, copy and elementwise ones."""
     entry = torch.cat([rotate(key, cos, sin), value], dim=-1)
     cache[slots[:, None], :, positions] = entry.transpose(0, 1).to(cache.dtype)  # (b, sq, groups, 2hn)
     return rotate(query, cos, sin), entry

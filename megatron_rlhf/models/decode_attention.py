@@ -13,7 +13,7 @@ step's key from registers, in place of three compiled kernels before the attenti
 
 Why our own kernel: FlexAttention's decoding kernel needs a power-of-two number of query heads per
 KV group (Qwen2.5-1.5B has 6), and with the heads as query rows it and SDPA's kernels were slower
-than the two matmuls on an H200 (``scripts/bench_decode_kernels.py``, docs/benchmarks.md).
+than the two matmuls (``scripts/bench/decode_kernels.py``; docs/benchmarks.md, "Kernels").
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ except ImportError:  # torch without its Triton (e.g. CPU wheels of some platfor
     triton = None
 
 BLOCK_POSITIONS = 64
-"""Cache positions per loop iteration of a program (tuned with ``scripts/bench_decode_kernels.py``)."""
+"""Cache positions per loop iteration of a program (tuned with ``scripts/bench/decode_kernels.py``)."""
 NUM_WARPS = 4
 
 

@@ -2,10 +2,9 @@
 its inputs once and writes once.
 
 Why: megatron's compiled backward builds its output with a ``cat`` (``cat(d_gate, d_up)``), so
-each output element gathers its own inputs. In the profile of a 1.5B GRPO update on an H200 that
-backward took 0.85 ms per layer and micro-batch of 16k tokens, about three times its 1.4 GB of
-traffic at the HBM rate (``docs/benchmarks.md``, twelfth session). Here one lane computes both
-halves of the gradient of one (token, column) pair.
+each output element gathers its own inputs, and the backward runs far below the memory rate
+(``docs/benchmarks.md``, "Kernels"). Here one lane computes both halves of the gradient of one
+(token, column) pair.
 
 Arithmetic is float32, rounded once when stored, as megatron's compiled kernels do. On a CPU
 (tests, CI) the autograd function runs the same formulas in torch, so that the CPU suite runs this

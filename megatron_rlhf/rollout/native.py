@@ -82,11 +82,12 @@ class _History:
     def of_slots(self, slots: list[int], since: list[int]) -> list[tuple[list[int], list[float]]]:
         """The tokens and log-probs each slot produced from its step ``since`` on. One read of the
         slots' columns for all of them: at the end of a rollout every slot finishes at once, and
-        a read per slot cost 40 ms of host time with the GPU idle (256 slots, H200 host)."""
+        a read per slot keeps the GPU idle for tens of milliseconds (docs/benchmarks.md, "Host
+        overheads")."""
         first = min(since)
         columns = self.tokens[first : self.steps, slots].t()
         every_step = (columns >= 0).all(dim=1).tolist()  # no gap to filter out (the usual case)
-        # numpy's tolist of the transposed columns is faster than torch's (256 x 256: 2.3 vs 3.2 ms)
+        # numpy's tolist of the transposed columns is faster than torch's
         tokens, logprobs = columns.numpy().tolist(), self.logprobs[first : self.steps, slots].t().numpy().tolist()
         result = []
         for row_tokens, row_logprobs, start, whole in zip(tokens, logprobs, since, every_step, strict=True):

@@ -13,8 +13,8 @@ Drawing inverts the CDF: one uniform u per row from the caller's generator, the 
 cumulative mass first exceeds u times the total, then the second kernel scans that chunk alone (a
 sixteenth of the row) for the first column whose running mass does. Every token is drawn with
 probability softmax(z)_v up to float32 rounding of the partial sums, as ``torch.multinomial``;
-per-element random numbers (a Gumbel-max race, as before) cost three times the memory pass in
-Philox rounds and logarithms at 256 rows (``docs/benchmarks.md``, twelfth session). The log-prob is
+per-element random numbers (a Gumbel-max race) cost a Philox draw and two logarithms per logit, far
+more than the memory pass (``docs/benchmarks.md``, "Kernels"). The log-prob is
 z_token - logsumexp(z) over the whole vocabulary in float32, z = logits * (1 / T) as the trainer
 scales them (``training/logprobs.py``).
 """
@@ -44,9 +44,8 @@ def sample_unfiltered(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,) int64, logprobs (B,) float32) for logits (B, V): greedy when ``temperature`` is
     0, else drawn from softmax(logits / T) over the whole vocabulary. No host synchronisation:
-    three launches (the chunk statistics, the uniforms, the pick), each a few microseconds at most
-    beside the logits' read, where combining the statistics in torch took about 25 small kernels
-    per decode step (``docs/benchmarks.md``, thirteenth session)."""
+    three launches (the chunk statistics, the uniforms, the pick), where combining the statistics in
+    torch takes about 25 small kernels per decode step."""
     rows, vocab = logits.shape
     greedy = temperature == 0
     inv_temperature = 1.0 if greedy else 1.0 / temperature

@@ -2,9 +2,8 @@
 single precision logits): one pass forward, one backward.
 
 The compiled torch passes (``training/logprobs.py``) read the logits twice forward (the max,
-then the sums) and a backward whose every element recomputes its column from a flat index: at an
-H200's 10,900 scored tokens x 151,936 columns per micro-batch, 0.95 + 1.76 ms forward and 3.73 ms
-backward, for a read of 0.78 ms (``docs/benchmarks.md``, thirteenth session). Here:
+then the sums) and a backward whose every element recomputes its column from a flat index, well
+below the memory rate at a GRPO step's micro-batch (``docs/benchmarks.md``, "Kernels"). Here:
 
 * forward, one program per token streams its row once, keeping flash attention's running maximum
   m and, relative to it, sum e^(z - m) and sum e^(z - m) (z - m), rescaled as m grows; the target's
@@ -26,9 +25,8 @@ except ImportError:  # torch without its Triton: the compiled torch passes
     triton = None
 
 STATS_BLOCK, GRAD_BLOCK, NUM_WARPS = 8192, 2048, 4
-"""Columns per loop iteration forward and per program backward (a sweep on an H200 at
-10,900 x 151,936 bf16: forward 1,116 us, backward 2,035 us; 4,096 columns and 8 warps: 1,328 and
-2,186 us)."""
+"""Columns per loop iteration forward and per program backward, and warps per program: the fastest
+of a sweep at a 1.5B GRPO step's micro-batch (``docs/benchmarks.md``, "Kernels")."""
 
 
 def available(logits_shard: torch.Tensor) -> bool:

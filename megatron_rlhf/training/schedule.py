@@ -57,8 +57,8 @@ class MicroBatches(Sequence[Batch]):
     """The pieces of a plan, each laid out (``_piece``) and sent to the device when first read.
 
     Why lazily: laying a piece out is a few milliseconds of small host ops (16k tokens), and the
-    GPU waited for all of a pass's pieces before its first kernel (about 25 ms per pass for the
-    1.5B GRPO step on an H200). Read in order by the schedule, piece i+1 is laid out while the GPU
+    GPU waited for all of a pass's pieces before its first kernel (docs/benchmarks.md, "Host
+    overheads"). Read in order by the schedule, piece i+1 is laid out while the GPU
     runs piece i: its copy to the device is asynchronous from pinned memory, so the host never
     waits for the device here."""
 
