@@ -21,7 +21,7 @@ import inspect
 import itertools
 import textwrap
 import typing
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 _LOADER_BUILDING = contextvars.ContextVar("loader_building", default=False)
@@ -49,14 +49,6 @@ def building_tree() -> Iterator[None]:
 def at_least(cfg: Any, low: float, *names: str) -> list[str]:
     """``name=value must be >= low`` for each of ``names`` below ``low``."""
     return [f"{name}={getattr(cfg, name)} must be >= {low}" for name in names if getattr(cfg, name) < low]
-
-
-def one_of(cfg: Any, name: str, choices: Iterable[Any]) -> list[str]:
-    """``name=value must be one of [...]`` when the value is not a choice (a ``str`` field; a
-    ``Literal`` field needs no such check)."""
-    choices = list(choices)
-    value = getattr(cfg, name)
-    return [] if value in choices else [f"{name}={value!r} must be one of {choices}"]
 
 
 def literal_choices(kind: object) -> tuple[object, ...] | None:
