@@ -2,8 +2,11 @@
 
 Test side:
 - ``run_cli`` runs ``python -m megatron_rlhf`` (under torchrun when ``nproc`` > 1);
-- ``run_worker`` runs a worker script under torchrun and returns the results it wrote.
-Both assert the exit code and, when it is wrong, fail with the tail of the process's output.
+- ``run_cli_here`` calls the same ``main`` in this process, for a command that ends before it builds
+  anything (an interpreter's start-up costs more than such a command: megatron-core's imports alone);
+- ``run_worker`` runs a worker script (under torchrun when ``nproc`` > 1) and returns the results it
+  wrote.
+Each asserts the exit code and, when it is wrong, fails with the tail of the output.
 
 Worker side: ``worker_session`` initialises torch.distributed (gloo on CPU, nccl on CUDA), seeds every
 rank, hands out the results dict and, once the worker's body has run, has rank 0 write it for
@@ -13,6 +16,7 @@ rank, hands out the results dict and, once the worker's body has run, has rank 0
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -20,9 +24,12 @@ import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.helpers import REPO
+
+if TYPE_CHECKING:  # the worker side imports megatron_rlhf only once a session starts
+    from megatron_rlhf.parallel.distributed import DistEnv
 
 MAIN = REPO / "megatron_rlhf" / "__main__.py"
 RESULTS_FILE = "results.json"
@@ -38,10 +45,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def command(nproc: int, *args: str, script: Path = MAIN) -> list[str]:
-    """The command line of ``script`` (the CLI unless named) with ``args``: a plain process when the CLI
-    runs as one, torchrun with ``nproc`` ranks otherwise."""
-    if nproc == 1 and script == MAIN:
-        return [sys.executable, "-m", "megatron_rlhf", *args]
+    """The command line of ``script`` (the CLI unless named) with ``args``: a plain process for one
+    rank (as a user runs the CLI; torch.distributed then starts a world of one), torchrun otherwise."""
+    if nproc == 1:
+        return [sys.executable, *(["-m", "megatron_rlhf"] if script == MAIN else [str(script)]), *args]
     return [
         sys.executable,
         "-m",
@@ -92,11 +99,25 @@ def run_cli(
     return run(command(nproc, *args), exit_code=exit_code, env=env, cwd=cwd, timeout=timeout)
 
 
+def run_cli_here(*args: str, exit_code: int | None = 0) -> subprocess.CompletedProcess:
+    """``run_cli`` for one process, as a call of the CLI's ``main`` here, its output captured."""
+    from megatron_rlhf.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(args))
+        except SystemExit as stop:  # argparse's --help and usage errors
+            code = stop.code if isinstance(stop.code, int) else 1
+    finished = subprocess.CompletedProcess(["megatron-rlhf", *args], code, stdout.getvalue(), stderr.getvalue())
+    return check_exit(finished, exit_code)
+
+
 def run_worker(
     worker: Path, nproc: int, out: Path, *args: str, env: Mapping[str, str] | None = None, timeout: int = 900
 ) -> dict[str, Any]:
-    """Run ``worker`` under torchrun with ``out`` as its first argument, assert it succeeded, and return
-    the results its rank 0 wrote (``worker_session``)."""
+    """Run ``worker`` on ``nproc`` ranks with ``out`` as its first argument, assert it succeeded, and
+    return the results its rank 0 wrote (``worker_session``)."""
     out.mkdir(parents=True, exist_ok=True)
     run(command(nproc, str(out), *args, script=worker), env=env, timeout=timeout)
     return worker_results(out)
@@ -111,7 +132,7 @@ def worker_results(out: Path) -> dict[str, Any]:
 class WorkerSession:
     """What a worker's body gets: its rank's environment, its arguments, and the results to report."""
 
-    env: Any  # megatron_rlhf.parallel.distributed.DistEnv, imported only inside the worker
+    env: DistEnv
     out: Path
     args: list[str]
     results: dict[str, Any] = field(default_factory=dict)
@@ -121,8 +142,9 @@ class WorkerSession:
 def worker_session(device: str | None = None, seed: int = 0) -> Iterator[WorkerSession]:
     """Worker side of ``run_worker``: torch.distributed initialised on ``device`` (``DEVICE_ENV``, else the
     CPU, when not given) and every rank seeded; after the body, rank 0 writes ``session.results`` to
-    OUT/results.json (OUT: the first argument) and the process group is torn down. A body that raises
-    writes nothing, so ``run_worker`` fails with the traceback."""
+    OUT/results.json (OUT: the first argument) while the others wait; the process group stays up for
+    what the worker runs next. A body that raises writes nothing, so ``run_worker`` fails with the
+    traceback."""
     import torch.distributed as dist
 
     from megatron_rlhf.parallel.distributed import init_distributed, seed_everything
@@ -133,5 +155,4 @@ def worker_session(device: str | None = None, seed: int = 0) -> Iterator[WorkerS
     yield session
     if env.rank == 0:
         (session.out / RESULTS_FILE).write_text(json.dumps(session.results, indent=2))
-    dist.barrier()  # no rank tears the group down while rank 0 still writes
-    dist.destroy_process_group()
+    dist.barrier()  # every rank leaves with the results written

@@ -103,7 +103,7 @@ def _nonfinite_grads_anywhere(model: DistributedDataParallel, device: torch.devi
     it after its next host sync, so the check runs on the GPU meanwhile."""
     # The smallest and largest gradient of each buffer (a NaN anywhere makes both NaN): one read of
     # the buffers and no host sync before the all-reduce, where ``isfinite(...).all()`` wrote and
-    # read a bool copy of each (7 ms per step for a 1.5B model on an H200).
+    # read a bool copy of each.
     extremes = [x for grads in _gradient_buffers(model) if grads.numel() for x in torch.aminmax(grads)]
     bad = torch.zeros(1, device=device)
     if extremes:

@@ -2,9 +2,10 @@
 
 Greedy completions from the hybrid engine equal those of a TP1 model built independently from the
 same weights, before and after an optimizer step (the step's weights are exported to HF and
-reloaded), and every rank receives all completions in order. Argument 2, ``offload`` or ``keep``:
-the hybrid engine's offload setting; the generation copy and KV cache are freed after each
-rollout, or kept (the same storage every rollout).
+reloaded), and every rank receives all completions in order. Both of the hybrid engine's offload
+settings run, one after the other on a fresh actor: ``offload`` frees the generation copy and KV
+cache after each rollout, ``keep`` keeps them (the same storage every rollout). OUT/results.json
+holds each setting's figures under its name.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from tests.launch import WorkerSession, worker_session
 
 
 def main(session: WorkerSession) -> None:
+    for mode in ("offload", "keep"):
+        session.results[mode] = follow_training(session, mode)
+
+
+def follow_training(session: WorkerSession, mode: str) -> dict[str, object]:
+    """Two rounds of generation with an optimizer step between them, in the offload setting ``mode``."""
     from megatron_rlhf.checkpoint.hf import save_hf_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.hybrid.engine import HybridEngine
@@ -30,8 +37,8 @@ def main(session: WorkerSession) -> None:
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import train_step
 
-    env, out, results = session.env, session.out, session.results
-    mode = session.args[0]
+    env, out = session.env, session.out / mode
+    results: dict[str, object] = {}
     path = "builtin:tiny-llama"
     arch = architecture_of(path)
     actor = build_role(
@@ -79,6 +86,7 @@ def main(session: WorkerSession) -> None:
     results["tokens_changed_by_step"] = tokens_by_round[0] != tokens_by_round[1]
     assert results["round0_mismatches"] == 0 and results["round1_mismatches"] == 0, results
     assert results["tokens_changed_by_step"], results
+    return results
 
 
 if __name__ == "__main__":

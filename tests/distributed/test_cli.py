@@ -2,7 +2,9 @@
 
 ``CASES`` declares the runs that are one command each: its flags, the exit it must end with, what its
 output must say and which files it must not leave; one runner launches them all. A case whose check
-is more than that names a small check function. Runs that compare two launches follow the table.
+is more than that names a small check function. A case that ends before any model is built calls the
+CLI's ``main`` in this process; the others run as a user runs them. Runs that compare two launches
+follow the table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from tests.distributed.test_ppo_verl import _verl_parquet
 from tests.distributed.test_sft_rm import _preference_rows, _write_jsonl
 from tests.helpers import PAD_ID, hf_classes, make_tiny_hf_model
-from tests.launch import run_cli
+from tests.launch import run_cli, run_cli_here
 
 Check = Callable[[Path, subprocess.CompletedProcess], None]
 """A case's own assertions: its directory and the finished process."""
@@ -44,7 +46,7 @@ class CliCase:
     absent: tuple[str, ...] = ()  # paths under {tmp} that the run must not create
     check: Check | None = None
     quotes_a_traceback: bool = False  # a failure that prints one: torchrun's, or the user's code's
-    builds_models: bool = True  # marked ``distributed``: starts torch.distributed and builds models
+    builds_models: bool = True  # a subprocess, marked ``distributed``; else a call of ``main`` here
 
 
 def _defaults_without_config_are_named(tmp: Path, proc: subprocess.CompletedProcess) -> None:
@@ -247,6 +249,7 @@ CASES: list[CliCase] = [
             "reward function, compute_score(data_source=, solution_str=, ground_truth=, extra_info=)",
         ),
         stdout_lacks=(BUILT,),
+        builds_models=False,
     ),
 ]
 
@@ -263,7 +266,11 @@ def test_cli_case(case: CliCase, tmp_path: Path) -> None:
         (tmp_path / name).write_text(contents)
     if case.prepare is not None:
         case.prepare(tmp_path)
-    proc = run_cli(*map(here, case.args), nproc=case.nproc, exit_code=case.exit_code)
+    args = tuple(map(here, case.args))
+    if case.builds_models or case.nproc > 1:
+        proc = run_cli(*args, nproc=case.nproc, exit_code=case.exit_code)
+    else:
+        proc = run_cli_here(*args, exit_code=case.exit_code)
     for text in map(here, case.stdout_has):
         assert text in proc.stdout, (text, proc.stdout[-3000:])
     for text in map(here, case.stderr_has):

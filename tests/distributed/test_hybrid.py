@@ -13,10 +13,16 @@ from tests.launch import run_worker
 WORKER = Path(__file__).with_name("hybrid_worker.py")
 
 
+@pytest.fixture(scope="module")
+def by_mode(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both offload settings' figures, from one launch."""
+    return run_worker(WORKER, 2, tmp_path_factory.mktemp("hybrid"))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["offload", "keep"])
-def test_hybrid_generation_follows_training(mode: str, tmp_path: Path) -> None:
-    results = run_worker(WORKER, 2, tmp_path, mode)
+def test_hybrid_generation_follows_training(mode: str, by_mode: dict) -> None:
+    results = by_mode[mode]
     assert results["round0_mismatches"] == 0 and results["round1_mismatches"] == 0
     assert results["tokens_changed_by_step"]
     assert "timing_s/generation_weights_reshard" in results["round1_phases"]

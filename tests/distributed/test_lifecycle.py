@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import megatron_rlhf
 from megatron_rlhf.debug.faults import NAN_GRADIENTS_ENV, SLOW_SAVE_ENV
 from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
 from tests.helpers import load_all_tensors
-from tests.launch import REPO, command, run_cli, subprocess_env
+from tests.launch import REPO, command, run_cli, run_cli_here, subprocess_env
 
 
 def _run_killed_after_first_checkpoint(nproc: int, args: tuple[str, ...], out: Path) -> None:
@@ -149,23 +150,27 @@ def test_ppo_saved_in_the_background_resumes_like_a_synchronous_run(
     assert "step 6: saved checkpoint" in again.stdout and "written in the background" in again.stdout
 
 
+GRPO = (
+    "ppo",
+    "--config",
+    "ppo-tiny",
+    "max_steps=8",
+    "save_every=2",
+    "prompts_per_step=4",
+    "mini_batch_size=8",
+    "rollout.sampling.max_new_tokens=12",
+)
+
+
+@pytest.fixture(scope="module")
+def grpo_straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted GRPO run that the killed and the stopped runs end like."""
+    return _straight_run(1, GRPO, tmp_path_factory.mktemp("grpo") / "straight")
+
+
 @pytest.mark.distributed
-def test_grpo_resumes_exactly(tmp_path: Path) -> None:
-    _check_resume_matches(
-        1,
-        (
-            "ppo",
-            "--config",
-            "ppo-tiny",
-            "max_steps=6",
-            "save_every=2",
-            "prompts_per_step=4",
-            "mini_batch_size=8",
-            "rollout.sampling.max_new_tokens=12",
-        ),
-        tmp_path,
-        6,
-    )
+def test_grpo_resumes_exactly(tmp_path: Path, grpo_straight: Path) -> None:
+    _check_resume_matches(1, GRPO, tmp_path, 8, straight=grpo_straight)
 
 
 @pytest.mark.distributed
@@ -233,22 +238,12 @@ def test_checkpoint_resumes_in_another_layout(tmp_path: Path, saved_layout: str)
 
 
 @pytest.mark.distributed
-def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -> None:
+def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path, grpo_straight: Path) -> None:
     """SIGTERM mid-run: a checkpoint at the next step boundary, exit 0 (no export yet); the same
     command again continues from it and exports the uninterrupted run's weights."""
-    args = (
-        "ppo",
-        "--config",
-        "ppo-tiny",
-        "max_steps=8",
-        "prompts_per_step=4",
-        "mini_batch_size=8",
-        "rollout.sampling.max_new_tokens=12",
-    )
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    run_cli(*args, f"output_dir={straight}")
+    straight, stopped = grpo_straight, tmp_path / "stopped"
     proc = subprocess.Popen(
-        command(1, *args, f"output_dir={stopped}"),
+        command(1, *GRPO, f"output_dir={stopped}"),
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -263,7 +258,7 @@ def test_sigterm_saves_exits_0_and_the_rerun_finishes_the_same(tmp_path: Path) -
     assert "SIGTERM received" in out and not (stopped / "hf").exists()
     step = int((stopped / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 1 <= step < 8
-    again = run_cli(*args, f"output_dir={stopped}")
+    again = run_cli(*GRPO, f"output_dir={stopped}")
     assert f"at step {step}" in again.stdout
     assert [_deterministic(r) for r in _records(stopped)] == [_deterministic(r) for r in _records(straight)]
     a, b = load_all_tensors(straight / "hf"), load_all_tensors(stopped / "hf")
@@ -389,17 +384,26 @@ def test_a_stopped_rank_ends_the_job_non_zero_within_a_minute(tmp_path: Path, sf
     assert "timed out" in (tmp_path / "log").read_text().lower()
 
 
-@pytest.mark.distributed
-def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(
-    tmp_path: Path, sft_train: Path
-) -> None:
-    """The newest checkpoint has bytes that are not UTF-8 in its config.yaml, the one before a flipped
-    byte in a shard, and an interrupted save left step_8.tmp/ and latest.tmp (what a SIGKILL mid-save
-    leaves): the run names the changed files, resumes from the newest good checkpoint (comparing the
-    config with that one's), deletes the leftovers, and redoes the steps with the same losses."""
-    out = tmp_path / "run"
-    args = (*SFT, f"data.train=[{sft_train}]", "save_every=2", "keep_last=3", f"output_dir={out}")
-    run_cli(*args, "max_steps=6")
+@dataclass
+class DamagedResume:
+    """An SFT run, its checkpoints damaged, and the same command run again for more steps."""
+
+    out: Path
+    fresh: subprocess.CompletedProcess
+    fresh_losses: dict[int, float]
+    resumed: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def damaged_resume(tmp_path_factory: pytest.TempPathFactory) -> DamagedResume:
+    """The newest checkpoint gets bytes that are not UTF-8 in its config.yaml, the one before a flipped
+    byte in a shard, and an interrupted save's step_8.tmp/ and latest.tmp (what a SIGKILL mid-save
+    leaves) before the run is started again."""
+    root = tmp_path_factory.mktemp("damaged")
+    out = root / "run"
+    train = _write_jsonl(root / "train.jsonl", _sft_rows(128, 0))
+    args = (*SFT, f"data.train=[{train}]", "save_every=2", "keep_last=3", f"output_dir={out}")
+    fresh = run_cli(*args, "max_steps=6")
     losses = {r["step"]: r["loss"] for r in _records(out)}
     shard = out / "checkpoints" / "step_4" / "models" / "actor" / "dist" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -409,7 +413,15 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
     config.write_bytes(b"\xff\xfe" + config.read_bytes())
     (out / "checkpoints" / "step_8.tmp" / "models").mkdir(parents=True)
     (out / "checkpoints" / "latest.tmp").write_text("step_8\n")
-    again = run_cli(*args, "max_steps=8")
+    return DamagedResume(out, fresh, losses, run_cli(*args, "max_steps=8"))
+
+
+@pytest.mark.distributed
+def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(damaged_resume: DamagedResume) -> None:
+    """The run names the changed files, resumes from the newest good checkpoint (comparing the config
+    with that one's), deletes the leftovers, and redoes the steps with the same losses."""
+    out, again, losses = damaged_resume.out, damaged_resume.resumed, damaged_resume.fresh_losses
+    config = out / "checkpoints" / "step_6" / "config.yaml"
     assert f"step_6 is unusable: {config}: changed since the save" in again.stdout
     assert "step_4 is unusable" in again.stdout and "__0_0.distcp" in again.stdout
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
@@ -462,14 +474,11 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
 
 
 @pytest.mark.distributed
-def test_start_up_report_names_versions_layouts_and_the_resumed_step(tmp_path: Path, sft_train: Path) -> None:
+def test_start_up_report_names_versions_layouts_and_the_resumed_step(damaged_resume: DamagedResume) -> None:
     """The report a run starts with, fresh and resumed: this package's version and git commit,
     torch, CUDA, megatron-core, apex and Transformer Engine (looked up here), torch's host threads,
     each checkpointed model's layout, and the checkpoint step a resumed run continues from."""
-    out = tmp_path / "run"
-    args = (*SFT, f"data.train=[{sft_train}]", f"output_dir={out}")
-    fresh = run_cli(*args, "max_steps=2")
-    resumed = run_cli(*args, "max_steps=3")
+    out, fresh, resumed = damaged_resume.out, damaged_resume.fresh, damaged_resume.resumed
     commit = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -497,7 +506,7 @@ def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_pat
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"split": "train", "step": 1}\n')
     args = (*SFT, f"data.train=[{sft_train}]", "max_steps=1", f"output_dir={out}")
-    refused = run_cli(*args, exit_code=2)
+    refused = run_cli_here(*args, exit_code=2)
     assert "holds another run's files (metrics.jsonl)" in refused.stderr
     assert "overwrite=true" in refused.stderr
     run_cli(*args, "overwrite=true")

@@ -7,9 +7,11 @@ exported actor."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -95,8 +97,10 @@ PPO_ARGS = (
     "algorithm.advantage_estimator=gae",
     "scoring.use_reward_model=true",
     "algorithm.kl_penalty.coef=0.05",
-    "algorithm.loss.kl_loss_coef=0",
     "rollout.sampling.max_new_tokens=12",
+    # Every part of the actor's objective on: the KL loss and the entropy bonus too.
+    "algorithm.loss.kl_loss_coef=0.001",
+    "algorithm.loss.entropy_coef=0.01",
 )
 COMPARED = (
     "reward/mean",
@@ -114,11 +118,20 @@ COMPARED = (
 )
 
 
+@pytest.fixture(scope="module")
+def ppo_one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """PPO with every part on (critic, reward model, rule, KL penalty, KL loss, entropy bonus) in one
+    process: the reference of the sharded run, and the run whose metric keys are checked."""
+    out = tmp_path_factory.mktemp("ppo-one")
+    return out, run_cli("ppo", "--config", "ppo-tiny", f"output_dir={out}", *PPO_ARGS)
+
+
 @pytest.mark.distributed
-def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
-    """PPO with a critic (PP2), reward model and KL penalty: every model sharded over 2 ranks
-    (data-parallel size 1 everywhere, so the rollout is the same) gives the TP1 run's figures."""
-    run_cli("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'one'}", *PPO_ARGS)
+def test_ppo_sharded_over_two_ranks_equals_one_process(
+    tmp_path: Path, ppo_one_process: tuple[Path, subprocess.CompletedProcess]
+) -> None:
+    """PPO with a critic (PP2), reward model, KL penalty, KL loss and entropy bonus: every model sharded
+    over 2 ranks (data-parallel size 1 everywhere, so the rollout is the same) gives the TP1 run's figures."""
     run_cli(
         "ppo",
         "--config",
@@ -132,19 +145,38 @@ def test_ppo_sharded_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
         "rollout.tp=2",
         nproc=2,
     )
-    for one, two in zip(_records(tmp_path / "one"), _records(tmp_path / "two"), strict=True):
+    for one, two in zip(_records(ppo_one_process[0]), _records(tmp_path / "two"), strict=True):
         for key in COMPARED:
             assert two[key] == pytest.approx(one[key], rel=1e-3, abs=1e-4), (one["step"], key)
 
 
+@pytest.fixture(scope="module")
+def resharded_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GRPO over two ranks, the actor trained at TP2 and generating at TP1 x DP2, logging to every sink
+    (wandb offline, where it is installed)."""
+    out = tmp_path_factory.mktemp("ppo-resharded")
+    loggers = "console,jsonl,tensorboard" + (",wandb" if importlib.util.find_spec("wandb") else "")
+    run_cli(
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={out}",
+        "max_steps=3",
+        "actor.tp=2",
+        "rollout.tp=1",
+        f"loggers=[{loggers}]",
+        "wandb.project=megatron-rlhf-tests",
+        nproc=2,
+        env={"WANDB_MODE": "offline"},
+    )
+    return out
+
+
 @pytest.mark.distributed
-def test_ppo_generates_from_resharded_weights(tmp_path: Path) -> None:
+def test_ppo_generates_from_resharded_weights(resharded_two_ranks: Path) -> None:
     """Actor trained at TP2, generation at TP1 x DP2 from resharded weights: the engine's log-probs
     equal the trainer's recomputation, and the reference (TP1) agrees with the actor at step 1."""
-    run_cli(
-        "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "max_steps=2", "actor.tp=2", "rollout.tp=1", nproc=2
-    )
-    records = _records(tmp_path)
+    records = _records(resharded_two_ranks)
     assert all("timing_s/gen/generation_weights_reshard" in r for r in records)
     _check_keys(records)
     assert max(r["rollout/logprob_max_abs_diff"] for r in records) < 1e-5
@@ -189,20 +221,12 @@ def test_old_logprobs_from_the_update_equal_their_own_pass(layout: tuple[str, ..
 
 
 @pytest.mark.distributed
-def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
+def test_metric_keys_follow_the_documented_scheme(ppo_one_process: tuple[Path, subprocess.CompletedProcess]) -> None:
     """A run with every part on (critic, reward model, rule, KL penalty, KL loss, entropy bonus):
     its metric keys have no spaces, follow the scheme and are listed in the README."""
-    proc = run_cli(
-        "ppo",
-        "--config",
-        "ppo-tiny",
-        f"output_dir={tmp_path}",
-        *PPO_ARGS,
-        "max_steps=1",
-        "algorithm.loss.kl_loss_coef=0.001",
-        "algorithm.loss.entropy_coef=0.01",
-    )
-    (record,) = _records(tmp_path)
+    out, proc = ppo_one_process
+    records = _records(out)
+    assert len(records) == 2
     assert {
         "critic/vf_loss",
         "actor/pg_loss",
@@ -212,11 +236,11 @@ def test_metric_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
         "reward/rule/lowercase_fraction",
         "timing_s/update_critic",
         "values/mean",
-    } <= set(record)
-    _check_keys([record])
-    # One micro-batch per optimizer step here, so the parts add up to the actor's objective exactly.
-    parts = record["actor/pg_loss"] - 0.01 * record["actor/entropy"] + 0.001 * record["actor/kl_loss"]
-    assert record["actor/loss"] == pytest.approx(parts, rel=1e-5, abs=1e-7)
+    } <= set.intersection(*map(set, records))
+    _check_keys(records)
+    for record in records:  # one micro-batch per optimizer step: the parts add up to the actor's objective exactly
+        parts = record["actor/pg_loss"] - 0.01 * record["actor/entropy"] + 0.001 * record["actor/kl_loss"]
+        assert record["actor/loss"] == pytest.approx(parts, rel=1e-5, abs=1e-7)
     assert "| time gen " in proc.stdout and " update_critic " in proc.stdout  # the progress line reads the phase times
 
 
@@ -256,28 +280,17 @@ def _offline_wandb_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
 
 
 @pytest.mark.distributed
-def test_wandb_offline_history_equals_metrics_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_history_equals_metrics_jsonl(resharded_two_ranks: Path) -> None:
     """Two ranks with loggers=[..., wandb] and WANDB_MODE=offline: one wandb run (rank 0's), holding
     the resolved config, whose history has every key and value of metrics.jsonl at every step."""
     pytest.importorskip(
         "wandb", reason="wandb is not installed (pip install wandb, or the test extra): no offline wandb run to check"
     )
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    run_cli(
-        "ppo",
-        "--config",
-        "ppo-tiny",
-        f"output_dir={tmp_path}",
-        "max_steps=3",
-        "loggers=[console,jsonl,tensorboard,wandb]",
-        "wandb.project=megatron-rlhf-tests",
-        nproc=2,
-    )
-    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")  # rank 0 only
+    (run_dir,) = (resharded_two_ranks / "wandb").glob("offline-run-*")  # rank 0 only
     config, history = _offline_wandb_run(run_dir)
     assert config["max_steps"] == 3 and config["loggers"] == ["console", "jsonl", "tensorboard", "wandb"]
     assert config["algorithm"]["advantage_estimator"] == "grpo" and config["wandb"]["project"] == "megatron-rlhf-tests"
-    records = _records(tmp_path)
+    records = _records(resharded_two_ranks)
     assert sorted(history) == [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         logged = {k: v for k, v in history[record["step"]].items() if k not in ("_step", "_runtime", "_timestamp")}

@@ -18,7 +18,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import is_complete
 from megatron_rlhf.trainer.run_lock import LOCK_FILE
 from tests.distributed.test_lifecycle import _records
 from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
-from tests.launch import command, run_cli, subprocess_env
+from tests.launch import command, run_cli, run_cli_here, subprocess_env
 
 PPO = (
     "ppo",
@@ -90,7 +90,7 @@ def test_another_architecture_is_refused_before_anything_is_built(tmp_path: Path
     smaller = shutil.copytree(out / "hf", tmp_path / "smaller")
     config = json.loads((smaller / "config.json").read_text())
     (smaller / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] // 2}))
-    refused = run_cli(*args, "max_steps=3", f"{model_key}={smaller}", f"output_dir={out}", exit_code=2)
+    refused = run_cli_here(*args, "max_steps=3", f"{model_key}={smaller}", f"output_dir={out}", exit_code=2)
     assert f"num_layers {config['num_hidden_layers']} -> {config['num_hidden_layers'] // 2}" in refused.stderr
     assert (
         "resume=never, or another output_dir" in refused.stderr and "build+load" not in refused.stdout + refused.stderr
