@@ -620,7 +620,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
         for source in sorted(set(sources)):
             rows = torch.tensor([s == source for s in sources])
             out |= {f"{snake_case(source)}/{name}": float(v[rows].mean()) for name, v in figures.items()}
-    return out, {"samples": sample_rows(run, greedy[: ev.samples], greedy_raw[:, 0])}
+    return out, {"samples": sample_rows(run, greedy[: ev.samples], greedy_raw[: ev.samples, 0])}
 
 
 # --------------------------------------------------------------------------- step helpers
