@@ -199,7 +199,7 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         sub_phases_steady_s={
             k.removeprefix("timing_s/"): median([r.get(k, 0.0) for r in steady_rows])
             for k in rows[0]
-            if k.startswith("timing_s/gen/")
+            if k.startswith("timing_s/gen/") and k != "timing_s/gen/std"
         },
         grad_norm=[r.get("actor/grad_norm") for r in rows],
         response_length=[r.get("response_length/mean") for r in rows],

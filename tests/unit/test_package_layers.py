@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rlhf"
 
 # Lowest first; docs/architecture.md draws the same layers.
 LAYERS = [
-    {"fusion", "parallel", "config", "metrics", "algorithms", "tasks"},
+    {"fusion", "parallel", "config", "metrics", "algorithms", "tasks", "debug"},
     {"models"},
     {"data", "training"},
     {"checkpoint"},
