@@ -232,7 +232,7 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
     archs = check_ppo_config(cfg, world_size).archs
     dtype = _run_dtype(cfg.dtype, cfg.device)
     data, rollout = cfg.data, cfg.rollout
-    longest = data.max_prompt_length + rollout.sampling.max_new_tokens
+    longest = cfg.longest_sequence
     rows = cfg.prompts_per_step * rollout.sampling.n
     budget = cfg.max_tokens_per_micro_batch
     actor_vocab = padded_vocab_size(archs["actor"].vocab_size, cfg.actor.tp)
@@ -240,7 +240,7 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
     models = []
     for role, arch in archs.items():
         model = cfg.role(role)
-        dp = world_size // (model.tp * model.pp)
+        dp = Layout.for_world(model.tp, model.pp, world_size).dp
         follows = role == "reference" and cfg.reference.update != "none"
         models.append(
             _model_memory(
@@ -324,7 +324,7 @@ def plan_supervised(cfg: SupervisedConfig, world_size: int, gpu_memory: int, *, 
     """The plan of ``megatron-rlhf sft`` (``score_head=False``) or ``rm``: one trained model."""
     arch = check_config(cfg, world_size, score_head=score_head)
     dtype = _run_dtype(cfg.dtype, cfg.device)
-    dp = world_size // (cfg.model.tp * cfg.model.pp)
+    dp = Layout.for_world(cfg.model.tp, cfg.model.pp, world_size).dp
     rows = cfg.global_batch_size // dp * (2 if score_head else 1)  # rm: a chosen and a rejected row per pair
     tokens = micro_batch_tokens(cfg.max_tokens_per_micro_batch, rows, cfg.data.max_length)  # type: ignore[attr-defined]
     model = _model_memory(

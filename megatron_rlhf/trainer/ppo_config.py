@@ -26,7 +26,7 @@ from megatron_rlhf.hybrid.reference import ReferenceConfig
 from megatron_rlhf.hybrid.reshard import matching_vocab_pad_multiple
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import padded_vocab_size
-from megatron_rlhf.parallel.layout import layout_errors
+from megatron_rlhf.parallel.layout import Layout, layout_errors
 from megatron_rlhf.rewards.custom import CustomRewardFunction
 from megatron_rlhf.rewards.rules import RewardRule
 from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
@@ -272,7 +272,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     errors += tools_file_errors("data.tools_file", data.tools_file)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
-    longest = data.max_prompt_length + sampling.max_new_tokens
+    longest = cfg.longest_sequence
     if rollout.engine.max_seq_len < longest:
         errors.append(
             f"rollout.engine.max_seq_len={rollout.engine.max_seq_len} is shorter than data.max_prompt_length "
@@ -313,7 +313,7 @@ def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str
         )
     for role in roles:
         model = cfg.role(role)
-        dp = world_size // (model.tp * model.pp)
+        dp = Layout.for_world(model.tp, model.pp, world_size).dp
         if rows % dp:
             errors.append(
                 f"the rollout's {rows} sequences (prompts_per_step x rollout.sampling.n) must split evenly "
