@@ -14,10 +14,10 @@ def add_config_args(
     parser: argparse.ArgumentParser,
     default: str | None = DEFAULT_PRESET,
     example: str = "actor.tp=2 seed=7",
-    prefix: str | None = None,
+    prefix: str | tuple[str, ...] | None = None,
 ) -> None:
     """``--config`` and overrides; the help lists the presets of this command only (those named
-    ``prefix``...; without a prefix, the presets of no trainer)."""
+    ``prefix``..., or any of a tuple of prefixes; without a prefix, the presets of no trainer)."""
     names = [n for n in presets() if (n.startswith(prefix) if prefix else not n.startswith(TRAINER_PRESET_PREFIXES))]
     shown = f"default: {default}" if default else "default: none, the library defaults"
     parser.add_argument(

@@ -26,7 +26,9 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, default=None, example="actor.path=/models/Qwen2.5-7B actor.tp=2")
+    add_config_args(
+        parser, default=None, example="actor.path=/models/Qwen2.5-7B actor.tp=2", prefix=("ppo-", "sft-", "rm-")
+    )
     parser.add_argument(
         "--trainer",
         choices=tuple(PLANNED),
