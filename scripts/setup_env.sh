@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.12) with megatron-rlhf and its test extras. Idempotent: a second run only
-# reinstalls when setup.py or constraints-ci.txt changed. Used by run_default.sh and test.sh.
+# Create .venv (Python 3.12) with megatron-rlhf and the extras named as arguments:
+#   scripts/setup_env.sh            runtime dependencies only (the main job: run_default.sh)
+#   scripts/setup_env.sh test       + the test suite's (test.sh)
+#   scripts/setup_env.sh lint       + ruff, mypy and stubs (lint.sh)
+# Idempotent: it installs again only when setup.py or constraints-ci.txt changed, or when an extra is
+# asked for that .venv does not have yet (extras accumulate: a later runtime-only call keeps them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,11 +26,21 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 
+# The stamp's name says which setup.py and constraints it installed; its lines, which extras.
 stamp=".venv/.megatron-rlhf-$(cat setup.py constraints-ci.txt | sha256sum | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
-  echo "setup_env: installing megatron-rlhf[test] (first run downloads torch, about 5 GB)"
+installed=()
+[ -f "$stamp" ] && mapfile -t installed <"$stamp"
+missing=0
+for extra in "$@"; do
+  [[ " ${installed[*]} " == *" $extra "* ]] || missing=1
+done
+if [ ! -f "$stamp" ] || [ "$missing" -eq 1 ]; then
+  mapfile -t wanted < <(printf '%s\n' "${installed[@]}" "$@" | sed '/^$/d' | sort -u)
+  spec="."
+  [ "${#wanted[@]}" -gt 0 ] && spec=".[$(IFS=,; echo "${wanted[*]}")]"
+  echo "setup_env: installing megatron-rlhf$([ "$spec" = . ] || echo "${spec#.}") (first run downloads torch, about 5 GB)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c constraints-ci.txt -e ".[test]"
+  .venv/bin/python -m pip install -q -c constraints-ci.txt -e "$spec"
   rm -f .venv/.megatron-rlhf-*
-  touch "$stamp"
+  printf '%s\n' "${wanted[@]}" >"$stamp"
 fi

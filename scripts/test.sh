@@ -3,7 +3,7 @@
 # the `gpu` tier when a CUDA device is visible. Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-bash scripts/setup_env.sh || exit 1
+bash scripts/setup_env.sh test || exit 1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   marker="gpu or not gpu"
