@@ -4,7 +4,9 @@ by ``build_sinks`` from the names of a run's ``loggers`` setting (``SINKS``).
 Global rank 0 writes; every other rank gets an empty ``Sinks``, so callers need no rank checks.
 A metric keeps its key in every destination (metrics.jsonl, TensorBoard, wandb): train metrics
 under the key itself, validation figures under ``val/<key>`` (metrics.jsonl keeps the key and says
-``"split": "validation"``), another split's under ``<split>/<key>``.
+``"split": "validation"``), another split's under ``<split>/<key>``. Rows (``samples.jsonl``) go
+to TensorBoard as a markdown table per step (its text tab) and to wandb as a ``wandb.Table`` per
+step, under the file's name (``samples``, ``val/samples``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import math
 import netrc
 import os
+import secrets
+import string
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -65,6 +69,40 @@ def scalar_name(split: str, key: str) -> str:
     their key, so they group by its first part (``actor/``, ``timing_s/``); others get a prefix:
     ``val/`` for validation, ``<split>/`` otherwise."""
     return key if split == "train" else f"{SPLIT_PREFIXES.get(split, split)}/{key}"
+
+
+def rows_by_step(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Rows of a row file by (split, step), each without those two keys (rows without a ``split``
+    are the training split's)."""
+    grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        rest = {k: v for k, v in row.items() if k not in ("split", "step")}
+        grouped.setdefault((row.get("split", "train"), row["step"]), []).append(rest)
+    return grouped
+
+
+def row_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Every key of ``rows``, in first-seen order (a key only some rows have, e.g. ``raw_response``, included)."""
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def table_cell(value: Any) -> str | int | float | bool | None:
+    """A row's value as a table cell: numbers, text and None as they are, anything else (a token id list) as JSON."""
+    return value if value is None or isinstance(value, (str, int, float, bool)) else json.dumps(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """``rows`` as a markdown table (TensorBoard's text tab renders it): one column per key, a
+    missing value empty, ``|`` escaped and line breaks as ``<br>`` so that each row stays one line."""
+    columns = row_columns(rows)
+
+    def cell(value: Any) -> str:
+        text = "" if value is None else str(table_cell(value))
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r\n", "\n").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(key)) for key in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 class ConsoleSink(Sink):
@@ -128,8 +166,9 @@ class JsonlSink(Sink):
 
 
 class TensorBoardSink(Sink):
-    """TensorBoard events under ``log_dir``; figures that are not finite numbers are left out. A
-    resumed run purges the events written after its checkpoint's step."""
+    """TensorBoard events under ``log_dir``; figures that are not finite numbers are left out; rows
+    (samples) as a markdown table per step. A resumed run purges the events written after its
+    checkpoint's step."""
 
     def __init__(self, log_dir: Path, resumed_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -141,6 +180,10 @@ class TensorBoardSink(Sink):
         for key, value in values.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(scalar_name(split, key), value, step)
+
+    def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        for (split, step), step_rows in rows_by_step(rows).items():
+            self.writer.add_text(scalar_name(split, name), markdown_table(step_rows), step)
 
     def close(self) -> None:
         self.writer.close()
@@ -159,24 +202,44 @@ class WandbConfig:
     empty: the WANDB_MODE environment variable, else online."""
 
 
-class WandbSink(Sink):
-    """A wandb run under ``out_dir/wandb`` holding the run's resolved config; each step's figures
-    are one row of its history at that step."""
+def new_wandb_run_id() -> str:
+    """The wandb run id of a fresh run: ``WANDB_RUN_ID`` when set (to continue a known wandb run),
+    else a new one as wandb makes them (8 random base-36 digits; wandb has no public function for
+    it). Kept in the run's checkpoints, so that a resumed run continues the same wandb run."""
+    digits = string.ascii_lowercase + string.digits
+    return os.environ.get("WANDB_RUN_ID") or "".join(secrets.choice(digits) for _ in range(8))
 
-    def __init__(self, settings: WandbConfig, out_dir: Path, config: dict[str, Any]) -> None:
+
+class WandbSink(Sink):
+    """The wandb run ``run_id`` (None: a new one) under ``out_dir/wandb`` holding the run's resolved
+    config, continued if it exists (a resumed run: online, its history goes on; offline, another
+    ``offline-run-*-<id>`` directory, which ``wandb sync`` uploads into the same run); each step's
+    figures are one row of its history at that step, and its rows (samples) a ``wandb.Table`` in
+    that row."""
+
+    def __init__(self, settings: WandbConfig, out_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
         import wandb
 
         out_dir.mkdir(parents=True, exist_ok=True)
+        self.table = wandb.Table
         self.run = wandb.init(
             project=settings.project,
             name=settings.name or out_dir.resolve().name,
             mode=settings.mode or None,
             dir=str(out_dir),
             config=config,
+            id=run_id or new_wandb_run_id(),
+            resume="allow",
         )
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         self.run.log({scalar_name(split, key): value for key, value in values.items()}, step=step)
+
+    def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        for (split, step), step_rows in rows_by_step(rows).items():
+            columns = row_columns(step_rows)
+            data = [[step, *(table_cell(row.get(key)) for key in columns)] for row in step_rows]
+            self.run.log({scalar_name(split, name): self.table(columns=["step", *columns], data=data)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -215,13 +278,16 @@ class SinkSetup:
     """The run's resolved config, recorded with the wandb run."""
     resumed_step: int | None = None
     """The checkpoint step a resumed run continues from; None: a fresh run (files start empty)."""
+    wandb_run_id: str | None = None
+    """The wandb run to write to: the one a resumed run's checkpoint kept, or a fresh run's
+    ``new_wandb_run_id``; None: a new one (kept nowhere)."""
 
 
 SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
     "console": lambda setup: ConsoleSink(setup.progress, setup.total_steps, setup.log_every, setup.resumed_step),
     "jsonl": lambda setup: JsonlSink(setup.out_dir, setup.resumed_step),
     "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb", setup.resumed_step),
-    "wandb": lambda setup: WandbSink(setup.wandb, setup.out_dir, setup.config),
+    "wandb": lambda setup: WandbSink(setup.wandb, setup.out_dir, setup.config, setup.wandb_run_id),
 }
 """The ``loggers`` a run may name, and how each sink is made."""
 

@@ -57,7 +57,15 @@ from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
 from megatron_rlhf.metrics.curves import read_metrics, validation_table, write_curves
 from megatron_rlhf.metrics.kernels import profiled
 from megatron_rlhf.metrics.log import environment_report, is_rank0, log
-from megatron_rlhf.metrics.sinks import Sink, SinkSetup, WandbConfig, build_sinks, logger_errors, strict_json
+from megatron_rlhf.metrics.sinks import (
+    Sink,
+    SinkSetup,
+    WandbConfig,
+    build_sinks,
+    logger_errors,
+    new_wandb_run_id,
+    strict_json,
+)
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rewards.calls import ScoringInterrupted
@@ -287,6 +295,8 @@ class LoopState:
     """Seconds trained before this process's steps started (by the runs it continues)."""
     reseeded: list[list[int]] = dataclasses.field(default_factory=list)
     """[first, last] of each window of steps redone after a rollback, with another data order."""
+    wandb_run_id: str | None = None
+    """The wandb run this run writes to (rank 0, with the wandb logger): a resumed run continues it."""
 
     def record(self, metrics: dict[str, float]) -> None:
         """A step's metrics: its headline value."""
@@ -306,7 +316,12 @@ class LoopState:
 
     def loop_figures(self, train_seconds: float) -> dict[str, Any]:
         """The loop's position as a checkpoint keeps it, with the seconds trained so far."""
-        return {"last_eval_step": self.last_eval_step, "train_seconds": train_seconds, "reseeded": self.reseeded}
+        return {
+            "last_eval_step": self.last_eval_step,
+            "train_seconds": train_seconds,
+            "reseeded": self.reseeded,
+            "wandb_run_id": self.wandb_run_id,
+        }
 
     def restore(self, run_state: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``summary`` and ``loop``."""
@@ -318,6 +333,8 @@ class LoopState:
         self.last_eval_step = loop["last_eval_step"]
         self.train_seconds = loop["train_seconds"]
         self.reseeded = loop["reseeded"]
+        # A rollback keeps the run's live wandb run; checkpoints written before ids were kept have none.
+        self.wandb_run_id = self.wandb_run_id or loop.get("wandb_run_id")
 
 
 def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architecture], tokenizer: Tokenizer) -> RunClaim:
@@ -442,6 +459,8 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
     log(f"layouts: {task.layouts}")
     state = LoopState(headline=task.headline[0])
     resumed_step = _resume(cfg, task, state)
+    if "wandb" in cfg.loggers and is_rank0() and state.wandb_run_id is None:
+        state.wandb_run_id = new_wandb_run_id()
     setup = SinkSetup(
         out_dir=out_dir,
         total_steps=total,
@@ -450,6 +469,7 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
         wandb=cfg.wandb,
         config=dataclasses.asdict(cfg),
         resumed_step=resumed_step,
+        wandb_run_id=state.wandb_run_id,
     )
     sink = build_sinks(cfg.loggers, setup)
     # Set-up leaves some 0.4M Python objects (torch, megatron-core, the models' modules) that live as

@@ -314,7 +314,8 @@ class Rollout:
     scores: Scores | PendingScores
     """Their scores, or the scoring still running on a host thread (``Scorer.start``)."""
     metrics: dict[str, float]
-    """Dynamic sampling's figures (``rollout/...``); empty without ``rollout.filter_groups``."""
+    """Dynamic sampling's figures (``rollout/...``, the uniform groups' share among every group
+    drawn included); empty without ``rollout.filter_groups``."""
 
     def scored(self) -> Scores:
         """The scores; collective while they are pending (``PendingScores.result``)."""
@@ -347,6 +348,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     """One RL step (see the module docstring); returns its metrics, identical on every rank, and
     the first ``samples_per_step`` rollouts as text with their reward."""
     cfg, algo, timer = run.cfg, run.cfg.algorithm, run.timer
+    n = cfg.rollout.sampling.n
 
     rollout = sample_rollout(run, step, indices)
     completions, batch = rollout.completions, rollout.batch
@@ -411,7 +413,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "reward/mean": float(scores.mean()),
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         **scored.metrics(),
-        **rollout.metrics,
+        **(rollout.metrics or {"rollout/uniform_group_fraction": uniform_group_fraction(scored.raw, n)}),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
@@ -466,10 +468,9 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
             return Rollout(completions, batch, pending, metrics={})
         with timer.phase("reward"):
             scores = pending.result()
-        raw = scores.raw.view(len(indices), n)
-        for group, informative in enumerate((raw.amax(1) > raw.amin(1)).tolist()):
+        for group, uniform in enumerate(uniform_groups(scores.raw, n).tolist()):
             rows = torch.arange(group * n, (group + 1) * n)
-            (kept if informative else dropped).append((completions[group * n : (group + 1) * n], scores.select(rows)))
+            (dropped if uniform else kept).append((completions[group * n : (group + 1) * n], scores.select(rows)))
         if len(kept) >= wanted or (rollout.max_sample_batches and draws >= rollout.max_sample_batches):
             break
     short = max(wanted - len(kept), 0)
@@ -487,6 +488,19 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
     }
     batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
     return Rollout(completions, batch, Scores.cat([s for _, s in chosen]), metrics)
+
+
+def uniform_groups(raw_scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(groups,) bool: whether each group (``group_size`` consecutive scores) scored all alike. Such
+    a group gives a group-relative advantage (GRPO, RLOO) nothing to learn from."""
+    grouped = raw_scores.view(-1, group_size)
+    return grouped.amax(1) == grouped.amin(1)
+
+
+def uniform_group_fraction(raw_scores: torch.Tensor, group_size: int) -> float:
+    """The share of ``uniform_groups``: ``rollout/uniform_group_fraction`` of a step without
+    ``rollout.filter_groups``."""
+    return float(uniform_groups(raw_scores, group_size).float().mean())
 
 
 def forward_passes(run: PPORun, batch: Batch, timer: PhaseTimer | None = None) -> ForwardPasses:

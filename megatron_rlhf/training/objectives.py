@@ -167,7 +167,9 @@ def ppo_actor_loss(
 ) -> LossFn:
     """Clipped policy loss - entropy bonus + KL loss; all three share one aggregation and mask,
     hence one denominator. Log-probs are recomputed at the sampling ``temperature``, as the
-    sampler produced them.
+    sampler produced them. The policy's entropy is always reported (``actor/entropy``, the first
+    sign of a collapsing policy): the log-prob pass already holds every sum it needs, so it costs
+    one subtraction per token; it enters the loss only with ``entropy_coef > 0``.
 
     With ``on_policy`` (the rollout feeds exactly one optimizer step, so the policy being updated
     is the one the old log-probs would be computed from) the batch has no ``old_logprobs``: this
@@ -175,9 +177,8 @@ def ppo_actor_loss(
     are recorded into ``on_policy``."""
 
     def loss(piece: Batch, logits: torch.Tensor) -> LossOutput:
-        logprobs, entropy = next_token_logprobs(
-            role, piece, logits, temperature=temperature, with_entropy=cfg.entropy_coef > 0
-        )
+        logprobs, entropy = next_token_logprobs(role, piece, logits, temperature=temperature, with_entropy=True)
+        assert entropy is not None
         logprobs = _scored_next(piece, logprobs)
         mask = _scored(piece, piece["response_mask"]).float()
         if on_policy is None:
@@ -198,12 +199,12 @@ def ppo_actor_loss(
         )
         metrics = {f"actor/{name}": value for name, value in metrics.items()}
         metrics["actor/pg_loss"] = numerator / denominator.clamp(min=1)
-        if entropy is not None:  # computed when entropy_coef > 0
-            entropy_numerator, _ = entropy_bonus(
-                _scored_next(piece, entropy), mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
-            )
+        entropy_numerator, _ = entropy_bonus(
+            _scored_next(piece, entropy), mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
+        )
+        if cfg.entropy_coef > 0:
             numerator = numerator - cfg.entropy_coef * entropy_numerator
-            metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
+        metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
         if cfg.kl_loss_coef > 0:
             kl_numerator, _ = kl_loss(
                 logprobs,

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rlhf.metrics.sinks import markdown_table
 from tests.helpers import REPO, load_all_tensors
 from tests.launch import run_cli
 
@@ -153,22 +154,23 @@ def test_ppo_sharded_over_two_ranks_equals_one_process(
 @pytest.fixture(scope="module")
 def resharded_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GRPO over two ranks, the actor trained at TP2 and generating at TP1 x DP2, logging to every sink
-    (wandb offline, where it is installed)."""
+    (wandb offline, where it is installed): two steps, then the same command resumed with max_steps=3."""
     out = tmp_path_factory.mktemp("ppo-resharded")
     loggers = "console,jsonl,tensorboard" + (",wandb" if importlib.util.find_spec("wandb") else "")
-    run_cli(
-        "ppo",
-        "--config",
-        "ppo-tiny",
-        f"output_dir={out}",
-        "max_steps=3",
-        "actor.tp=2",
-        "rollout.tp=1",
-        f"loggers=[{loggers}]",
-        "wandb.project=megatron-rlhf-tests",
-        nproc=2,
-        env={"WANDB_MODE": "offline"},
-    )
+    for max_steps in (2, 3):
+        run_cli(
+            "ppo",
+            "--config",
+            "ppo-tiny",
+            f"output_dir={out}",
+            f"max_steps={max_steps}",
+            "actor.tp=2",
+            "rollout.tp=1",
+            f"loggers=[{loggers}]",
+            "wandb.project=megatron-rlhf-tests",
+            nproc=2,
+            env={"WANDB_MODE": "offline"},
+        )
     return out
 
 
@@ -178,6 +180,8 @@ def test_ppo_generates_from_resharded_weights(resharded_two_ranks: Path) -> None
     equal the trainer's recomputation, and the reference (TP1) agrees with the actor at step 1."""
     records = _records(resharded_two_ranks)
     assert all("timing_s/gen/generation_weights_reshard" in r for r in records)
+    # The health figures are logged without an entropy bonus or dynamic sampling (the preset's).
+    assert all(r["actor/entropy"] > 0 and 0 <= r["rollout/uniform_group_fraction"] <= 1 for r in records)
     _check_keys(records)
     assert max(r["rollout/logprob_max_abs_diff"] for r in records) < 1e-5
     assert records[0]["kl/per_sequence"] < 1e-5
@@ -244,6 +248,22 @@ def test_metric_keys_follow_the_documented_scheme(ppo_one_process: tuple[Path, s
     assert "| time gen " in proc.stdout and " update_critic " in proc.stdout  # the progress line reads the phase times
 
 
+@pytest.mark.distributed
+def test_samples_reach_tensorboard_as_text(resharded_two_ranks: Path) -> None:
+    """Each step's samples.jsonl rows are a markdown table in TensorBoard's text tab at that step,
+    through the resume (steps 1-2, then 3)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(resharded_two_ranks / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/text_summary")}
+    samples = _records(resharded_two_ranks, "samples")
+    assert texts == {
+        step: markdown_table([{k: v for k, v in s.items() if k != "step"} for s in samples if s["step"] == step])
+        for step in (1, 2, 3)
+    }
+
+
 def _offline_wandb_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
     """The config and the history rows (by step) of an offline wandb run, read from its ``.wandb``
     file. wandb (0.31) has no reader for offline runs, so this follows the file's format: a 7-byte
@@ -281,17 +301,33 @@ def _offline_wandb_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
 
 @pytest.mark.distributed
 def test_wandb_offline_history_equals_metrics_jsonl(resharded_two_ranks: Path) -> None:
-    """Two ranks with loggers=[..., wandb] and WANDB_MODE=offline: one wandb run (rank 0's), holding
-    the resolved config, whose history has every key and value of metrics.jsonl at every step."""
+    """Two ranks with loggers=[..., wandb] and WANDB_MODE=offline, run for two steps and resumed for a
+    third: one wandb run (rank 0's), its id the one the checkpoints keep, written by the first process
+    (steps 1-2) and continued by the resumed one (step 3), each holding the resolved config; its
+    history has every key and value of metrics.jsonl at every step, and each step's samples.jsonl
+    rows as a table."""
     pytest.importorskip(
         "wandb", reason="wandb is not installed (pip install wandb, or the test extra): no offline wandb run to check"
     )
-    (run_dir,) = (resharded_two_ranks / "wandb").glob("offline-run-*")  # rank 0 only
-    config, history = _offline_wandb_run(run_dir)
-    assert config["max_steps"] == 3 and config["loggers"] == ["console", "jsonl", "tensorboard", "wandb"]
+    runs = sorted((resharded_two_ranks / "wandb").glob("offline-run-*"))  # rank 0 only; named by start time
+    checkpoints = sorted((resharded_two_ranks / "checkpoints").glob("step_*"))
+    kept_ids = {json.loads((ckpt / "run_state.json").read_text())["loop"]["wandb_run_id"] for ckpt in checkpoints}
+    assert len(runs) == 2 and len(checkpoints) == 2 and len(kept_ids) == 1
+    assert [run.name.rsplit("-", 1)[1] for run in runs] == [*kept_ids] * 2
+    (first_config, first), (config, resumed) = (_offline_wandb_run(run) for run in runs)
+    assert first_config["max_steps"] == 2 and config["max_steps"] == 3
+    assert config["loggers"] == ["console", "jsonl", "tensorboard", "wandb"]
     assert config["algorithm"]["advantage_estimator"] == "grpo" and config["wandb"]["project"] == "megatron-rlhf-tests"
     records = _records(resharded_two_ranks)
-    assert sorted(history) == [r["step"] for r in records] == [1, 2, 3]
+    assert (sorted(first), sorted(resumed)) == ([1, 2], [3])
+    samples = _records(resharded_two_ranks, "samples")
     for record in records:
-        logged = {k: v for k, v in history[record["step"]].items() if k not in ("_step", "_runtime", "_timestamp")}
-        assert logged == {k: v for k, v in record.items() if k not in ("split", "step")}, record["step"]
+        step = record["step"]
+        run, history = (runs[0], first) if step in first else (runs[1], resumed)
+        logged = {k: v for k, v in history[step].items() if k not in ("_step", "_runtime", "_timestamp")}
+        table = {k.removeprefix("samples/"): logged.pop(k) for k in list(logged) if k.startswith("samples/")}
+        assert logged == {k: v for k, v in record.items() if k not in ("split", "step")}, step
+        assert table["_type"] == "table-file"
+        rows = json.loads((run / "files" / table["path"]).read_text())
+        expected = [s for s in samples if s["step"] == step]
+        assert len(expected) == 4 and [dict(zip(rows["columns"], row, strict=True)) for row in rows["data"]] == expected
