@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.metrics.curves import read_metrics, validation_keys, validation_table, write_curves
+from megatron_rlhf.metrics.curves import (
+    curve_panels,
+    curves_figure,
+    read_metrics,
+    validation_keys,
+    validation_table,
+    write_curves,
+)
 
 
 def _metrics(path: Path, rows: list[dict]) -> Path:
@@ -61,3 +68,67 @@ def test_the_png_has_a_panel_per_figure(tmp_path: Path) -> None:
     two = draw(ROWS[1:3], "two")
     assert imread(two).shape[0] < tall  # 2 panels (reward, KL) against 4 (+ two validation figures)
     assert draw([ROWS[-1]], "none") is None
+
+
+SOURCES = [
+    {"split": "validation", "step": 0, "greedy_accuracy": 0.5, "arith/greedy_accuracy": 0.5, "timing_s/validation": 1},
+    {"split": "validation", "step": 4, "greedy_accuracy": 0.75, "arith/greedy_accuracy": 0.75},
+]
+TWO_SOURCES = [
+    {
+        "split": "validation",
+        "step": 0,
+        "greedy_accuracy": 0.5,
+        "arith/greedy_accuracy": 0.25,
+        "gsm/greedy_accuracy": 1,
+    },
+    {
+        "split": "validation",
+        "step": 4,
+        "greedy_accuracy": 0.75,
+        "arith/greedy_accuracy": 1,
+        "gsm/greedy_accuracy": 0.5,
+    },
+]
+
+
+def test_a_figure_per_data_source_only_with_two_sources() -> None:
+    """One source's figures repeat the overall ones: left out of the panels and the table. Two
+    sources: each figure's panel holds the overall curve and one per source."""
+    train = [{"split": "train", "step": s, "reward/mean": s / 10} for s in (1, 2, 3, 4)]
+    assert validation_keys(SOURCES) == ["greedy_accuracy"]
+    assert curve_panels(train, SOURCES, "reward/mean") == [
+        ("reward/mean", {"": [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]}),
+        ("val/greedy_accuracy", {"all": [(0, 0.5), (4, 0.75)]}),
+    ]
+    assert validation_keys(TWO_SOURCES) == ["greedy_accuracy", "arith/greedy_accuracy", "gsm/greedy_accuracy"]
+    assert curve_panels(train, TWO_SOURCES, "reward/mean")[1:] == [
+        (
+            "val/greedy_accuracy",
+            {"all": [(0, 0.5), (4, 0.75)], "arith": [(0, 0.25), (4, 1)], "gsm": [(0, 1), (4, 0.5)]},
+        ),
+    ]
+
+
+def test_the_title_is_above_the_panels_and_steps_are_whole() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    train = [{"split": "train", "step": s, "reward/mean": s / 10, "kl/per_sequence": 0.0} for s in (1, 2, 3)]
+    fig = curves_figure(curve_panels(train, TWO_SOURCES, "reward/mean"), "ppo: a long title for the run")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    first = fig.axes[0].get_tightbbox(renderer)
+    assert len(fig.axes) == 3  # reward, KL, accuracy with its sources
+    (title,) = fig.texts
+    assert title.get_text() == "ppo: a long title for the run"
+    assert title.get_window_extent(renderer).y0 >= first.y1  # wholly above the first panel
+    ticks = fig.axes[-1].get_xticks()
+    assert isinstance(fig.axes[-1].xaxis.get_major_locator(), MaxNLocator)
+    assert all(float(t).is_integer() for t in ticks) and len(ticks) >= 3
+    assert len(fig.axes[-1].get_legend().get_texts()) == 3
+    plt.close(fig)
