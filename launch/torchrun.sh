@@ -23,7 +23,8 @@ Options:
   --dry-run                 print the command instead of running it
   -h, --help                show this help
 
-Environment: PYTHON (default .venv/bin/python if the repo has a .venv, else python),
+Environment: PYTHON (default: the active virtual environment's python (\$VIRTUAL_ENV, then conda's
+\$CONDA_PREFIX), else the repo's .venv/bin/python, else python3),
 OMP_NUM_THREADS (default 1), NCCL_NVLS_ENABLE (default 0),
 TORCH_SYMM_MEM_DISABLE_MULTICAST (default 1).
 Examples: launch/torchrun.sh --nproc 2 ppo --config ppo-tiny actor.tp=2 rollout.tp=1
@@ -89,8 +90,13 @@ elif [[ -n "$RDZV_ENDPOINT" ]]; then
   die "--rdzv-endpoint is for multi-node runs: give --nnodes too"
 fi
 
-if [[ -z "${PYTHON+x}" ]]; then
-  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python; fi
+# The interpreter: $PYTHON, else the environment the user activated (the one they installed into),
+# else the repo's .venv (scripts/setup_env.sh makes it), else python3 from PATH.
+if [[ -z "${PYTHON:-}" ]]; then
+  PYTHON=python3
+  for candidate in "${VIRTUAL_ENV:-}" "${CONDA_PREFIX:-}" "$ROOT/.venv"; do
+    if [[ -n "$candidate" && -x "$candidate/bin/python" ]]; then PYTHON="$candidate/bin/python"; break; fi
+  done
 fi
 
 # One thread per rank unless asked otherwise (torchrun only warns about this).

@@ -4,6 +4,7 @@ the interpreter; else one on PATH)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -35,3 +36,41 @@ def test_shellcheck_finds_no_warning() -> None:
         pytest.skip("shellcheck is not installed (pip install -e '.[test]' installs it)")
     proc = subprocess.run([shellcheck, "-S", "warning", *map(str, SCRIPTS)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def _fake_env(prefix: Path) -> Path:
+    """A directory that looks like a venv or conda env to the launcher: an executable bin/python."""
+    python = prefix / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    return python
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({"PYTHON": "/opt/my/python", "VIRTUAL_ENV": "venv"}, "/opt/my/python"),
+        ({"VIRTUAL_ENV": "venv", "CONDA_PREFIX": "conda"}, "venv"),
+        ({"CONDA_PREFIX": "conda"}, "conda"),
+        ({"VIRTUAL_ENV": "missing"}, "repo"),
+        ({}, "repo"),
+    ],
+    ids=["PYTHON", "venv-before-conda", "conda", "venv-without-python", "none-active"],
+)
+def test_the_launcher_runs_the_active_environments_python(tmp_path: Path, given: dict[str, str], expected: str) -> None:
+    """$PYTHON, else the activated venv, else conda's env, else the repo's .venv (else python3)."""
+    pythons = {name: _fake_env(tmp_path / name) for name in ("venv", "conda")}
+    repo_venv = REPO / ".venv" / "bin" / "python"
+    pythons["repo"] = repo_venv if repo_venv.exists() else Path("python3")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX")}
+    env |= {key: value if key == "PYTHON" else str(tmp_path / value) for key, value in given.items()}
+    proc = subprocess.run(
+        [str(REPO / "launch" / "torchrun.sh"), "--dry-run", "--nproc", "1", "smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    chosen = proc.stdout.split()[0]
+    assert chosen == (expected if expected.startswith("/") else str(pythons[expected]))
