@@ -22,7 +22,7 @@ import sys
 
 from megatron_rlhf.commands import COMMANDS
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.metrics.log import quiet_known_warnings
+from megatron_rlhf.metrics.log import quiet_console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    quiet_known_warnings()
+    quiet_console()
     try:
         return COMMANDS[args.command].run(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:

@@ -1,15 +1,20 @@
-"""Rank-aware logging, phase timers and memory figures.
+"""Rank-aware logging, progress bars, phase timers and memory figures.
 
 Only global rank 0 prints (other ranks would repeat it); errors are printed by every rank that
-hits them. Memory figures come from the CUDA allocator on GPU and from the process RSS in CPU mode.
+hits them (``quiet_console``). Progress is a tqdm bar with an ETA on a terminal and plain lines
+elsewhere (logs, Slurm, CI). Memory figures come from the CUDA allocator on GPU and from the
+process RSS in CPU mode.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
+import os
+import platform
 import re
 import subprocess
 import sys
@@ -22,6 +27,7 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def is_rank0() -> bool:
@@ -29,14 +35,39 @@ def is_rank0() -> bool:
 
 
 def log(message: str) -> None:
+    """Print on rank 0, above the progress bar if one is shown (the bar is drawn again below)."""
     if is_rank0():
-        print(message, file=sys.stdout, flush=True)
+        with tqdm.external_write_mode(file=sys.stdout):
+            print(message, file=sys.stdout, flush=True)
+
+
+def progress_bar(total: int, label: str, unit: str, initial: int = 0) -> tqdm | None:
+    """A tqdm bar (count, rate, elapsed and ETA) when this is rank 0 and stdout is a terminal;
+    None otherwise: logs, Slurm and CI get plain progress lines instead, which read well in a file."""
+    if not (is_rank0() and sys.stdout.isatty()):
+        return None
+    return tqdm(total=total, initial=initial, desc=label, unit=unit, file=sys.stdout, dynamic_ncols=True)
+
+
+def python_environment() -> str:
+    """The interpreter and the environment it runs in: a venv (its prefix), a conda env (its name)
+    or the system's; a package missing or of the wrong version is often a run in another one."""
+    prefix = Path(sys.prefix)
+    if sys.prefix != sys.base_prefix:
+        environment = f"venv {prefix}"
+    elif (prefix / "conda-meta").is_dir():
+        active = os.environ.get("CONDA_PREFIX") == sys.prefix and os.environ.get("CONDA_DEFAULT_ENV")
+        environment = f"conda env {active or prefix.name} ({prefix})"
+    else:
+        environment = f"no venv ({prefix})"
+    return f"python {platform.python_version()} {sys.executable}, {environment}"
 
 
 def environment_report() -> str:
-    """One line for a run's log saying what it ran on: package and git commit, torch, CUDA,
-    megatron-core, whether apex and Transformer Engine are importable (without them megatron
-    falls back to torch kernels: slower, and other numerics), and torch's intra-op threads."""
+    """One line for a run's log saying what it ran on: package and git commit, the interpreter and
+    its environment, torch, CUDA, megatron-core, whether apex and Transformer Engine are importable
+    (without them megatron falls back to torch kernels: slower, and other numerics), and torch's
+    intra-op threads."""
     import megatron_rlhf
 
     def version(module: str) -> str:
@@ -61,7 +92,8 @@ def environment_report() -> str:
         for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))
     }
     return (
-        f"megatron-rlhf {megatron_rlhf.__version__} (git {commit or 'unknown'}), torch {torch.__version__}, "
+        f"megatron-rlhf {megatron_rlhf.__version__} (git {commit or 'unknown'}), {python_environment()}; "
+        f"torch {torch.__version__}, "
         f"CUDA {torch.version.cuda or 'none'}, megatron-core {version('megatron-core')}, "
         + ", ".join(f"{name} {'present' if ok else 'absent'}" for name, ok in present.items())
         + f"; {torch.get_num_threads()} host threads"
@@ -84,16 +116,23 @@ def format_eta(seconds: float) -> str:
 
 
 class Progress:
-    """A progress line for long work, at most every ``every_s`` seconds and at the end (rank 0):
-    ``label: done/total (rate/s, eta)``. Call it with the count done so far."""
+    """The progress of long work (rank 0), called with the count done so far: a bar on a terminal
+    (``progress_bar``), else a line at most every ``every_s`` seconds and at the end:
+    ``label: done/total (rate/s, eta)``."""
 
     def __init__(
         self, label: str, total: int, unit: str, every_s: float = 10.0, clock: Callable[[], float] = time.perf_counter
     ) -> None:
         self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, every_s, clock
         self.start = self.last = clock()
+        self.bar = progress_bar(total, label, unit)
 
     def __call__(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            if done >= self.total:
+                self.bar.close()
+            return
         now = self.clock()
         if done < self.total and now - self.last < self.every_s:
             return
@@ -159,18 +198,70 @@ def timed(
         log(f"[{phase}] {elapsed:.2f}s, {memory_summary(device)}")
 
 
-def quiet_known_warnings() -> None:
-    """Silence megatron-core's expected notices on machines without apex/Transformer Engine.
+MEGATRON = r"megatron(_fsdp)?\."
+"""megatron-core's modules (its FSDP package also installs standalone as ``megatron_fsdp``)."""
+TORCH_DCP = r"torch\.distributed\.checkpoint\."
+"""torch's distributed checkpoint, which megatron's ``torch_dist`` checkpoints are read with."""
 
-    They repeat on every rank and every model build (torch fallbacks in use, GPTModel deprecation;
-    the model class choice lives in models/builder.py) and would bury the run's own output. Call it
-    before megatron is imported.
-    """
-    for message in (
-        "Transformer Engine and Apex are not installed",
-        "Apex is not installed",
-        "full scope is deprecated",
-    ):
-        warnings.filterwarnings("ignore", message=message)
-    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+HARMLESS_WARNINGS: tuple[tuple[str, str], ...] = (
+    # Python warnings: (module that warns, start of the message). Each repeats on every rank.
+    # Without apex and Transformer Engine megatron uses torch's kernels (environment_report says which).
+    (MEGATRON, "Transformer Engine and Apex are not installed"),
+    (MEGATRON, "Apex is not installed"),
+    # TransformerConfig's own default cuda_graph_modules; we capture no graphs through megatron.
+    (MEGATRON, "full scope is deprecated"),
+    # get_megatron_optimizer imports MimoModel to ask whether the model is one; we build none.
+    (MEGATRON, "MimoModelConfig is experimental"),
+    # The distributed optimizer's zero_grad reads .grad of its fp32 parameter shards, which are
+    # views of the parameters, not leaves ("throws grad-access warning", megatron's own comment there
+    # says); megatron sets and clears those .grad itself, autograd never does.
+    (MEGATRON, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
+    # (GPU) A speed hint for overlapping tensor-parallel all-reduces with the weight-gradient GEMM:
+    # the results are the same either way; the variable would change how every stream is scheduled.
+    (MEGATRON, "When using async grad allreduce it is recommended to set the environment variable"),
+    (MEGATRON, "When using sequence parallelism it is recommended to set the environment variable"),
+    # megatron's torch_dist load: each rank reads its own shards (no_dist=True, megatron plans the
+    # exchange itself), with the reader passed positionally, in torch's ShardedTensor format; the
+    # deprecation is torch's, of the format megatron-core 0.19 writes.
+    (TORCH_DCP, "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load"),
+    (TORCH_DCP, "The argument order of load has been changed"),
+    (TORCH_DCP, "Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+
+HARMLESS_LOG_RECORDS: tuple[tuple[str, str], ...] = (
+    # logging records: (logger, start of the message).
+    # GPTModel, the class models/builder.py builds, takes bug fixes only.
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+    # torch found a CUDA toolkit but no GPU: the CPU mode (gloo) needs none.
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+    # Every megatron save goes through its async machinery (a synchronous save too, where megatron
+    # itself names the "mcore" strategy); the suggested NVRx strategy is another package, not a setting.
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DropRecordsStartingWith:
+    """A logging filter dropping one logger's records whose message starts with ``prefix``."""
+
+    prefix: str
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_console() -> None:
+    """Keep the console for the run's own lines: silence the known-harmless notices above (each by
+    its module or logger and message, so a new notice still shows), and let ranks other than 0
+    print errors only (their warnings would repeat rank 0's). Call it before megatron is imported:
+    some notices come at import."""
+    for module, message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), module=module)
+    for logger_name, message in HARMLESS_LOG_RECORDS:
+        logger = logging.getLogger(logger_name)
+        dropper = DropRecordsStartingWith(message)
+        if dropper not in logger.filters:
+            logger.addFilter(dropper)
+    if os.environ.get("RANK", "0") != "0":  # torchrun's global rank (there is no process group yet)
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)  # every logger, whatever its own level (torch's have their own)

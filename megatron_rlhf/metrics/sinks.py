@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_rlhf.metrics.log import format_eta, is_rank0, log
+from megatron_rlhf.metrics.log import format_eta, is_rank0, log, progress_bar
 
 
 def strict_json(row: dict[str, Any], indent: int | None = None) -> str:
@@ -107,7 +107,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 class ConsoleSink(Sink):
     """The progress lines: a train step's every ``log_every`` steps (and the first and last), with
-    the ETA; every validation's figures."""
+    the ETA; every validation's figures. On a terminal a bar below them (``progress_bar``) follows
+    every step, the latest step's figures beside it."""
 
     def __init__(
         self, progress: Callable[[dict[str, float]], str], total_steps: int, log_every: int, resumed_step: int | None
@@ -115,14 +116,23 @@ class ConsoleSink(Sink):
         self.progress, self.total_steps, self.log_every = progress, total_steps, log_every
         self.first_step = (resumed_step or 0) + 1
         self.start = time.perf_counter()
+        self.bar = progress_bar(total_steps, "steps", "step", initial=resumed_step or 0)
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         if split != "train":
             shown = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
             log(f"{split} at step {step}: {shown}")
-        elif step % self.log_every == 0 or step in (self.first_step, self.total_steps):
+            return
+        if step % self.log_every == 0 or step in (self.first_step, self.total_steps):
             eta = (time.perf_counter() - self.start) / (step - self.first_step + 1) * (self.total_steps - step)
             log(f"step {step}/{self.total_steps} | {self.progress(values)} | eta {format_eta(eta)}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(self.progress(values), refresh=False)
+            self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class JsonlSink(Sink):

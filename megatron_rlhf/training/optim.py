@@ -25,7 +25,9 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, FullParamLayout
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.models.roles import RoleModel
@@ -132,6 +134,23 @@ def _offload_settings(fraction: float) -> dict:
     }
 
 
+def _distributed_optimizer_layout(
+    model: torch.nn.Module, ddp_config: DistributedDataParallelConfig, pg: ProcessGroupCollection
+) -> FullParamLayout:
+    """Where each parameter lies in the distributed optimizer's buffers, as megatron's own training
+    loop computes it for DDP (which otherwise computes the same itself, with a warning): one bucket
+    (``overlap_grad_reduce`` is off), sharded over the model's data-parallel group (one optimizer
+    instance: DDP's intra-instance groups are ``dp_cp`` and ``expt_dp``). DDP checks it against its
+    own grouping of the parameters."""
+    return DistributedOptimizer.compute_full_param_layout(
+        [param for param in model.parameters() if param.requires_grad],
+        None,
+        pg.dp_cp.size(),
+        ddp_config,
+        expert_data_parallel_world_size=pg.expt_dp.size(),
+    )
+
+
 def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
     model = role.model
     pg = role.groups.pg_collection
@@ -145,15 +164,17 @@ def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
         )
     # Read by DDP at construction (it decides how DP gradients are scaled): set it first.
     model.config.calculate_per_token_loss = True
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.distributed_optimizer,
+    )
     ddp_model = DistributedDataParallel(
         config=model.config,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.distributed_optimizer,
-        ),
+        ddp_config=ddp_config,
         module=model,
         pg_collection=pg,
+        full_param_layout=_distributed_optimizer_layout(model, ddp_config, pg) if cfg.distributed_optimizer else None,
     )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
