@@ -1,43 +1,65 @@
 """The ``megatron-rlhf`` command line. Run it plainly for one process, or under torchrun.
 
-megatron-rlhf ppo [--config PRESET|FILE.yaml] [key=value ...]
+Every command takes its settings as ``key=value`` (checked against the command's config dataclass,
+with the closest key suggested for a typo), builds on ``--config PRESET|FILE.yaml``, and prints
+the resolved settings with ``--print-config`` (YAML with each setting's description as a comment;
+it loads again with ``--config``):
+
 megatron-rlhf smoke [--config PRESET|FILE.yaml] [key=value ...]
-megatron-rlhf config [--config PRESET|FILE.yaml] [key=value ...]
+megatron-rlhf ppo [--config PRESET|FILE.yaml] [key=value ...]
 megatron-rlhf sft [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
 megatron-rlhf rm [--config PRESET|FILE.yaml] data.train=[FILE.jsonl,...] [key=value ...]
 megatron-rlhf pipeline [--config PRESET|FILE.yaml] [key=value ...]
-megatron-rlhf plan [--config PRESET|FILE.yaml] [key=value ...] --world-size N [--gpu-memory-gib G] [--json]
-megatron-rlhf generate --model DIR --input prompts.jsonl --output out.jsonl [--tp N] [sampling flags]
-megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR --tp N --pp M
-megatron-rlhf convert mcore-to-hf CKPT_DIR OUT_DIR [--tp N --pp M]
+megatron-rlhf generate model=DIR input=prompts.jsonl output=out.jsonl [rollout.tp=N] [rollout.sampling.n=4 ...]
+megatron-rlhf plan [--config PRESET|FILE.yaml] [plan.world_size=N] [plan.gpu_memory_gib=G] [key=value ...]
+megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR [tp=N pp=M]
+megatron-rlhf convert mcore-to-hf CKPT_DIR OUT_DIR [tp=N pp=M]
 
-This module only dispatches: each command's flags and entry live in ``megatron_rlhf/commands/``.
+The flags ``generate``, ``plan`` and ``convert`` had before stay as aliases of keys
+(``config/flags.py``: ``--num-samples 4`` is ``rollout.sampling.n=4``). This module only
+dispatches: each command's settings and entry live in ``megatron_rlhf/commands/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
-from megatron_rlhf.commands import COMMANDS
+from megatron_rlhf.commands import COMMANDS, schema_of
+from megatron_rlhf.commands.config_args import CommandParser
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.metrics.log import quiet_console
+
+REMOVED = {
+    "config": "'megatron-rlhf config' is gone: use 'megatron-rlhf <command> --print-config' "
+    "(e.g. megatron-rlhf ppo --config ppo-tiny --print-config)"
+}
+"""Commands that no longer exist, and what to run instead."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rlhf",
-        description="Megatron-native RLHF. Runs as one process, or as an SPMD job under torchrun.",
+        description="Megatron-native RLHF. Runs as one process, or as an SPMD job under torchrun. Every command "
+        "takes key=value settings, builds on a preset or YAML file (--config) and prints its resolved settings "
+        "(--print-config): megatron-rlhf COMMAND --help lists them.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for name, command in COMMANDS.items():
-        command.add_arguments(commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION))
+        sub = commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION, allow_abbrev=False)
+        sub.command, sub.schema_of = name, functools.partial(schema_of, name)
+        command.add_arguments(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    if given and given[0] in REMOVED:
+        print(f"megatron-rlhf: error: {REMOVED[given[0]]}", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(given)
     quiet_console()
     try:
         return COMMANDS[args.command].run(args)

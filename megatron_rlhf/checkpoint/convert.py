@@ -42,7 +42,7 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
     else:
         arch = _trained_architecture(Path(source)) if trained else read_architecture(source)
     env = init_distributed(device)
-    errors = layout_errors("convert", tp, pp, arch, env.world_size, as_flags=True)
+    errors = layout_errors("", tp, pp, arch, env.world_size)
     if errors:
         if env.world_size % (tp * pp):
             errors.append(

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 
-from megatron_rlhf.config.flags import add_flags, from_flags
+from megatron_rlhf.commands.config_args import add_config_args, print_config, unset_errors
+from megatron_rlhf.config.flags import add_flag_aliases
+from megatron_rlhf.config.loader import config_errors, load_config_with_sources, raise_if_errors
+from megatron_rlhf.config.run import DeviceConfig
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 
@@ -12,36 +17,70 @@ HELP = "sample completions for a file of prompts with the native engine"
 DESCRIPTION = (
     "Read prompts (.jsonl/.parquet rows with 'prompt' text or 'prompt_ids'), generate with the "
     "native engine (KV cache, continuous batching) and write JSONL rows with token_ids, text, per-token "
-    "logprobs and finish_reason. Under torchrun the world is split into groups of --tp ranks."
+    "logprobs and finish_reason. Under torchrun the world is split into groups of rollout.tp ranks. The "
+    "settings ppo also has are ppo's keys (rollout.sampling.*, rollout.engine.*, rollout.tp, device, dtype). "
+    "Example: megatron-rlhf generate model=builtin:tiny-llama input=builtin:arithmetic-test output=out.jsonl "
+    "rollout.sampling.n=4"
 )
 
 
+@dataclasses.dataclass(kw_only=True)
+class GenerateRolloutConfig:
+    """Generation's layout, sampling and engine: the keys of ppo's ``rollout`` section that apply here."""
+
+    tp: int = 1
+    """Tensor-parallel size of generation; the rest of the world is data-parallel."""
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    """How completions are sampled (n per prompt, temperature, top-k/top-p, max_new_tokens, stops)."""
+    engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
+    """The native engine: KV-cache slots, CUDA graphs."""
+
+    def errors(self) -> list[str]:
+        return [] if self.tp >= 1 else [f"tp={self.tp} must be >= 1"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateConfig(DeviceConfig):
+    model: str = ""
+    """Required: the policy, an HF model directory, a megatron-rlhf checkpoint or builtin:NAME."""
+    input: str = ""
+    """Required: the prompts, a .jsonl or .parquet file or a built-in set such as builtin:arithmetic-test."""
+    output: str = ""
+    """Required: the .jsonl file the completions are written to."""
+    rollout: GenerateRolloutConfig = dataclasses.field(default_factory=GenerateRolloutConfig)
+    """Generation's layout, sampling and engine (ppo's rollout.* keys)."""
+
+    def errors(self) -> list[str]:
+        return unset_errors(self, "model", "input", "output")
+
+
+def schema() -> type:
+    return GenerateConfig
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF model dir, megatron-rlhf checkpoint, or builtin:NAME")
-    parser.add_argument(
-        "--input", required=True, help="prompts file (.jsonl or .parquet) or a built-in set (builtin:arithmetic-test)"
-    )
-    parser.add_argument("--output", required=True, help="output .jsonl")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the generation layout")
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    # Sampling and engine flags come from the same dataclasses as ppo's rollout.sampling and
-    # rollout.engine, so their names, defaults and help cannot drift apart.
-    add_flags(parser.add_argument_group("sampling (ppo: rollout.sampling.*)"), SamplingParams)
-    add_flags(parser.add_argument_group("engine (ppo: rollout.engine.*)"), NativeEngineConfig, skip=("eos_token_ids",))
+    add_config_args(parser, default=None, example="model=DIR input=prompts.jsonl output=out.jsonl rollout.tp=2")
+    add_flag_aliases(parser.add_argument_group("flags (each sets the key it names)"), "generate", GenerateConfig)
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg, sources = load_config_with_sources(args.config, args.overrides, schema=GenerateConfig)
+    raise_if_errors(config_errors(cfg))
+    if args.print_config:
+        print_config(cfg, sources)
+        return 0
+    if os.environ.get("RANK", "0") == "0":
+        print(sources.report(), flush=True)
     from megatron_rlhf.rollout.offline import run_generate
 
     run_generate(
-        model=args.model,
-        input_path=args.input,
-        output_path=args.output,
-        tp=args.tp,
-        device=args.device,
-        dtype=args.dtype,
-        params=from_flags(args, SamplingParams),
-        engine_cfg=from_flags(args, NativeEngineConfig, eos_token_ids=()),
+        model=cfg.model,
+        input_path=cfg.input,
+        output_path=cfg.output,
+        tp=cfg.rollout.tp,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        params=cfg.rollout.sampling,
+        engine_cfg=cfg.rollout.engine,
     )
     return 0

@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
+import typing
 from pathlib import Path
+from typing import Any, Literal
 
 from megatron_rlhf.commands import ppo, rm, sft
-from megatron_rlhf.commands.config_args import add_config_args
-from megatron_rlhf.config.loader import ConfigError, load_config
+from megatron_rlhf.commands.config_args import add_config_args, print_config
+from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.flags import add_flag_aliases
+from megatron_rlhf.config.loader import ConfigError, config_errors, load_config_with_sources, raise_if_errors
 
 PLANNED = {"ppo": ppo, "sft": sft, "rm": rm}
-DEFAULT_GPU_MEMORY_GIB = 80.0
-"""The device size unless ``--gpu-memory-gib`` says otherwise: an 80 GB A100/H100."""
+Planned = Literal["ppo", "sft", "rm"]
 
 HELP = "each model's layout and the per-GPU memory of a ppo, sft or rm run, without a GPU"
 DESCRIPTION = (
@@ -21,47 +26,88 @@ DESCRIPTION = (
     "generation layout, and per-GPU memory (weights, gradients, optimizer state, activations, KV cache) with the "
     "peaks of the training and the generation phase, with and without hybrid.offload, and what "
     "hybrid.offload=auto would decide. Reads only config.json files: no weights, no GPU, no processes. Exits 2 "
-    "naming the settings when the run would be refused or its peak exceeds --gpu-memory-gib."
+    "naming the settings when the run would be refused or its peak exceeds plan.gpu_memory_gib. The settings "
+    "are the planned run's, and the plan's own under plan.*. Example: megatron-rlhf plan --config ppo-grpo-1.5b "
+    "plan.world_size=8 actor.tp=2"
 )
+
+
+@dataclasses.dataclass(kw_only=True)
+class PlanSettings:
+    """What ``plan`` plans for and how it prints: the ``plan`` section beside the run's settings."""
+
+    trainer: Planned | None = None
+    """The command the run's settings are for (none: from the preset's name, else ppo)."""
+    world_size: int = 1
+    """GPUs of the run."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU in GiB (an 80 GB A100/H100; an H200 offers about 139.8)."""
+    json: bool = False
+    """Print the plan as JSON."""
+
+    def errors(self) -> list[str]:
+        return at_least(self, 1, "world_size") + ([] if self.gpu_memory_gib > 0 else ["gpu_memory_gib must be > 0"])
+
+
+@dataclasses.dataclass(kw_only=True)
+class WithPlan:
+    """A planned run's config: the trainer's settings and ``plan``'s own."""
+
+    plan: PlanSettings = dataclasses.field(default_factory=PlanSettings)
+    """What the plan is for (the trainer, the world size, the GPU's memory) and how it is printed."""
+
+
+@functools.cache
+def planned_schema(trainer: Planned) -> type[Any]:
+    """``trainer``'s config schema with the ``plan`` section."""
+    run_schema = PLANNED[trainer].trainer().schema
+    return dataclasses.dataclass(kw_only=True)(type(f"Planned{run_schema.__name__}", (run_schema, WithPlan), {}))
+
+
+def schema() -> type:
+    return planned_schema("ppo")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(
         parser, default=None, example="actor.path=/models/Qwen2.5-7B actor.tp=2", prefix=("ppo-", "sft-", "rm-")
     )
-    parser.add_argument(
-        "--trainer",
-        choices=tuple(PLANNED),
-        default=None,
-        help="the command the config is for (default: from the preset's name, else ppo)",
-    )
-    parser.add_argument("--world-size", type=int, default=1, help="GPUs of the run (default 1)")
-    parser.add_argument(
-        "--gpu-memory-gib",
-        type=float,
-        default=DEFAULT_GPU_MEMORY_GIB,
-        help=f"memory of one GPU in GiB (default {DEFAULT_GPU_MEMORY_GIB:g}; an H200 offers about 139.8)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_flag_aliases(parser.add_argument_group("flags (each sets the key it names)"), "plan", WithPlan)
+
+
+def _trainer_of(args: argparse.Namespace) -> Planned:
+    """The command a plan is for: the last ``plan.trainer=`` given, else a config file's
+    ``plan.trainer`` (a printed plan's), else the preset's name, else ppo."""
+    given = [item.partition("=")[2] for item in args.overrides if item.startswith("plan.trainer=")]
+    config = Path(args.config or "")
+    if not given and config.suffix in (".yaml", ".yml") and config.is_file():
+        from omegaconf import OmegaConf
+
+        given = [str(OmegaConf.select(OmegaConf.load(config), "plan.trainer", default=""))]
+    named = given[-1] if given and given[-1] else next((n for n in PLANNED if config.name.startswith(f"{n}-")), "ppo")
+    # A name that is none of them is the loader's to refuse, naming the choices.
+    return typing.cast(Planned, named if named in PLANNED else "ppo")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan of ``--trainer``'s config (or of the command its preset's name says); a
-    ``ConfigError`` when the run would be refused or would not fit, with the plan."""
+    """Print the plan of ``plan.trainer``'s config; a ``ConfigError`` when the run would be refused
+    or would not fit, with the plan."""
     from megatron_rlhf.hybrid.memory import GIB
     from megatron_rlhf.trainer.plan import format_plan, plan_errors, plan_ppo, plan_supervised
 
-    named = Path(args.config).name if args.config else ""
-    command = args.trainer or next((name for name in PLANNED if named.startswith(f"{name}-")), "ppo")
-    cfg = load_config(args.config, args.overrides, schema=PLANNED[command].trainer().schema)
-    if args.world_size < 1:
-        raise ConfigError(f"--world-size={args.world_size} must be >= 1")
-    gpu_memory = int(args.gpu_memory_gib * GIB)
+    command = _trainer_of(args)
+    cfg, sources = load_config_with_sources(args.config, args.overrides, schema=planned_schema(command))
+    cfg.plan.trainer = command
+    if args.print_config:
+        raise_if_errors(config_errors(cfg))
+        print_config(cfg, sources)
+        return 0
+    world_size, gpu_memory = cfg.plan.world_size, int(cfg.plan.gpu_memory_gib * GIB)
     if command == "ppo":
-        plan = plan_ppo(cfg, args.world_size, gpu_memory)
+        plan = plan_ppo(cfg, world_size, gpu_memory)
     else:
-        plan = plan_supervised(cfg, args.world_size, gpu_memory, score_head=command == "rm")
-    text = json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan)
+        plan = plan_supervised(cfg, world_size, gpu_memory, score_head=command == "rm")
+    text = json.dumps(plan.to_json(), indent=1) if cfg.plan.json else format_plan(plan)
     errors = plan_errors(plan)
     if errors:
         raise ConfigError(text + "\n\ndoes not fit:\n  " + "\n  ".join(errors))

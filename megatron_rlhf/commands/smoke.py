@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_rlhf.commands.config_args import add_config_args
-from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.commands.trainers import Trainer, run_trainer
 
 HELP = "build the four models (actor, critic, reference, reward) in their layouts and run a forward pass"
 DESCRIPTION = (
@@ -19,10 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    from megatron_rlhf.parallel.distributed import init_distributed
-    from megatron_rlhf.trainer.smoke import SmokeConfig, run_smoke
+def trainer() -> Trainer:
+    """Smoke's run has the trainers' shape: the checks (also ``--print-config``'s), then the run."""
+    from megatron_rlhf.trainer.smoke import SmokeConfig, check_smoke_config, run_smoke
 
-    cfg = load_config(args.config, args.overrides, schema=SmokeConfig)
-    run_smoke(cfg, init_distributed(cfg.device, cfg.dist_timeout_s))
-    return 0
+    return Trainer(SmokeConfig, check_smoke_config, lambda cfg, env, _archs: run_smoke(cfg, env))
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_trainer(trainer(), args)

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megatron_rlhf.commands.config_args import add_config_args
-from megatron_rlhf.config.loader import load_config_with_sources, to_yaml
+from megatron_rlhf.commands.config_args import add_config_args, print_config
+from megatron_rlhf.config.loader import load_config_with_sources
 
 if TYPE_CHECKING:
     from megatron_rlhf.parallel.distributed import DistEnv
@@ -41,12 +41,6 @@ def add_trainer_arguments(
     """``--config`` (a trainer run is the user's own: it builds on the library defaults unless
     ``--config`` names a preset), the overrides and ``--print-config``."""
     add_config_args(parser, default=default, example=example, prefix=prefix)
-    parser.add_argument(
-        "--print-config",
-        action="store_true",
-        help="run every start-up check, then print the resolved configuration as YAML (the "
-        "settings that differ from the library defaults first, as comments) and exit",
-    )
 
 
 def run_trainer(trainer: Trainer, args: argparse.Namespace) -> int:
@@ -56,7 +50,7 @@ def run_trainer(trainer: Trainer, args: argparse.Namespace) -> int:
     # --print-config accept and refuse the same configs. torchrun names the world size.
     checked = trainer.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if args.print_config:
-        print(_commented(sources.report()) + to_yaml(cfg), end="")
+        print_config(cfg, sources)
         return 0
     if os.environ.get("RANK", "0") == "0":
         print(sources.report(), flush=True)
@@ -76,7 +70,3 @@ def run_trainer(trainer: Trainer, args: argparse.Namespace) -> int:
             print(f"megatron-rlhf: {stop}", file=sys.stderr)
         return stop.code
     return 0
-
-
-def _commented(text: str) -> str:
-    return "".join(f"# {line}\n" for line in text.splitlines())

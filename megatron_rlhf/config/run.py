@@ -28,11 +28,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclasses.dataclass(kw_only=True)
-class RunConfig:
+class DeviceConfig:
+    """Where a command runs and in what dtype: every trainer's, and ``generate``'s."""
+
     device: Device = "auto"
     """auto (cuda when a GPU is visible, else cpu), cuda, or cpu (gloo CPU mode)."""
     dtype: Dtype = "auto"
     """Parameter dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig(DeviceConfig):
     seed: int = 1234
     """Seeds the data order, sampling and everything random."""
     output_dir: str = "runs/default"

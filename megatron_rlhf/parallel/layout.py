@@ -60,15 +60,15 @@ class ModelShape(Protocol):
 
 
 def layout_errors(
-    key: str, tp: int, pp: int, shape: ModelShape, world_size: int, *, as_flags: bool = False, pipeline: bool = True
+    key: str, tp: int, pp: int, shape: ModelShape, world_size: int, *, pipeline: bool = True
 ) -> list[str]:
     """Rules a (tp, pp) layout must satisfy for a model of ``shape`` in a world of ``world_size`` ranks.
 
-    Messages name the settings ``key.tp``/``key.pp``, or ``--tp``/``--pp`` for command-line flags.
-    ``pipeline=False`` is a layout that has no pipeline setting (generation: ``pp`` is 1 and only
-    ``key.tp`` is named).
+    Messages name the settings ``key.tp``/``key.pp``, or ``tp``/``pp`` when ``key`` is empty (top-level
+    settings, ``convert``'s). ``pipeline=False`` is a layout that has no pipeline setting (generation:
+    ``pp`` is 1 and only ``key.tp`` is named).
     """
-    tp_name, pp_name = ("--tp", "--pp") if as_flags else (f"{key}.tp", f"{key}.pp")
+    tp_name, pp_name = (f"{key}.tp", f"{key}.pp") if key else ("tp", "pp")
     if not pipeline:
         if tp < 1:
             return [f"{tp_name}={tp} must be >= 1"]

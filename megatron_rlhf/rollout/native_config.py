@@ -1,4 +1,4 @@
-"""The native engine's settings (``rollout.engine.*``, the ``generate`` command's engine flags),
+"""The native engine's settings (``rollout.engine.*`` of ``ppo`` and of ``generate``),
 apart from the engine itself so that reading or checking a config imports neither torch's
 compiler nor megatron-core."""
 

@@ -70,9 +70,9 @@ def run_generate(
 ) -> None:
     arch = architecture_of(model)
     env = init_distributed(device)
-    errors = layout_errors("generate", tp, 1, arch, env.world_size, as_flags=True, pipeline=False)
+    errors = layout_errors("rollout", tp, 1, arch, env.world_size, pipeline=False)
     if arch.score_head:
-        errors.append(f"--model {model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
+        errors.append(f"model={model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
     if errors:
         raise ConfigError("; ".join(errors))
     engine, tokenizer = policy_engine(model, arch, tp=tp, dtype=dtype, engine_cfg=engine_cfg, env=env)

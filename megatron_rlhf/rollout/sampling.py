@@ -35,7 +35,7 @@ Why it is done this way:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -57,8 +57,7 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to sample continuations of a prompt (the ``generate`` command's flags are built from
-    these fields; ``ppo`` holds them as ``rollout.sampling``)."""
+    """How to sample continuations of a prompt (``rollout.sampling`` of ``ppo`` and of ``generate``)."""
 
     temperature: float = 1.0
     """Logits are divided by it; 0 means greedy (argmax, top_k/top_p ignored)."""
@@ -69,7 +68,7 @@ class SamplingParams:
     (after top-k; always at least one token); 1 = off."""
     max_new_tokens: int = 512
     """At most this many generated tokens per sample."""
-    n: int = field(default=1, metadata={"flag": "--num-samples"})
+    n: int = 1
     """Samples per prompt (a group, for GRPO-style estimators)."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation stops after any of these (in addition to EOS unless ignore_eos)."""

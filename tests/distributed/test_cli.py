@@ -49,6 +49,12 @@ class CliCase:
     builds_models: bool = True  # a subprocess, marked ``distributed``; else a call of ``main`` here
 
 
+def _every_command_listed_and_config_not(tmp: Path, proc: subprocess.CompletedProcess) -> None:
+    listed = {line.split()[0] for line in proc.stdout.splitlines() if line.startswith("    ") and line[4] != " "}
+    assert listed >= {"smoke", "ppo", "sft", "rm", "pipeline", "generate", "plan", "convert"}, listed
+    assert "config" not in listed
+
+
 def _defaults_without_config_are_named(tmp: Path, proc: subprocess.CompletedProcess) -> None:
     assert "(default: none, the library defaults)" in " ".join(proc.stdout.split())  # argparse wraps lines
 
@@ -91,9 +97,9 @@ VERL_PPO = (
 CASES: list[CliCase] = [
     CliCase(
         "help",
-        "--help lists every command",
+        "--help lists every command (and no longer config)",
         ("--help",),
-        stdout_has=("smoke", "config", "convert", "sft", "rm"),
+        check=_every_command_listed_and_config_not,
         builds_models=False,
     ),
     CliCase(
@@ -105,18 +111,34 @@ CASES: list[CliCase] = [
         builds_models=False,
     ),
     CliCase(
-        "config_override",
-        "config prints the tree with dotlist overrides applied",
-        ("config", "actor.tp=2", "seed=7"),
-        stdout_has=("seed: 7", "tp: 2"),
+        "print_config_override",
+        "--print-config prints the tree with the overrides applied, each key under its description",
+        ("smoke", "--print-config", "dtype=fp32", "seed=7"),
+        stdout_has=("\ndtype: fp32\n", "# Seeds the data order, sampling and everything random.\nseed: 7\n"),
         builds_models=False,
     ),
     CliCase(
-        "config_unknown_key",
+        "config_is_gone",
+        "the config command says in one line what replaces it",
+        ("config", "actor.tp=2"),
+        exit_code=2,
+        stderr_has=("use 'megatron-rlhf <command> --print-config'",),
+        builds_models=False,
+    ),
+    CliCase(
+        "unknown_key",
         "a misspelt key is refused with the nearest real one",
-        ("config", "actor.tpp=2"),
+        ("smoke", "actor.tpp=2"),
         exit_code=2,
         stderr_has=("unknown key 'actor.tpp'; did you mean 'actor.tp'?",),
+        builds_models=False,
+    ),
+    CliCase(
+        "key_as_a_flag",
+        "a key written as a flag is answered with its key=value form, in the command's usage",
+        ("ppo", "--config", "ppo-tiny", "--max_steps", "3"),
+        exit_code=2,
+        stderr_has=("usage: megatron-rlhf ppo ", "megatron-rlhf ppo: error: settings are key=value: max_steps=3"),
         builds_models=False,
     ),
     CliCase(
@@ -132,20 +154,39 @@ CASES: list[CliCase] = [
     CliCase(
         "convert_tp_not_dividing_heads",
         "convert refuses a TP that divides neither head count, and writes nothing",
-        ("convert", "hf-to-mcore", "{tmp}/hf", "{tmp}/ckpt", "--tp", "3"),
+        ("convert", "hf-to-mcore", "{tmp}/hf", "{tmp}/ckpt", "tp=3"),
         exit_code=2,
         prepare=lambda tmp: make_tiny_hf_model("llama", False, tmp / "hf"),
-        stderr_has=("--tp=3 must divide num_attention_heads=4", "--tp=3 must divide num_key_value_heads=2"),
+        stderr_has=("tp=3 must divide num_attention_heads=4", "tp=3 must divide num_key_value_heads=2"),
         absent=("ckpt",),
         builds_models=False,
     ),
     CliCase(
         "generate_missing_column",
         "generate names the file and the column a prompt row lacks",
-        ("generate", "--model", "builtin:tiny-llama", "--input", "{tmp}/bad.jsonl", "--output", "{tmp}/o.jsonl"),
+        ("generate", "model=builtin:tiny-llama", "input={tmp}/bad.jsonl", "output={tmp}/o.jsonl"),
         exit_code=2,
         files={"bad.jsonl": '{"question": "hi"}\n'},
         stderr_has=("{tmp}/bad.jsonl", "prompt"),
+        builds_models=False,
+    ),
+    CliCase(
+        "generate_without_model",
+        "generate names the required setting it lacks",
+        ("generate", "input={tmp}/p.jsonl", "--output", "{tmp}/o.jsonl"),
+        exit_code=2,
+        stderr_has=("model is not set. Required: the policy",),
+        absent=("o.jsonl",),
+        builds_models=False,
+    ),
+    CliCase(
+        "generate_tp_not_dividing_heads",
+        "generate names its layout setting in key=value form",
+        ("generate", "model=builtin:tiny-llama", "input={tmp}/p.jsonl", "output={tmp}/o.jsonl", "--tp", "3"),
+        exit_code=2,
+        files={"p.jsonl": '{"prompt": "hi"}\n'},
+        stderr_has=("rollout.tp=3 must divide num_attention_heads=4",),
+        absent=("o.jsonl",),
         builds_models=False,
     ),
     *(
@@ -316,8 +357,8 @@ def test_smoke_run_per_model_layouts_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_convert_round_trip_loads_in_transformers(tmp_path: Path) -> None:
     original = make_tiny_hf_model("qwen3", False, tmp_path / "hf")
-    run_cli("convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2", nproc=4)
-    run_cli("convert", "mcore-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    run_cli("convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "tp=2", "pp=2", nproc=4)
+    run_cli("convert", "direction=mcore-to-hf", f"source={tmp_path / 'ckpt'}", f"output={tmp_path / 'out'}")
     _, lm_cls, _ = hf_classes("qwen3")
     reloaded = lm_cls.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     ids = torch.randint(0, PAD_ID, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -329,21 +370,19 @@ def test_convert_round_trip_loads_in_transformers(tmp_path: Path) -> None:
 def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hello world"}\n{"prompt_ids": [5, 6, 7, 8]}\n{"prompt": "abc"}\n')
-    common = [
-        "--model",
-        "builtin:tiny-llama",
-        "--input",
-        str(prompts),
-        "--max-new-tokens",
-        "6",
-        "--temperature",
-        "0",
-        "--ignore-eos",
-        "--max-batch-size",
-        "2",
+    settings = [
+        "model=builtin:tiny-llama",
+        f"input={prompts}",
+        "rollout.sampling.max_new_tokens=6",
+        "rollout.sampling.temperature=0",
+        "rollout.sampling.ignore_eos=true",
+        "rollout.engine.max_batch_size=2",
     ]
-    run_cli("generate", *common, "--output", str(tmp_path / "tp1.jsonl"))
-    run_cli("generate", *common, "--tp", "2", "--output", str(tmp_path / "tp2.jsonl"), nproc=2)
+    run_cli("generate", *settings, f"output={tmp_path / 'tp1.jsonl'}")
+    # The same run in the flags that are aliases of those keys.
+    flags = ["--model", "builtin:tiny-llama", "--input", str(prompts), "--max-new-tokens", "6", "--temperature", "0"]
+    flags += ["--ignore-eos", "--max-batch-size", "2", "--tp", "2", "--output", str(tmp_path / "tp2.jsonl")]
+    run_cli("generate", *flags, nproc=2)
     rows1 = [json.loads(line) for line in (tmp_path / "tp1.jsonl").read_text().splitlines()]
     rows2 = [json.loads(line) for line in (tmp_path / "tp2.jsonl").read_text().splitlines()]
     assert [r["prompt_index"] for r in rows1] == [0, 1, 2]
@@ -351,3 +390,13 @@ def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
     assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows1)
     for a, b in zip(rows1, rows2, strict=True):
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the advice is for a machine without a GPU")
+def test_generate_on_cuda_without_a_gpu_advises_the_key_value_setting(tmp_path: Path) -> None:
+    """The advice is in the syntax of the command that printed it (it was device=cpu to a --device user)."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    args = ("model=builtin:tiny-llama", f"input={tmp_path / 'p.jsonl'}", f"output={tmp_path / 'o.jsonl'}")
+    for device in (("device=cuda",), ("--device", "cuda")):
+        proc = run_cli_here("generate", *args, *device, exit_code=2)
+        assert "device=cuda was requested but no CUDA device is visible; use device=cpu" in proc.stderr

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import re
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
 import pytest
-import yaml
 
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorNeeds
 from megatron_rlhf.config.loader import ConfigError, config_errors, load_config
 from megatron_rlhf.config.run import DTYPES, Dtype
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
-from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, models_used
 from megatron_rlhf.training.optim import OptimConfig
 
@@ -153,57 +148,6 @@ def test_no_call_site_compares_a_registered_name_with_a_literal():
         if (hits := _names_compared_with_literals(p.read_text()))
     }
     assert not offenders, offenders
-
-
-def _generate_help_defaults() -> dict[str, str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_rlhf", "generate", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"COLUMNS": "400", "PATH": ""},
-    ).stdout
-    flags = {}
-    for match in re.finditer(
-        r"^  (--[\w-]+)(?:, --no-[\w-]+)?(?: [A-Z_]+| \[[A-Z_ .]+\]| \{[\w,]+\})?\s+.*?\(default: (.*?)\)$", out, re.M
-    ):
-        flags[match.group(1)] = match.group(2)
-    return flags
-
-
-def test_generate_flags_and_ppo_rollout_settings_share_their_defaults(tmp_path):
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("{}\n")
-    printed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_rlhf",
-            "ppo",
-            "--config",
-            str(empty),
-            "--print-config",
-            "actor.path=builtin:tiny-llama",
-            "data.train=[builtin:lowercase-prompts]",
-            "scoring.rules=[lowercase_fraction]",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    rollout = yaml.safe_load(printed)["rollout"]
-    flags = _generate_help_defaults()
-    compared = 0
-    for section, cls in (("sampling", SamplingParams), ("engine", NativeEngineConfig)):
-        for field in dataclasses.fields(cls):
-            flag = field.metadata.get("flag", "--" + field.name.replace("_", "-"))
-            if flag not in flags:  # eos_token_ids: the tokenizer's, not a flag
-                continue
-            in_yaml = rollout[section][field.name]
-            expected = str(tuple(in_yaml)) if isinstance(in_yaml, list) else str(in_yaml)
-            assert flags[flag] == expected, (flag, flags[flag], in_yaml)
-            compared += 1
-    assert compared == len(dataclasses.fields(SamplingParams)) + len(dataclasses.fields(NativeEngineConfig)) - 1
 
 
 def test_rules_logged_under_the_same_metric_name_are_refused():
