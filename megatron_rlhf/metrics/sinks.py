@@ -231,7 +231,7 @@ class WandbSink(Sink):
         import wandb
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.table = wandb.Table
+        self.new_table = wandb.Table
         self.run = wandb.init(
             project=settings.project,
             name=settings.name or out_dir.resolve().name,
@@ -249,7 +249,8 @@ class WandbSink(Sink):
         for (split, step), step_rows in rows_by_step(rows).items():
             columns = row_columns(step_rows)
             data = [[step, *(table_cell(row.get(key)) for key in columns)] for row in step_rows]
-            self.run.log({scalar_name(split, name): self.table(columns=["step", *columns], data=data)}, step=step)
+            table = self.new_table(columns=["step", *columns], data=data)
+            self.run.log({scalar_name(split, name): table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
