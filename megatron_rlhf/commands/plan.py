@@ -92,9 +92,6 @@ def _trainer_of(args: argparse.Namespace) -> Planned:
 def run(args: argparse.Namespace) -> int:
     """Print the plan of ``plan.trainer``'s config; a ``ConfigError`` when the run would be refused
     or would not fit, with the plan."""
-    from megatron_rlhf.hybrid.memory import GIB
-    from megatron_rlhf.trainer.plan import format_plan, plan_errors, plan_ppo, plan_supervised
-
     command = _trainer_of(args)
     cfg, sources = load_config_with_sources(args.config, args.overrides, schema=planned_schema(command))
     cfg.plan.trainer = command
@@ -102,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         raise_if_errors(config_errors(cfg))
         print_config(cfg, sources)
         return 0
+    from megatron_rlhf.hybrid.memory import GIB
+    from megatron_rlhf.trainer.plan import format_plan, plan_errors, plan_ppo, plan_supervised
+
     world_size, gpu_memory = cfg.plan.world_size, int(cfg.plan.gpu_memory_gib * GIB)
     if command == "ppo":
         plan = plan_ppo(cfg, world_size, gpu_memory)

@@ -223,7 +223,8 @@ def test_plan_prints_layouts_and_phases(no_gpu_no_processes, capsys: pytest.Capt
     "args, message",
     [
         (["actor.tp=5"], "actor.tp=5 must divide num_attention_heads=12"),
-        (["--world-size", "3", "actor.tp=2"], "actor.tp*actor.pp=2 must divide the world size 3"),
+        (["plan.world_size=3", "actor.tp=2"], "actor.tp*actor.pp=2 must divide the world size 3"),
+        (["plan.world_size=0"], "plan.world_size=0 must be >= 1"),
         (["--gpu-memory-gib", "40"], "the training phase needs about"),
         (
             ["--gpu-memory-gib", "36", "max_tokens_per_micro_batch=1024", "hybrid.offload=never"],
