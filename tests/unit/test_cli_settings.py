@@ -121,14 +121,16 @@ def test_required_generate_settings_are_named(tmp_path: Path) -> None:
 PRINTED = {
     "ppo": ("--config", "ppo-tiny", "rollout.sampling.n=6", "actor_optim.lr=3e-6", "output_dir={tmp}/run"),
     "sft": ("--config", "sft-tiny", "data.train=[builtin:arithmetic-sft]", "output_dir={tmp}/run"),
+    "pipeline": ("stages=[grpo,test]", "output_dir={tmp}/run"),
     "smoke": ("seed=7", "output_dir={tmp}/run"),
     "generate": ("--model", "builtin:tiny-llama", "input=p.jsonl", "output={tmp}/o.jsonl", "--num-samples", "4",
                  "--stop-token-ids", "3", "4", "rollout.sampling.temperature=0.7"),
     "plan": ("--config", "sft-tiny", "data.train=[builtin:arithmetic-sft]", "--world-size", "2", "--json"),
     "convert": ("hf-to-mcore", "/models/a", "ckpt/a", "--tp", "2"),
 }  # fmt: skip
-"""A command line of each kind of command: a trainer built on a preset, generate with flags and keys,
-plan of a trainer named only by its preset, convert with positional words."""
+"""A command line of each kind of command: a trainer built on a preset, the pipeline's sections chained
+by its preset's interpolations, generate with flags and keys, plan of a trainer named only by its
+preset, convert with positional words."""
 
 
 def _loaded(command: str, argv: list[str]) -> object:
