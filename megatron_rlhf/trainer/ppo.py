@@ -22,7 +22,7 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
 
 Each phase is timed by the run's ``PhaseTimer`` (``metrics/phases.py``: ``timing_s/<phase>``, its
 std over recent steps, the generation's parts under ``timing_s/gen/``; the metric names are listed
-in the README's "Metrics"). Generation goes through ``RolloutEngine`` (``rollout/engine.py``). The
+in docs/metrics.md). Generation goes through ``RolloutEngine`` (``rollout/engine.py``). The
 loop around it (``trainer/loop.py``) writes the metrics to the sinks ``loggers`` names and saves
 the actor as an HF checkpoint at the end; the settings and their checks are in
 ``trainer/ppo_config.py``.
