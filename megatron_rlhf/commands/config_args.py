@@ -32,14 +32,16 @@ def add_config_args(
 ) -> None:
     """``--config``, the ``key=value`` settings and ``--print-config``; the help lists the presets of
     this command only (those named ``prefix``..., or any of a tuple of prefixes; without a prefix,
-    the presets of no trainer)."""
-    names = [n for n in presets() if (n.startswith(prefix) if prefix else not n.startswith(TRAINER_PRESET_PREFIXES))]
+    the presets of no trainer; ``prefix=()``: none)."""
+    names = [
+        n
+        for n in presets()
+        if (n.startswith(prefix) if prefix is not None else not n.startswith(TRAINER_PRESET_PREFIXES))
+    ]
     shown = f"default: {default}" if default else "default: none, the library defaults"
-    parser.add_argument(
-        "--config",
-        default=default,
-        help=f"a preset name ({', '.join(names) or 'none'}) or a YAML file to build on ({shown})",
-    )
+    named = f"a preset name ({', '.join(names)}) or a YAML file" if names else "a YAML file"
+    metavar = "PRESET|FILE.yaml" if names else "FILE.yaml"
+    parser.add_argument("--config", default=default, metavar=metavar, help=f"{named} to build on ({shown})")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"settings, e.g. {example}")
     parser.add_argument(
         "--print-config",

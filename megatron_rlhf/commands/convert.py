@@ -47,7 +47,7 @@ def schema() -> type:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, default=None, example="hf-to-mcore /models/Qwen2.5-7B ckpt/qwen tp=2 pp=2")
+    add_config_args(parser, default=None, example="hf-to-mcore /models/Qwen2.5-7B ckpt/qwen tp=2 pp=2", prefix=())
     add_flag_aliases(parser.add_argument_group("flags (each sets the key it names)"), "convert", ConvertConfig)
 
 

@@ -59,7 +59,9 @@ def schema() -> type:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, default=None, example="model=DIR input=prompts.jsonl output=out.jsonl rollout.tp=2")
+    add_config_args(
+        parser, default=None, example="model=DIR input=prompts.jsonl output=out.jsonl rollout.tp=2", prefix=()
+    )
     add_flag_aliases(parser.add_argument_group("flags (each sets the key it names)"), "generate", GenerateConfig)
 
 
