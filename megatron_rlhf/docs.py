@@ -48,8 +48,7 @@ def _field_docs(cls: type, prefix: str = "") -> dict[str, str]:
 def defaults_tables() -> str:
     """Every key of ``ppo``, ``sft`` and ``rm`` with its library default and its docstring."""
     from megatron_rlhf.trainer.ppo_config import PPOConfig
-    from megatron_rlhf.trainer.rm import RMConfig
-    from megatron_rlhf.trainer.sft import SFTConfig
+    from megatron_rlhf.trainer.supervised_config import RMConfig, SFTConfig
 
     parts = []
     for command, schema in (("ppo", PPOConfig), ("sft", SFTConfig), ("rm", RMConfig)):

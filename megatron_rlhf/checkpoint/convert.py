@@ -19,9 +19,9 @@ from megatron_rlhf.checkpoint.mcore import (
     global_dp_rank_of,
     has_integrity_manifest,
     load_mcore_checkpoint,
-    read_architecture,
     save_mcore_checkpoint,
 )
+from megatron_rlhf.checkpoint.mcore_meta import read_architecture
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
 from megatron_rlhf.checkpoint.train_state import STATE_FILE
 from megatron_rlhf.metrics.log import log, timed

@@ -34,31 +34,15 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 
 from megatron_rlhf.checkpoint.hf import copy_side_files
+from megatron_rlhf.checkpoint.mcore_meta import FORMAT_VERSION, META_FILE
 from megatron_rlhf.metrics.log import log
-from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
+from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import ParallelGroups
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
-FORMAT_VERSION = 1
-META_FILE = "megatron_rlhf.json"
 WEIGHTS_DIR = "weights"
-
-
-def is_mcore_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / META_FILE).is_file()
-
-
-def read_architecture(ckpt_dir: str | Path) -> Architecture:
-    meta_path = Path(ckpt_dir) / META_FILE
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{meta_path}: format_version={meta.get('format_version')} is not supported "
-            f"(this build reads {FORMAT_VERSION})"
-        )
-    return architecture_from_hf_config(meta["hf_config"], source=f"{meta_path}:hf_config")
 
 
 @contextlib.contextmanager

@@ -1,23 +1,32 @@
-"""Where a model comes from (an HF directory, a megatron-rlhf checkpoint, or ``builtin:NAME``), and
-a role's model built from its ``ModelConfig``: architecture, layout, weights.
+"""Where a model comes from (an HF directory, a Hugging Face hub id found in the local cache, a
+megatron-rlhf checkpoint, or ``builtin:NAME``), and a role's model built from its ``ModelConfig``:
+architecture, layout, weights.
 
-The config's ``path`` values are resolved here and nowhere else.
+The config's ``path`` values are resolved here and nowhere else. Reading a path's architecture
+imports no megatron-core (a config's checks run before it is imported); building and loading a
+model imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_rlhf.checkpoint.hf import load_hf_weights
-from megatron_rlhf.checkpoint.mcore import is_mcore_checkpoint, load_mcore_checkpoint, read_architecture
+from megatron_rlhf.checkpoint.mcore_meta import is_mcore_checkpoint, read_architecture
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.run import RunConfig
-from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
-from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE, build_model
+from megatron_rlhf.models.architecture import (
+    VOCAB_PAD_MULTIPLE,
+    Architecture,
+    architecture_from_hf_config,
+    load_architecture,
+)
 from megatron_rlhf.models.builtin import builtin_checkpoint, builtin_config, is_builtin
 from megatron_rlhf.models.roles import HEAD_FROM_LM, NEEDS_SCORE_HEAD, RoleModel
 from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
@@ -68,18 +77,67 @@ FOLLOW_ACTOR = ("critic", "reference")
 """Roles whose empty ``path`` means the actor's."""
 
 
-def architecture_of(path: str) -> Architecture:
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""``org/name``: how a Hugging Face hub id looks (a relative directory of that name is read first)."""
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face hub cache, where huggingface_hub looks: ``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def cached_hub_model(hub_id: str) -> Path | None:
+    """The snapshot of ``hub_id``'s main revision in the local cache (None: not there), as
+    ``hf download`` leaves it: ``models--ORG--NAME/refs/main`` names ``snapshots/<commit>``."""
+    repo = hf_hub_cache() / ("models--" + hub_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if not ref.is_file():
+        return None
+    snapshot = repo / "snapshots" / ref.read_text().strip()
+    return snapshot if snapshot.is_dir() else None
+
+
+def model_dir(path: str, setting: str = "model path") -> Path:
+    """The local directory of the model named by ``path`` (not ``builtin:``): the directory itself,
+    or a hub id's snapshot in the local Hugging Face cache. ``setting`` names the key for the
+    message when there is neither."""
+    local = Path(path)
+    if local.is_dir():
+        return local
+    if HUB_ID.fullmatch(path):
+        cached = cached_hub_model(path)
+        if cached is not None:
+            return cached
+        raise FileNotFoundError(
+            f"model path '{path}' is not a directory; it looks like a Hugging Face hub id, and it is not in "
+            f"the local cache ({hf_hub_cache()}). Download it with `hf download {path}` (this path then finds "
+            f"it in the cache), or `hf download {path} --local-dir DIR` and set {setting}=DIR"
+        )
+    raise FileNotFoundError(
+        f"model path '{path}' is not a directory (expected an HF model dir, "
+        f"a megatron-rlhf checkpoint, a Hugging Face hub id in the local cache, or builtin:NAME)"
+    )
+
+
+def shown_path(path: str) -> str:
+    """``path`` for the start-up log, with the cache directory a hub id was read from."""
+    if is_builtin(path) or Path(path).is_dir():
+        return path
+    return f"{path} (from the Hugging Face cache: {model_dir(path)})"
+
+
+def architecture_of(path: str, setting: str = "model path") -> Architecture:
     """Read a model's architecture without touching its weights (cheap; used by validation)."""
     if is_builtin(path):
         return architecture_from_hf_config(builtin_config(path), source=path)
-    if not Path(path).is_dir():
-        raise FileNotFoundError(
-            f"model path '{path}' is not a directory (expected an HF model dir, "
-            f"a megatron-rlhf checkpoint, or builtin:NAME)"
-        )
-    if is_mcore_checkpoint(path):
-        return read_architecture(path)
-    return load_architecture(path)
+    local = model_dir(path, setting)
+    if is_mcore_checkpoint(local):
+        return read_architecture(local)
+    return load_architecture(local)
 
 
 def model_errors(
@@ -98,12 +156,12 @@ def model_errors(
             f"{key}.path is not set{follows}: give an HF model directory, a megatron-rlhf checkpoint or builtin:NAME"
         ], None
     try:
-        arch = architecture_of(model.path)
+        arch = architecture_of(model.path, f"{key}.path")
     except (ValueError, FileNotFoundError) as err:
         return [f"{key}.path={model.path!r}: {err}"], None
     errors = [f"{e} (model {model.path})" for e in layout_errors(key, model.tp, model.pp, arch, world_size)]
     if score_head and not arch.score_head and head_from_lm:
-        if not is_builtin(model.path) and is_mcore_checkpoint(model.path):
+        if not is_builtin(model.path) and is_mcore_checkpoint(model_dir(model.path)):
             errors.append(
                 f"{key}.path={model.path!r} is a megatron-rlhf checkpoint of a {arch.hf_class_name}; "
                 f"a new score head starts from an HF model dir only (megatron-rlhf convert mcore-to-hf)"
@@ -123,8 +181,10 @@ def role_errors(
     errors: list[str] = []
     archs: dict[str, Architecture] = {}
     for role in roles:
-        if role in FOLLOW_ACTOR and not cfg.role(role).path:
-            continue  # the actor's missing path is reported once
+        path = cfg.role(role).path
+        actors_unreadable = path == cfg.actor.path and "actor" in roles and "actor" not in archs
+        if role in FOLLOW_ACTOR and (not path or actors_unreadable):
+            continue  # the actor's missing or unreadable path is reported once
         found, arch = model_errors(
             role, cfg.role(role), world_size, score_head=NEEDS_SCORE_HEAD[role], head_from_lm=role in HEAD_FROM_LM
         )
@@ -136,12 +196,14 @@ def role_errors(
 
 def local_dir(path: str) -> Path:
     """The local directory of a model's files (collective for ``builtin:`` models: made on first use)."""
-    return builtin_checkpoint(path) if is_builtin(path) else Path(path)
+    return builtin_checkpoint(path) if is_builtin(path) else model_dir(path)
 
 
 def load_weights(model: GPTModel, arch: Architecture, groups: ParallelGroups, path: str) -> Path:
     """Fill ``model`` from ``path``; returns the local directory the weights came from (collective).
     A score-head ``arch`` with a causal LM at ``path`` loads the backbone and keeps its new head."""
+    from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint
+
     local = local_dir(path)
     if is_mcore_checkpoint(local):
         load_mcore_checkpoint(model, groups, local)
@@ -163,8 +225,10 @@ def build_role(
     """The model of ``role`` in its own layout, with its weights (collective over the whole world).
 
     ``vocab_pad_multiple``: a model that receives another's weights in its layout must have that
-    model's padded vocabulary (``hybrid.reshard.matching_vocab_pad_multiple``).
+    model's padded vocabulary (``hybrid.config.matching_vocab_pad_multiple``).
     """
+    from megatron_rlhf.models.builder import build_model
+
     groups = parallel_groups(Layout.for_world(model_cfg.tp, model_cfg.pp, world_size))
     model = build_model(arch, groups, dtype=dtype, device=device, vocab_pad_multiple=vocab_pad_multiple)
     source = load_weights(model, arch, groups, model_cfg.path)

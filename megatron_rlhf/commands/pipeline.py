@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.commands.trainers import Trainer, add_trainer_arguments, run_trainer
+
+if TYPE_CHECKING:
+    from megatron_rlhf.parallel.distributed import DistEnv
+    from megatron_rlhf.trainer.pipeline_config import PipelineConfig
 
 HELP = "a model made from scratch, then RL: SFT -> reward-model pairs -> RM -> GRPO and PPO -> held-out test"
 DESCRIPTION = (
@@ -23,13 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer() -> Trainer:
-    from megatron_rlhf.trainer.pipeline import PipelineConfig, check_pipeline_config, run_pipeline
+    from megatron_rlhf.trainer.pipeline_config import PipelineConfig, check_pipeline_config
 
-    return Trainer(
-        PipelineConfig,
-        lambda cfg, _world_size: check_pipeline_config(cfg),
-        lambda cfg, env, _checked: run_pipeline(cfg, env),
-    )
+    return Trainer(PipelineConfig, lambda cfg, _world_size: check_pipeline_config(cfg), _run)
+
+
+def _run(cfg: PipelineConfig, env: DistEnv, _checked: None) -> object:
+    from megatron_rlhf.trainer.pipeline import run_pipeline
+
+    return run_pipeline(cfg, env)
 
 
 def run(args: argparse.Namespace) -> int:

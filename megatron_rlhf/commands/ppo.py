@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.commands.trainers import OUTPUTS, Trainer, add_trainer_arguments, run_trainer
+
+if TYPE_CHECKING:
+    from megatron_rlhf.parallel.distributed import DistEnv
+    from megatron_rlhf.trainer.ppo_config import CheckedConfig, PPOConfig
 
 HELP = "RL from prompts: PPO (critic, GAE) or GRPO-style group baselines, with the hybrid engine"
 DESCRIPTION = (
@@ -21,10 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer() -> Trainer:
-    from megatron_rlhf.trainer.ppo import run_ppo
     from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 
-    return Trainer(PPOConfig, check_ppo_config, run_ppo)
+    return Trainer(PPOConfig, check_ppo_config, _run)
+
+
+def _run(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig) -> object:
+    from megatron_rlhf.trainer.ppo import run_ppo
+
+    return run_ppo(cfg, env, checked)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.commands.trainers import OUTPUTS, Trainer, add_trainer_arguments, run_trainer
+
+if TYPE_CHECKING:
+    from megatron_rlhf.models.architecture import Architecture
+    from megatron_rlhf.parallel.distributed import DistEnv
+    from megatron_rlhf.trainer.supervised_config import RMConfig
 
 HELP = "reward-model training on preference pairs (Bradley-Terry)"
 DESCRIPTION = (
@@ -20,10 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer() -> Trainer:
-    from megatron_rlhf.trainer.rm import RMConfig, run_rm
-    from megatron_rlhf.trainer.supervised import check_config
+    from megatron_rlhf.trainer.supervised_config import RMConfig, check_config
 
-    return Trainer(RMConfig, functools.partial(check_config, score_head=True), run_rm)
+    return Trainer(RMConfig, functools.partial(check_config, score_head=True), _run)
+
+
+def _run(cfg: RMConfig, env: DistEnv, checked: Architecture) -> object:
+    from megatron_rlhf.trainer.rm import run_rm
+
+    return run_rm(cfg, env, checked)
 
 
 def run(args: argparse.Namespace) -> int:

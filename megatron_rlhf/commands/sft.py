@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.commands.trainers import OUTPUTS, Trainer, add_trainer_arguments, run_trainer
+
+if TYPE_CHECKING:
+    from megatron_rlhf.models.architecture import Architecture
+    from megatron_rlhf.parallel.distributed import DistEnv
+    from megatron_rlhf.trainer.supervised_config import SFTConfig
 
 HELP = "supervised fine-tuning of a causal LM on prompt/response rows"
 DESCRIPTION = (
@@ -20,10 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer() -> Trainer:
-    from megatron_rlhf.trainer.sft import SFTConfig, run_sft
-    from megatron_rlhf.trainer.supervised import check_config
+    from megatron_rlhf.trainer.supervised_config import SFTConfig, check_config
 
-    return Trainer(SFTConfig, functools.partial(check_config, score_head=False), run_sft)
+    return Trainer(SFTConfig, functools.partial(check_config, score_head=False), _run)
+
+
+def _run(cfg: SFTConfig, env: DistEnv, checked: Architecture) -> object:
+    from megatron_rlhf.trainer.sft import run_sft
+
+    return run_sft(cfg, env, checked)
 
 
 def run(args: argparse.Namespace) -> int:

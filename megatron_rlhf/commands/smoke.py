@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.commands.config_args import add_config_args
 from megatron_rlhf.commands.trainers import Trainer, run_trainer
+
+if TYPE_CHECKING:
+    from megatron_rlhf.parallel.distributed import DistEnv
+    from megatron_rlhf.trainer.smoke_config import SmokeConfig
 
 HELP = "build the four models (actor, critic, reference, reward) in their layouts and run a forward pass"
 DESCRIPTION = (
@@ -21,9 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def trainer() -> Trainer:
     """Smoke's run has the trainers' shape: the checks (also ``--print-config``'s), then the run."""
-    from megatron_rlhf.trainer.smoke import SmokeConfig, check_smoke_config, run_smoke
+    from megatron_rlhf.trainer.smoke_config import SmokeConfig, check_smoke_config
 
-    return Trainer(SmokeConfig, check_smoke_config, lambda cfg, env, _archs: run_smoke(cfg, env))
+    return Trainer(SmokeConfig, check_smoke_config, _run)
+
+
+def _run(cfg: SmokeConfig, env: DistEnv, _archs: object) -> object:
+    from megatron_rlhf.trainer.smoke import run_smoke
+
+    return run_smoke(cfg, env)
 
 
 def run(args: argparse.Namespace) -> int:

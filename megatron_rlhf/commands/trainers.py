@@ -32,7 +32,9 @@ class Trainer:
     """Every check a run makes before it builds anything (``ConfigError``), given the world size."""
     run: Callable[[Any, DistEnv, Any], object]
     """The run, given the config, the process's ``DistEnv`` and what ``check`` returned (so that set-up
-    does not check again: a user's reward file is executed once)."""
+    does not check again: a user's reward file is executed once). The schema and the check import no
+    megatron-core (``tests/unit/test_schema_imports.py``); the run imports it when it is called, so
+    that a bad setting is reported within moments of the start."""
 
 
 def add_trainer_arguments(

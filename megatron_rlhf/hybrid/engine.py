@@ -21,13 +21,11 @@ the same addresses back (the engine recaptures whenever the weights it read have
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-from megatron_rlhf.config.fields import check_on_init
-from megatron_rlhf.hybrid.memory import OffloadMode, TrainingMemory
+from megatron_rlhf.hybrid.memory import TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.rollout.engine import Completion
@@ -35,22 +33,6 @@ from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.training.optim import TrainState
-
-
-@dataclasses.dataclass(kw_only=True)
-class HybridConfig:
-    offload: OffloadMode = "auto"
-    """Move the actor's optimizer state and gradient buffers off the GPU while generating: always,
-    never, or auto (only when generation's KV cache and weights would not fit beside them; the
-    decision and its figures are printed at start-up). Without offloading, generation's memory (KV
-    cache, CUDA graphs, a resharded copy) stays allocated through training, so that the run
-    captures its graphs once; with it, that memory is freed after every rollout."""
-
-    def __post_init__(self) -> None:
-        check_on_init(self)
-
-    def errors(self) -> list[str]:
-        return []
 
 
 class HybridEngine:

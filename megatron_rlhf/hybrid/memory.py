@@ -20,16 +20,14 @@ so was fp32 after one step). Before that step they hold only zeros; the first ro
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from megatron_rlhf.hybrid.config import OffloadMode
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.training.optim import TrainState, torch_optimizers
 
 GIB = 1024**3
-OffloadMode = Literal["auto", "always", "never"]
 HEADROOM_FRACTION = 0.10
 """Device memory kept free beyond the estimate in ``auto`` (allocator fragmentation, CUDA graph pools,
 sampling workspaces)."""

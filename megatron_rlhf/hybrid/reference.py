@@ -28,38 +28,12 @@ of the two has the same shape.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
 import torch
 
-from megatron_rlhf.checkpoint.sources import ModelConfig
-from megatron_rlhf.config.fields import at_least, check_on_init
-from megatron_rlhf.hybrid.reshard import LayoutCopy, matching_vocab_pad_multiple
-from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
+from megatron_rlhf.hybrid.config import ReferenceConfig
+from megatron_rlhf.hybrid.reshard import LayoutCopy
+from megatron_rlhf.models.architecture import VOCAB_PAD_MULTIPLE, matching_vocab_pad_multiple
 from megatron_rlhf.models.roles import RoleModel
-
-
-@dataclasses.dataclass(kw_only=True)
-class ReferenceConfig(ModelConfig):
-    """The reference model, its layout, and whether it follows the actor during RL."""
-
-    update: Literal["none", "periodic", "ema"] = "none"
-    """none: fixed reference; periodic: copy the actor into it every update_every steps; ema: after
-    every step ref <- ema_decay * ref + (1 - ema_decay) * actor. Needs the actor's architecture."""
-    update_every: int = 100
-    """periodic: RL steps between copies (the copy follows the actor update of steps N, 2N, ...)."""
-    ema_decay: float = 0.99
-    """ema: weight of the current reference in each step's mix (in [0, 1))."""
-
-    def __post_init__(self) -> None:
-        check_on_init(self)
-
-    def errors(self) -> list[str]:
-        errors = super().errors() + at_least(self, 1, "update_every")
-        if not 0 <= self.ema_decay < 1:
-            errors.append(f"ema_decay={self.ema_decay} must be in [0, 1)")
-        return errors
 
 
 def reference_vocab_pad_multiple(cfg: ReferenceConfig, actor: RoleModel) -> int:

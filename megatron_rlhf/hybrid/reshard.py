@@ -44,7 +44,8 @@ from megatron.core.resharding import refit
 from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
 from megatron.core.resharding.utils import invalidate_refit_tensor_cache
 
-from megatron_rlhf.models.builder import build_model, padded_vocab_size
+from megatron_rlhf.models.architecture import matching_vocab_pad_multiple
+from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.layout import Layout, layout_errors, parallel_groups
 
@@ -63,30 +64,6 @@ def generation_layout(train: Layout, generation_tp: int, world_size: int) -> Lay
     if world_size % generation_tp:
         raise ValueError(f"generation tp={generation_tp} must divide the world size {world_size}")
     return Layout(tp=generation_tp, pp=1, dp=world_size // generation_tp)
-
-
-def matching_vocab_pad_multiple(vocab_size: int, source_padded_vocab: int, tp: int) -> int:
-    """The ``vocab_pad_multiple`` that gives a model at tensor-parallel size ``tp`` the source
-    model's padded vocabulary.
-
-    megatron's refit needs equal padded vocab sizes on both sides; with multiple = padded // tp the
-    padding step is the source model's padded size itself, which rounds ``vocab_size`` up to it.
-    """
-    if not 0 < vocab_size <= source_padded_vocab:
-        raise ValueError(
-            f"the source model's padded vocabulary {source_padded_vocab} does not hold "
-            f"the vocabulary of {vocab_size} tokens"
-        )
-    if source_padded_vocab % tp:
-        raise ValueError(
-            f"tp={tp} must divide the source model's padded vocabulary {source_padded_vocab} "
-            f"(vocab {vocab_size}): megatron's weight copy needs the same padded vocabulary in both layouts"
-        )
-    multiple = source_padded_vocab // tp
-    padded = padded_vocab_size(vocab_size, tp, multiple)
-    if padded != source_padded_vocab:  # cannot happen for 0 < vocab_size <= source_padded_vocab
-        raise ValueError(f"cannot pad vocab {vocab_size} at tp={tp} to {source_padded_vocab} (got {padded})")
-    return multiple
 
 
 class LayoutCopy:

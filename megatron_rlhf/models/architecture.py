@@ -183,3 +183,39 @@ def load_architecture(model_dir: str | Path) -> Architecture:
     except json.JSONDecodeError as err:
         raise UnsupportedModelError(f"{path}: not valid JSON ({err})") from err
     return architecture_from_hf_config(cfg, source=str(path))
+
+
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """Round the vocabulary up so that every TP rank holds an equal, aligned slice.
+
+    The padding rows are zero and are stripped on export; samplers and log-prob code mask them.
+    """
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def matching_vocab_pad_multiple(vocab_size: int, source_padded_vocab: int, tp: int) -> int:
+    """The ``vocab_pad_multiple`` that gives a model at tensor-parallel size ``tp`` the source
+    model's padded vocabulary.
+
+    megatron's refit needs equal padded vocab sizes on both sides; with multiple = padded // tp the
+    padding step is the source model's padded size itself, which rounds ``vocab_size`` up to it.
+    """
+    if not 0 < vocab_size <= source_padded_vocab:
+        raise ValueError(
+            f"the source model's padded vocabulary {source_padded_vocab} does not hold "
+            f"the vocabulary of {vocab_size} tokens"
+        )
+    if source_padded_vocab % tp:
+        raise ValueError(
+            f"tp={tp} must divide the source model's padded vocabulary {source_padded_vocab} "
+            f"(vocab {vocab_size}): megatron's weight copy needs the same padded vocabulary in both layouts"
+        )
+    multiple = source_padded_vocab // tp
+    padded = padded_vocab_size(vocab_size, tp, multiple)
+    if padded != source_padded_vocab:  # cannot happen for 0 < vocab_size <= source_padded_vocab
+        raise ValueError(f"cannot pad vocab {vocab_size} at tp={tp} to {source_padded_vocab} (got {padded})")
+    return multiple

@@ -18,22 +18,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rlhf.models import torch_fusions
-from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.architecture import VOCAB_PAD_MULTIPLE, Architecture, padded_vocab_size
 from megatron_rlhf.models.attention import CachedSelfAttention, SDPAttention
 from megatron_rlhf.models.value_head import ValueHead
 from megatron_rlhf.parallel.layout import ParallelGroups
 
 MODEL_CLASS = GPTModel
-VOCAB_PAD_MULTIPLE = 128
-
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
-    """Round the vocabulary up so that every TP rank holds an equal, aligned slice.
-
-    The padding rows are zero and are stripped on export; samplers and log-prob code mask them.
-    """
-    step = multiple * tp
-    return -(-vocab_size // step) * step
 
 
 def layer_spec(arch: Architecture) -> ModuleSpec:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.hyper_comm_grid import HyperCommGrid
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rlhf.parallel.distributed import dist_timeout
+
+if TYPE_CHECKING:  # imported where groups are made: a config's layout checks import no megatron
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,10 @@ def parallel_groups(layout: Layout) -> ParallelGroups:
         return _GROUPS_BY_LAYOUT[layout]
     if dist.get_world_size() != layout.tp * layout.pp * layout.dp:
         raise ValueError(f"layout {layout} does not match the world size {dist.get_world_size()}")
+    from megatron.core import parallel_state
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     grid = HyperCommGrid([layout.tp, 1, layout.dp, layout.pp], ["tp", "cp", "dp", "pp"])
     create = functools.partial(grid.create_pg, timeout=dist_timeout())
     groups = {

@@ -21,7 +21,6 @@ re-running the pipeline resumes each stage from its checkpoints (a finished stag
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -31,9 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.sources import architecture_of
-from megatron_rlhf.config.fields import at_least
-from megatron_rlhf.config.loader import ConfigError, config_errors, raise_if_errors
-from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.records import write_jsonl
@@ -45,82 +42,10 @@ from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.offline import policy_engine
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.tasks.arithmetic import Verdict, judge, preference_pairs, verdict_rates
+from megatron_rlhf.trainer.pipeline_config import PairsConfig, PipelineConfig, check_pipeline_config
 from megatron_rlhf.trainer.ppo import run_ppo
-from megatron_rlhf.trainer.ppo_config import PPOConfig
-from megatron_rlhf.trainer.rm import RMConfig, run_rm
-from megatron_rlhf.trainer.sft import SFTConfig, run_sft
-
-STAGES = ("sft", "pairs", "rm", "grpo", "ppo", "test")
-
-
-@dataclasses.dataclass(kw_only=True)
-class PairsConfig:
-    """The reward model's data, from the SFT policy's own samples (``pairs`` stage)."""
-
-    policy: str = ""
-    """The model sampled (the SFT stage's ``hf/``)."""
-    train_prompts: list[str] = dataclasses.field(default_factory=list)
-    """Prompt files with an ``answer`` column (``builtin:arithmetic-prompts``)."""
-    validation_prompts: list[str] = dataclasses.field(default_factory=list)
-    """The same for the reward model's validation pairs."""
-    num_train_prompts: int = 1000
-    """The first this many train prompts are sampled."""
-    num_validation_prompts: int = 300
-    """The first this many validation prompts are sampled."""
-    pairs_per_prompt: int = 2
-    """Distinct (chosen, rejected) pairs taken from each prompt's samples, at most."""
-    sampling: SamplingParams = dataclasses.field(default_factory=lambda: SamplingParams(n=8, max_new_tokens=40))
-    """How the policy is sampled: ``n`` responses per prompt at ``temperature``."""
-    engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
-    output_dir: str = "runs/pipeline/pairs"
-    """Where ``train.jsonl``, ``validation.jsonl`` and ``summary.json`` are written."""
-
-    def errors(self) -> list[str]:
-        return at_least(self, 1, "num_train_prompts", "num_validation_prompts", "pairs_per_prompt")
-
-
-@dataclasses.dataclass(kw_only=True)
-class TestConfig:
-    """Held-out accuracy of the SFT model and of each RL stage's model (``test`` stage)."""
-
-    prompts: list[str] = dataclasses.field(default_factory=lambda: ["builtin:arithmetic-test"])
-    """Prompt files with an ``answer`` column, sharing no problem with any train row."""
-    max_new_tokens: int = 64
-    """A response not finished (EOS) within this many tokens counts as malformed."""
-    engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
-    output_dir: str = "runs/pipeline/test"
-    """Where each model's greedy responses and verdicts are written (``<model>.jsonl``)."""
-
-    def errors(self) -> list[str]:
-        return at_least(self, 1, "max_new_tokens")
-
-
-@dataclasses.dataclass(kw_only=True)
-class PipelineConfig(RunConfig):
-    """``megatron-rlhf pipeline``: the stages to run and each stage's config (module docstring).
-    The top-level run fields (device, dtype, seed, output_dir) reach the stages through the
-    preset's interpolations."""
-
-    stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
-    """Stages to run, in this order (a subset of sft, pairs, rm, grpo, ppo, test)."""
-    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
-    pairs: PairsConfig = dataclasses.field(default_factory=PairsConfig)
-    rm: RMConfig = dataclasses.field(default_factory=RMConfig)
-    grpo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
-    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
-    test: TestConfig = dataclasses.field(default_factory=TestConfig)
-
-    def errors(self) -> list[str]:
-        unknown = [stage for stage in self.stages if stage not in STAGES]
-        if unknown:
-            return [f"stages={self.stages}: unknown {unknown}; expected some of {list(STAGES)}"]
-        order = [s for s in STAGES if s in self.stages]
-        return [] if self.stages == order else [f"stages={self.stages}: expected pipeline order, each once: {order}"]
-
-
-def check_pipeline_config(cfg: PipelineConfig) -> None:
-    """The checks of the stages' sections that need no model (module docstring), all at once."""
-    raise_if_errors(config_errors(cfg, unused=[s for s in STAGES if s not in cfg.stages]))
+from megatron_rlhf.trainer.rm import run_rm
+from megatron_rlhf.trainer.sft import run_sft
 
 
 def run_pipeline(cfg: PipelineConfig, env: DistEnv) -> dict[str, Any]:

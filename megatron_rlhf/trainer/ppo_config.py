@@ -21,20 +21,16 @@ from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.chat_template import template_variable_errors, tools_file_errors
 from megatron_rlhf.data.config import DataFilesConfig
-from megatron_rlhf.hybrid.engine import HybridConfig
-from megatron_rlhf.hybrid.reference import ReferenceConfig
-from megatron_rlhf.hybrid.reshard import matching_vocab_pad_multiple
-from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.builder import padded_vocab_size
+from megatron_rlhf.hybrid.config import HybridConfig, ReferenceConfig
+from megatron_rlhf.models.architecture import Architecture, matching_vocab_pad_multiple, padded_vocab_size
 from megatron_rlhf.parallel.layout import Layout, layout_errors
+from megatron_rlhf.rewards.config import ScoringConfig, scoring_errors
 from megatron_rlhf.rewards.custom import CustomRewardFunction
 from megatron_rlhf.rewards.rules import RewardRule
-from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
-from megatron_rlhf.trainer.loop import LoopConfig
-from megatron_rlhf.training.objectives import PPOLossConfig
-from megatron_rlhf.training.optim import OptimConfig
+from megatron_rlhf.trainer.loop_config import LoopConfig
+from megatron_rlhf.training.config import OptimConfig, PPOLossConfig
 
 
 @dataclasses.dataclass(kw_only=True)

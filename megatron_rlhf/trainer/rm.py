@@ -9,13 +9,11 @@ validation set.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import PreferenceDataset, Tokenizer, load_preference_dataset, pack_batch
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
@@ -23,42 +21,15 @@ from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.trainer.loop import run_loop
 from megatron_rlhf.trainer.supervised import (
-    SupervisedConfig,
-    SupervisedDataConfig,
     SupervisedTask,
     dp_shard,
     reduce_over_model,
     set_up_run,
 )
+from megatron_rlhf.trainer.supervised_config import PreferenceDataConfig, RMConfig
 from megatron_rlhf.training.objectives import bradley_terry_loss, values_output
-from megatron_rlhf.training.optim import OptimConfig
 from megatron_rlhf.training.schedule import Batch
 from megatron_rlhf.training.train import forward_pass
-
-
-@dataclasses.dataclass(kw_only=True)
-class PreferenceDataConfig(SupervisedDataConfig):
-    """Preference rows: a prompt, a chosen and a rejected response."""
-
-    chosen_key: str = "chosen"
-    """Column of the preferred response (or pre-tokenized ``<key>_ids``)."""
-    rejected_key: str = "rejected"
-    """Column of the dispreferred response (or pre-tokenized ``<key>_ids``)."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class RMConfig(SupervisedConfig):
-    """``megatron-rlhf rm``: the fields of ``SupervisedConfig`` plus the preference data.
-
-    ``global_batch_size`` counts pairs (each pair is two sequences)."""
-
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    """A *ForSequenceClassification model (score head; HF dir, megatron-rlhf checkpoint or
-    builtin:NAME) and its TP/PP layout."""
-    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))
-    """Adam, warmup and LR decay."""
-    data: PreferenceDataConfig = dataclasses.field(default_factory=PreferenceDataConfig)
-    """Training / validation files and columns."""
 
 
 def _load(paths: list[str], tokenizer: Tokenizer, data: PreferenceDataConfig, what: str) -> PreferenceDataset:

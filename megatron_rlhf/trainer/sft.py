@@ -7,13 +7,11 @@ NLL (and its perplexity) over the whole validation set.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import torch
 
-from megatron_rlhf.checkpoint.sources import ModelConfig
 from megatron_rlhf.data import SFTDataset, Tokenizer, load_sft_dataset, pack_batch
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
@@ -21,37 +19,15 @@ from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.trainer.loop import run_loop
 from megatron_rlhf.trainer.supervised import (
-    SupervisedConfig,
-    SupervisedDataConfig,
     SupervisedTask,
     dp_shard,
     reduce_over_model,
     set_up_run,
 )
+from megatron_rlhf.trainer.supervised_config import SFTConfig, SFTDataConfig
 from megatron_rlhf.training.objectives import logprobs_output, sft_loss
-from megatron_rlhf.training.optim import OptimConfig
 from megatron_rlhf.training.schedule import logits_only_at
 from megatron_rlhf.training.train import forward_pass
-
-
-@dataclasses.dataclass(kw_only=True)
-class SFTDataConfig(SupervisedDataConfig):
-    """SFT rows: a prompt and the response the model learns to produce."""
-
-    response_key: str = "response"
-    """Column of the response text (or pre-tokenized ``<key>_ids``)."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class SFTConfig(SupervisedConfig):
-    """``megatron-rlhf sft``: the fields of ``SupervisedConfig`` plus the SFT data."""
-
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    """A *ForCausalLM model (HF dir, megatron-rlhf checkpoint or builtin:NAME) and its TP/PP layout."""
-    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
-    """Adam, warmup and LR decay."""
-    data: SFTDataConfig = dataclasses.field(default_factory=SFTDataConfig)
-    """Training / validation files and columns."""
 
 
 def _load(paths: list[str], tokenizer: Tokenizer, data: SFTDataConfig, what: str) -> SFTDataset:

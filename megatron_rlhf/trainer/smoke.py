@@ -7,35 +7,22 @@ their weights, and run a forward pass through each with megatron's pipeline sche
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.sources import ModelsConfig, build_role, role_errors
-from megatron_rlhf.config.loader import config_errors, raise_if_errors, to_yaml
+from megatron_rlhf.checkpoint.sources import build_role
+from megatron_rlhf.config.loader import to_yaml
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.metrics.log import environment_report, log, timed
-from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import ROLES
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
+from megatron_rlhf.trainer.smoke_config import SmokeConfig, check_smoke_config
 from megatron_rlhf.training.train import forward_outputs
 
 SMOKE_BATCH, SMOKE_SEQ_LEN = 4, 32
-
-
-@dataclasses.dataclass(kw_only=True)
-class SmokeConfig(ModelsConfig):
-    """``megatron-rlhf smoke`` (and ``megatron-rlhf config``): the four models and their layouts."""
-
-
-def check_smoke_config(cfg: SmokeConfig, world_size: int) -> dict[str, Architecture]:
-    """Every problem at once (``ConfigError``); returns the four models' architectures."""
-    errors, archs = role_errors(cfg, ROLES, world_size)
-    raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
-    return archs
 
 
 def run_smoke(cfg: SmokeConfig, env: DistEnv) -> dict[str, dict[str, float]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir
+from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, shown_path
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.metrics.log import log, timed
@@ -75,7 +75,7 @@ def start_run[Data](
     log(
         f"{name}: world {env.world_size} on {env.device.type}, dtype {str(dtype).removeprefix('torch.')}, "
         f"{details}models: "
-        + ", ".join(f"{role} {m.cfg.path} (tp {m.cfg.tp}, pp {m.cfg.pp})" for role, m in models.items())
+        + ", ".join(f"{role} {shown_path(m.cfg.path)} (tp {m.cfg.tp}, pp {m.cfg.pp})" for role, m in models.items())
     )
     source = models[tokenizer_of]
     tokenizer = resolve_tokenizer(local_dir(source.cfg.path), source.arch, source.cfg.path)

@@ -13,23 +13,19 @@ unpacked.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rlhf.algorithms import (
-    AGG_MODES,
-    KL_ESTIMATORS,
     aggregate_loss,
     entropy_bonus,
     kl_loss,
     ppo_policy_loss,
     value_loss,
 )
-from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.models.roles import RoleModel
+from megatron_rlhf.training.config import PPOLossConfig
 from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
 from megatron_rlhf.training.schedule import Batch, LossFn, LossOutput, OutputFn, rows_of
 
@@ -93,50 +89,6 @@ def token_values_output() -> OutputFn:
     """Forward-only: (b, s) critic values aligned with the token they precede (column t is the
     value of the state just before token t, i.e. the score at position t-1)."""
     return lambda piece, values: token_aligned(piece, values[:, :-1, 0].float())
-
-
-@dataclasses.dataclass(kw_only=True)
-class PPOLossConfig:
-    """Actor and critic loss settings (see ``megatron_rlhf.algorithms.losses``)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    """Asymmetric ratio clip [1 - clip_low, 1 + clip_high] (clip-higher, DAPO)."""
-    dual_clip_c: float | None = 3.0
-    """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); None disables it. 3.0 is
-    verl's clip_ratio_c (always on there)."""
-    value_clip: float | None = 0.5
-    """Clip of the value update around the old values (verl's cliprange_value, 0.5); None disables it."""
-    entropy_coef: float = 0.0
-    kl_loss_coef: float = 0.0
-    """KL to the reference policy as a loss term (GRPO style); 0 when KL is a reward penalty."""
-    kl_estimator: str = "low_var_kl"
-    """KL estimator of the KL loss term (k1, k2, k3 / low_var_kl, abs, ...)."""
-    agg_mode: str = "token-mean"
-    """How per-token losses become one number (token-mean, seq-mean-token-sum, seq-mean-token-mean,
-    seq-mean-token-sum-norm)."""
-    loss_scale_factor: int | None = None
-    """seq-mean-token-sum-norm only, and required there: the constant each sequence's token sum is
-    divided by (Dr. GRPO; verl defaults it to the padded response length, here set it to
-    rollout.sampling.max_new_tokens). Fixed, so the loss does not depend on a batch's padding; an
-    integer because megatron receives loss denominators as integers."""
-
-    def __post_init__(self) -> None:
-        check_on_init(self)
-
-    def errors(self) -> list[str]:
-        errors = KL_ESTIMATORS.field_errors("kl_estimator", self.kl_estimator) + AGG_MODES.field_errors(
-            "agg_mode", self.agg_mode
-        )
-        errors += at_least(self, 0, "clip_low", "clip_high", "entropy_coef", "kl_loss_coef")
-        for name in ("dual_clip_c", "value_clip", "loss_scale_factor"):
-            low = 1 if name == "dual_clip_c" else 0
-            value = getattr(self, name)
-            if value is not None and not value > low:
-                errors.append(f"{name}={value} must be > {low} (or null: off)")
-        if self.agg_mode in AGG_MODES and AGG_MODES.info(self.agg_mode).scale_factor and self.loss_scale_factor is None:
-            errors.append(f"agg_mode={self.agg_mode} needs loss_scale_factor (e.g. rollout.sampling.max_new_tokens)")
-        return errors
 
 
 class UpdateLogprobs:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Literal
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -29,50 +28,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Full
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rlhf.config.fields import at_least, check_on_init
 from megatron_rlhf.models.roles import RoleModel
-
-
-@dataclasses.dataclass(kw_only=True)
-class OptimConfig:
-    """Adam with warmup and decay; the same fields for actor, critic and the SFT/RM trainers."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    """Floor of the decay (cosine/linear)."""
-    weight_decay: float = 0.01
-    """Decoupled (AdamW) weight decay; 0.01 as in verl and torch's AdamW."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 disables it."""
-    warmup_steps: int = 0
-    decay_style: Literal["constant", "cosine", "linear"] = "constant"
-    """constant, cosine or linear (after warmup)."""
-    decay_steps: int = 1000
-    distributed_optimizer: bool = True
-    """Shard optimizer states over data-parallel ranks (ZeRO-1)."""
-    cpu_offload_fraction: float = 0.0
-    """Share of the optimizer state (by parameter count, whole parameters) kept in host memory and
-    updated by a CPU Adam: 0 keeps it all on the device, 1 all on the host. Needs
-    distributed_optimizer (megatron supports the offload only there)."""
-
-    def __post_init__(self) -> None:
-        check_on_init(self)
-
-    def errors(self) -> list[str]:
-        errors = at_least(self, 0, "warmup_steps", "clip_grad")
-        errors += at_least(self, 1, "decay_steps")
-        if not self.lr > 0:
-            errors.append(f"lr={self.lr} must be > 0")
-        elif not 0 <= self.min_lr <= self.lr:
-            errors.append(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
-        if not 0.0 <= self.cpu_offload_fraction <= 1.0:
-            errors.append(f"cpu_offload_fraction={self.cpu_offload_fraction} must be in [0, 1]")
-        elif self.cpu_offload_fraction > 0 and not self.distributed_optimizer:
-            errors.append(f"cpu_offload_fraction={self.cpu_offload_fraction} needs distributed_optimizer=true")
-        return errors
+from megatron_rlhf.training.config import OptimConfig
 
 
 @dataclasses.dataclass

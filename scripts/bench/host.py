@@ -45,7 +45,8 @@ def main() -> None:
     from megatron_rlhf.data.tokenizer import load_tokenizer
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
-    from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig, scoring_errors
+    from megatron_rlhf.rewards.config import ScoringConfig, scoring_errors
+    from megatron_rlhf.rewards.scoring import Scorer
     from megatron_rlhf.rollout.engine import Completion
     from megatron_rlhf.rollout.native import _History
     from megatron_rlhf.trainer.ppo import _rollout_logprobs, rollout_batch

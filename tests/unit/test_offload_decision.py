@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_rlhf.hybrid.engine import HybridConfig
+from megatron_rlhf.hybrid.config import HybridConfig
 from megatron_rlhf.hybrid.memory import GIB, decide_offload, kv_cache_bytes
 
 

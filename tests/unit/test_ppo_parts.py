@@ -10,7 +10,8 @@ import torch
 
 from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.rewards import resolve_rule
-from megatron_rlhf.rewards.scoring import OverlongConfig, Scorer, ScoringConfig, scoring_errors
+from megatron_rlhf.rewards.config import OverlongConfig, ScoringConfig, scoring_errors
+from megatron_rlhf.rewards.scoring import Scorer
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.trainer.ppo import rollout_batch
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
@@ -329,7 +330,7 @@ def test_a_reference_that_follows_the_actor_must_take_its_padded_vocabulary(tmp_
 
 
 def test_reference_settings_check_themselves_when_built_in_code() -> None:
-    from megatron_rlhf.hybrid.reference import ReferenceConfig
+    from megatron_rlhf.hybrid.config import ReferenceConfig
 
     with pytest.raises(ValueError, match=r"^update_every=0 must be >= 1; ema_decay=-0.5 must be in \[0, 1\)"):
         ReferenceConfig(update="periodic", update_every=0, ema_decay=-0.5)

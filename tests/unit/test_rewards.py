@@ -571,7 +571,7 @@ GSM8K_VERL_SIGNATURE = (
 def test_a_function_verl_could_not_call_is_refused_when_loaded(tmp_path: Path) -> None:
     """verl's gsm8k.compute_score takes no data_source/extra_info: refused at start-up (scoring_errors,
     which check_ppo_config reports), naming what verl calls and what the function takes."""
-    from megatron_rlhf.rewards.scoring import ScoringConfig, scoring_errors
+    from megatron_rlhf.rewards.config import ScoringConfig, scoring_errors
 
     path = write_reward_file(tmp_path, GSM8K_VERL_SIGNATURE)
     expected = (

@@ -1,0 +1,31 @@
+"""The ``megatron_rlhf.json`` file that marks a megatron-rlhf model checkpoint (``mcore.py``) and
+records the HF config it was built from.
+
+Apart from ``mcore.py`` so that a config's checks read a checkpoint's architecture without
+importing megatron-core.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
+
+FORMAT_VERSION = 1
+META_FILE = "megatron_rlhf.json"
+
+
+def is_mcore_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def read_architecture(ckpt_dir: str | Path) -> Architecture:
+    meta_path = Path(ckpt_dir) / META_FILE
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path}: format_version={meta.get('format_version')} is not supported "
+            f"(this build reads {FORMAT_VERSION})"
+        )
+    return architecture_from_hf_config(meta["hf_config"], source=f"{meta_path}:hf_config")

@@ -1,0 +1,117 @@
+"""The settings every trainer's run has (``LoopConfig``), apart from the loop (``loop.py``) so that
+reading and checking a config imports no megatron-core; finding a checkpoint to resume imports it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.metrics.sinks import WandbConfig, logger_errors
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoopConfig(RunConfig):
+    """What every trainer's run has: its length, logging, the engine's micro-batch budget, export."""
+
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one micro-batch (rows x longest row) in forward passes and updates."""
+    pack_sequences: bool = True
+    """Pack several sequences into one row of a micro-batch (each attends only to itself), so that
+    short sequences fill the room beside long ones instead of padding. Same results as unpacked;
+    reward-model training (chosen/rejected pairs) is never packed."""
+    num_epochs: int = 1
+    """Passes over the training data (used when max_steps is 0)."""
+    max_steps: int = 0
+    """If > 0: train exactly this many steps, over as many epochs as that takes (num_epochs ignored)."""
+    log_every: int = 10
+    """Print a progress line every this many steps (and at the first and last)."""
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Where metrics go: console (progress lines), jsonl (metrics.jsonl, samples.jsonl), tensorboard
+    (tb/), wandb (pip install wandb; see wandb.*)."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """The wandb logger's project, run name and mode."""
+    save_hf: bool = True
+    """Write the trained model to output_dir/hf as an HF checkpoint (from_pretrained loads it)."""
+    save_every: int = 0
+    """Save a resumable checkpoint under output_dir/checkpoints/step_N every this many steps; 0: only
+    at the end (a checkpoint is written when the run completes, unless save_final=false)."""
+    save_final: bool = True
+    """Write a resumable checkpoint when the run completes. false: only save_every's and a stop's
+    (for a benchmark whose optimizer state, e.g. a 7B model's 91 GB, should not go to disk)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete. 0: keep every
+    one (verl's default)."""
+    async_save: bool = False
+    """Write checkpoints in the background (a forked process per checkpoint) while training
+    continues; a checkpoint is completed (renamed, named by ``latest``) at the first step boundary
+    after every rank's files are written, the next save waits for it, and the run waits for the last.
+    Off by default: it holds a host copy of every saved model's weights and optimizer state while
+    it writes, and it forks a process that has CUDA and NCCL state (megatron's own async save does
+    the same; measured here on CPU only)."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
+    never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
+    trust_unverified_checkpoint: bool = False
+    """Resume (or roll back) from a checkpoint that has no integrity manifest (``manifest.json``),
+    e.g. one written before manifests were kept: its files are then read unchecked, and
+    dist_checkpointing unpickles its metadata (pickle can run code). Only for checkpoints you trust;
+    without it such a checkpoint is refused (resume=auto tries the previous one)."""
+    overwrite: bool = False
+    """Allow an output_dir that holds another run's files (and no checkpoint to resume) to be
+    written over; without it such a run is refused before anything is built."""
+    profile_steps: list[int] = dataclasses.field(default_factory=list)
+    """Steps to run under torch.profiler: each rank writes output_dir/profile/step_N[.rank_R].txt
+    (every phase's wall time, GPU busy time, launches, time by kind, costliest kernels) and
+    step_N[.rank_R].trace.json.gz (Perfetto). The profiler slows the step it watches."""
+    max_bad_steps: int = 3
+    """After this many steps in a row whose update was skipped (non-finite loss or gradients), roll
+    back to the newest checkpoint and redo the steps since with another data order; a second
+    rollback over the same steps (or none to roll back to) stops the run with exit code 3."""
+
+    def errors(self) -> list[str]:
+        return (
+            super().errors()
+            + at_least(self, 1, "max_tokens_per_micro_batch", "num_epochs", "log_every", "max_bad_steps")
+            + at_least(self, 0, "max_steps", "save_every", "keep_last")
+            + logger_errors("loggers", self.loggers, self.wandb)
+            + self._resume_errors()
+            + (
+                [f"profile_steps={self.profile_steps}: steps count from 1"]
+                if any(s < 1 for s in self.profile_steps)
+                else []
+            )
+        )
+
+    def _resume_errors(self) -> list[str]:
+        if self.resume in ("auto", "never") or Path(self.resume).is_dir():
+            return []
+        why = "does not exist" if not Path(self.resume).exists() else "is not a directory"
+        return [
+            f"resume={self.resume!r} must be auto, never, or a checkpoint directory (.../checkpoints/step_N); "
+            f"{self.resume!r} {why}"
+        ]
+
+    def resume_from(self) -> Path | None:
+        """The checkpoint this run continues from (None: a fresh run)."""
+        from megatron_rlhf.checkpoint.run_checkpoint import checkpoints_root, newest_checkpoint
+
+        if self.resume == "never":
+            return None
+        if self.resume == "auto":
+            return newest_checkpoint(checkpoints_root(self.output_dir))
+        return Path(self.resume)
+
+    def resume_candidates(self) -> list[Path]:
+        """The checkpoints a resume tries, in order: ``resume_from``, then with resume=auto the
+        older complete ones (a checkpoint that turns out unusable falls back to the previous)."""
+        from megatron_rlhf.checkpoint.run_checkpoint import checkpoints_root, complete_checkpoints
+
+        first = self.resume_from()
+        if first is None:
+            return []
+        if self.resume != "auto":
+            return [first]
+        older = [ckpt for ckpt in reversed(complete_checkpoints(checkpoints_root(self.output_dir))) if ckpt != first]
+        return [first, *older]
