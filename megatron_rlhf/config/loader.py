@@ -1,11 +1,13 @@
 """YAML presets + dotlist overrides -> a command's typed config, with errors that name the key.
 
-Unknown keys are refused with the closest valid key suggested (and verl's names with this
-project's, ``config/verl_names.py``); values of the wrong type name the key, the value and the
-expected type, and a value outside a ``Literal`` field's choices names the choices and the closest
-one. Values are then checked by the command: ``config_errors`` collects every dataclass's own
-``errors()`` with its full key, the command adds the rules that span sections, and
-``raise_if_errors`` reports all of them at once.
+Unknown keys are refused with the closest valid key suggested: a key of the same name in another
+section (``actor.lr`` -> ``actor_optim.lr``), else a near spelling, and verl's names with this
+project's (``config/verl_names.py``); values of the wrong type name the key, the value and the
+expected type (a list given without brackets gets the bracketed spelling), and a value outside a
+``Literal`` field's choices names the choices and the closest one. Advice is written as the
+``key=value`` settings of the command line. Values are then checked by the command:
+``config_errors`` collects every dataclass's own ``errors()`` with its full key, the command adds
+the rules that span sections, and ``raise_if_errors`` reports all of them at once.
 
 ``load_config_with_sources`` also says where each setting that differs from the library default
 came from (a preset, a config file, the command line), for the start-up report: a preset's values
@@ -89,25 +91,63 @@ def _fields_at(dotted_key: str, schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
 
 
+def _field_type(dotted_key: str, schema: type) -> Any:
+    """The annotated type of the field ``dotted_key`` (None: not a field of a section)."""
+    cls = _section_of(dotted_key, schema)
+    return typing.get_type_hints(cls).get(dotted_key.rpartition(".")[2]) if cls else None
+
+
 def _choices_of(dotted_key: str, schema: type) -> tuple[object, ...] | None:
     """The choices of ``dotted_key`` when it is a ``Literal`` field, else None."""
-    cls = _section_of(dotted_key, schema)
-    return literal_choices(typing.get_type_hints(cls).get(dotted_key.rpartition(".")[2])) if cls else None
+    return literal_choices(_field_type(dotted_key, schema))
 
 
-def _unknown_key_error(full_key: str, origin: str, schema: type, update: Any = None) -> ConfigError:
-    """Names ``full_key`` (the first unknown part of a key), the closest valid key, or, for a key of
-    ``update`` under it that is verl's, this project's name for it."""
+def _is_list_field(dotted_key: str, schema: type) -> bool:
+    kind = _field_type(dotted_key, schema)
+    return kind is list or typing.get_origin(kind) in (list, tuple)
+
+
+def _same_name_elsewhere(key: str, schema: type) -> list[str]:
+    """The keys of ``schema`` whose last part is ``key``'s, the most alike first (``actor.lr``:
+    ``actor_optim.lr``, then ``critic_optim.lr``)."""
+    leaf = key.rpartition(".")[2]
+    same_leaf = [k for k in library_defaults(schema) if k.rpartition(".")[2] == leaf]
+    return sorted(same_leaf, key=lambda k: -difflib.SequenceMatcher(None, key, k).ratio())
+
+
+def _unknown_key_error(
+    full_key: str, origin: str, schema: type, update: Any = None, override: str | None = None
+) -> ConfigError:
+    """Names ``full_key`` (the first unknown part of a key) and the key meant: for a key of
+    ``update`` under it that is verl's, this project's name for it; else the closest key in its
+    section; else a key of the same name in another section (``actor.lr`` -> ``actor_optim.lr``).
+    For the command line's ``override``, the setting to write."""
     given = _leaves(_plain(update)) if isinstance(update, DictConfig) else {}
-    for key in (k for k in given if k == full_key or k.startswith(full_key + ".")):
+    under = [k for k in given if k == full_key or k.startswith(full_key + ".")]
+    for key in under:
         verl_hint = verl_key_hint(key)
         if verl_hint:
             return ConfigError(f"{origin}: unknown key '{key}': {verl_hint}")
+    given_key = under[0] if under else full_key
     parent, _, leaf = full_key.rpartition(".")
     valid = _fields_at(full_key, schema)
     close = difflib.get_close_matches(leaf, valid, n=1)
-    hint = f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?" if close else ""
+    if close:
+        meant = [(parent + "." if parent else "") + close[0] + given_key[len(full_key) :]]
+    else:
+        meant = _same_name_elsewhere(given_key, schema)
+    hint = ""
+    if meant:
+        setting = f"{meant[0]}={override.partition('=')[2]}" if override is not None else f"'{meant[0]}'"
+        others = f" (or {', '.join(meant[1:])})" if len(meant) > 1 else ""
+        hint = f"; did you mean {setting}?{others}"
     return ConfigError(f"{origin}: unknown key '{full_key}'{hint} (valid keys here: {valid})")
+
+
+def _not_a_list_error(key: str, value: Any, origin: str, override: str | None) -> ConfigError:
+    """A list setting given one value: the bracketed spelling (``data.train=[train.jsonl]``)."""
+    fix = f"write {key}=[{value}]" if override is not None else f"write it as a list, [{value}]"
+    return ConfigError(f"{origin}: {key}={value!r} is not valid: {key} is a list; {fix}")
 
 
 def _check_sections(update: Mapping[Any, Any], cls: type, origin: str, prefix: str = "") -> None:
@@ -135,16 +175,19 @@ def _plain(cfg: DictConfig, *, resolve: bool = False) -> dict[str, Any]:
     return typing.cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=resolve))
 
 
-def _merge(base: Any, update: Any, origin: str, schema: type) -> Any:
+def _merge(base: Any, update: Any, origin: str, schema: type, override: str | None = None) -> Any:
+    """``update`` (from ``origin``: a file, or the command line's ``override``) merged into ``base``."""
     if isinstance(update, DictConfig):
         _check_sections(_plain(update), schema, origin)
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as err:
-        raise _unknown_key_error(err.full_key or str(err.key), origin, schema, update) from None
+        raise _unknown_key_error(err.full_key or str(err.key), origin, schema, update, override) from None
     except ValidationError as err:
         if err.full_key and (choices := _choices_of(err.full_key, schema)) is not None:
             raise ConfigError(f"{origin}: {not_a_choice(err.full_key, err.value, choices)}") from None
+        if err.full_key and _is_list_field(err.full_key, schema) and not isinstance(err.value, (list, tuple)):
+            raise _not_a_list_error(err.full_key, err.value, origin, override) from None
         reason = (err.msg or str(err)).splitlines()[0]
         raise ConfigError(f"{origin}: {err.full_key}={err.value!r} is not valid: {reason}") from None
     except (OmegaConfBaseException, TypeError) as err:  # TypeError: e.g. a YAML list at the top level
@@ -251,7 +294,7 @@ def load_config_with_sources[T](
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         update = OmegaConf.from_dotlist([item])
-        merged = _merge(merged, update, f"override '{item}'", schema)
+        merged = _merge(merged, update, f"override '{item}'", schema, item)
         set_by.update(dict.fromkeys(_leaves(OmegaConf.to_container(update)), COMMAND_LINE))
     with building_tree():
         cfg = OmegaConf.to_object(merged)

@@ -94,6 +94,23 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
             "pack_sequences",
             "on by default: sequences share rows of a micro-batch, each attending only to itself",
         ),
+        (
+            f"{AR}.model.enable_gradient_checkpointing",
+            (),
+            "activations are kept, not recomputed; a smaller `max_tokens_per_micro_batch` needs less memory",
+        ),
+        (f"{AR}.actor.strategy", (), "always megatron-core, in the layouts `actor.tp` / `actor.pp` name"),
+        (
+            f"{AR}.actor.fsdp_config.param_offload",
+            (),
+            "weights stay on the GPU; `hybrid.offload` moves the optimizer state and gradients off it while generating",
+        ),
+        (
+            f"{AR}.actor.fsdp_config.optimizer_offload",
+            "actor_optim.cpu_offload_fraction",
+            "`1` keeps the whole optimizer state on the host (verl's `true`); a fraction keeps that share",
+        ),
+        (f"{AR}.ref.fsdp_config.param_offload", (), "the reference's weights stay on the GPU"),
         (f"{AR}.actor.megatron.tensor_model_parallel_size", "actor.tp"),
         (f"{AR}.actor.megatron.pipeline_model_parallel_size", "actor.pp"),
         (f"{AR}.ref.megatron.tensor_model_parallel_size", "reference.tp"),
@@ -198,6 +215,12 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         (f"{AR}.rollout.max_num_seqs", "rollout.engine.max_batch_size", "sequences decoded together"),
         (f"{AR}.rollout.enforce_eager", "rollout.engine.cuda_graphs", "`enforce_eager=true` is `cuda_graphs=false`"),
         (
+            f"{AR}.rollout.max_num_batched_tokens",
+            "rollout.engine.max_batch_size",
+            "vLLM's prefill budget; the built-in engine bounds the sequences decoded together",
+        ),
+        (f"{AR}.rollout.enable_chunked_prefill", (), "the built-in engine prefills each prompt whole"),
+        (
             f"{AR}.rollout.gpu_memory_utilization",
             "hybrid.offload",
             "`auto` moves the actor's optimizer state off the "
@@ -241,9 +264,16 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         ("critic.optim.*", "critic_optim", "as for the actor"),
         ("critic.cliprange_value", "algorithm.loss.value_clip", "0.5 in both; `null` turns it off (verl cannot)"),
         ("critic.ppo_mini_batch_size", "mini_batch_size", "shared with the actor"),
+        ("critic.ppo_micro_batch_size_per_gpu", "max_tokens_per_micro_batch", "the same budget for every pass"),
         ("critic.ppo_epochs", "ppo_epochs", "shared with the actor"),
         ("critic.loss_agg_mode", "algorithm.loss.agg_mode", "shared with the actor"),
         ("reward_model.enable", "scoring.use_reward_model", "false in both"),
+        (
+            "reward_model.reward_manager",
+            (),
+            "one scorer: the reward model, `scoring.rules` and `scoring.custom_function`, weighted by "
+            "`scoring.weights`",
+        ),
         ("reward_model.model.path", "reward.path"),
         ("reward_model.megatron.*", ("reward.tp", "reward.pp")),
         ("reward_model.overlong_buffer.enable", "scoring.overlong.buffer", "DAPO; `buffer=0` is off"),
@@ -357,7 +387,7 @@ def verl_key_hint(key: str) -> str | None:
             return "this is a verl key with no counterpart here (docs/migrating-from-verl.md lists verl's keys)"
         return None
     where = f"verl's {row.verl}" if row.verl.endswith(".*") else "verl's name"
-    note = f" ({row.note})" if row.note else ""
+    note = f" ({row.note.replace('**', '')})" if row.note else ""  # the docs' bold is no use on a console
     if not row.here:
         return f"this is {where}; it has no counterpart here{note}"
     return f"this is {where}; here it is {' and '.join(row.here)}{note}"

@@ -85,10 +85,10 @@ def test_override_string_coercions():
 @pytest.mark.parametrize(
     "override,unknown,suggestion",
     [
-        ("actor.tpp=2", "actor.tpp", "actor.tp"),
-        ("actr.tp=1", "actr", "actor"),
-        ("sed=1", "sed", "seed"),
-        ("critic.pathh=x", "critic.pathh", "critic.path"),
+        ("actor.tpp=2", "actor.tpp", "actor.tp=2"),
+        ("actr.tp=1", "actr", "actor.tp=1"),
+        ("sed=1", "sed", "seed=1"),
+        ("critic.pathh=x", "critic.pathh", "critic.path=x"),
     ],
 )
 def test_unknown_key_suggests_closest(override, unknown, suggestion):
@@ -96,7 +96,7 @@ def test_unknown_key_suggests_closest(override, unknown, suggestion):
         load_config("smoke", [override])
     msg = str(info.value)
     assert f"'{unknown}'" in msg
-    assert f"did you mean '{suggestion}'?" in msg
+    assert f"did you mean {suggestion}?" in msg
     assert override in msg  # names where it came from
 
 
