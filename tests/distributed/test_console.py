@@ -22,9 +22,10 @@ def console_lines(*args: str) -> list[str]:
 
 
 def test_a_run_and_its_resume_print_at_most_one_warning_and_rank_1_only_errors(tmp_path: Path) -> None:
-    ppo = ("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'run'}", "save_every=2")
-    first = console_lines(*ppo, "max_steps=2")
-    resumed = console_lines(*ppo, "max_steps=3")
+    ppo = ("ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'run'}", "save_every=1")
+    first = console_lines(*ppo, "max_steps=1")
+    # Resumed at actor TP 2, so that megatron's tensor-parallel notices and a resharded load show up too.
+    resumed = console_lines(*ppo, "max_steps=2", "actor.tp=2", "rollout.tp=1")
     assert any("saved checkpoint" in line for line in first)
     assert any("resumed from" in line for line in resumed)  # the resume's notices (torch's load) are covered
     lines = first + resumed
