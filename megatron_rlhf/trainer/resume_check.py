@@ -32,9 +32,8 @@ from megatron_rlhf.models.architecture import Architecture, architecture_from_hf
 MAY_CHANGE, FIXED, LAYOUT, MODEL = "may change", "may not change", "layout", "model"
 
 RULES: dict[str, dict[str, str]] = {
+    "DeviceConfig": {"device": LAYOUT, "dtype": FIXED},
     "RunConfig": {
-        "device": LAYOUT,
-        "dtype": FIXED,
         "seed": FIXED,
         "output_dir": MAY_CHANGE,
         "dist_timeout_s": MAY_CHANGE,
