@@ -23,6 +23,7 @@ from megatron_rlhf.checkpoint.mcore import (
 )
 from megatron_rlhf.checkpoint.mcore_meta import read_architecture
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
+from megatron_rlhf.checkpoint.sources import model_dir
 from megatron_rlhf.checkpoint.train_state import STATE_FILE
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
@@ -38,6 +39,7 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
         raise ValueError(f"convert direction {direction!r} must be one of {list(DIRECTIONS)}")
     trained = direction == "mcore-to-hf" and (Path(source) / STATE_FILE).is_file()
     if direction == "hf-to-mcore":
+        source = str(model_dir(source, setting="source"))  # a hub id: its snapshot in the local HF cache
         arch = load_architecture(source)
     else:
         arch = _trained_architecture(Path(source)) if trained else read_architecture(source)

@@ -7,14 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megatron_rlhf.checkpoint.sources import ModelConfig, ModelsConfig, architecture_of, role_errors, shown_path
 from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.models.architecture import load_architecture
 from megatron_rlhf.trainer.ppo_config import PPOConfig
-from tests.helpers import make_tiny_hf_model
-from tests.launch import run_cli_here
+from tests.helpers import load_all_tensors, make_tiny_hf_model
+from tests.launch import run_cli, run_cli_here
 
 
 def _refused(overrides: tuple[str, ...] = (), file: Path | None = None) -> str:
@@ -153,3 +154,15 @@ def test_a_hub_id_missing_from_the_cache_gets_the_download_command(
     )
     assert message in proc.stderr
     assert proc.stderr.count("looks like a Hugging Face hub id") == 1, proc.stderr  # not again for the critic
+
+
+def test_convert_reads_a_hub_id_from_the_local_cache(tmp_path: Path) -> None:
+    """``convert hf-to-mcore`` takes a hub id as its source like the trainers do; the round trip back to HF
+    gives the cached snapshot's weights bit for bit."""
+    snapshot = _cached_model(tmp_path / "hub")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    run_cli("convert", "hf-to-mcore", HUB_ID, str(tmp_path / "mcore"), "device=cpu", env=env, cwd=tmp_path)
+    run_cli("convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "hf"), "device=cpu", cwd=tmp_path)
+    expected, written = load_all_tensors(snapshot), load_all_tensors(tmp_path / "hf")
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
