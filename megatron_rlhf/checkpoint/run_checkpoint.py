@@ -131,9 +131,14 @@ class RunCheckpointWriter:
     one finished first), and in a 2-rank run (actor TP2 + critic PP2, one request per model: resume
     failed with "Duplicate non-dict and non-list values"); with one writer, both resume bit-exactly."""
 
-    def __init__(self, root: Path, *, keep_last: int, background: bool) -> None:
+    def __init__(
+        self, root: Path, *, keep_last: int, background: bool, on_complete: Callable[[Path], None] | None = None
+    ) -> None:
         self.root = root
         self.keep_last = keep_last
+        self.on_complete = on_complete
+        """Rank 0, once a checkpoint is complete and ``latest`` names it: called with its directory
+        (``remote.RemoteMirror`` starts its upload)."""
         self._in_flight = AsyncCallsQueue(persistent=False) if background else None
 
     def save(
@@ -198,9 +203,11 @@ class RunCheckpointWriter:
             if final.exists():  # a checkpoint of the same step from an earlier run (resume=never)
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _write_atomically(self.root / LATEST_FILE, final.name + "\n")
+            write_atomically(self.root / LATEST_FILE, final.name + "\n")
             for old in complete_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
                 shutil.rmtree(old)
+            if self.on_complete is not None:
+                self.on_complete(final)
         dist.barrier()
         background = "" if started is None else f" (written in the background in {time.perf_counter() - started:.1f} s)"
         log(f"step {step}: saved checkpoint {final}{background}")
@@ -297,9 +304,9 @@ def _write_manifest(ckpt: Path) -> None:
     """Rank 0, once every other file of ``ckpt`` is written: ``manifest.json``, the SHA-256 of each
     file, except those a dist_checkpointing directory's ``integrity.json`` lists (megatron hashed
     them as it wrote them; that ``integrity.json`` is hashed here)."""
-    dist_manifests = [rel for rel in _files_under(ckpt) if Path(rel).name == INTEGRITY_FNAME]
+    dist_manifests = [rel for rel in files_under(ckpt) if Path(rel).name == INTEGRITY_FNAME]
     covered = _listed_in(ckpt, dist_manifests)
-    files = {rel: _sha256(ckpt / rel) for rel in _files_under(ckpt) if rel not in covered}
+    files = {rel: _sha256(ckpt / rel) for rel in files_under(ckpt) if rel not in covered}
     write_bytes(ckpt / MANIFEST_FILE, (json.dumps({"algorithm": "sha256", "files": files}, indent=2) + "\n").encode())
 
 
@@ -334,6 +341,26 @@ def manifest_problems(ckpt: Path) -> list[str] | None:
     return _manifest_problems(ckpt) if (ckpt / MANIFEST_FILE).is_file() else None
 
 
+def copy_problems(ckpt: Path) -> list[str] | None:
+    """``manifest_problems``, and then each shard file that differs from the (verified)
+    ``integrity.json`` listing it: a whole check, by one process, of a checkpoint copied from
+    elsewhere (``remote.py``), whose shards megatron would otherwise check only as they load."""
+    problems = manifest_problems(ckpt)
+    if problems is None or problems:
+        return problems
+    for rel in files_under(ckpt):
+        if Path(rel).name != INTEGRITY_FNAME:
+            continue
+        folder = (ckpt / rel).parent
+        for name, expected in json.loads((ckpt / rel).read_bytes())["files"].items():
+            path = folder / name
+            if not path.is_file():
+                problems.append(f"{path}: missing (listed in {ckpt / rel})")
+            elif _sha256(path) != expected:
+                problems.append(f"{path}: changed since the save (listed in {ckpt / rel})")
+    return problems
+
+
 def _manifest_problems(ckpt: Path) -> list[str]:
     manifest = ckpt / MANIFEST_FILE
     try:
@@ -352,13 +379,13 @@ def _manifest_problems(ckpt: Path) -> list[str]:
     covered = _listed_in(ckpt, [rel for rel in listed if Path(rel).name == INTEGRITY_FNAME])
     return [
         f"{ckpt / rel}: not part of the checkpoint (listed in neither {MANIFEST_FILE} nor an {INTEGRITY_FNAME})"
-        for rel in _files_under(ckpt)
+        for rel in files_under(ckpt)
         if rel not in listed and rel not in covered and rel != MANIFEST_FILE
     ]
 
 
-def _files_under(ckpt: Path) -> list[str]:
-    """Every file under ``ckpt``, as a path relative to it."""
+def files_under(ckpt: Path) -> list[str]:
+    """Every file under ``ckpt``, as a path relative to it (sorted)."""
     return sorted(path.relative_to(ckpt).as_posix() for path in ckpt.rglob("*") if path.is_file())
 
 
@@ -410,7 +437,8 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` once complete, never part of it (written beside it, renamed)."""
     tmp = path.with_name(path.name + ".tmp")
     write_bytes(tmp, text.encode())
     os.replace(tmp, path)

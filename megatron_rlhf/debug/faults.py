@@ -22,6 +22,10 @@ SLOW_SAVE_ENV = "MEGATRON_RLHF_FAULT_SLOW_SAVE"
 """``STEP:SECONDS``: the save of step STEP sleeps SECONDS after the models' files are written (in the
 training process, or in the background writer)."""
 
+SLOW_UPLOAD_ENV = "MEGATRON_RLHF_FAULT_SLOW_UPLOAD"
+"""``STEP:SECONDS``: the upload of step STEP to ``remote_dir`` sleeps SECONDS once its models' files are
+uploaded (under the temporary name, before the files that complete it)."""
+
 _nan_steps_injected = 0
 
 
@@ -41,6 +45,15 @@ def on_gradients_reduced(gradient_buffers: Sequence[torch.Tensor], updates_done:
 def on_checkpoint_written(step: int) -> None:
     """Called once a checkpoint's files are written, before it is marked complete: sleeps when armed."""
     spec = os.environ.get(SLOW_SAVE_ENV)
+    if spec:
+        slow_step, seconds = spec.split(":")
+        if int(slow_step) == step:
+            time.sleep(float(seconds))
+
+
+def on_remote_files_uploaded(step: int) -> None:
+    """Called by ``remote.RemoteDir.upload`` once the bulk of step ``step`` is uploaded: sleeps when armed."""
+    spec = os.environ.get(SLOW_UPLOAD_ENV)
     if spec:
         slow_step, seconds = spec.split(":")
         if int(slow_step) == step:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_rlhf.checkpoint.export import export_hf
+from megatron_rlhf.checkpoint.remote import RemoteDir, RemoteMirror, RemoteStorageError
 from megatron_rlhf.checkpoint.run_checkpoint import (
     RUN_STATE_FILE,
     RunCheckpointWriter,
@@ -243,6 +244,7 @@ def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architectu
     if is_rank0():
         try:
             claim = dataclasses.replace(claim, lock=run_lock.acquire(out_dir))
+            _fetch_remote(cfg, out_dir)
             _check_output_dir(cfg, out_dir)
             _check_resume(cfg, claim)
         except ConfigError as err:
@@ -255,6 +257,26 @@ def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architectu
     if is_rank0():
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
     return claim
+
+
+def _fetch_remote(cfg: LoopConfig, out_dir: Path) -> None:
+    """Rank 0, with ``remote_dir``: check that it can be written (``ConfigError`` naming why not);
+    with resume=auto and no local checkpoint, download the newest complete remote one into
+    ``output_dir/checkpoints`` (a job requeued onto a node that does not see the first one's disk).
+    Like every checkpoint, it is read by every rank: output_dir is shared by the nodes of a run."""
+    if not cfg.remote_dir:
+        return
+    try:
+        remote = RemoteDir(cfg.remote_dir)
+        remote.check_writable()
+        if cfg.resume == "auto" and cfg.resume_from() is None:
+            root = checkpoints_root(out_dir)
+            if remote.download_newest(root) is None:
+                log(f"no checkpoint under output_dir or remote_dir={cfg.remote_dir!r}")
+    except RemoteStorageError as err:
+        raise ConfigError(str(err)) from err
+    except OSError as err:  # the storage failed while the checkpoint was downloaded
+        raise ConfigError(f"remote_dir={cfg.remote_dir!r}: downloading its newest checkpoint failed: {err!r}") from err
 
 
 def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
@@ -373,6 +395,7 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
     # so that a process running several trainers (``pipeline``, tests) can still free a finished one.
     gc.collect()
     gc.freeze()
+    mirror = RemoteMirror(cfg.remote_dir, cfg.keep_last)
     steps = _Steps(
         cfg=cfg,
         task=task,
@@ -380,7 +403,10 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
         per_epoch=per_epoch,
         total=total,
         sink=sink,
-        writer=RunCheckpointWriter(checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save),
+        writer=RunCheckpointWriter(
+            checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save, on_complete=mirror.start
+        ),
+        mirror=mirror,
         recorded=(
             {}
             if claim is None
@@ -396,6 +422,7 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
                 steps.run(resumed_step, signals)
             except RunStopped:
                 steps.writer.wait()  # the stop's checkpoint is complete before the process exits
+                mirror.wait()  # and uploaded
                 raise
             finally:
                 sink.close()
@@ -407,6 +434,7 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
         if cfg.save_hf:
             _export(cfg, task, out_dir, total if cfg.save_final or resumed_step == total else None)
             summary["hf_dir"] = str(out_dir / "hf")
+        mirror.wait(required=True)  # the final checkpoint's upload ran beside the export
         if is_rank0():
             (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
             _report_curves(out_dir, task)
@@ -460,6 +488,8 @@ class _Steps:
     total: int
     sink: Sink
     writer: RunCheckpointWriter
+    mirror: RemoteMirror
+    """Uploads each complete checkpoint to ``remote_dir`` (nothing without one)."""
     recorded: dict[str, Any]
     """What each checkpoint records of the run's models and tokenizer (``RunClaim``)."""
     start: float = dataclasses.field(default_factory=time.perf_counter)
@@ -474,6 +504,10 @@ class _Steps:
             "task": self.task.state_dict(),
             **self.recorded,
         }
+        # The previous checkpoint is complete and uploaded before this one is written: its upload
+        # reads files that this save's pruning (keep_last) may delete.
+        self.writer.wait()
+        self.mirror.wait()
         self.writer.save(
             step,
             train_states=self.task.train_states(),

@@ -53,6 +53,15 @@ class LoopConfig(RunConfig):
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint under output_dir/checkpoints, if any;
     never: start fresh; or the path of a checkpoint directory (.../checkpoints/step_N)."""
+    remote_dir: str = ""
+    """Also keep the checkpoints on remote storage: any fsspec URL (s3://bucket/prefix,
+    gs://bucket/prefix, hdfs://namenode:8020/path (untested here), file:///shared/path; a trailing
+    slash changes nothing). Each complete checkpoint is uploaded to remote_dir/step_N in the
+    background (through step_N.tmp, remote_dir/latest written last), keep_last applies there too,
+    and with resume=auto a run whose output_dir holds no checkpoint downloads the newest complete
+    one and resumes from it (a requeued job on another node). Checked at start-up by writing a
+    probe file. Needs fsspec and the protocol's package (pip install 'megatron-rlhf[remote]':
+    s3fs); credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)."""
     trust_unverified_checkpoint: bool = False
     """Resume (or roll back) from a checkpoint that has no integrity manifest (``manifest.json``),
     e.g. one written before manifests were kept: its files are then read unchecked, and
@@ -77,6 +86,7 @@ class LoopConfig(RunConfig):
             + at_least(self, 0, "max_steps", "save_every", "keep_last")
             + logger_errors("loggers", self.loggers, self.wandb)
             + self._resume_errors()
+            + self._remote_errors()
             + (
                 [f"profile_steps={self.profile_steps}: steps count from 1"]
                 if any(s < 1 for s in self.profile_steps)
@@ -92,6 +102,17 @@ class LoopConfig(RunConfig):
             f"resume={self.resume!r} must be auto, never, or a checkpoint directory (.../checkpoints/step_N); "
             f"{self.resume!r} {why}"
         ]
+
+    def _remote_errors(self) -> list[str]:
+        if not self.remote_dir:
+            return []
+        protocol, sep, rest = self.remote_dir.partition("://")
+        if not sep or not protocol.isidentifier() or not rest.strip("/"):
+            return [
+                f"remote_dir={self.remote_dir!r} must be a URL with a protocol and a path: s3://bucket/prefix, "
+                "gs://bucket/prefix, hdfs://namenode:8020/path or file:///shared/path"
+            ]
+        return []
 
     def resume_from(self) -> Path | None:
         """The checkpoint this run continues from (None: a fresh run)."""

@@ -61,6 +61,7 @@ RULES: dict[str, dict[str, str]] = {
             "profile_steps",
             "max_bad_steps",
             "trust_unverified_checkpoint",
+            "remote_dir",
         )
     },
     "WandbConfig": {"project": MAY_CHANGE, "name": MAY_CHANGE, "mode": MAY_CHANGE},

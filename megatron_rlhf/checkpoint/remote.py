@@ -1,0 +1,312 @@
+"""A run's checkpoints mirrored to remote storage (``remote_dir``: any fsspec URL), so that a job
+requeued onto another node, which does not see the first node's disk, resumes from them.
+
+Layout under ``remote_dir`` (``s3://bucket/prefix`` and ``s3://bucket/prefix/`` are the same place)::
+
+    step_N/         a copy of the local ``checkpoints/step_N`` (its manifest included)
+    step_N.tmp/     an upload in progress: never read, deleted by the next upload
+    latest          ``step_N``: written last, once step_N is complete
+
+Upload (rank 0, in a background thread: ``RemoteMirror``), after each local checkpoint is complete:
+leftovers of an interrupted upload are deleted; every file goes to ``step_N.tmp/``,
+``run_state.json`` and ``manifest.json`` last; the directory is renamed to ``step_N`` (a rename on a
+file system; on an object store, which has none, a server-side copy of each object, then the
+``.tmp`` objects are deleted); ``latest`` is written (one PUT, atomic on an object store; written
+beside and renamed on a file system); then all but the newest ``keep_last`` complete checkpoints
+are deleted. Only the steps up to the one ``latest`` names count as complete: a crash at any point
+leaves the previous remote checkpoint in use (a half-copied ``step_N`` beyond ``latest`` is ignored,
+then deleted by the next upload).
+
+Download (``resume=auto`` with no local checkpoint): the newest complete remote checkpoint is copied
+to ``checkpoints/step_N.tmp``, checked against its manifest and the shards' ``integrity.json`` (a
+changed or missing file: the previous remote one is tried), renamed to ``step_N`` and named by the
+local ``latest``; the run then resumes from it as from any local checkpoint.
+
+fsspec (and the package of a protocol: s3fs for ``s3://``, gcsfs for ``gs://``) is imported only
+when a run uses ``remote_dir``. Credentials and endpoints come from the environment the way each
+package reads them (s3fs: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
+``AWS_PROFILE``, ...), or from fsspec's ``FSSPEC_<PROTOCOL>_<OPTION>`` variables. ``hdfs://`` goes
+through pyarrow's ``HadoopFileSystem`` (libhdfs, a JVM and ``CLASSPATH``): untested here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_rlhf.checkpoint.run_checkpoint import (
+    LATEST_FILE,
+    MANIFEST_FILE,
+    RUN_STATE_FILE,
+    copy_problems,
+    files_under,
+    write_atomically,
+)
+from megatron_rlhf.debug import faults
+from megatron_rlhf.metrics.log import log
+
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+"""Protocols without directories or a rename: nothing is created before a write (a bucket is
+never created), and a rename is a copy of each object."""
+LAST_FILES = (RUN_STATE_FILE, MANIFEST_FILE)
+"""Uploaded after every other file of a checkpoint."""
+
+
+class RemoteStorageError(Exception):
+    """``remote_dir`` cannot be used: fsspec or the protocol's package is missing, the bucket or
+    directory does not exist, it cannot be written, libhdfs is absent. The message names the URL."""
+
+
+class RemoteDir:
+    """The checkpoints under one ``remote_dir`` (one process uses it: rank 0)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.fs, self.root = _filesystem(self.url)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.object_store = bool(OBJECT_STORES.intersection(protocols))
+        self.local = bool({"file", "local"}.intersection(protocols))
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def check_writable(self) -> None:
+        """Writes and deletes a probe file, so that a missing bucket, a wrong endpoint or missing
+        write permission stops the run at start-up, named, instead of at its first save."""
+        probe = self.path(f".write-probe-{os.uname().nodename}-{os.getpid()}")
+        try:
+            if not self.object_store:
+                self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(probe, b"megatron-rlhf write probe\n")
+            self.fs.rm_file(probe)
+        except FileNotFoundError as err:
+            what = "the bucket does not exist" if self.object_store else "it does not exist"
+            raise RemoteStorageError(
+                f"remote_dir={self.url!r} cannot be used: {what} ({err}); create it first"
+                + (" (a bucket is never created by a run)" if self.object_store else "")
+            ) from err
+        except PermissionError as err:
+            raise RemoteStorageError(
+                f"remote_dir={self.url!r} cannot be written: permission denied ({err}); check the credentials "
+                "in the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE) and the "
+                "bucket's policy"
+            ) from err
+        except OSError as err:
+            raise RemoteStorageError(f"remote_dir={self.url!r} cannot be written: {err!r}") from err
+
+    def latest(self) -> int | None:
+        """The step ``latest`` names (None: no upload completed)."""
+        try:
+            text = self.fs.cat_file(self.path(LATEST_FILE)).decode().strip()
+        except FileNotFoundError:
+            return None
+        return int(text.removeprefix("step_")) if text.startswith("step_") else None
+
+    def complete_steps(self) -> list[int]:
+        """The complete remote checkpoints' steps, oldest first: those up to the one ``latest``
+        names that hold ``run_state.json`` (a copy beyond it may be partial)."""
+        latest = self.latest()
+        if latest is None:
+            return []
+        steps = []
+        for step, name in self._step_dirs():
+            if step <= latest and self.fs.exists(self.path(name, RUN_STATE_FILE)):
+                steps.append(step)
+        return sorted(steps)
+
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        """(step, name) of each ``step_N`` entry (not ``.tmp``) under the root."""
+        try:
+            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+        return [
+            (int(name[5:]), name)
+            for name in names
+            if name.startswith("step_") and name[5:].isdigit()  # not step_N.tmp
+        ]
+
+    def _remove_partial(self) -> None:
+        """Leftovers of interrupted uploads: ``*.tmp`` entries, and step directories beyond ``latest``
+        (a copy interrupted before ``latest`` named it)."""
+        latest = self.latest()
+        try:
+            entries = [entry.rstrip("/") for entry in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            name = entry.rsplit("/", 1)[-1]
+            beyond = name.startswith("step_") and name[5:].isdigit() and (latest is None or int(name[5:]) > latest)
+            if name.endswith(".tmp") or beyond:
+                self.fs.rm(entry, recursive=True)
+                log(f"removed {self.url}/{name}: an interrupted upload")
+
+    def upload(self, ckpt: Path, keep_last: int) -> None:
+        """Copies the complete local checkpoint ``ckpt`` (``.../step_N``) to ``step_N`` through
+        ``step_N.tmp``, writes ``latest``, then keeps the newest ``keep_last`` (0: all)."""
+        name, step = ckpt.name, int(ckpt.name.removeprefix("step_"))
+        tmp, final = self.path(f"{name}.tmp"), self.path(name)
+        self._remove_partial()
+        rels = files_under(ckpt)
+        bulk = [rel for rel in rels if rel not in LAST_FILES]
+        last = [rel for rel in LAST_FILES if rel in rels]
+        self._put(ckpt, tmp, bulk)
+        faults.on_remote_files_uploaded(step)
+        self._put(ckpt, tmp, last)
+        if self.fs.exists(final):  # the same step from an earlier attempt (resume=never, a rollback)
+            self.fs.rm(final, recursive=True)
+        if self.local:
+            self.fs.mv(tmp, final)  # one rename
+        else:
+            self.fs.copy([f"{tmp}/{rel}" for rel in rels], [f"{final}/{rel}" for rel in rels])
+            self.fs.rm(tmp, recursive=True)
+        self._write_latest(name)
+        if keep_last:
+            for old in self.complete_steps()[:-keep_last]:
+                self.fs.rm(self.path(f"step_{old}"), recursive=True)
+
+    def _put(self, ckpt: Path, target: str, rels: list[str]) -> None:
+        if not rels:
+            return
+        if not self.object_store:
+            for folder in sorted({f"{target}/{rel}".rsplit("/", 1)[0] for rel in rels}):
+                self.fs.makedirs(folder, exist_ok=True)
+        self.fs.put([str(ckpt / rel) for rel in rels], [f"{target}/{rel}" for rel in rels])
+
+    def _write_latest(self, name: str) -> None:
+        if self.object_store:  # one PUT: readers see the old object or the new one
+            self.fs.pipe_file(self.path(LATEST_FILE), f"{name}\n".encode())
+        else:
+            self.fs.pipe_file(self.path(f"{LATEST_FILE}.tmp"), f"{name}\n".encode())
+            self.fs.mv(self.path(f"{LATEST_FILE}.tmp"), self.path(LATEST_FILE))
+
+    def download_newest(self, root: Path) -> Path | None:
+        """Copies the newest complete remote checkpoint whose files match its manifest to
+        ``root/step_N`` (through ``step_N.tmp``) and points the local ``latest`` at it; None when
+        the remote holds none."""
+        for step in reversed(self.complete_steps()):
+            name = f"step_{step}"
+            tmp, final = root / f"{name}.tmp", root / name
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            started = time.perf_counter()
+            remote = self.path(name)
+            sources = [path for path in self.fs.find(remote) if not path.endswith("/")]
+            rels = [path[len(remote) + 1 :] for path in sources]
+            for folder in {(tmp / rel).parent for rel in rels}:
+                folder.mkdir(parents=True, exist_ok=True)
+            self.fs.get(sources, [str(tmp / rel) for rel in rels])
+            problems = copy_problems(tmp)
+            if problems or problems is None:
+                why = "; ".join(problems) if problems else f"no {MANIFEST_FILE}"
+                log(f"{self.url}/{name} is unusable ({why}); trying the previous remote checkpoint")
+                shutil.rmtree(tmp)
+                continue
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_atomically(root / LATEST_FILE, name + "\n")
+            size = sum((final / rel).stat().st_size for rel in rels)
+            log(
+                f"downloaded {self.url}/{name} to {final} ({size / 2**20:.1f} MiB in "
+                f"{time.perf_counter() - started:.1f} s): no local checkpoint to resume"
+            )
+            return final
+        return None
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    """fsspec's file system for ``url`` and the path within it; errors named."""
+    try:
+        import fsspec
+    except ImportError as err:
+        raise RemoteStorageError(f"remote_dir={url!r} needs fsspec: pip install fsspec (and s3fs for s3://)") from err
+    protocol = url.split("://", 1)[0]
+    try:
+        # A fresh instance: credentials are read from the environment now, not from a cached one's.
+        return fsspec.core.url_to_fs(url, skip_instance_cache=True)
+    except ImportError as err:  # fsspec names the package: "Install s3fs to access S3"
+        raise RemoteStorageError(f"remote_dir={url!r}: {err}") from err
+    except ValueError as err:  # "Protocol not known"
+        raise RemoteStorageError(f"remote_dir={url!r}: {err}") from err
+    except OSError as err:
+        if protocol in ("hdfs", "viewfs"):
+            raise RemoteStorageError(
+                f"remote_dir={url!r}: pyarrow's HadoopFileSystem could not start ({str(err).splitlines()[0]}). "
+                "It needs libhdfs "
+                "(ARROW_LIBHDFS_DIR or HADOOP_HOME/lib/native), a Java runtime (JAVA_HOME) and the Hadoop jars "
+                "on CLASSPATH (`hadoop classpath --glob`); hdfs:// is untested in this project's CI"
+            ) from err
+        raise RemoteStorageError(f"remote_dir={url!r}: {err!r}") from err
+
+
+class RemoteMirror:
+    """Uploads each complete local checkpoint to ``remote_dir`` in a background thread of rank 0,
+    so that a step does not wait for it. One upload is in flight at most: ``wait`` (collective,
+    called before each save, at a stop and at the end) returns once it is done. A failed upload is
+    reported as a warning (the next checkpoint is uploaded anew); at the end, ``wait(required=True)``
+    raises it."""
+
+    def __init__(self, url: str, keep_last: int) -> None:
+        """Collective. ``url``: ``remote_dir`` ("": no remote storage, every method returns at once)."""
+        self.enabled = bool(url)
+        self.remote = RemoteDir(url) if url and dist.get_rank() == 0 else None
+        self.keep_last = keep_last
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+
+    def start(self, ckpt: Path) -> None:
+        """Rank 0: upload ``ckpt`` in the background (``RunCheckpointWriter``'s ``on_complete``)."""
+        if self.remote is None:
+            return
+        if self._thread is not None:  # not expected: every save waits first
+            self._thread.join()
+        self._error = None
+        self._thread = threading.Thread(target=self._upload, args=(ckpt,), name="remote-upload", daemon=True)
+        self._thread.start()
+
+    def _upload(self, ckpt: Path) -> None:
+        assert self.remote is not None
+        started = time.perf_counter()
+        try:
+            self.remote.upload(ckpt, self.keep_last)
+        except Exception as err:  # reported by wait(), in the training thread
+            self._error = f"uploading {ckpt} to {self.remote.url} failed: {err!r}"
+            return
+        size = sum(path.stat().st_size for path in ckpt.rglob("*") if path.is_file())
+        seconds = time.perf_counter() - started
+        log(
+            f"uploaded {ckpt.name} to {self.remote.url}/{ckpt.name} ({size / 2**20:.1f} MiB in {seconds:.1f} s, "
+            f"{size / 2**20 / max(seconds, 1e-9):.1f} MiB/s)"
+        )
+
+    def wait(self, *, required: bool = False) -> None:
+        """Collective: returns on every rank once rank 0's upload in flight is done. The other ranks
+        poll rank 0 every second (each poll a short collective, so that a long upload does not run
+        into ``dist_timeout_s``)."""
+        if not self.enabled:
+            return
+        while True:
+            state: list[Any] = [None]
+            if dist.get_rank() == 0:
+                if self._thread is not None:
+                    self._thread.join(timeout=1.0)
+                    if not self._thread.is_alive():
+                        self._thread = None
+                state = [("busy" if self._thread is not None else "done", self._error)]
+            dist.broadcast_object_list(state, src=0)
+            status, error = state[0]
+            if status == "done":
+                break
+        if error is None:
+            return
+        self._error = None
+        if required:
+            raise RuntimeError(f"{error}; the local checkpoint is complete, copy it by hand or run again")
+        log(f"warning: {error}; the next checkpoint is uploaded anew")
