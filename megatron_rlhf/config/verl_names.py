@@ -331,6 +331,12 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         ("trainer.total_epochs", "num_epochs", "**verl 30, here 1**"),
         ("trainer.total_training_steps", "max_steps"),
         ("trainer.default_local_dir", "output_dir"),
+        (
+            "trainer.default_hdfs_dir",
+            "remote_dir",
+            "any fsspec URL (`s3://`, `gs://`, `hdfs://`, `file://`); a trailing slash changes nothing, and a run "
+            "whose output_dir holds no checkpoint resumes from it",
+        ),
         ("trainer.project_name", "wandb.project"),
         ("trainer.experiment_name", "wandb.name"),
         (
