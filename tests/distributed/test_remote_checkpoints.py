@@ -2,7 +2,8 @@
 localhost with authentication, the credentials and endpoint only in the environment): a run killed
 while uploading leaves the previous remote checkpoint in use; its output_dir deleted (a requeue onto
 a node that does not see the first one's disk), the same command downloads it and finishes bit for
-bit like a run never interrupted; a missing bucket stops the run at start-up, named."""
+bit like a run never interrupted; a stop signal waits for the upload in flight; a missing bucket
+stops the run at start-up, named."""
 
 from __future__ import annotations
 
@@ -103,3 +104,39 @@ def test_a_missing_bucket_stops_the_run_at_start_up(tmp_path: Path, s3: s3_serve
     )
     assert "remote_dir='s3://no-such-bucket/run' cannot be used: the bucket does not exist" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.distributed
+def test_a_stop_signal_waits_for_the_upload_in_flight_and_uploads_its_checkpoint(
+    tmp_path: Path, s3: s3_server.S3Server
+) -> None:
+    """SIGTERM while step 2's upload is in flight (slowed by the test hook): the next save waits for
+    it, and the stop's checkpoint is uploaded before the process exits 0; the remote then holds the
+    same checkpoints as output_dir (keep_last=2 on both)."""
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(128, 0))
+    out, prefix = tmp_path / "run", f"{s3_server.BUCKET}/{tmp_path.name}/run"
+    args = ("sft", "--config", "sft-tiny", "log_every=1", f"data.train=[{train}]", "max_steps=40", "save_every=2")
+    fs = s3.filesystem()
+    proc = subprocess.Popen(
+        command(1, *args, f"output_dir={out}", f"remote_dir=s3://{prefix}"),
+        env=subprocess_env(**s3.env(), **{SLOW_UPLOAD_ENV: "2:10"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not fs.exists(f"{prefix}/step_2.tmp") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        fs.invalidate_cache()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-6000:]
+    latest = (out / "checkpoints" / "latest").read_text()
+    step = int(latest.strip().removeprefix("step_"))
+    assert 2 < step < 40 and "SIGTERM received" in stdout
+    assert stdout.index("uploaded step_2 to") < stdout.index(f"step {step}: saved checkpoint")
+    assert f"uploaded step_{step} to s3://{prefix}/step_{step}" in stdout
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{prefix}/latest").decode() == latest
+    local = sorted(path.name for path in (out / "checkpoints").iterdir())
+    assert sorted(path.rsplit("/", 1)[-1] for path in fs.ls(prefix, detail=False)) == local  # keep_last=2 both
