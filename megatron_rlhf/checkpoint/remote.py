@@ -271,6 +271,20 @@ class RemoteMirror:
         self._thread = threading.Thread(target=self._upload, args=(ckpt,), name="remote-upload", daemon=True)
         self._thread.start()
 
+    def catch_up(self, ckpt: Path) -> None:
+        """Rank 0, after a resume from the local ``ckpt``: upload it unless the remote ``latest``
+        names it already (remote_dir added to a run, or a final upload that failed)."""
+        if self.remote is None:
+            return
+        try:
+            behind = self.remote.latest() != int(ckpt.name.removeprefix("step_"))
+        except OSError as err:
+            log(f"warning: reading {self.remote.url}/{LATEST_FILE} failed ({err!r}); {ckpt.name} is uploaded anew")
+            behind = True
+        if behind:
+            log(f"{self.remote.url} does not hold {ckpt.name}, the checkpoint resumed: uploading it")
+            self.start(ckpt)
+
     def _upload(self, ckpt: Path) -> None:
         assert self.remote is not None
         started = time.perf_counter()

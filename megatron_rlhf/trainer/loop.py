@@ -45,6 +45,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     RunCheckpointWriter,
     UnusableCheckpoint,
     checkpoints_root,
+    is_complete,
     load_run_checkpoint,
     manifest_problems,
     newest_checkpoint,
@@ -396,6 +397,9 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
     gc.collect()
     gc.freeze()
     mirror = RemoteMirror(cfg.remote_dir, cfg.keep_last)
+    resumed_ckpt = checkpoints_root(out_dir) / f"step_{resumed_step}"
+    if resumed_step is not None and is_rank0() and is_complete(resumed_ckpt):  # not another run's (resume=PATH)
+        mirror.catch_up(resumed_ckpt)
     steps = _Steps(
         cfg=cfg,
         task=task,

@@ -185,3 +185,26 @@ def test_the_mirror_uploads_in_the_background_and_reports_a_failure(
     with pytest.raises(RuntimeError, match=r"uploading .*step_4 to s3://.* failed"):
         mirror.wait(required=True)
     assert mirror.remote.complete_steps() == [2]
+
+
+def test_a_resumed_checkpoint_missing_remotely_is_uploaded(
+    world_of_one,
+    s3_env: s3_server.S3Server,
+    saved: tuple[Path, dict, dict],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """remote_dir added to a run, or its final upload failed: the checkpoint it resumes goes up."""
+    from megatron_rlhf.checkpoint.remote import RemoteMirror
+
+    step_2, step_4 = _steps(saved[0], tmp_path / "local", 2, 4)
+    mirror = RemoteMirror(_url("s3", tmp_path, "run"), keep_last=2)
+    assert mirror.remote is not None
+    mirror.catch_up(step_2)
+    mirror.wait(required=True)
+    assert mirror.remote.complete_steps() == [2]
+    assert "does not hold step_2, the checkpoint resumed: uploading it" in capsys.readouterr().out
+    mirror.remote.upload(step_4, keep_last=2)
+    mirror.catch_up(step_4)  # the remote's latest names it already: nothing to do
+    mirror.wait(required=True)
+    assert "uploading it" not in capsys.readouterr().out
