@@ -71,7 +71,6 @@ class RemoteDir:
         self.fs, self.root = _filesystem(self.url)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.object_store = bool(OBJECT_STORES.intersection(protocols))
-        self.local = bool({"file", "local"}.intersection(protocols))
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -161,8 +160,8 @@ class RemoteDir:
         self._put(ckpt, tmp, last)
         if self.fs.exists(final):  # the same step from an earlier attempt (resume=never, a rollback)
             self.fs.rm(final, recursive=True)
-        if self.local:
-            self.fs.mv(tmp, final)  # one rename
+        if not self.object_store:
+            self.fs.mv(tmp, final)  # one rename (a file system, HDFS)
         else:
             self.fs.copy([f"{tmp}/{rel}" for rel in rels], [f"{final}/{rel}" for rel in rels])
             self.fs.rm(tmp, recursive=True)
