@@ -3,7 +3,8 @@ localhost (moto's server mode, ``tests/s3_server.py``) and a ``file://`` directo
 same with or without a trailing slash; ``latest`` written last, so an interrupted upload leaves the
 previous checkpoint in use; ``keep_last`` applied remotely; the download checked against the
 manifest; credentials read from the environment; clear errors for a missing bucket, a read-only
-user, unknown credentials, hdfs without libhdfs, and a remote_dir that is not a URL."""
+user, unknown credentials, hdfs without libhdfs, a missing package, an unknown protocol and a
+remote_dir that is not a URL."""
 
 from __future__ import annotations
 
@@ -159,6 +160,18 @@ def test_hdfs_without_libhdfs_says_what_it_needs() -> None:
         pytest.skip("a Hadoop installation is configured here")
     with pytest.raises(RemoteStorageError, match=r"HadoopFileSystem could not start .*libhdfs.*untested"):
         RemoteDir("hdfs://localhost:8020/ckpts")
+
+
+def test_a_missing_package_or_an_unknown_protocol_is_named() -> None:
+    import importlib.util
+
+    from megatron_rlhf.checkpoint.remote import RemoteDir, RemoteStorageError
+
+    with pytest.raises(RemoteStorageError, match=r"remote_dir='nope://x/y': Protocol not known: nope"):
+        RemoteDir("nope://x/y")
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(RemoteStorageError, match=r"remote_dir='gs://bucket/x': .*install gcsfs"):
+            RemoteDir("gs://bucket/x/")
 
 
 @pytest.mark.parametrize("bad", ["bucket/prefix", "/shared/ckpts", "s3://", "s3:/bucket"])
