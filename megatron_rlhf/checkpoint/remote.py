@@ -133,7 +133,8 @@ class RemoteDir:
 
     def _remove_partial(self) -> None:
         """Leftovers of interrupted uploads: ``*.tmp`` entries, and step directories beyond ``latest``
-        (a copy interrupted before ``latest`` named it)."""
+        (a copy interrupted before ``latest`` named it, or a step that a run resumed from an older
+        checkpoint redoes)."""
         latest = self.latest()
         try:
             entries = [entry.rstrip("/") for entry in self.fs.ls(self.root, detail=False)]
@@ -144,7 +145,8 @@ class RemoteDir:
             beyond = name.startswith("step_") and name[5:].isdigit() and (latest is None or int(name[5:]) > latest)
             if name.endswith(".tmp") or beyond:
                 self.fs.rm(entry, recursive=True)
-                log(f"removed {self.url}/{name}: an interrupted upload")
+                why = "an interrupted upload" if name.endswith(".tmp") else f"beyond latest (step_{latest})"
+                log(f"removed {self.url}/{name}: {why}")
 
     def upload(self, ckpt: Path, keep_last: int) -> None:
         """Copies the complete local checkpoint ``ckpt`` (``.../step_N``) to ``step_N`` through
