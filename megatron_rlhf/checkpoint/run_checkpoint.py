@@ -134,6 +134,9 @@ class RunCheckpointWriter:
     def __init__(self, root: Path, *, keep_last: int, background: bool) -> None:
         self.root = root
         self.keep_last = keep_last
+        self.pinned: str | None = None
+        """A checkpoint's name (``step_N``) that pruning keeps whatever ``keep_last`` says: the health
+        watch's best evaluation, which a rollback goes back to."""
         self._in_flight = AsyncCallsQueue(persistent=False) if background else None
 
     def save(
@@ -200,7 +203,8 @@ class RunCheckpointWriter:
             os.replace(tmp, final)
             _write_atomically(self.root / LATEST_FILE, final.name + "\n")
             for old in complete_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
-                shutil.rmtree(old)
+                if old.name != self.pinned:
+                    shutil.rmtree(old)
         dist.barrier()
         background = "" if started is None else f" (written in the background in {time.perf_counter() - started:.1f} s)"
         log(f"step {step}: saved checkpoint {final}{background}")
