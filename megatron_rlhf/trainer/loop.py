@@ -685,8 +685,7 @@ class _Steps:
         health.kl_scale *= cfg.health.kl_coef_factor
         health.below, health.streaks = 0, {}
         reseeded = self.state.reseeded
-        good = self._load(best)
-        self.task.recover(health.lr_scale, health.kl_scale)
+        good = self._load(best)  # which applies the recovery
         self.state.reseeded = [*reseeded, [good + 1, step]]
         self.sink.write(
             "rollback",
