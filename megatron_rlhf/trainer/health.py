@@ -154,6 +154,15 @@ class HealthConfig:
             }[signal]
         )
 
+    def validation_errors(self, validation: list[str], eval_every: int) -> list[str]:
+        """The patience needs evaluations during the run: validation data and ``eval_every``."""
+        if not self.val_patience or (validation and eval_every > 0):
+            return []
+        return [
+            f"health.val_patience={self.val_patience} needs evaluations during the run: give data.validation "
+            f"and eval_every > 0 (now data.validation={validation}, eval_every={eval_every})"
+        ]
+
     @property
     def active(self) -> bool:
         """Whether any part of the watch is on."""

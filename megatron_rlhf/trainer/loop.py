@@ -520,7 +520,9 @@ class _Steps:
         cfg, task, state, total = self.cfg, self.task, self.state, self.total
         step, bad_steps = resumed_step or 0, 0
         if task.evaluate is not None and task.eval_before_train and resumed_step is None:
-            _evaluate(task.evaluate, 0, self.sink)
+            # The starting model may be the best (a run that collapses at once): judged, saved as step_0.
+            _evaluate(task.evaluate, 0, self.sink, self.judge_evaluation)
+            self.after_evaluation(0)
         while step < total:
             step += 1
             epoch, indices = _batch(cfg, task, self.per_epoch, step, state.reseeded)

@@ -42,6 +42,12 @@ def test_settings_are_checked_up_front() -> None:
     assert any("['nonsense'] are not signals" in e for e in errors)
     assert any("['kl_blowup'] have no threshold set" in e for e in errors)
     assert config_errors(LoopConfig()) == []
+    assert HealthConfig(val_patience=2).validation_errors([], 5) == [
+        "health.val_patience=2 needs evaluations during the run: give data.validation and eval_every > 0 "
+        "(now data.validation=[], eval_every=5)"
+    ]
+    assert HealthConfig(val_patience=2).validation_errors(["v.jsonl"], 5) == []
+    assert HealthConfig().validation_errors([], 0) == []
     assert not HealthConfig().active and HealthConfig(max_phase_s={"gen": 1.0}).active
 
 
