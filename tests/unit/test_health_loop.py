@@ -5,6 +5,7 @@ with exit code 3 after loading the best evaluation's checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -116,3 +117,23 @@ def test_validation_patience_spent_stops_with_exit_3_at_the_best(world_of_one, t
     assert result["exported_step"] == 2 and result["stopped"]["step"] == 5
     assert result["exported_validation"] == {"score": 0.6}
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2"]
+
+
+def test_a_resumed_run_keeps_the_watch_and_its_recovery(world_of_one, tmp_path: Path) -> None:
+    """The watch's state is in every checkpoint: a run resumed after a rollback sets the learning
+    rates and KL coefficients at the recovered factors before its first step, and counts on from
+    its rollbacks (here the only one allowed is spent: the next trigger stops)."""
+    health = HealthConfig(max_kl=10.0, roll_back_on=["kl_blowup"], max_rollbacks=1, lr_factor=0.5)
+    cfg = LoopConfig(
+        output_dir=str(tmp_path), save_hf=False, loggers=["jsonl"], max_steps=4, save_every=1, health=health
+    )
+    first = _Task(kl={3: 50.0})
+    run_loop(cfg, first)
+    assert first.steps == [1, 2, 3, 3, 4] and first.recovered == [(0.5, 2.0)]
+    again = _Task(kl={6: 50.0})
+    with pytest.raises(RunStopped, match=r"after health\.max_rollbacks=1 rollbacks") as stopped:
+        run_loop(dataclasses.replace(cfg, max_steps=8), again)
+    assert stopped.value.code == 3
+    assert again.steps == [5, 6] and again.recovered[0] == (0.5, 2.0)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["stopped"]["rollbacks"] == 1 and result["exported_step"] == 5
