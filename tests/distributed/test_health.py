@@ -37,6 +37,7 @@ def test_a_hostile_reward_rolls_back_to_the_best_evaluation_then_stops_with_exit
         "eval.n=4",
         "eval_every=3",
         "actor_optim.lr=1e-3",
+        "algorithm.kl_penalty.coef=0.001",  # the recovery doubles it
         "health.val_patience=2",
         "health.val_metric=sampled_reward",
         "health.max_rollbacks=1",
@@ -50,7 +51,7 @@ def test_a_hostile_reward_rolls_back_to_the_best_evaluation_then_stops_with_exit
     first = records[: records.index(rollbacks[0])]
     validations = {r["step"]: r["sampled_reward"] for r in first if r["split"] == "validation"}
     best_step = max(validations, key=lambda step: validations[step])
-    assert best_step <= HOSTILE_AFTER + 3  # the validation falls once the reward has turned
+    assert best_step <= HOSTILE_AFTER + 6  # the validation falls soon after the reward has turned
     rollback = rollbacks[0]
     assert rollback["to_step"] == best_step
     assert (rollback["health/rollbacks"], rollback["health/lr_scale"], rollback["health/kl_scale"]) == (1, 0.5, 2.0)
@@ -59,7 +60,7 @@ def test_a_hostile_reward_rolls_back_to_the_best_evaluation_then_stops_with_exit
     redone = [r for r in after if r["split"] == "train"]
     assert redone[0]["step"] == best_step + 1
     assert redone[0]["actor/lr"] == pytest.approx(0.5e-3) and first[1]["actor/lr"] == pytest.approx(1e-3)
-    assert redone[0]["kl/coef"] == 0.0  # ppo-tiny has no KL penalty: x2 of nothing stays nothing
+    assert first[1]["kl/coef"] == pytest.approx(0.001) and redone[0]["kl/coef"] == pytest.approx(0.002)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     shown = [s["prompt"] for s in samples if s["step"] == best_step + 1 and "split" not in s]
     assert len(shown) == 8 and shown[:4] != shown[4:]  # the step's first prompt, then the redone step's
