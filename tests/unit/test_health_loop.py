@@ -102,7 +102,13 @@ def test_validation_patience_spent_stops_with_exit_3_at_the_best(world_of_one, t
     task = _Task(kl={}, validation=[0.2, 0.6, 0.5, 0.4, 0.3, 0.6])
     health = HealthConfig(val_patience=3, max_rollbacks=0)
     cfg = LoopConfig(
-        output_dir=str(tmp_path), save_hf=False, loggers=["jsonl"], max_steps=8, keep_last=1, health=health
+        output_dir=str(tmp_path),
+        save_hf=False,
+        loggers=["jsonl"],
+        max_steps=8,
+        save_every=1,
+        keep_last=1,
+        health=health,
     )
     with pytest.raises(RunStopped, match=r"after health\.max_rollbacks=0 rollbacks: stopping") as stopped:
         run_loop(cfg, task)
@@ -112,11 +118,11 @@ def test_validation_patience_spent_stops_with_exit_3_at_the_best(world_of_one, t
     assert [r["health/val_below_best"] for r in validation] == [0, 0, 1, 2, 3]
     assert [r["health/val_best"] for r in validation] == [0.2, 0.6, 0.6, 0.6, 0.6]
     result = json.loads((tmp_path / "result.json").read_text())
-    # The best evaluation's checkpoint, saved without save_every and kept by keep_last=1, is what
-    # the run ends on; evaluated again (the task's next figure) for the record.
+    # The best evaluation's checkpoint, kept by keep_last=1's pruning beside the newest, is what the
+    # run ends on; evaluated again (the task's next figure) for the record.
     assert result["exported_step"] == 2 and result["stopped"]["step"] == 5
     assert result["exported_validation"] == {"score": 0.6}
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2", "step_4"]
 
 
 def test_a_resumed_run_keeps_the_watch_and_its_recovery(world_of_one, tmp_path: Path) -> None:
