@@ -544,7 +544,7 @@ class _Steps:
                 step, bad_steps = self.roll_back(step), 0
                 continue
             if triggers := triggered(cfg.health, state.health, fired):
-                step, bad_steps = self.health_roll_back(step, _signals_reason(cfg, state.health, triggers)), 0
+                step, bad_steps = self.health_roll_back(step, _signals_reason(state.health, triggers)), 0
                 continue
             # The last step's evaluation is made here too, so that the watch judges it.
             if task.evaluate is not None and ((task.eval_every and step % task.eval_every == 0) or step == total):
@@ -730,7 +730,7 @@ class _Steps:
         )
 
 
-def _signals_reason(cfg: LoopConfig, health: HealthState, triggers: list[Firing]) -> str:
+def _signals_reason(health: HealthState, triggers: list[Firing]) -> str:
     """Why the signals ``triggers`` roll the run back."""
     named = ", ".join(f"{f.metric} ({f.figure} {f.value:.4g})" for f in triggers)
     return f"{named} fired {max(health.streaks[f.metric] for f in triggers)} steps in a row (health.roll_back_on)"
