@@ -13,7 +13,7 @@ from megatron_rlhf.models.roles import ROLES
 
 @dataclasses.dataclass(kw_only=True)
 class SmokeConfig(ModelsConfig):
-    """``megatron-rlhf smoke`` (and ``megatron-rlhf config``): the four models and their layouts."""
+    """``megatron-rlhf smoke``: the four models and their layouts."""
 
 
 def check_smoke_config(cfg: SmokeConfig, world_size: int) -> dict[str, Architecture]:

@@ -8,9 +8,11 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import platform
 import re
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -475,9 +477,10 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
 
 @pytest.mark.distributed
 def test_start_up_report_names_versions_layouts_and_the_resumed_step(damaged_resume: DamagedResume) -> None:
-    """The report a run starts with, fresh and resumed: this package's version and git commit,
-    torch, CUDA, megatron-core, apex and Transformer Engine (looked up here), torch's host threads,
-    each checkpointed model's layout, and the checkpoint step a resumed run continues from."""
+    """The report a run starts with, fresh and resumed: this package's version and git commit, the
+    interpreter and its environment, torch, CUDA, megatron-core, apex and Transformer Engine (looked
+    up here), torch's host threads, each checkpointed model's layout, and the checkpoint step a
+    resumed run continues from."""
     out, fresh, resumed = damaged_resume.out, damaged_resume.fresh, damaged_resume.resumed
     commit = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -486,12 +489,19 @@ def test_start_up_report_names_versions_layouts_and_the_resumed_step(damaged_res
         name: "present" if importlib.util.find_spec(module) else "absent"
         for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))
     }
+    package = f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), "
+    interpreter = f"python {platform.python_version()} {sys.executable}, "  # the run's: tests launch with it
     versions = (
-        f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), torch {torch.__version__}, "
+        f"; torch {torch.__version__}, "
         f"CUDA {torch.version.cuda or 'none'}, megatron-core {importlib.metadata.version('megatron-core')}, "
         f"apex {present['apex']}, transformer-engine {present['transformer-engine']}"
     )
-    threads = re.compile(re.escape(versions) + r"; \d+ host threads")
+    threads = re.compile(
+        re.escape(package + interpreter)
+        + r"(venv|conda env|no venv) [^;]+"
+        + re.escape(versions)
+        + r"; \d+ host threads"
+    )
     for proc in (fresh, resumed):
         assert any(threads.fullmatch(line) for line in proc.stdout.splitlines()), proc.stdout[-3000:]
         assert "layouts: actor TP1xPP1xDP1" in proc.stdout.splitlines()
