@@ -31,6 +31,7 @@ through pyarrow's ``HadoopFileSystem`` (libhdfs, a JVM and ``CLASSPATH``): untes
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -148,9 +149,10 @@ class RemoteDir:
                 why = "an interrupted upload" if name.endswith(".tmp") else f"beyond latest (step_{latest})"
                 log(f"removed {self.url}/{name}: {why}")
 
-    def upload(self, ckpt: Path, keep_last: int) -> None:
+    def upload(self, ckpt: Path, keep_last: int, pinned: str | None = None) -> None:
         """Copies the complete local checkpoint ``ckpt`` (``.../step_N``) to ``step_N`` through
-        ``step_N.tmp``, writes ``latest``, then keeps the newest ``keep_last`` (0: all)."""
+        ``step_N.tmp``, writes ``latest``, then keeps the newest ``keep_last`` (0: all) and
+        ``pinned`` (the health watch's best evaluation, as locally)."""
         name, step = ckpt.name, int(ckpt.name.removeprefix("step_"))
         tmp, final = self.path(f"{name}.tmp"), self.path(name)
         self._remove_partial()
@@ -170,7 +172,8 @@ class RemoteDir:
         self._write_latest(name)
         if keep_last:
             for old in self.complete_steps()[:-keep_last]:
-                self.fs.rm(self.path(f"step_{old}"), recursive=True)
+                if f"step_{old}" != pinned:
+                    self.fs.rm(self.path(f"step_{old}"), recursive=True)
 
     def _put(self, ckpt: Path, target: str, rels: list[str]) -> None:
         if not rels:
@@ -189,37 +192,50 @@ class RemoteDir:
 
     def download_newest(self, root: Path) -> Path | None:
         """Copies the newest complete remote checkpoint whose files match its manifest to
-        ``root/step_N`` (through ``step_N.tmp``) and points the local ``latest`` at it; None when
-        the remote holds none."""
+        ``root/step_N`` and points the local ``latest`` at it; None when the remote holds none.
+        The health watch's best checkpoint, which that one names and a rollback goes back to,
+        comes with it."""
         for step in reversed(self.complete_steps()):
-            name = f"step_{step}"
-            tmp, final = root / f"{name}.tmp", root / name
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            started = time.perf_counter()
-            remote = self.path(name)
-            sources = [path for path in self.fs.find(remote) if not path.endswith("/")]
-            rels = [path[len(remote) + 1 :] for path in sources]
-            for folder in {(tmp / rel).parent for rel in rels}:
-                folder.mkdir(parents=True, exist_ok=True)
-            self.fs.get(sources, [str(tmp / rel) for rel in rels])
-            problems = copy_problems(tmp)
-            if problems or problems is None:
-                why = "; ".join(problems) if problems else f"no {MANIFEST_FILE}"
-                log(f"{self.url}/{name} is unusable ({why}); trying the previous remote checkpoint")
-                shutil.rmtree(tmp)
+            final = self.download(step, root)
+            if final is None:
                 continue
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            write_atomically(root / LATEST_FILE, name + "\n")
-            size = sum((final / rel).stat().st_size for rel in rels)
-            log(
-                f"downloaded {self.url}/{name} to {final} ({size / 2**20:.1f} MiB in "
-                f"{time.perf_counter() - started:.1f} s): no local checkpoint to resume"
-            )
+            write_atomically(root / LATEST_FILE, final.name + "\n")
+            health = json.loads((final / RUN_STATE_FILE).read_text()).get("loop", {}).get("health") or {}
+            best = health.get("best_step", -1)
+            if 0 <= best != step and best in self.complete_steps():
+                self.download(best, root)
             return final
         return None
+
+    def download(self, step: int, root: Path) -> Path | None:
+        """Copies the remote ``step_N`` to ``root/step_N`` through ``step_N.tmp``; None (logged)
+        when its files do not match its manifest."""
+        name = f"step_{step}"
+        tmp, final = root / f"{name}.tmp", root / name
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        started = time.perf_counter()
+        remote = self.path(name)
+        sources = [path for path in self.fs.find(remote) if not path.endswith("/")]
+        rels = [path[len(remote) + 1 :] for path in sources]
+        for folder in {(tmp / rel).parent for rel in rels}:
+            folder.mkdir(parents=True, exist_ok=True)
+        self.fs.get(sources, [str(tmp / rel) for rel in rels])
+        problems = copy_problems(tmp)
+        if problems or problems is None:
+            why = "; ".join(problems) if problems else f"no {MANIFEST_FILE}"
+            log(f"{self.url}/{name} is unusable ({why}); trying the previous remote checkpoint")
+            shutil.rmtree(tmp)
+            return None
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        size = sum((final / rel).stat().st_size for rel in rels)
+        log(
+            f"downloaded {self.url}/{name} to {final} ({size / 2**20:.1f} MiB in "
+            f"{time.perf_counter() - started:.1f} s): no local checkpoint to resume"
+        )
+        return final
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
@@ -262,17 +278,18 @@ class RemoteMirror:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
 
-    def start(self, ckpt: Path) -> None:
-        """Rank 0: upload ``ckpt`` in the background (``RunCheckpointWriter``'s ``on_complete``)."""
+    def start(self, ckpt: Path, pinned: str | None) -> None:
+        """Rank 0: upload ``ckpt`` in the background (``RunCheckpointWriter``'s ``on_complete``);
+        remote pruning keeps ``pinned`` as the local one does."""
         if self.remote is None:
             return
         if self._thread is not None:  # not expected: every save waits first
             self._thread.join()
         self._error = None
-        self._thread = threading.Thread(target=self._upload, args=(ckpt,), name="remote-upload", daemon=True)
+        self._thread = threading.Thread(target=self._upload, args=(ckpt, pinned), name="remote-upload", daemon=True)
         self._thread.start()
 
-    def catch_up(self, ckpt: Path) -> None:
+    def catch_up(self, ckpt: Path, pinned: str | None) -> None:
         """Rank 0, after a resume from the local ``ckpt``: upload it unless the remote ``latest``
         names it already (remote_dir added to a run, or a final upload that failed)."""
         if self.remote is None:
@@ -284,13 +301,13 @@ class RemoteMirror:
             behind = True
         if behind:
             log(f"{self.remote.url} does not hold {ckpt.name}, the checkpoint resumed: uploading it")
-            self.start(ckpt)
+            self.start(ckpt, pinned)
 
-    def _upload(self, ckpt: Path) -> None:
+    def _upload(self, ckpt: Path, pinned: str | None) -> None:
         assert self.remote is not None
         started = time.perf_counter()
         try:
-            self.remote.upload(ckpt, self.keep_last)
+            self.remote.upload(ckpt, self.keep_last, pinned)
         except Exception as err:  # reported by wait(), in the training thread
             self._error = f"uploading {ckpt} to {self.remote.url} failed: {err!r}"
             return

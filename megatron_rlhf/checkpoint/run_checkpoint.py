@@ -132,13 +132,16 @@ class RunCheckpointWriter:
     failed with "Duplicate non-dict and non-list values"); with one writer, both resume bit-exactly."""
 
     def __init__(
-        self, root: Path, *, keep_last: int, background: bool, on_complete: Callable[[Path], None] | None = None
+        self, root: Path, *, keep_last: int, background: bool, on_complete: Callable[[Path, str | None], None] | None = None
     ) -> None:
         self.root = root
         self.keep_last = keep_last
         self.on_complete = on_complete
         """Rank 0, once a checkpoint is complete and ``latest`` names it: called with its directory
-        (``remote.RemoteMirror`` starts its upload)."""
+        and ``pinned`` (``remote.RemoteMirror`` starts its upload)."""
+        self.pinned: str | None = None
+        """A checkpoint's name (``step_N``) that pruning keeps whatever ``keep_last`` says: the health
+        watch's best evaluation, which a rollback goes back to."""
         self._in_flight = AsyncCallsQueue(persistent=False) if background else None
 
     def save(
@@ -205,9 +208,10 @@ class RunCheckpointWriter:
             os.replace(tmp, final)
             write_atomically(self.root / LATEST_FILE, final.name + "\n")
             for old in complete_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
-                shutil.rmtree(old)
+                if old.name != self.pinned:
+                    shutil.rmtree(old)
             if self.on_complete is not None:
-                self.on_complete(final)
+                self.on_complete(final, self.pinned)
         dist.barrier()
         background = "" if started is None else f" (written in the background in {time.perf_counter() - started:.1f} s)"
         log(f"step {step}: saved checkpoint {final}{background}")

@@ -26,11 +26,16 @@ TITLE_WIDTH = 90
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train rows, validation rows) of a ``metrics.jsonl``, in file order."""
+    """(train rows, validation rows) of a ``metrics.jsonl``, in file order, without the rows of
+    steps a rollback undid (a ``rollback`` line drops the rows before it of steps after its
+    ``to_step``): the run's curve is the one it kept."""
     train: list[dict[str, Any]] = []
     validation: list[dict[str, Any]] = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
+        if row.get("split") == "rollback" and isinstance(row.get("to_step"), int):
+            train[:] = [r for r in train if r["step"] <= row["to_step"]]
+            validation[:] = [r for r in validation if r["step"] <= row["to_step"]]
         {"train": train, "validation": validation}.get(row.get("split"), []).append(row)
     return train, validation
 
@@ -42,7 +47,11 @@ def validation_keys(rows: list[dict[str, Any]]) -> list[str]:
     keys: dict[str, None] = {}
     for row in rows:
         for key, value in row.items():
-            if key not in ("split", "step") and not key.startswith("timing_s/") and isinstance(value, (int, float)):
+            if (
+                key not in ("split", "step")
+                and not key.startswith(("timing_s/", "health/"))  # the watch's own counts: not a figure
+                and isinstance(value, (int, float))
+            ):
                 keys[key] = None
     by_source = figures_by_source(list(keys))
     if len({source for per_figure in by_source.values() for source in per_figure}) >= 2:

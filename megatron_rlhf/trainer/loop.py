@@ -45,6 +45,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     RunCheckpointWriter,
     UnusableCheckpoint,
     checkpoints_root,
+    complete_checkpoints,
     is_complete,
     load_run_checkpoint,
     manifest_problems,
@@ -67,6 +68,16 @@ from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rewards.calls import ScoringInterrupted
 from megatron_rlhf.trainer import run_lock
+from megatron_rlhf.trainer.health import (
+    Firing,
+    HealthState,
+    higher_is_better,
+    judge_evaluation,
+    step_signals,
+    triggered,
+    update_streaks,
+    watched_metric,
+)
 from megatron_rlhf.trainer.loop_config import LoopConfig
 from megatron_rlhf.trainer.resume_check import ResumeRefused, review_resume, tokenizer_fingerprint
 from megatron_rlhf.trainer.stop import RunStopped, StopSignals
@@ -155,6 +166,11 @@ class Task(Protocol):
         """Restore what ``state_dict`` returned."""
         ...
 
+    def recover(self, lr_scale: float, kl_scale: float) -> None:
+        """Set the learning rates to the config's times ``lr_scale`` and the KL coefficients to the
+        config's times ``kl_scale`` (the health watch's recovery; applied after every load)."""
+        ...
+
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "hf")
 """What a run leaves in its output_dir (besides checkpoints/)."""
@@ -193,6 +209,8 @@ class LoopState:
     """[first, last] of each window of steps redone after a rollback, with another data order."""
     wandb_run_id: str | None = None
     """The wandb run this run writes to (rank 0, with the wandb logger): a resumed run continues it."""
+    health: HealthState = dataclasses.field(default_factory=HealthState)
+    """The health watch's best evaluation, patience count, rollbacks and recovery (``health.py``)."""
 
     def record(self, metrics: dict[str, float]) -> None:
         """A step's metrics: its headline value."""
@@ -217,6 +235,7 @@ class LoopState:
             "train_seconds": train_seconds,
             "reseeded": self.reseeded,
             "wandb_run_id": self.wandb_run_id,
+            "health": self.health.as_json(),
         }
 
     def restore(self, run_state: dict[str, Any]) -> None:
@@ -231,6 +250,7 @@ class LoopState:
         self.reseeded = loop["reseeded"]
         # A rollback keeps the run's live wandb run; checkpoints written before ids were kept have none.
         self.wandb_run_id = self.wandb_run_id or loop.get("wandb_run_id")
+        self.health = HealthState.from_json(loop.get("health"))
 
 
 def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architecture], tokenizer: Tokenizer) -> RunClaim:
@@ -396,10 +416,12 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
     # so that a process running several trainers (``pipeline``, tests) can still free a finished one.
     gc.collect()
     gc.freeze()
+    # The health watch's best evaluation: the checkpoint a rollback goes back to, which pruning keeps.
+    pinned = f"step_{state.health.best_step}" if state.health.best_step >= 0 else None
     mirror = RemoteMirror(cfg.remote_dir, cfg.keep_last)
     resumed_ckpt = checkpoints_root(out_dir) / f"step_{resumed_step}"
     if resumed_step is not None and is_rank0() and is_complete(resumed_ckpt):  # not another run's (resume=PATH)
-        mirror.catch_up(resumed_ckpt)
+        mirror.catch_up(resumed_ckpt, pinned)
     steps = _Steps(
         cfg=cfg,
         task=task,
@@ -420,6 +442,9 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
             }
         ),
     )
+    steps.writer.pinned = pinned
+    if (state.health.lr_scale, state.health.kl_scale) != (1.0, 1.0):
+        task.recover(state.health.lr_scale, state.health.kl_scale)  # a resumed run after a rollback
     try:
         with StopSignals() as signals:
             try:
@@ -432,7 +457,8 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
                 sink.close()
                 gc.unfreeze()
         summary = state.summary(total, per_epoch) | {"train_seconds": steps.train_seconds()}
-        if cfg.save_final and resumed_step != total:  # before the export: a failed export costs no step
+        # before the export: a failed export costs no step
+        if cfg.save_final and resumed_step != total and steps.last_saved != total:
             steps.save(total)
         steps.writer.wait()
         if cfg.save_hf:
@@ -497,11 +523,16 @@ class _Steps:
     recorded: dict[str, Any]
     """What each checkpoint records of the run's models and tokenizer (``RunClaim``)."""
     start: float = dataclasses.field(default_factory=time.perf_counter)
+    last_saved: int = -1
+    """The step of the latest checkpoint this process saved (-1: none)."""
+    _verdict: str | None = None
+    """The latest evaluation's verdict for ``after_evaluation``: ``best``, why to roll back, or None."""
 
     def train_seconds(self) -> float:
         return self.state.train_seconds + time.perf_counter() - self.start
 
     def save(self, step: int) -> None:
+        self.last_saved = step
         run_state = {
             "summary": self.state.summary(self.total, self.per_epoch),
             "loop": self.state.loop_figures(self.train_seconds()),
@@ -528,7 +559,9 @@ class _Steps:
         cfg, task, state, total = self.cfg, self.task, self.state, self.total
         step, bad_steps = resumed_step or 0, 0
         if task.evaluate is not None and task.eval_before_train and resumed_step is None:
-            _evaluate(task.evaluate, 0, self.sink)
+            # The starting model may be the best (a run that collapses at once): judged, saved as step_0.
+            _evaluate(task.evaluate, 0, self.sink, self.judge_evaluation)
+            self.after_evaluation(0)
         while step < total:
             step += 1
             epoch, indices = _batch(cfg, task, self.per_epoch, step, state.reseeded)
@@ -537,21 +570,33 @@ class _Steps:
                     metrics, rows = task.step(step, epoch, indices)
             except ScoringInterrupted as interrupted:
                 self._stop_mid_step(step - 1, bad_steps, signals, interrupted)
-            self.sink.write("train", step, {"epoch": epoch, **metrics})
+            health, fired = step_signals(cfg.health, metrics)
+            self.sink.write("train", step, {"epoch": epoch, **metrics, **health})
             for name, file_rows in rows.items():
                 self.sink.write_rows(name, [{"step": step, **row} for row in file_rows])
             state.record(metrics)
+            for firing in fired:
+                log(firing.warning(step))
+            update_streaks(state.health, health)
             bad_steps = bad_steps + 1 if any(k.endswith("update_skipped") and v for k, v in metrics.items()) else 0
             if bad_steps == cfg.max_bad_steps:
                 step, bad_steps = self.roll_back(step), 0
                 continue
-            if task.evaluate is not None and task.eval_every and step % task.eval_every == 0 and step < total:
-                state.validation = _evaluate(task.evaluate, step, self.sink)
+            if triggers := triggered(cfg.health, state.health, fired):
+                step, bad_steps = self.health_roll_back(step, _signals_reason(state.health, triggers)), 0
+                continue
+            # The last step's evaluation is made here too, so that the watch judges it.
+            if task.evaluate is not None and ((task.eval_every and step % task.eval_every == 0) or step == total):
+                state.validation = _evaluate(task.evaluate, step, self.sink, self.judge_evaluation)
                 state.last_eval_step = step
+                if (why := self.after_evaluation(step)) is not None:
+                    step, bad_steps = self.health_roll_back(step, why), 0
+                    continue
             self.writer.poll()
             stop = signals.agreed()
             # Not in a run of skipped updates: a rollback goes back to before its first step.
-            if step < total and not bad_steps and (stop is not None or (cfg.save_every and step % cfg.save_every == 0)):
+            due = stop is not None or (cfg.save_every and step % cfg.save_every == 0)
+            if step < total and not bad_steps and due and self.last_saved != step:
                 self.save(step)
             if stop is not None and step < total:
                 raise RunStopped(f"stopped on request after step {step}; the same command continues from there", stop)
@@ -579,7 +624,7 @@ class _Steps:
         """Load the newest checkpoint after ``max_bad_steps`` skipped updates ending at ``step``; the
         steps after it are redone with another data order. Returns the checkpoint's step. Raises
         ``RunStopped`` (exit 3) with no checkpoint, or when these steps were redone once already."""
-        cfg, task = self.cfg, self.task
+        cfg = self.cfg
         first_bad = step - cfg.max_bad_steps + 1
         what = (
             f"steps {first_bad}-{step}: {cfg.max_bad_steps} updates in a row skipped for a non-finite loss or "
@@ -593,22 +638,141 @@ class _Steps:
                 "lower the learning rate or check the data",
                 3,
             )
-        run_state = load_run_checkpoint(
-            ckpt,
-            train_states=task.train_states(),
-            weights=task.changing_weights(),
-            trust_unverified=cfg.trust_unverified_checkpoint,
-        )
-        good = int(run_state["step"])
         reseeded = self.state.reseeded
+        good = self._load(ckpt)
         if any(first == good + 1 for first, _ in reseeded):
             raise RunStopped(f"{what}, again after a rollback to {ckpt} with another data order: stopping", 3)
-        task.load_state_dict(run_state["task"])
-        self.state.restore(run_state)
         self.state.reseeded = [*reseeded, [good + 1, step]]
         self.sink.write("rollback", step, {"to_step": good})
         log(f"{what}: rolled back to {ckpt}; redoing steps {good + 1}-{step} with another data order")
         return good
+
+    def _load(self, ckpt: Path) -> int:
+        """Collective: the task and the loop's position from ``ckpt``, keeping the live health watch
+        (its best, rollbacks and recovery, applied again over what the checkpoint's optimizer holds);
+        returns the checkpoint's step."""
+        run_state = load_run_checkpoint(
+            ckpt,
+            train_states=self.task.train_states(),
+            weights=self.task.changing_weights(),
+            trust_unverified=self.cfg.trust_unverified_checkpoint,
+        )
+        health = self.state.health
+        self.task.load_state_dict(run_state["task"])
+        self.state.restore(run_state)
+        self.state.health = health
+        self.last_saved = int(run_state["step"])  # the steps redone after it are saved again
+        if (health.lr_scale, health.kl_scale) != (1.0, 1.0):
+            self.task.recover(health.lr_scale, health.kl_scale)
+        return int(run_state["step"])
+
+    def judge_evaluation(self, step: int, figures: dict[str, float]) -> dict[str, float]:
+        """The validation watch (``health.val_patience``), before the evaluation's line is written:
+        compares the watched figure with the best; returns the line's ``health/...`` figures."""
+        cfg, health = self.cfg.health, self.state.health
+        self._verdict = None
+        if not cfg.val_patience:
+            return {}
+        metric = watched_metric(cfg, figures)
+        value, best = figures[metric], health.best
+        verdict = judge_evaluation(health, value, higher=higher_is_better(metric, cfg.val_mode))
+        if verdict == "best":
+            health.best_step = step
+            log(f"health: step {step}: validation {metric} {value:.4f} is the best so far; saving its checkpoint")
+            self._verdict = "best"
+        elif verdict == "below":
+            log(
+                f"health: step {step}: validation {metric} {value:.4f} below the best {best:.4f} (step "
+                f"{health.best_step}): {health.below} of health.val_patience={cfg.val_patience} in a row"
+            )
+            if health.below >= cfg.val_patience:
+                self._verdict = (
+                    f"validation {metric} below its best {best:.4f} (step {health.best_step}) for {health.below} "
+                    f"evaluations in a row (health.val_patience={cfg.val_patience}), now {value:.4f}"
+                )
+        return {"health/val_below_best": float(health.below), "health/val_best": float(health.best or 0.0)}
+
+    def after_evaluation(self, step: int) -> str | None:
+        """After an evaluation's line: a new best is saved at once (and kept by pruning); returns why
+        to roll back when the patience has run out, else None."""
+        verdict, self._verdict = self._verdict, None
+        if verdict == "best":
+            self.writer.pinned = f"step_{step}"
+            if self.last_saved != step:
+                self.save(step)
+            return None
+        return verdict
+
+    def health_roll_back(self, step: int, why: str) -> int:
+        """Roll back for the health watch after ``step``: to the best evaluation's checkpoint, else
+        the newest one from before the signals' run of steps; the recovery (``health.lr_factor``,
+        ``kl_coef_factor``) is applied and the steps after the checkpoint are redone with another data
+        order (fresh prompts and samples). Returns the checkpoint's step. With ``max_rollbacks``
+        spent, exports the best checkpoint's model and raises ``RunStopped`` (exit 3)."""
+        cfg, health = self.cfg, self.state.health
+        self.writer.wait()
+        root = checkpoints_root(cfg.output_dir)
+        best = root / f"step_{health.best_step}" if health.best_step >= 0 else None
+        if best is None or not (best / RUN_STATE_FILE).is_file():
+            first_bad = step - max(health.streaks.values(), default=1) + 1
+            before = [c for c in complete_checkpoints(root) if int(c.name.removeprefix("step_")) < first_bad]
+            best = before[-1] if before else None
+        if best is None:
+            raise RunStopped(f"health: {why}; no checkpoint to roll back to: stopping", 3)
+        if health.rollbacks >= cfg.health.max_rollbacks:
+            self._stop_with_best(best, step, why)
+        health.rollbacks += 1
+        health.lr_scale *= cfg.health.lr_factor
+        health.kl_scale *= cfg.health.kl_coef_factor
+        health.below, health.streaks = 0, {}
+        reseeded = self.state.reseeded
+        good = self._load(best)  # which applies the recovery
+        self.state.reseeded = [*reseeded, [good + 1, step]]
+        self.sink.write(
+            "rollback",
+            step,
+            {
+                "to_step": good,
+                "health/rollbacks": health.rollbacks,
+                "health/lr_scale": health.lr_scale,
+                "health/kl_scale": health.kl_scale,
+            },
+        )
+        log(
+            f"health: {why}: rolled back to {best} (rollback {health.rollbacks} of "
+            f"health.max_rollbacks={cfg.health.max_rollbacks}); learning rates x{health.lr_scale:g}, KL "
+            f"coefficients x{health.kl_scale:g} of the config's; redoing steps {good + 1}-{step} with another "
+            "data order"
+        )
+        return good
+
+    def _stop_with_best(self, best: Path, step: int, why: str) -> NoReturn:
+        """Load ``best``, export its model as ``hf/`` (with ``save_hf``) and its evaluation in
+        ``result.json``, then stop with exit code 3."""
+        cfg, task = self.cfg, self.task
+        good = self._load(best)
+        summary = self.state.summary(self.total, self.per_epoch) | {"train_seconds": self.train_seconds()}
+        summary["stopped"] = {"step": step, "reason": f"health: {why}", "rollbacks": self.state.health.rollbacks}
+        summary["exported_step"] = good
+        if task.evaluate is not None:  # what the exported model scores (the same greedy figures as at its step)
+            summary["exported_validation"], _ = task.evaluate()
+        out_dir = Path(cfg.output_dir)
+        if cfg.save_hf:
+            _export(cfg, task, out_dir, good)
+            summary["hf_dir"] = str(out_dir / "hf")
+        if is_rank0():
+            (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
+        raise RunStopped(
+            f"health: {why}, after health.max_rollbacks={cfg.health.max_rollbacks} rollbacks: stopping; "
+            f"exported {best} (the best evaluation's model)" + (f" to {out_dir / 'hf'}" if cfg.save_hf else ""),
+            3,
+        )
+
+
+def _signals_reason(health: HealthState, triggers: list[Firing]) -> str:
+    """Why the signals ``triggers`` roll the run back."""
+    named = ", ".join(f"{f.metric} ({f.figure} {f.value:.4g})" for f in triggers)
+    return f"{named} fired {max(health.streaks[f.metric] for f in triggers)} steps in a row (health.roll_back_on)"
 
 
 def _profiled(cfg: LoopConfig, step: int) -> contextlib.AbstractContextManager[Any]:
@@ -672,11 +836,19 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
     return int(run_state["step"])
 
 
-def _evaluate(evaluate: Callable[[], tuple[dict[str, float], StepRows]], step: int, sink: Sink) -> dict[str, float]:
-    """The validation figures; the sinks also get the time they took, and the rows it made."""
+def _evaluate(
+    evaluate: Callable[[], tuple[dict[str, float], StepRows]],
+    step: int,
+    sink: Sink,
+    judge: Callable[[int, dict[str, float]], dict[str, float]] | None = None,
+) -> dict[str, float]:
+    """The validation figures; the sinks also get the time they took, the rows it made, and what
+    ``judge`` (the health watch) makes of them."""
     start = time.perf_counter()
     figures, rows = evaluate()
-    sink.write("validation", step, {**figures, "timing_s/validation": time.perf_counter() - start})
+    seconds = time.perf_counter() - start
+    verdict = judge(step, figures) if judge is not None else {}
+    sink.write("validation", step, {**figures, "timing_s/validation": seconds, **verdict})
     for name, file_rows in rows.items():
         sink.write_rows(name, [{"step": step, "split": "validation", **row} for row in file_rows])
     return figures

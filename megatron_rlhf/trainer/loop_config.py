@@ -9,6 +9,7 @@ from pathlib import Path
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.metrics.sinks import WandbConfig, logger_errors
+from megatron_rlhf.trainer.health import HealthConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,6 +79,9 @@ class LoopConfig(RunConfig):
     """After this many steps in a row whose update was skipped (non-finite loss or gradients), roll
     back to the newest checkpoint and redo the steps since with another data order; a second
     rollback over the same steps (or none to roll back to) stops the run with exit code 3."""
+    health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
+    """The health watch: validation patience with rollback to the best evaluation's checkpoint and a
+    recovery, and per-step collapse signals (``trainer/health.py``; all off by default)."""
 
     def errors(self) -> list[str]:
         return (

@@ -74,7 +74,7 @@ from megatron_rlhf.training.objectives import (
     ppo_actor_loss,
     token_values_output,
 )
-from megatron_rlhf.training.optim import TrainState, make_train_state
+from megatron_rlhf.training.optim import TrainState, make_train_state, set_learning_rate
 from megatron_rlhf.training.schedule import Batch, LossFn, logits_only_at
 from megatron_rlhf.training.train import forward_all_rows, train_step, warm_up_step
 
@@ -107,6 +107,8 @@ class PPORun:
     """The run's claim on its output_dir, for ``run_loop``."""
     timer: PhaseTimer
     """Times each step's phases (``timing_s/...``, ``memory/...``)."""
+    kl_scale: float = 1.0
+    """The actor loss's ``kl_loss_coef`` is the config's times this (the health watch's recovery)."""
 
     def texts(self, rows: list[list[int]]) -> list[str]:
         """Token rows as rewards, rules and samples.jsonl read them: special tokens skipped, as verl
@@ -290,6 +292,17 @@ class PPOTask:
         is only its start); a fixed one keeps the config's, which a resumed run may change."""
         if isinstance(self.run.kl_controller, AdaptiveKLController):
             self.run.kl_controller.value = state["kl_coef"]
+
+    def recover(self, lr_scale: float, kl_scale: float) -> None:
+        """The learning rates at the config's times ``lr_scale``; the KL penalty's coefficient (an
+        adaptive controller's too, which adapts on from there) and the loss's ``kl_loss_coef`` at the
+        config's times ``kl_scale``."""
+        run, cfg = self.run, self.run.cfg
+        set_learning_rate(run.actor, cfg.actor_optim, lr_scale)
+        if run.critic is not None:
+            set_learning_rate(run.critic, cfg.critic_optim, lr_scale)
+        run.kl_controller.value = cfg.algorithm.kl_penalty.coef * kl_scale
+        run.kl_scale = kl_scale
 
 
 def run_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = None) -> dict[str, Any]:
@@ -542,8 +555,11 @@ def actor_update_inputs(run: PPORun, batch: Batch, advantages: torch.Tensor, pas
         actor_batch["row_index"] = torch.arange(len(advantages))
     else:
         actor_batch["old_logprobs"] = passes.old_logprobs
+    loss_cfg = run.cfg.algorithm.loss
+    if run.kl_scale != 1.0:
+        loss_cfg = dataclasses.replace(loss_cfg, kl_loss_coef=loss_cfg.kl_loss_coef * run.kl_scale)
     loss = ppo_actor_loss(
-        run.actor.role, run.cfg.algorithm.loss, temperature=run.cfg.rollout.sampling.temperature, on_policy=on_policy
+        run.actor.role, loss_cfg, temperature=run.cfg.rollout.sampling.temperature, on_policy=on_policy
     )
     return ActorUpdate(actor_batch, loss, on_policy)
 

@@ -265,6 +265,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             "data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)"
         )
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
+    errors += cfg.health.validation_errors(data.validation, cfg.eval_every)
     errors += tools_file_errors("data.tools_file", data.tools_file)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")

@@ -64,6 +64,26 @@ RULES: dict[str, dict[str, str]] = {
             "remote_dir",
         )
     },
+    "HealthConfig": {
+        key: MAY_CHANGE
+        for key in (
+            "val_patience",
+            "val_metric",
+            "val_mode",
+            "max_rollbacks",
+            "lr_factor",
+            "kl_coef_factor",
+            "min_entropy",
+            "min_response_length",
+            "max_response_length",
+            "max_uniform_group_fraction",
+            "max_kl",
+            "max_phase_s",
+            "max_phase_std_s",
+            "signal_steps",
+            "roll_back_on",
+        )
+    },
     "WandbConfig": {"project": MAY_CHANGE, "name": MAY_CHANGE, "mode": MAY_CHANGE},
     # What the examples are and how many: the step is the data position.
     "DataFilesConfig": {

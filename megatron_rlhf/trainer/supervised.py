@@ -25,7 +25,7 @@ from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.trainer.loop import RunClaim, StepRows
 from megatron_rlhf.trainer.start import RunModel, start_run
 from megatron_rlhf.trainer.supervised_config import SupervisedConfig, check_config
-from megatron_rlhf.training.optim import TrainState, make_train_state
+from megatron_rlhf.training.optim import TrainState, make_train_state, set_learning_rate
 from megatron_rlhf.training.schedule import Batch, LossFn
 from megatron_rlhf.training.train import train_step
 
@@ -193,6 +193,10 @@ class SupervisedTask:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def recover(self, lr_scale: float, kl_scale: float) -> None:
+        """The learning rate at the config's times ``lr_scale`` (no KL term here)."""
+        set_learning_rate(self.run.state, self.cfg.optim, lr_scale)
 
     def progress(self, metrics: dict[str, float]) -> str:
         """Loss, the loss function's headline figures, lr, gradient norm and the tokens/s since the

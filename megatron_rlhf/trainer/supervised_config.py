@@ -65,6 +65,7 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
     if not data.train:
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
+    errors += cfg.health.validation_errors(data.validation, cfg.eval_every)
     raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
     assert arch is not None
     return arch

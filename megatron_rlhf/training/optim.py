@@ -180,3 +180,18 @@ def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
     config.no_sync_func = ddp_model.no_sync
     config.grad_scale_func = optimizer.scale_loss
     return TrainState(role=role, ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler)
+
+
+def set_learning_rate(state: TrainState, cfg: OptimConfig, scale: float) -> None:
+    """Scale ``cfg``'s learning rate schedule (its peak, floor and, without warm-up, start) by
+    ``scale`` in place, and apply it at the schedule's current step: the health watch's recovery after
+    a rollback. Absolute, from the config: loading a checkpoint restores the optimizer's param groups."""
+    scheduler = state.scheduler
+    scheduler.max_lr, scheduler.min_lr = cfg.lr * scale, cfg.min_lr * scale
+    scheduler.init_lr = 0.0 if cfg.warmup_steps else scheduler.max_lr
+    for group in state.optimizer.param_groups:
+        if "max_lr" in group:
+            group["max_lr"] = scheduler.max_lr
+        if "min_lr" in group:
+            group["min_lr"] = scheduler.min_lr
+    scheduler.step(0)

@@ -4,8 +4,12 @@ trainer imports them the way a user's would be imported)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+from pathlib import Path
 
 from megatron_rlhf.rewards import Sample
+from megatron_rlhf.rewards.rules import lowercase_fraction
 
 
 def half_uniform(sample: Sample) -> float:
@@ -15,3 +19,18 @@ def half_uniform(sample: Sample) -> float:
         return 0.5
     text = sample.response_text
     return sum(c.islower() for c in text) / len(text) if text else 0.0
+
+
+def hostile_after(sample: Sample) -> float:
+    """``lowercase_fraction``, until the run has logged ``HOSTILE_AFTER_STEPS`` training steps in
+    ``HOSTILE_METRICS`` (its metrics.jsonl, a step counter that a rollback does not turn back); then,
+    on training prompts, its opposite (1 - the share), which trains the policy away from lowercase.
+    Validation prompts (their ``split`` column is ``validation``) are always scored honestly, so
+    the validation figures fall once the training reward has turned."""
+    honest = lowercase_fraction(sample)
+    if sample.extras.get("split") == "validation":
+        return honest
+    metrics = Path(os.environ["HOSTILE_METRICS"])
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    done = sum(json.loads(line).get("split") == "train" for line in lines if line.strip())
+    return 1.0 - honest if done >= int(os.environ["HOSTILE_AFTER_STEPS"]) else honest

@@ -28,7 +28,7 @@ ROWS = [
     {"split": "train", "step": 1, "reward/mean": 0.1, "kl/per_sequence": 0.0},
     {"split": "train", "step": 2, "reward/mean": 0.3, "kl/per_sequence": 0.2},
     {"split": "validation", "step": 2, "greedy_accuracy": 0.75, "greedy_reward": None},
-    {"split": "rollback", "step": 2, "to_step": 0},
+    {"split": "rollback", "step": 2, "to_step": 2},
 ]
 
 
@@ -42,6 +42,25 @@ def test_rows_by_split_and_the_table(tmp_path: Path) -> None:
         "   2           0.7500              -"
     )
     assert validation_table([]) == ""
+
+
+def test_the_steps_a_rollback_undid_are_left_out(tmp_path: Path) -> None:
+    """The curve is the one the run kept: a rollback to step 1 drops the rows of steps 2-3 before it;
+    the health watch's own validation counts are no curve."""
+    rows = [
+        {"split": "train", "step": 1, "reward/mean": 0.1},
+        {"split": "validation", "step": 1, "greedy_accuracy": 0.5, "health/val_below_best": 0},
+        {"split": "train", "step": 2, "reward/mean": 0.0},
+        {"split": "validation", "step": 2, "greedy_accuracy": 0.1, "health/val_below_best": 1},
+        {"split": "train", "step": 3, "reward/mean": 0.0},
+        {"split": "rollback", "step": 3, "to_step": 1, "health/rollbacks": 1},
+        {"split": "train", "step": 2, "reward/mean": 0.4},
+        {"split": "train", "step": 3, "reward/mean": 0.5},
+    ]
+    train, validation = read_metrics(_metrics(tmp_path / "metrics.jsonl", rows))
+    assert [(r["step"], r["reward/mean"]) for r in train] == [(1, 0.1), (2, 0.4), (3, 0.5)]
+    assert [r["step"] for r in validation] == [1]
+    assert validation_keys(validation) == ["greedy_accuracy"]
 
 
 def test_a_long_curve_is_thinned_keeping_both_ends() -> None:

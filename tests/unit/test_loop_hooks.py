@@ -64,6 +64,9 @@ class _CountingTask:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def recover(self, lr_scale: float, kl_scale: float) -> None:
+        pass
+
 
 def test_set_up_objects_are_frozen_during_steps_and_collectable_after(world_of_one, tmp_path: Path) -> None:
     gc.unfreeze()

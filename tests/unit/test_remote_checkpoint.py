@@ -8,6 +8,7 @@ remote_dir that is not a URL."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -101,6 +102,30 @@ def test_keep_last_applies_remotely_and_the_newest_downloads_verified(
     assert got is not None and got.name == "step_4"
 
 
+def test_the_health_watchs_best_checkpoint_is_kept_remotely_and_downloaded_with_the_newest(
+    s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
+    """A rollback goes back to the best evaluation's checkpoint: remote pruning keeps it as local
+    pruning does, and a requeued job that resumes from the remote gets it along with the newest."""
+    from megatron_rlhf.checkpoint.remote import RemoteDir
+    from megatron_rlhf.checkpoint.run_checkpoint import _write_manifest, copy_problems
+
+    remote = RemoteDir(_url("s3", tmp_path, "run"))
+    for ckpt in _steps(saved[0], tmp_path / "local", 2, 4, 6, 8):
+        run_state = json.loads((ckpt / "run_state.json").read_text())
+        run_state.setdefault("loop", {})["health"] = {"best_step": 4 if ckpt.name != "step_2" else 2}
+        (ckpt / "run_state.json").write_text(json.dumps(run_state))
+        (ckpt / "manifest.json").unlink()
+        _write_manifest(ckpt)
+        remote.upload(ckpt, keep_last=2, pinned="step_4")
+    assert remote.complete_steps() == [4, 6, 8]
+    root = tmp_path / "fresh" / "checkpoints"
+    got = remote.download_newest(root)
+    assert got == root / "step_8" and (root / "latest").read_text() == "step_8\n"
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step_4", "step_8"]
+    assert copy_problems(root / "step_4") == []
+
+
 def test_an_interrupted_upload_leaves_the_previous_checkpoint_and_is_cleaned_up(
     s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
 ) -> None:
@@ -189,12 +214,12 @@ def test_the_mirror_uploads_in_the_background_and_reports_a_failure(
 
     (ckpt,) = _steps(saved[0], tmp_path / "local", 2)
     mirror = RemoteMirror(_url("s3", tmp_path, "run"), keep_last=2)
-    mirror.start(ckpt)
+    mirror.start(ckpt, None)
     mirror.wait(required=True)
     assert mirror.remote is not None and mirror.remote.complete_steps() == [2]
     missing = tmp_path / "local" / "step_4"  # a checkpoint deleted before its upload: the upload fails
     missing.mkdir()
-    mirror.start(missing)
+    mirror.start(missing, None)
     with pytest.raises(RuntimeError, match=r"uploading .*step_4 to s3://.* failed"):
         mirror.wait(required=True)
     assert mirror.remote.complete_steps() == [2]
@@ -213,11 +238,11 @@ def test_a_resumed_checkpoint_missing_remotely_is_uploaded(
     step_2, step_4 = _steps(saved[0], tmp_path / "local", 2, 4)
     mirror = RemoteMirror(_url("s3", tmp_path, "run"), keep_last=2)
     assert mirror.remote is not None
-    mirror.catch_up(step_2)
+    mirror.catch_up(step_2, None)
     mirror.wait(required=True)
     assert mirror.remote.complete_steps() == [2]
     assert "does not hold step_2, the checkpoint resumed: uploading it" in capsys.readouterr().out
     mirror.remote.upload(step_4, keep_last=2)
-    mirror.catch_up(step_4)  # the remote's latest names it already: nothing to do
+    mirror.catch_up(step_4, None)  # the remote's latest names it already: nothing to do
     mirror.wait(required=True)
     assert "uploading it" not in capsys.readouterr().out

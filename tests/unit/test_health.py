@@ -1,0 +1,137 @@
+"""The health watch's pure parts (``trainer/health.py``): its settings' errors, the validation
+patience, and each per-step signal against hand-computed figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_rlhf.config.loader import config_errors
+from megatron_rlhf.trainer.health import (
+    HealthConfig,
+    HealthState,
+    higher_is_better,
+    judge_evaluation,
+    step_signals,
+    triggered,
+    update_streaks,
+    watched_metric,
+)
+from megatron_rlhf.trainer.loop_config import LoopConfig
+
+
+def test_settings_are_checked_up_front() -> None:
+    bad = HealthConfig(
+        val_patience=-1,
+        lr_factor=0.0,
+        max_uniform_group_fraction=1.5,
+        min_response_length=10,
+        max_response_length=5,
+        max_phase_s={"gen": 0.0},
+        signal_steps=0,
+        roll_back_on=["kl_blowup", "nonsense"],  # type: ignore[list-item]
+    )
+    errors = config_errors(LoopConfig(health=bad))
+    assert "health.val_patience=-1 must be >= 0" in errors
+    assert "health.signal_steps=0 must be >= 1" in errors
+    assert "health.lr_factor=0.0 must be > 0" in errors
+    assert "health.max_uniform_group_fraction=1.5 must be <= 1 (a share)" in errors
+    assert "health.max_response_length=5 must be above min_response_length=10" in errors
+    assert "health.max_phase_s.gen=0.0 must be > 0" in errors
+    assert any("['nonsense'] are not signals" in e for e in errors)
+    assert any("['kl_blowup'] have no threshold set" in e for e in errors)
+    assert config_errors(LoopConfig()) == []
+    assert HealthConfig(val_patience=2).validation_errors([], 5) == [
+        "health.val_patience=2 needs evaluations during the run: give data.validation and eval_every > 0 "
+        "(now data.validation=[], eval_every=5)"
+    ]
+    assert HealthConfig(val_patience=2).validation_errors(["v.jsonl"], 5) == []
+    assert HealthConfig().validation_errors([], 0) == []
+    assert not HealthConfig().active and HealthConfig(max_phase_s={"gen": 1.0}).active
+
+
+def test_direction_of_the_watched_figure() -> None:
+    assert higher_is_better("greedy_accuracy", "auto")
+    assert not higher_is_better("nll", "auto") and not higher_is_better("val/loss", "auto")
+    assert not higher_is_better("greedy_accuracy", "min") and higher_is_better("nll", "max")
+    figures = {"greedy_accuracy": 0.5, "greedy_reward": 0.2}
+    assert watched_metric(HealthConfig(), figures) == "greedy_accuracy"  # the headline: the first figure
+    assert watched_metric(HealthConfig(val_metric="greedy_reward"), figures) == "greedy_reward"
+    with pytest.raises(KeyError, match="'pass_at_4' is not a validation figure"):
+        watched_metric(HealthConfig(val_metric="pass_at_4"), figures)
+
+
+def test_patience_counts_evaluations_in_a_row_below_the_best() -> None:
+    state = HealthState()
+    verdicts = [judge_evaluation(state, v, higher=True) for v in (0.2, 0.5, 0.4, 0.5, 0.3, 0.1, 0.6, math.nan)]
+    assert verdicts == ["best", "best", "below", "equal", "below", "below", "best", "below"]
+    assert state.best == 0.6 and state.below == 1
+    low = HealthState()
+    assert [judge_evaluation(low, v, higher=False) for v in (2.0, 1.5, 1.7, 1.8)] == ["best", "best", "below", "below"]
+    assert low.below == 2 and low.best == 1.5
+    assert HealthState.from_json(low.as_json()) == low and HealthState.from_json(None) == HealthState()
+
+
+def test_each_signal_against_hand_computed_figures() -> None:
+    cfg = HealthConfig(
+        min_entropy=0.5,
+        min_response_length=4,
+        max_response_length=100,
+        max_uniform_group_fraction=1.0,
+        max_kl=10.0,
+        max_phase_s={"gen": 1.0},
+        max_phase_std_s={"update_actor": 0.1},
+    )
+    healthy = {
+        "actor/entropy": 1.2,
+        "response_length/mean": 37.5,
+        "rollout/uniform_group_fraction": 0.75,
+        "kl/per_sequence": 2.0,
+        "timing_s/gen": 0.9,
+        "timing_s/update_actor/std": 0.05,
+    }
+    figures, fired = step_signals(cfg, healthy)
+    assert fired == [] and set(figures.values()) == {0.0}
+    assert sorted(figures) == [
+        "health/entropy_collapse",
+        "health/jitter/update_actor",
+        "health/kl_blowup",
+        "health/length_blowup",
+        "health/length_collapse",
+        "health/slow/gen",
+        "health/uniform_groups",
+    ]
+    sick = {
+        "actor/entropy": 0.3,  # < 0.5
+        "response_length/mean": 2.0,  # < 4
+        "rollout/uniform_group_fraction": 1.0,  # every group: at the line
+        "kl/per_sequence": 12.5,  # > 10
+        "timing_s/gen": 1.25,  # > 1.0 s
+        "timing_s/update_actor/std": math.nan,  # not finite: fires
+    }
+    figures, fired = step_signals(cfg, sick)
+    assert {f.metric for f in fired} == {m for m, v in figures.items() if v} == set(figures) - {"health/length_blowup"}
+    by_metric = {f.metric: f for f in fired}
+    assert by_metric["health/slow/gen"].warning(7) == (
+        "health: step 7: health/slow/gen: timing_s/gen 1.25 is above 1; check data loading and the tokenizer "
+        "cache (gen), reward code (reward), host offload and other jobs on the node"
+    )
+    assert "is below 0.5" in by_metric["health/entropy_collapse"].warning(7)
+    assert "is at or above 1" in by_metric["health/uniform_groups"].warning(7)
+    # Figures the step does not report, and a KL of 0 (no reference), are not watched.
+    assert step_signals(cfg, {"kl/per_sequence": 0.0}) == ({}, [])
+    assert step_signals(HealthConfig(), sick) == ({}, [])
+
+
+def test_a_signal_triggers_after_signal_steps_in_a_row() -> None:
+    cfg = HealthConfig(max_kl=10.0, min_entropy=0.5, signal_steps=2, roll_back_on=["kl_blowup"])
+    state = HealthState()
+    outcomes = []
+    for kl, entropy in ((12.0, 0.1), (3.0, 0.1), (12.0, 0.1), (13.0, 0.1)):
+        figures, fired = step_signals(cfg, {"kl/per_sequence": kl, "actor/entropy": entropy})
+        update_streaks(state, figures)
+        outcomes.append([f.metric for f in triggered(cfg, state, fired)])
+    # The KL fires at steps 1, 3 and 4: two in a row only at step 4; entropy fires always but is not in roll_back_on.
+    assert outcomes == [[], [], [], ["health/kl_blowup"]]
+    assert state.streaks == {"health/kl_blowup": 2, "health/entropy_collapse": 4}
