@@ -132,7 +132,12 @@ class RunCheckpointWriter:
     failed with "Duplicate non-dict and non-list values"); with one writer, both resume bit-exactly."""
 
     def __init__(
-        self, root: Path, *, keep_last: int, background: bool, on_complete: Callable[[Path, str | None], None] | None = None
+        self,
+        root: Path,
+        *,
+        keep_last: int,
+        background: bool,
+        on_complete: Callable[[Path, str | None], None] | None = None,
     ) -> None:
         self.root = root
         self.keep_last = keep_last
