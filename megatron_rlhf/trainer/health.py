@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from megatron_rlhf.config.fields import at_least
@@ -154,14 +154,27 @@ class HealthConfig:
             }[signal]
         )
 
-    def validation_errors(self, validation: list[str], eval_every: int) -> list[str]:
-        """The patience needs evaluations during the run: validation data and ``eval_every``."""
-        if not self.val_patience or (validation and eval_every > 0):
+    def validation_errors(
+        self, validation: list[str], eval_every: int, figures: Sequence[str], *, per_source: bool = False
+    ) -> list[str]:
+        """The patience needs evaluations during the run: validation data and ``eval_every``; and
+        ``val_metric`` must be one of the run's validation ``figures`` (with ``per_source``, also as
+        ``<data_source>/<figure>``), found now rather than at the first evaluation."""
+        if not self.val_patience:
             return []
-        return [
-            f"health.val_patience={self.val_patience} needs evaluations during the run: give data.validation "
-            f"and eval_every > 0 (now data.validation={validation}, eval_every={eval_every})"
-        ]
+        errors = []
+        if not (validation and eval_every > 0):
+            errors.append(
+                f"health.val_patience={self.val_patience} needs evaluations during the run: give data.validation "
+                f"and eval_every > 0 (now data.validation={validation}, eval_every={eval_every})"
+            )
+        name = self.val_metric.rsplit("/", 1)[-1] if per_source else self.val_metric
+        if self.val_metric and name not in figures:
+            errors.append(
+                f"health.val_metric={self.val_metric!r} is not a validation figure of this run; they are "
+                f"{list(figures)}" + (" (each also per data_source, as <data_source>/<figure>)" if per_source else "")
+            )
+        return errors
 
     @property
     def active(self) -> bool:
@@ -257,14 +270,22 @@ class Firing:
     check: str
     """What to check, for the warning line."""
 
-    def warning(self, step: int) -> str:
+    def warning(self, step: int, streak: int) -> str:
+        """The warning line at the ``streak``-th step in a row it fired."""
         relation = "below" if self.signal in ("entropy_collapse", "length_collapse") else "above"
         if self.signal == "uniform_groups":
             relation = "at or above"
+        repeated = f" ({streak} steps in a row; next warning at {2 * streak})" if streak > 1 else ""
         return (
             f"health: step {step}: {self.metric}: {self.figure} {self.value:.4g} is {relation} "
-            f"{self.threshold:g}; {self.check}"
+            f"{self.threshold:g}{repeated}; {self.check}"
         )
+
+
+def warning_due(streak: int) -> bool:
+    """Whether a signal firing for the ``streak``-th step in a row is printed: at 1, 2, 4, 8, ..., so
+    that a lasting signal does not flood the log (its ``health/...`` metric is written every step)."""
+    return streak > 0 and streak & (streak - 1) == 0
 
 
 _CHECKS: dict[Signal, str] = {

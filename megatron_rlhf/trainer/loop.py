@@ -76,6 +76,7 @@ from megatron_rlhf.trainer.health import (
     step_signals,
     triggered,
     update_streaks,
+    warning_due,
     watched_metric,
 )
 from megatron_rlhf.trainer.loop_config import LoopConfig
@@ -575,9 +576,10 @@ class _Steps:
             for name, file_rows in rows.items():
                 self.sink.write_rows(name, [{"step": step, **row} for row in file_rows])
             state.record(metrics)
-            for firing in fired:
-                log(firing.warning(step))
             update_streaks(state.health, health)
+            for firing in fired:
+                if warning_due(streak := state.health.streaks[firing.metric]):
+                    log(firing.warning(step, streak))
             bad_steps = bad_steps + 1 if any(k.endswith("update_skipped") and v for k, v in metrics.items()) else 0
             if bad_steps == cfg.max_bad_steps:
                 step, bad_steps = self.roll_back(step), 0

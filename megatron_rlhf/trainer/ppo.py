@@ -432,6 +432,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "kl/per_sequence": kl_per_sequence,
         "kl/coef": kl_coef,
+        **({"actor/kl_loss_coef": loss_coef * run.kl_scale} if (loss_coef := algo.loss.kl_loss_coef) > 0 else {}),
         "advantages/mean": float(masked_mean(advantages, mask)),
         "returns/mean": float(masked_mean(returns, mask)),
         # The engine's sampling log-probs against the trainer's (before the update): 0 up to numerics.
@@ -637,15 +638,12 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
         return completions, scores.raw.view(len(ids), n), (judged >= ev.correct_score).view(len(ids), n)
 
     greedy, greedy_raw, greedy_correct = scored(0.0, 1)
-    figures: dict[str, torch.Tensor] = {
-        "greedy_accuracy": greedy_correct[:, 0].float(),
-        "greedy_reward": greedy_raw[:, 0],
-    }
+    per_prompt = [greedy_correct[:, 0].float(), greedy_raw[:, 0]]
     if ev.n:
         _, sampled_raw, sampled_correct = scored(ev.temperature, ev.n)
-        figures["sampled_reward"] = sampled_raw.mean(1)
-        figures[f"pass_at_{ev.n}"] = sampled_correct.any(1).float()
-    out = {name: float(per_prompt.mean()) for name, per_prompt in figures.items()}
+        per_prompt += [sampled_raw.mean(1), sampled_correct.any(1).float()]
+    figures = dict(zip(ev.figures, per_prompt, strict=True))
+    out = {name: float(values.mean()) for name, values in figures.items()}
     if any(sources):
         for source in sorted(set(sources)):
             rows = torch.tensor([s == source for s in sources])

@@ -131,6 +131,11 @@ class EvalConfig:
         errors = at_least(self, 0, "n", "samples")
         return errors + ([f"temperature={self.temperature} must be > 0"] if not self.temperature > 0 else [])
 
+    @property
+    def figures(self) -> list[str]:
+        """The figures an evaluation reports (``ppo.validate``; each also per data_source)."""
+        return ["greedy_accuracy", "greedy_reward"] + (["sampled_reward", f"pass_at_{self.n}"] if self.n else [])
+
 
 @dataclasses.dataclass(kw_only=True)
 class PPOConfig(LoopConfig, ModelsConfig):
@@ -265,7 +270,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             "data.train is empty: give prompt files, e.g. data.train=[prompts.jsonl] (or builtin:lowercase-prompts)"
         )
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
-    errors += cfg.health.validation_errors(data.validation, cfg.eval_every)
+    errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.eval.figures, per_source=True)
     errors += tools_file_errors("data.tools_file", data.tools_file)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")

@@ -94,7 +94,8 @@ def preference_accuracy(
         count += weight.sum().item()
     correct, loss, margin, count = reduce_over_model(role, [correct, loss, margin, count], device)
     count = max(count, 1.0)
-    return {"accuracy": correct / count, "loss": loss / count, "margin": margin / count, "pairs": int(count)}
+    figures = (correct / count, loss / count, margin / count, int(count))
+    return dict(zip(RMConfig.VALIDATION_FIGURES, figures, strict=True))
 
 
 def run_rm(cfg: RMConfig, env: DistEnv, checked: Architecture | None = None) -> dict[str, Any]:

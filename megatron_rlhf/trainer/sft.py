@@ -66,7 +66,8 @@ def validation_nll(
         tokens += mask.sum().item()
     nll_sum, tokens = reduce_over_model(role, [nll_sum, tokens], device)
     nll = nll_sum / max(tokens, 1.0)
-    return {"nll": nll, "perplexity": math.exp(min(nll, 50.0)), "tokens": int(tokens), "examples": len(dataset)}
+    figures = (nll, math.exp(min(nll, 50.0)), int(tokens), len(dataset))
+    return dict(zip(SFTConfig.VALIDATION_FIGURES, figures, strict=True))
 
 
 def run_sft(cfg: SFTConfig, env: DistEnv, checked: Architecture | None = None) -> dict[str, Any]:

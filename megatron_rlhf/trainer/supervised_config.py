@@ -5,6 +5,7 @@ megatron-core."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from megatron_rlhf.checkpoint.sources import ModelConfig, model_errors
 from megatron_rlhf.config.fields import at_least
@@ -45,6 +46,8 @@ class SupervisedConfig(LoopConfig):
     """If > 0 and validation data is given: evaluate every this many steps (always at the end)."""
     eval_before_train: bool = False
     """With validation data: also evaluate before the first step (logged as step 0)."""
+    VALIDATION_FIGURES: ClassVar[tuple[str, ...]] = ()
+    """The figures an evaluation reports, in order (``health.val_metric`` names one)."""
 
     def errors(self) -> list[str]:
         return super().errors() + at_least(self, 1, "global_batch_size") + at_least(self, 0, "eval_every")
@@ -65,7 +68,7 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
     if not data.train:
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
-    errors += cfg.health.validation_errors(data.validation, cfg.eval_every)
+    errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.VALIDATION_FIGURES)
     raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
     assert arch is not None
     return arch
@@ -89,6 +92,7 @@ class SFTConfig(SupervisedConfig):
     """Adam, warmup and LR decay."""
     data: SFTDataConfig = dataclasses.field(default_factory=SFTDataConfig)
     """Training / validation files and columns."""
+    VALIDATION_FIGURES = ("nll", "perplexity", "tokens", "examples")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,3 +118,4 @@ class RMConfig(SupervisedConfig):
     """Adam, warmup and LR decay."""
     data: PreferenceDataConfig = dataclasses.field(default_factory=PreferenceDataConfig)
     """Training / validation files and columns."""
+    VALIDATION_FIGURES = ("accuracy", "loss", "margin", "pairs")

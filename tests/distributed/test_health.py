@@ -61,6 +61,9 @@ def test_a_hostile_reward_rolls_back_to_the_best_evaluation_then_stops_with_exit
     assert redone[0]["step"] == best_step + 1
     assert redone[0]["actor/lr"] == pytest.approx(0.5e-3) and first[1]["actor/lr"] == pytest.approx(1e-3)
     assert first[1]["kl/coef"] == pytest.approx(0.001) and redone[0]["kl/coef"] == pytest.approx(0.002)
+    # The actor loss's KL coefficient too (the preset's algorithm.loss.kl_loss_coef=0.001).
+    assert first[1]["actor/kl_loss_coef"] == pytest.approx(0.001)
+    assert redone[0]["actor/kl_loss_coef"] == pytest.approx(0.002)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     shown = [s["prompt"] for s in samples if s["step"] == best_step + 1 and "split" not in s]
     assert len(shown) == 8 and shown[:4] != shown[4:]  # the step's first prompt, then the redone step's

@@ -4,6 +4,7 @@ patience, and each per-step signal against hand-computed figures."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from megatron_rlhf.trainer.health import (
     step_signals,
     triggered,
     update_streaks,
+    warning_due,
     watched_metric,
 )
 from megatron_rlhf.trainer.loop_config import LoopConfig
@@ -42,13 +44,26 @@ def test_settings_are_checked_up_front() -> None:
     assert any("['nonsense'] are not signals" in e for e in errors)
     assert any("['kl_blowup'] have no threshold set" in e for e in errors)
     assert config_errors(LoopConfig()) == []
-    assert HealthConfig(val_patience=2).validation_errors([], 5) == [
+    figures = ["greedy_accuracy", "pass_at_4"]
+    assert HealthConfig(val_patience=2).validation_errors([], 5, figures) == [
         "health.val_patience=2 needs evaluations during the run: give data.validation and eval_every > 0 "
         "(now data.validation=[], eval_every=5)"
     ]
-    assert HealthConfig(val_patience=2).validation_errors(["v.jsonl"], 5) == []
-    assert HealthConfig().validation_errors([], 0) == []
+    assert HealthConfig(val_patience=2).validation_errors(["v.jsonl"], 5, figures) == []
+    assert HealthConfig().validation_errors([], 0, figures) == []
     assert not HealthConfig().active and HealthConfig(max_phase_s={"gen": 1.0}).active
+
+
+def test_val_metric_must_be_a_figure_of_the_run_before_it_starts() -> None:
+    watched = HealthConfig(val_patience=2, val_metric="pass_at_8")
+    assert watched.validation_errors(["v.jsonl"], 5, ["greedy_accuracy", "pass_at_4"], per_source=True) == [
+        "health.val_metric='pass_at_8' is not a validation figure of this run; they are ['greedy_accuracy', "
+        "'pass_at_4'] (each also per data_source, as <data_source>/<figure>)"
+    ]
+    per_source = HealthConfig(val_patience=2, val_metric="gsm8k/pass_at_4")
+    assert per_source.validation_errors(["v.jsonl"], 5, ["pass_at_4"], per_source=True) == []
+    assert per_source.validation_errors(["v.jsonl"], 5, ["pass_at_4"]) != []  # sft and rm have no data_source
+    assert HealthConfig(val_metric="nonsense").validation_errors([], 0, ["nll"]) == []  # the watch is off
 
 
 def test_direction_of_the_watched_figure() -> None:
@@ -113,12 +128,13 @@ def test_each_signal_against_hand_computed_figures() -> None:
     figures, fired = step_signals(cfg, sick)
     assert {f.metric for f in fired} == {m for m, v in figures.items() if v} == set(figures) - {"health/length_blowup"}
     by_metric = {f.metric: f for f in fired}
-    assert by_metric["health/slow/gen"].warning(7) == (
+    assert by_metric["health/slow/gen"].warning(7, 1) == (
         "health: step 7: health/slow/gen: timing_s/gen 1.25 is above 1; check data loading and the tokenizer "
         "cache (gen), reward code (reward), host offload and other jobs on the node"
     )
-    assert "is below 0.5" in by_metric["health/entropy_collapse"].warning(7)
-    assert "is at or above 1" in by_metric["health/uniform_groups"].warning(7)
+    assert "is above 1 (4 steps in a row; next warning at 8); check" in by_metric["health/slow/gen"].warning(7, 4)
+    assert "is below 0.5" in by_metric["health/entropy_collapse"].warning(7, 1)
+    assert "is at or above 1" in by_metric["health/uniform_groups"].warning(7, 1)
     # Figures the step does not report, and a KL of 0 (no reference), are not watched.
     assert step_signals(cfg, {"kl/per_sequence": 0.0}) == ({}, [])
     assert step_signals(HealthConfig(), sick) == ({}, [])
@@ -135,3 +151,31 @@ def test_a_signal_triggers_after_signal_steps_in_a_row() -> None:
     # The KL fires at steps 1, 3 and 4: two in a row only at step 4; entropy fires always but is not in roll_back_on.
     assert outcomes == [[], [], [], ["health/kl_blowup"]]
     assert state.streaks == {"health/kl_blowup": 2, "health/entropy_collapse": 4}
+
+
+def test_a_lasting_signal_is_printed_at_doubling_streaks() -> None:
+    assert [streak for streak in range(0, 70) if warning_due(streak)] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_ppos_and_sfts_checks_name_an_unknown_val_metric_before_the_run(tmp_path: Path) -> None:
+    from megatron_rlhf.config.loader import ConfigError, load_config
+    from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
+    from megatron_rlhf.trainer.supervised_config import SFTConfig, check_config
+
+    def ppo(*overrides: str) -> PPOConfig:
+        watch = ("health.val_patience=2", "eval_every=2", "data.validation=[builtin:lowercase-prompts]", "eval.n=4")
+        return load_config("ppo-tiny", [*watch, *overrides], schema=PPOConfig)
+
+    with pytest.raises(ConfigError, match=r"health.val_metric='pass_at_8' is not a validation figure of this run"):
+        check_ppo_config(ppo("health.val_metric=pass_at_8"), 1)
+    check_ppo_config(ppo("health.val_metric=pass_at_4"), 1)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "response": "b"}\n')
+    sft = load_config(
+        "sft-tiny",
+        [f"data.train=[{rows}]", f"data.validation=[{rows}]", "eval_every=2", "health.val_patience=2"]
+        + ["health.val_metric=accuracy"],
+        schema=SFTConfig,
+    )
+    with pytest.raises(ConfigError, match=r"they are \['nll', 'perplexity', 'tokens', 'examples'\]"):
+        check_config(sft, 1, score_head=False)
