@@ -6,7 +6,8 @@
 # Stages (default: all):
 #   tests     the GPU test tier (pytest -m gpu tests/gpu)
 #   bench     scripts/bench/: model import (TP1, and TP2 with 2+ GPUs), the actor update (profiled), generation
-#             vs HF generate (profiled; with 2+ GPUs the TP2 -> TP1 x DP2 weight copy), checkpoint save/load,
+#             vs HF generate (profiled; with 2+ GPUs the TP2 -> TP1 x DP2 weight copy), checkpoint save/load and
+#             its copy to remote storage,
 #             the host work of a step
 #   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the log-prob kernels
 #   pipeline  the GPU preset of `megatron-rlhf pipeline` (SFT -> RM -> GRPO and PPO), seed 1
@@ -104,6 +105,9 @@ if wants bench; then
   bench update 80 torchrun 1 scripts/bench/update.py --model "$model" --profile --out "$out/bench_update.json"
   bench rollout 40 torchrun 1 scripts/bench/rollout.py --model "$model" --profile --out "$out/bench_rollout.json"
   bench checkpoint 5 "$python" scripts/bench/checkpoint.py --model "$model" --dir "$work/bench_checkpoint"
+  # The remote copy needs s3fs and moto[server] (the test extra; from $WHEELS offline).
+  bench remote_upload 3 "$python" scripts/bench/remote_upload.py --model "$model" --dir "$work/bench_remote" \
+    --out "$out/bench_remote_upload.json"
   bench host 12 "$python" scripts/bench/host.py --model "$model"
   if [ "$ngpu" -ge 2 ]; then
     bench load_tp2 25 torchrun 2 scripts/bench/load.py --model "$model" --tp 2 --out "$out/bench_load_tp2.json"
