@@ -13,7 +13,7 @@ figure (a run cut short keeps what it measured):
   ``tests/s3_server.py``: a Python server, so this is a floor for a real object store's rate, not a
   ceiling), and ``download_newest`` back (checked against the manifest);
 * ``step_s_idle`` / ``step_s_uploading``: the median training step (forward, backward, optimizer;
-  ``--tokens`` tokens) with no upload, and while an upload runs in a background thread as
+  ``--tokens`` tokens) with no upload, and while that upload runs in a background thread as
   ``RemoteMirror`` runs it (up to ``--steps`` steps each); ``upload_step_cost`` is their ratio;
 * with ``--file``, ``file_upload_GBps``: the same upload to a ``file://`` folder on the same disk
   (a shared file system mount's path through fsspec).
@@ -109,22 +109,18 @@ def main() -> None:
         os.environ.update(server.env())
         remote = RemoteDir(f"s3://{s3_server.BUCKET}/run")
         remote.check_writable()
-        seconds = timed_upload(remote)
-        report(s3_upload_s=seconds, s3_upload_GBps=size / 1e9 / seconds)
-        start = time.perf_counter()
-        got = remote.download_newest(args.dir / "downloaded")
-        seconds = time.perf_counter() - start
-        assert got is not None, "the upload did not download again"
-        report(s3_download_s=seconds, s3_download_GBps=size / 1e9 / seconds)
-        shutil.rmtree(args.dir / "downloaded")
-
+        # The upload runs in a background thread as RemoteMirror runs it; training steps are timed
+        # beside it (up to --steps), against as many with no upload.
         idle = [step_seconds() for _ in range(args.steps)]
-        # step_1 again: the upload replaces it, as a redone step's would. Steps are timed while it
-        # runs, up to --steps of them; a longer upload is left to finish on its own (or not).
-        upload = threading.Thread(target=remote.upload, args=(ckpt, 1), name="remote-upload", daemon=True)
-        upload.start()
+        seconds_box: list[float] = []
+
+        def upload() -> None:
+            seconds_box.append(timed_upload(remote))
+
+        thread = threading.Thread(target=upload, name="remote-upload")
+        thread.start()
         uploading: list[float] = []
-        while upload.is_alive() and len(uploading) < args.steps:
+        while thread.is_alive() and len(uploading) < args.steps:
             uploading.append(step_seconds())
         report(
             step_s_idle=statistics.median(idle),
@@ -133,8 +129,16 @@ def main() -> None:
             upload_step_cost=statistics.median(uploading) / statistics.median(idle),
             tokens_per_step=int(ids.numel()),
         )
-        if args.file:
-            upload.join()
+        thread.join()
+        if not seconds_box:
+            raise SystemExit(f"the upload failed; moto's log: {args.dir / 'moto.log'}")
+        report(s3_upload_s=seconds_box[0], s3_upload_GBps=size / 1e9 / seconds_box[0])
+        start = time.perf_counter()
+        got = remote.download_newest(args.dir / "downloaded")
+        seconds = time.perf_counter() - start
+        assert got is not None, "the upload did not download again"
+        report(s3_download_s=seconds, s3_download_GBps=size / 1e9 / seconds)
+        shutil.rmtree(args.dir / "downloaded")
     if args.file:
         file_remote = RemoteDir(f"file://{args.dir / 'file-remote'}")
         seconds = timed_upload(file_remote)
