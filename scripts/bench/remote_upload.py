@@ -8,20 +8,21 @@ The actor's train state (weights, distributed-optimizer state, LR schedule; buil
 ``checkpoint.py`` does) is saved once through ``RunCheckpointWriter``. Then, one JSON line per
 figure (a run cut short keeps what it measured):
 
-* ``s3_upload_GBps`` / ``s3_download_GBps``: ``RemoteDir.upload`` (``step_N.tmp``, copy to
-  ``step_N``, ``latest``: exactly what a run does) to an S3 server on localhost (moto's server mode,
-  ``tests/s3_server.py``: a Python server, so this is a floor for a real object store's rate, not a
-  ceiling), and ``download_newest`` back (checked against the manifest);
+* ``upload_GBps`` / ``download_GBps``: ``RemoteDir.upload`` (``step_N.tmp``, copy to ``step_N``,
+  ``latest``: exactly what a run does) and ``download_newest`` back (checked against the manifest),
+  with ``--target s3`` to an S3 server on localhost (moto's server mode, ``tests/s3_server.py``: a
+  Python server on the same host, so a floor for a real object store's rate, not a ceiling; it
+  assembles a multipart object in memory, which a 25 GB shard can exhaust), with ``--target file``
+  to a ``file://`` folder on the same disk (a shared file system mount's path through fsspec);
 * ``step_s_idle`` / ``step_s_uploading``: the median training step (forward, backward, optimizer;
   ``--tokens`` tokens) with no upload, and while that upload runs in a background thread as
-  ``RemoteMirror`` runs it (up to ``--steps`` steps each); ``upload_step_cost`` is their ratio;
-* with ``--file``, ``file_upload_GBps``: the same upload to a ``file://`` folder on the same disk
-  (a shared file system mount's path through fsspec).
+  ``RemoteMirror`` runs it (up to ``--steps`` steps each); ``upload_step_cost`` is their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -45,7 +46,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per training step of the cost figure")
     parser.add_argument("--steps", type=int, default=20, help="training steps of the idle figure")
-    parser.add_argument("--file", action="store_true", help="also the upload to a file:// folder (last)")
+    parser.add_argument(
+        "--target",
+        choices=["s3", "file"],
+        default="s3",
+        help="s3: moto's S3 server on localhost; file: a file:// folder on the same disk",
+    )
     parser.add_argument("--out", type=Path, help="also write the figures here (JSON)")
     args = parser.parse_args()
 
@@ -105,9 +111,13 @@ def main() -> None:
         remote.upload(ckpt, keep_last=1)
         return time.perf_counter() - start
 
-    with s3_server.start(args.dir / "moto.log") as server:
-        os.environ.update(server.env())
-        remote = RemoteDir(f"s3://{s3_server.BUCKET}/run")
+    with contextlib.ExitStack() as stack:
+        if args.target == "s3":
+            server = stack.enter_context(s3_server.start(args.dir / "moto.log"))
+            os.environ.update(server.env())
+            remote = RemoteDir(f"s3://{s3_server.BUCKET}/run")
+        else:
+            remote = RemoteDir(f"file://{args.dir / 'file-remote'}")
         remote.check_writable()
         # The upload runs in a background thread as RemoteMirror runs it; training steps are timed
         # beside it (up to --steps), against as many with no upload.
@@ -131,18 +141,16 @@ def main() -> None:
         )
         thread.join()
         if not seconds_box:
-            raise SystemExit(f"the upload failed; moto's log: {args.dir / 'moto.log'}")
-        report(s3_upload_s=seconds_box[0], s3_upload_GBps=size / 1e9 / seconds_box[0])
+            raise SystemExit(
+                "the upload failed" + (f"; moto's log: {args.dir / 'moto.log'}" if args.target == "s3" else "")
+            )
+        report(upload_s=seconds_box[0], upload_GBps=size / 1e9 / seconds_box[0])
+        shutil.rmtree(args.dir / "local")  # room on the disk
         start = time.perf_counter()
         got = remote.download_newest(args.dir / "downloaded")
         seconds = time.perf_counter() - start
         assert got is not None, "the upload did not download again"
-        report(s3_download_s=seconds, s3_download_GBps=size / 1e9 / seconds)
-        shutil.rmtree(args.dir / "downloaded")
-    if args.file:
-        file_remote = RemoteDir(f"file://{args.dir / 'file-remote'}")
-        seconds = timed_upload(file_remote)
-        report(file_upload_s=seconds, file_upload_GBps=size / 1e9 / seconds)
+        report(download_s=seconds, download_GBps=size / 1e9 / seconds)
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
