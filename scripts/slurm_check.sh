@@ -5,9 +5,14 @@
 # lines overridden on the sbatch command line) with a tiny CPU SFT run:
 #   (a) one node, two processes;  (b) two nodes, one process each;
 #   (c) as (a), with a 3-minute limit and --signal=B:USR1@N, N such that the signal lands in the
-#       middle of the time (a) spent training (Slurm's signal comes within 30 s): the trainers
-#       save and exit, the job requeues itself and the requeued run resumes and finishes; its final
-#       weights must equal (a)'s, bit for bit.
+#       middle of the time (a) spent training (Slurm's signal comes within 30 s), and REMOTE_DIR set:
+#       the trainers save, upload the checkpoint and exit, and the job requeues itself; an Epilog
+#       (node-local scratch, simulated) moves the stopped run's folder away before the requeued run
+#       starts. That run must download the checkpoint from remote storage, resume from it and finish;
+#       the remote `latest` must name the final step and the final weights equal (a)'s, bit for bit.
+#       Remote storage: moto's S3 server on localhost (tests/s3_server.py; endpoint and credentials
+#       reach the job in the AWS_* environment that sbatch exports) when boto3, moto, s3fs and pytest
+#       import in PYTHON, else a file:// folder; the check says which.
 # Takes 4-5 minutes on two CPU cores (more under load). Needs the slurm-wlm and munge packages:
 # without them it prints "skipped: ..." and exits 0, unless SLURM_CHECK_INSTALL=1 (then it installs
 # them with apt-get).
@@ -64,9 +69,42 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 start=$SECONDS
 
+# --- remote storage for (c): started first, so that it comes up while Slurm does ---
+# The helper writes the environment (c) is submitted with to $TMP/remote/env once the server is up;
+# SIGTERM (cleanup) makes it leave s3_server.start's block, which stops moto.
+mkdir -p "$TMP/remote"
+if "$PYTHON" -c 'import boto3, moto.server, pytest, s3fs' 2>/dev/null; then
+  remote_kind="moto's S3 server on localhost (tests/s3_server.py, authentication on)"
+  "$PYTHON" - "$ROOT" "$TMP/remote" >"$TMP/remote/helper.out" 2>&1 <<'PY' &
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[1])
+from tests import s3_server
+
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+folder = Path(sys.argv[2])
+with s3_server.start(folder / "moto.log") as server:
+    lines = [f"{key}={value}\n" for key, value in server.env().items()]
+    lines.append(f"REMOTE_DIR=s3://{s3_server.BUCKET}/preempted\n")
+    (folder / "env.part").write_text("".join(lines))
+    (folder / "env.part").rename(folder / "env")
+    while True:
+        time.sleep(3600)
+PY
+  s3_pid=$!
+  pids+=("$s3_pid")
+else
+  s3_pid=""
+  remote_kind="a file:// folder (boto3, moto, s3fs or pytest is missing in $PYTHON)"
+  echo "REMOTE_DIR=file://$TMP/remote/preempted" > "$TMP/remote/env"
+fi
+
 # --- munge: its own key and socket, so that a munged already running here is left alone ---
 chmod 755 "$TMP"                                           # munged (not root) reaches its folder
-mkdir -p "$TMP/munge" "$TMP/state" "$TMP/logs" "$TMP/runs" "$TMP/spool-node1" "$TMP/spool-node2"
+mkdir -p "$TMP/munge" "$TMP/state" "$TMP/logs" "$TMP/runs" "$TMP/wiped" "$TMP/spool-node1" "$TMP/spool-node2"
 mungekey --create --keyfile="$TMP/munge/munge.key"
 chown -R munge: "$TMP/munge"
 chmod 755 "$TMP/munge"                                     # munged: a socket everyone can reach
@@ -102,11 +140,28 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 MpiDefault=none
+Epilog=$TMP/epilog.sh
 NodeName=node1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((port + 1)) CPUs=2 State=UNKNOWN
 NodeName=node2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((port + 2)) CPUs=2 State=UNKNOWN
 PartitionName=check Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF="$TMP/slurm.conf"
+# Node-local scratch, simulated for (c): slurmd runs the Epilog as root on the job's node each time a
+# job ends, at a requeue too, and the job stays COMPLETING (its requeued run waits) until it returns.
+# It moves (c)'s folder to $TMP/wiped/ when the run in it has not finished (no result.json: the stop
+# before the requeue), so the requeued run finds no local checkpoint. A finished run's folder stays
+# where the other jobs' are, for the checks below. The epilog gets no PATH and no job name: (c)'s job
+# id is written to $TMP/scratch-job once submitted. It always exits 0 (a failing epilog drains the node).
+{ echo '#!/bin/bash'; printf 'TMP=%q\n' "$TMP"; cat <<'EPILOG'; } > "$TMP/epilog.sh"
+PATH=/usr/bin:/bin
+run="$TMP/runs/preempted"
+if [[ "${SLURM_JOB_ID:-}" == "$(cat "$TMP/scratch-job" 2>/dev/null)" && -d "$run" && ! -f "$run/result.json" ]]; then
+  to="$TMP/wiped/preempted.${SLURM_JOB_RESTART_COUNT:-0}"
+  mv "$run" "$to" && echo "$(date +%T) job $SLURM_JOB_ID ended unfinished: moved $run to $to" >> "$TMP/epilog.log"
+fi
+exit 0
+EPILOG
+chmod 755 "$TMP/epilog.sh"
 
 for _ in $(seq 50); do [[ -S "$TMP/munge/munge.socket" ]] && break; sleep 0.1; done
 [[ -S "$TMP/munge/munge.socket" ]] || { cat "$TMP/munged.out"; say "FAILED: munged did not start"; exit 1; }
@@ -122,6 +177,14 @@ until [[ "$(sinfo -h -o %t 2>/dev/null | sort -u)" == idle ]]; do
   sleep 1
 done
 say "slurm up in $((SECONDS - start)) s: $(sinfo -h -o '%P %D nodes %t' | head -n1)"
+deadline=$((SECONDS + 60))
+until [[ -f "$TMP/remote/env" ]]; do
+  ((SECONDS < deadline)) && kill -0 "$s3_pid" 2>/dev/null || { tail -n 20 "$TMP/remote/helper.out" "$TMP/remote/moto.log" || true; say "FAILED: the S3 server did not start"; exit 1; }
+  sleep 0.5
+done
+remote_env=()
+while IFS= read -r line; do remote_env+=("$line"); done < "$TMP/remote/env"
+say "remote storage for (c): $remote_kind"
 
 # --- the runs ---
 "$PYTHON" - "$TMP/train.jsonl" <<'PY'
@@ -198,8 +261,11 @@ mid=$(( (${train_from:-$started} + ${train_to:-$started} - 2 * started) / 2 ))
 lead=$((180 - 15 - mid))
 ((lead > 0 && lead < 150)) || lead=90
 say "one-node trained from $((${train_from:-0} - started)) s to $((${train_to:-0} - started)) s: (c) gets USR1 $((180 - lead - 30))-$((180 - lead)) s in"
+# REMOTE_DIR and the storage's endpoint and credentials reach the job in the environment sbatch exports.
+export "${remote_env[@]}"
 id_c="$(submit preempted 2 --nodes=1 --time=3 --signal=B:USR1@"$lead" -- "${SFT[@]}" max_steps="$STEPS")"
 job_ids+=("$id_c")
+echo "$id_c" > "$TMP/scratch-job"
 # Once requeued the job gets a longer limit, so that one stop is enough to finish.
 deadline=$((SECONDS + 420))
 until wait_job "$id_c" 2; do
@@ -213,6 +279,20 @@ resumed="$(grep -o 'resumed from .* at step [0-9]*' "$log_c" | head -n1 | grep -
 check preempted "$id_c" "USR1, saved at step ${resumed:-?}, requeued, resumed, finished: $((SECONDS - t)) s in all"
 if ! grep -q "SIGUSR1 received" "$log_c" || ! grep -q "requeueing job $id_c" "$log_c" || [[ -z "$resumed" ]]; then
   summary+=("FAIL  preempted: expected USR1 to reach the trainers, a requeue and a resumed run; log $log_c")
+  failures=$((failures + 1)); SLURM_CHECK_KEEP=1
+fi
+# The requeued run found no local folder (the epilog had moved the stopped run's, with the checkpoint
+# it saved), downloaded that step from REMOTE_DIR and resumed from it; the remote `latest` names the
+# final step.
+downloaded="$(grep -o "downloaded $REMOTE_DIR/step_[0-9]* to " "$log_c" | head -n1 | sed 's/.*step_\([0-9]*\) to $/\1/' || true)"
+remote_latest="$(cd "$ROOT" && "$PYTHON" -c 'import sys
+from megatron_rlhf.checkpoint.remote import RemoteDir
+print(RemoteDir(sys.argv[1]).latest())' "$REMOTE_DIR" 2>"$TMP/remote/latest.err" || true)"
+if [[ -n "$resumed" && "$downloaded" == "$resumed" && -d "$TMP/wiped/preempted.1/checkpoints/step_$resumed" \
+      && "$remote_latest" == "$STEPS" ]]; then
+  summary+=("ok    preempted: folder moved away at the requeue, step $resumed downloaded from $REMOTE_DIR, remote latest step_$remote_latest")
+else
+  summary+=("FAIL  preempted: expected the requeued run to download step ${resumed:-?} from $REMOTE_DIR (downloaded: ${downloaded:-none}; epilog log: $TMP/epilog.log) and the remote latest to be step_$STEPS (${remote_latest:-unreadable}); log $log_c")
   failures=$((failures + 1)); SLURM_CHECK_KEEP=1
 fi
 if "$PYTHON" - "$TMP/runs/one-node/hf" "$TMP/runs/preempted/hf" <<'PY'
