@@ -66,6 +66,8 @@ def test_commands_name_the_full_key_of_a_bad_lora_setting(tmp_path: Path) -> Non
     message = _config_error("sft", [f"data.train=[{rows}]", "model.lora.rank=-2", "model.lora.target_modules=[o_prj]"])
     assert "model.lora.rank=-2 must be >= 0" in message
     assert "model.lora.target_modules: 'o_prj' is not a known module" in message and "did you mean 'o_proj'?" in message
+    message = _config_error("sft", [f"data.train=[{rows}]", "model.lora.rank=8", "save_hf=true"])
+    assert "save_hf=true with model.lora.rank=8: the HF export does not merge LoRA adapters yet" in message
 
 
 @pytest.mark.parametrize(
@@ -176,3 +178,42 @@ def _arch(hf_dir: Path):
     from megatron_rlhf.models.architecture import load_architecture
 
     return load_architecture(hf_dir)
+
+
+@pytest.mark.parametrize("path", ["builtin:tiny-llama", "builtin:tiny-llama-rm"])
+def test_only_adapters_get_gradient_buffers_optimizer_state_and_updates(world_of_one, path: str) -> None:
+    """The base is frozen: DDP buffers and the distributed optimizer hold the adapters (and a score
+    head) only, and an SFT step (a critic step for the score-head model) changes only those."""
+    from megatron_rlhf.checkpoint.sources import architecture_of
+    from megatron_rlhf.models.lora import adapters
+    from megatron_rlhf.training.objectives import PPOLossConfig, critic_loss, sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state, torch_optimizers
+    from megatron_rlhf.training.train import train_step
+    from tests.unit.test_packing import LENGTHS, batch_of
+
+    role = build_role(
+        "actor",
+        ModelConfig(path=path, lora=LoraConfig(rank=4, target_modules=["q_proj", "o_proj", "up_proj"])),
+        architecture_of(path),
+        world_size=1,
+        dtype=torch.float32,
+        device=CPU,
+    )
+    model = role.model
+    trainable = {id(p) for a in adapters(model) for p in a.parameters()}
+    if role.arch.score_head:
+        trainable |= {id(p) for p in model.output_layer.parameters()}
+    assert len(adapters(model)) == 3 * role.arch.num_layers  # qkv, proj, fc1 per layer
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0))
+    in_buffers = {id(p) for buffer in state.ddp_model.buffers for p in buffer.params}
+    assert in_buffers == trainable
+    held = sum(p.numel() for opt in torch_optimizers(state.optimizer) for g in opt.param_groups for p in g["params"])
+    assert held == sum(p.numel() for p in model.parameters() if id(p) in trainable)
+    loss_fn = critic_loss(PPOLossConfig()) if role.arch.score_head else sft_loss(role)
+    for _ in range(2):  # B starts at zero: A moves from the second step on
+        metrics = train_step(state, batch_of(LENGTHS), loss_fn, max_tokens_per_micro_batch=80)
+        assert metrics["update_skipped"] == 0.0
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])}
+    assert changed == {name for name, p in model.named_parameters() if id(p) in trainable}
