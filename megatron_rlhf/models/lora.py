@@ -35,7 +35,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -109,6 +113,10 @@ class LoraAdapter(torch.nn.Module):
             self.lora_B[name] = torch.nn.Parameter(
                 torch.zeros(rows.repeats * out_rows[name], cfg.rank, device=device, dtype=dtype)
             )
+            # megatron counts a parameter without these attributes once per TP group (a duplicate)
+            # in the gradient norm: the split piece must say it is split, or clipping goes wrong.
+            split = self.lora_A[name] if input_is_split else self.lora_B[name]
+            set_tensor_model_parallel_attributes(split, is_parallel=True, dim=1 if input_is_split else 0, stride=1)
 
     def fused_a(self) -> torch.Tensor:
         """(targets * rank, local in): the targets' A stacked."""

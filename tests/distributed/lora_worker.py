@@ -1,0 +1,154 @@
+"""torchrun worker (2 ranks, gloo): LoRA at TP2 and at PP2 equals LoRA at TP1 (float32).
+
+One tiny Qwen2 (qkv bias, 2 query groups) with adapters on all seven projections, the same full
+adapter values in every layout (each rank keeps its slice: column-parallel B by output rows,
+row-parallel A by input columns). For each layout:
+* the logits before the step and the SFT loss of one train step equal TP1's;
+* the gradient norm (clipped at 1: the split pieces must be marked tensor-parallel for megatron's
+  norm) and the adapters' clipped gradients, gathered into full PEFT-shaped tensors, equal TP1's;
+* the weights with ``merged_delta`` added, adapters off, give the adapted model's logits.
+Rank 0 writes the max differences to OUT/results.json; the test checks them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import PAD_ID, make_tiny_hf_model
+from tests.launch import WorkerSession, worker_session
+
+LAYOUTS = ((1, 1), (2, 1), (1, 2))
+BATCH, SEQ_LEN, RANK = 4, 12, 4
+Key = tuple[int, str, str]  # (global layer number, PEFT name, "A" or "B")
+
+
+def adapted_linears(model: torch.nn.Module):
+    """(global layer number, linear) of every adapted linear of this stage."""
+    for layer in model.decoder.layers:
+        for linear in (
+            layer.self_attention.linear_qkv,
+            layer.self_attention.linear_proj,
+            layer.mlp.linear_fc1,
+            layer.mlp.linear_fc2,
+        ):
+            if hasattr(linear, "lora"):
+                yield layer.layer_number, linear
+
+
+def split_dims(adapter) -> dict[str, int]:
+    """The dimension along which each of A and B is split over TP (-1: replicated)."""
+    return {"A": 1, "B": -1} if adapter.input_is_split else {"A": -1, "B": 0}
+
+
+def set_full_values(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
+    """Seeded full adapter values per (layer, name), this rank's slice of each."""
+    with torch.no_grad():
+        for layer_number, linear in adapted_linears(model):
+            adapter = linear.lora
+            for name in adapter.targets:
+                for which, params in (("A", adapter.lora_A), ("B", adapter.lora_B)):
+                    local, dim = params[name], split_dims(adapter)[which]
+                    shape = list(local.shape)
+                    if dim >= 0:
+                        shape[dim] *= tp
+                    seed = 1000 * layer_number + 10 * adapter.targets.index(name) + (which == "B")
+                    full = 0.2 * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+                    local.copy_(full.chunk(tp, dim)[tp_rank] if dim >= 0 else full)
+
+
+def full_grads(model: torch.nn.Module, tp_group) -> dict[Key, torch.Tensor]:
+    """Every adapter gradient of the whole model as a full PEFT-shaped tensor, on every rank."""
+    mine: dict[Key, torch.Tensor] = {}
+    for layer_number, linear in adapted_linears(model):
+        adapter = linear.lora
+        for name in adapter.targets:
+            for which, params in (("A", adapter.lora_A), ("B", adapter.lora_B)):
+                grad, dim = params[name].main_grad.float(), split_dims(adapter)[which]
+                if dim >= 0:
+                    parts = [torch.empty_like(grad) for _ in range(tp_group.size())]
+                    dist.all_gather(parts, grad.contiguous(), group=tp_group)
+                    grad = torch.cat(parts, dim)
+                mine[(layer_number, name, which)] = grad
+    everyone: list[dict[Key, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    return {key: value for found in everyone for key, value in found.items()}
+
+
+def world_max(value: float) -> float:
+    found = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return found.item()
+
+
+def main(session: WorkerSession) -> None:
+    from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
+    from megatron_rlhf.models.architecture import load_architecture
+    from megatron_rlhf.models.lora import adapters_off
+    from megatron_rlhf.models.lora_config import LoraConfig
+    from megatron_rlhf.training.objectives import sft_loss
+    from megatron_rlhf.training.optim import OptimConfig, make_train_state
+    from megatron_rlhf.training.train import forward_outputs, train_step
+
+    env, results = session.env, session.results
+    hf_dir = session.out / "hf"
+    if env.rank == 0:
+        make_tiny_hf_model("qwen2", False, hf_dir)
+    dist.barrier()
+    arch = load_architecture(hf_dir)
+    input_ids = torch.randint(0, PAD_ID, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "loss_mask": (torch.arange(SEQ_LEN) >= 3).long().expand(BATCH, SEQ_LEN).clone(),
+    }
+    cfg = ModelConfig(path=str(hf_dir), lora=LoraConfig(rank=RANK, alpha=8.0))
+
+    reference: tuple[torch.Tensor | None, float, float, dict[Key, torch.Tensor]] | None = None
+    for tp, pp in LAYOUTS:
+        tag = f"tp{tp}pp{pp}"
+        cfg.tp, cfg.pp = tp, pp
+        role = build_role("actor", cfg, arch, world_size=env.world_size, dtype=torch.float32, device=env.device)
+        tp_group = role.groups.pg_collection.tp
+        set_full_values(role.model, tp, tp_group.rank())
+        logits = forward_outputs(role, input_ids, BATCH)
+
+        # merged_delta in the base weights' local layout: merged weights, adapters off == adapters on.
+        with torch.no_grad(), adapters_off(role.model):
+            saved = {}
+            for _, linear in adapted_linears(role.model):
+                saved[linear] = linear.weight.detach().clone()
+                linear.weight.add_(linear.lora.merged_delta())
+            merged = forward_outputs(role, input_ids, BATCH)
+            for linear, weight in saved.items():
+                linear.weight.copy_(weight)
+        merge_diff = 0.0 if logits is None else (merged - logits).abs().max().item()
+        results[f"{tag}/merged_vs_adapters"] = world_max(merge_diff)
+
+        state = make_train_state(role, OptimConfig(lr=1e-3, distributed_optimizer=False))
+        metrics = train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=BATCH * SEQ_LEN)
+        loss, norm = metrics["loss"], metrics["grad_norm"]
+        grads = full_grads(role.model, tp_group)
+        if reference is None:
+            reference = (logits, loss, norm, grads)
+            assert len(grads) == 2 * 7 * arch.num_layers, sorted(grads)
+            continue
+        ref_logits, ref_loss, ref_norm, ref_grads = reference
+        both = logits is not None and ref_logits is not None
+        results[f"{tag}/logits"] = world_max((logits - ref_logits).abs().max().item() if both else 0.0)
+        results[f"{tag}/loss"] = abs(loss - ref_loss)
+        results[f"{tag}/grad_norm_rel"] = abs(norm - ref_norm) / ref_norm
+        assert grads.keys() == ref_grads.keys(), sorted(grads.keys() ^ ref_grads.keys())
+        scale = max(g.abs().max().item() for g in ref_grads.values())
+        assert scale > 0
+        results[f"{tag}/grads_rel"] = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads) / scale
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    with worker_session() as session:
+        main(session)
