@@ -1,9 +1,12 @@
 """LoRA adapters on megatron's tensor-parallel linears, equal to PEFT's on the HF model.
 
-An adapted linear keeps its class, its weight and its parameter names; its adapter is a child module
-``lora`` (so megatron's DDP buckets it and the optimizer holds it) whose output a forward hook adds to
-the linear's. The base weights are frozen: megatron then runs them through ``LinearWithFrozenWeight``
-(no weight gradient, no saved input) and DDP gives them no gradient buffer.
+An adapted linear keeps its class, its weight and its parameter names; its adapter is a module beside
+it (``linear_qkv_lora``: megatron's DDP buckets it and the optimizer holds it) whose output a forward
+hook on the linear adds to the linear's. Not a child of the linear: megatron checkpoints a linear's
+whole state dict with its own rule, which would save a TP-split adapter as replicated (TP rank 0's
+shard only); the adapter's ``sharded_state_dict`` shards it like the base. The base weights are
+frozen: megatron then runs them through ``LinearWithFrozenWeight`` (no weight gradient, no saved
+input) and DDP gives them no gradient buffer.
 
 Fused linears: PEFT adapts q_proj, k_proj, v_proj (gate_proj, up_proj) separately, each with its own
 A (rank, in) and B (out, rank). megatron fuses them into one output, laid out per query group as
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import zlib
 from collections.abc import Iterator
@@ -44,9 +48,13 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.lora_config import TARGET_LINEARS, LoraConfig
+
+ADAPTER_SUFFIX = "_lora"
+"""An adapter is the module ``<linear>_lora`` beside its linear (``self_attention.linear_qkv_lora``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +160,20 @@ class LoraAdapter(torch.nn.Module):
             low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
         return F.linear(low, self.fused_b()) * self.scaling
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron's checkpoint entries, sharded like the base: column-parallel B along its rows,
+        row-parallel A along its columns (full PEFT-shaped tensors in the checkpoint, reshardable
+        to any TP), the rest replicated."""
+        piece, dim = ("lora_A", 1) if self.input_is_split else ("lora_B", 0)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {f"{piece}.{name}": dim for name in self.targets},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
     def merged_delta(self) -> torch.Tensor:
         """scaling * B @ A in the base weight's local layout (column-parallel: this rank's output rows;
         row-parallel: its input columns), computed locally: what merging adds to the weight."""
@@ -159,29 +181,38 @@ class LoraAdapter(torch.nn.Module):
 
 
 def _add_adapter_output(
-    linear: torch.nn.Module, args: tuple[torch.Tensor, ...], output: tuple[torch.Tensor, torch.Tensor | None]
+    adapter: LoraAdapter,
+    linear: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    output: tuple[torch.Tensor, torch.Tensor | None],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward hook of an adapted linear: its output plus its adapter's (the bias, returned apart by
     megatron's ``skip_bias_add``, is untouched)."""
     out, bias = output
-    adapter = linear.lora
-    assert isinstance(adapter, LoraAdapter)
     if not adapter.enabled:
         return output
     return out + adapter(args[0]), bias
 
 
-def _linears(model: GPTModel) -> Iterator[tuple[int, str, torch.nn.Module]]:
-    """(global layer number, megatron name, module) of every linear LoRA may adapt on this stage."""
+def _linears(model: GPTModel) -> Iterator[tuple[int, str, torch.nn.Module, torch.nn.Module]]:
+    """(global layer number, megatron name, parent module, linear) of every linear LoRA may adapt
+    on this stage."""
     for layer in model.decoder.layers:
-        attention, mlp = layer.self_attention, layer.mlp
-        for name, linear in (
-            ("linear_qkv", attention.linear_qkv),
-            ("linear_proj", attention.linear_proj),
-            ("linear_fc1", mlp.linear_fc1),
-            ("linear_fc2", mlp.linear_fc2),
+        for parent, name in (
+            (layer.self_attention, "linear_qkv"),
+            (layer.self_attention, "linear_proj"),
+            (layer.mlp, "linear_fc1"),
+            (layer.mlp, "linear_fc2"),
         ):
-            yield layer.layer_number, name, linear
+            yield layer.layer_number, name, parent, getattr(parent, name)
+
+
+def adapted_linears(model: GPTModel) -> Iterator[tuple[int, torch.nn.Module, LoraAdapter]]:
+    """(global layer number, linear, its adapter) of every adapted linear on this stage."""
+    for layer_number, name, parent, linear in _linears(model):
+        adapter = getattr(parent, name + ADAPTER_SUFFIX, None)
+        if isinstance(adapter, LoraAdapter):
+            yield layer_number, linear, adapter
 
 
 def apply_lora(
@@ -192,19 +223,18 @@ def apply_lora(
     ``score`` trainable). Call after the base weights are loaded."""
     targets = cfg.targets()
     weight = next(model.parameters())
-    for layer_number, name, linear in _linears(model):
+    for layer_number, name, parent, linear in _linears(model):
         mine = tuple(t for t in targets if TARGET_LINEARS[t] == name)
         if not mine:
             continue
         if not isinstance(linear, ColumnParallelLinear | RowParallelLinear):
             raise TypeError(f"LoRA adapts megatron's parallel linears; {name} is a {type(linear).__name__}")
         split_input = isinstance(linear, RowParallelLinear)
-        in_features = linear.weight.shape[1]
         init = torch.Generator().manual_seed(seed + zlib.crc32(f"{layer_number}.{name}".encode()))
-        linear.lora = LoraAdapter(
+        adapter = LoraAdapter(
             fused_rows(name, arch, tp_group.size()),
             mine,
-            in_features=in_features,
+            in_features=linear.weight.shape[1],
             cfg=cfg,
             input_is_split=split_input,
             tp_group=tp_group,
@@ -212,7 +242,8 @@ def apply_lora(
             dtype=weight.dtype,
             device=weight.device,
         )
-        linear.register_forward_hook(_add_adapter_output)
+        setattr(parent, name + ADAPTER_SUFFIX, adapter)
+        linear.register_forward_hook(functools.partial(_add_adapter_output, adapter))
     trainable = {id(p) for a in adapters(model) for p in a.parameters()}
     if arch.score_head and hasattr(model, "output_layer"):
         trainable |= {id(p) for p in model.output_layer.parameters()}

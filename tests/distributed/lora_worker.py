@@ -6,7 +6,8 @@ row-parallel A by input columns). For each layout:
 * the logits before the step and the SFT loss of one train step equal TP1's;
 * the gradient norm (clipped at 1: the split pieces must be marked tensor-parallel for megatron's
   norm) and the adapters' clipped gradients, gathered into full PEFT-shaped tensors, equal TP1's;
-* the weights with ``merged_delta`` added, adapters off, give the adapted model's logits.
+* the weights with ``merged_delta`` added, adapters off, give the adapted model's logits;
+* a megatron checkpoint saved in the layout and loaded at TP1 holds exactly the full adapters.
 Rank 0 writes the max differences to OUT/results.json; the test checks them.
 """
 
@@ -27,19 +28,6 @@ BATCH, SEQ_LEN, RANK = 4, 12, 4
 Key = tuple[int, str, str]  # (global layer number, PEFT name, "A" or "B")
 
 
-def adapted_linears(model: torch.nn.Module):
-    """(global layer number, linear) of every adapted linear of this stage."""
-    for layer in model.decoder.layers:
-        for linear in (
-            layer.self_attention.linear_qkv,
-            layer.self_attention.linear_proj,
-            layer.mlp.linear_fc1,
-            layer.mlp.linear_fc2,
-        ):
-            if hasattr(linear, "lora"):
-                yield layer.layer_number, linear
-
-
 def split_dims(adapter) -> dict[str, int]:
     """The dimension along which each of A and B is split over TP (-1: replicated)."""
     return {"A": 1, "B": -1} if adapter.input_is_split else {"A": -1, "B": 0}
@@ -47,9 +35,10 @@ def split_dims(adapter) -> dict[str, int]:
 
 def set_full_values(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
     """Seeded full adapter values per (layer, name), this rank's slice of each."""
+    from megatron_rlhf.models.lora import adapted_linears
+
     with torch.no_grad():
-        for layer_number, linear in adapted_linears(model):
-            adapter = linear.lora
+        for layer_number, _, adapter in adapted_linears(model):
             for name in adapter.targets:
                 for which, params in (("A", adapter.lora_A), ("B", adapter.lora_B)):
                     local, dim = params[name], split_dims(adapter)[which]
@@ -61,19 +50,22 @@ def set_full_values(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
                     local.copy_(full.chunk(tp, dim)[tp_rank] if dim >= 0 else full)
 
 
-def full_grads(model: torch.nn.Module, tp_group) -> dict[Key, torch.Tensor]:
-    """Every adapter gradient of the whole model as a full PEFT-shaped tensor, on every rank."""
+def full_tensors(model: torch.nn.Module, tp_group, *, grads: bool) -> dict[Key, torch.Tensor]:
+    """Every adapter value (or gradient) of the whole model as a full PEFT-shaped tensor, on every rank."""
+    from megatron_rlhf.models.lora import adapted_linears
+
     mine: dict[Key, torch.Tensor] = {}
-    for layer_number, linear in adapted_linears(model):
-        adapter = linear.lora
+    for layer_number, _, adapter in adapted_linears(model):
         for name in adapter.targets:
             for which, params in (("A", adapter.lora_A), ("B", adapter.lora_B)):
-                grad, dim = params[name].main_grad.float(), split_dims(adapter)[which]
+                param = params[name]
+                tensor = (param.main_grad if grads else param.detach()).float()
+                dim = split_dims(adapter)[which]
                 if dim >= 0:
-                    parts = [torch.empty_like(grad) for _ in range(tp_group.size())]
-                    dist.all_gather(parts, grad.contiguous(), group=tp_group)
-                    grad = torch.cat(parts, dim)
-                mine[(layer_number, name, which)] = grad
+                    parts = [torch.empty_like(tensor) for _ in range(tp_group.size())]
+                    dist.all_gather(parts, tensor.contiguous(), group=tp_group)
+                    tensor = torch.cat(parts, dim)
+                mine[(layer_number, name, which)] = tensor
     everyone: list[dict[Key, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, mine)
     return {key: value for found in everyone for key, value in found.items()}
@@ -86,9 +78,10 @@ def world_max(value: float) -> float:
 
 
 def main(session: WorkerSession) -> None:
+    from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint
     from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
     from megatron_rlhf.models.architecture import load_architecture
-    from megatron_rlhf.models.lora import adapters_off
+    from megatron_rlhf.models.lora import adapted_linears, adapters_off
     from megatron_rlhf.models.lora_config import LoraConfig
     from megatron_rlhf.training.objectives import sft_loss
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
@@ -120,19 +113,31 @@ def main(session: WorkerSession) -> None:
         # merged_delta in the base weights' local layout: merged weights, adapters off == adapters on.
         with torch.no_grad(), adapters_off(role.model):
             saved = {}
-            for _, linear in adapted_linears(role.model):
+            for _, linear, adapter in adapted_linears(role.model):
                 saved[linear] = linear.weight.detach().clone()
-                linear.weight.add_(linear.lora.merged_delta())
+                linear.weight.add_(adapter.merged_delta())
             merged = forward_outputs(role, input_ids, BATCH)
             for linear, weight in saved.items():
                 linear.weight.copy_(weight)
         merge_diff = 0.0 if logits is None else (merged - logits).abs().max().item()
         results[f"{tag}/merged_vs_adapters"] = world_max(merge_diff)
 
+        # The adapters' checkpoint holds full tensors: saved in this layout, loaded at TP1, they are the
+        # values set above.
+        ckpt = session.out / f"ckpt-{tag}"
+        save_mcore_checkpoint(role.model, arch, role.groups, ckpt)
+        values = full_tensors(role.model, tp_group, grads=False)
+        cfg.tp, cfg.pp = 1, 1
+        tp1 = build_role("actor", cfg, arch, world_size=env.world_size, dtype=torch.float32, device=env.device)
+        load_mcore_checkpoint(tp1.model, tp1.groups, ckpt)
+        loaded = full_tensors(tp1.model, tp1.groups.pg_collection.tp, grads=False)
+        assert loaded.keys() == values.keys() and all(torch.equal(loaded[k], values[k]) for k in values), tag
+        results[f"{tag}/checkpoint_to_tp1_exact"] = 1.0
+
         state = make_train_state(role, OptimConfig(lr=1e-3, distributed_optimizer=False))
         metrics = train_step(state, batch, sft_loss(role), max_tokens_per_micro_batch=BATCH * SEQ_LEN)
         loss, norm = metrics["loss"], metrics["grad_norm"]
-        grads = full_grads(role.model, tp_group)
+        grads = full_tensors(role.model, tp_group, grads=True)
         if reference is None:
             reference = (logits, loss, norm, grads)
             assert len(grads) == 2 * 7 * arch.num_layers, sorted(grads)

@@ -1,5 +1,6 @@
-"""LoRA at TP2 and PP2 equals LoRA at TP1: logits, loss, adapter gradients (gathered), and merged
-weights (2 gloo ranks; the float64 parity with PEFT is tests/unit/test_lora.py)."""
+"""LoRA at TP2 and PP2 equals LoRA at TP1: logits, loss, adapter gradients (gathered), merged weights,
+and checkpoints saved in each layout loaded at TP1 (2 gloo ranks; the float64 parity with PEFT is in
+tests/unit/test_lora.py)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,4 @@ def test_lora_tp2_and_pp2_equal_tp1(tmp_path: Path) -> None:
         assert results[f"{layout}/grads_rel"] < 1e-5
     for layout in ("tp1pp1", "tp2pp1", "tp1pp2"):
         assert results[f"{layout}/merged_vs_adapters"] < 1e-4
+        assert results[f"{layout}/checkpoint_to_tp1_exact"] == 1.0
