@@ -37,7 +37,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -102,7 +101,7 @@ class LoraAdapter(torch.nn.Module):
         super().__init__()
         self.rows, self.targets, self.rank = rows, targets, cfg.rank
         self.scaling, self.input_is_split, self.tp_group = cfg.scaling, input_is_split, tp_group
-        self.dropout = torch.nn.Dropout(cfg.dropout) if cfg.dropout else None
+        self.dropout = cfg.dropout
         self.enabled = True
         tp, tp_rank = tp_group.size(), tp_group.rank()
         full_in = in_features * tp if input_is_split else in_features
@@ -126,6 +125,18 @@ class LoraAdapter(torch.nn.Module):
             split = self.lora_A[name] if input_is_split else self.lora_B[name]
             set_tensor_model_parallel_attributes(split, is_parallel=True, dim=1 if input_is_split else 0, stride=1)
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverted dropout with one mask over the full input width, drawn from the default RNG
+        (seeded alike on every rank) and sliced for a split input: every TP layout drops the same
+        features as TP1 on the same tokens, and the ranks' generators stay in step. megatron's model-parallel RNG
+        tracker is not used: nothing in this stack seeds it (no other dropout is on)."""
+        tp, keep = self.tp_group.size(), 1.0 - self.dropout
+        width = x.shape[-1] * tp if self.input_is_split else x.shape[-1]
+        mask = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device).bernoulli_(keep)
+        if self.input_is_split:
+            mask = mask.chunk(tp, dim=-1)[self.tp_group.rank()]
+        return x * mask / keep
+
     def fused_a(self) -> torch.Tensor:
         """(targets * rank, local in): the targets' A stacked."""
         return torch.cat([self.lora_A[name] for name in self.targets])
@@ -147,12 +158,8 @@ class LoraAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' output (..., local out) for the linear's input ``x`` (..., local in)."""
-        if self.dropout is not None:
-            if self.input_is_split:  # each rank drops its own features: the model-parallel RNG
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    x = self.dropout(x)
-            else:  # a replicated input gets the same mask on every rank: the default RNG
-                x = self.dropout(x)
+        if self.training and self.dropout:
+            x = self._drop(x)
         low = F.linear(x, self.fused_a())  # (..., targets * rank)
         if self.input_is_split:
             low = reduce_from_tensor_model_parallel_region(low, group=self.tp_group)

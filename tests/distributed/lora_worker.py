@@ -3,6 +3,7 @@
 One tiny Qwen2 (qkv bias, 2 query groups) with adapters on all seven projections, the same full
 adapter values in every layout (each rank keeps its slice: column-parallel B by output rows,
 row-parallel A by input columns). For each layout:
+* the adapters' initial values (A drawn from the seed, B zero), gathered, are TP1's;
 * the logits before the step and the SFT loss of one train step equal TP1's;
 * the gradient norm (clipped at 1: the split pieces must be marked tensor-parallel for megatron's
   norm) and the adapters' clipped gradients, gathered into full PEFT-shaped tensors, equal TP1's;
@@ -107,6 +108,13 @@ def main(session: WorkerSession) -> None:
         cfg.tp, cfg.pp = tp, pp
         role = build_role("actor", cfg, arch, world_size=env.world_size, dtype=torch.float32, device=env.device)
         tp_group = role.groups.pg_collection.tp
+        initial = full_tensors(role.model, tp_group, grads=False)
+        if reference is None:
+            first_initial = initial
+        exact = initial.keys() == first_initial.keys() and all(
+            torch.equal(initial[k], first_initial[k]) for k in initial
+        )
+        results[f"{tag}/initial_equals_tp1"] = float(exact)
         set_full_values(role.model, tp, tp_group.rank())
         logits = forward_outputs(role, input_ids, BATCH)
 

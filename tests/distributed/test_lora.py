@@ -24,3 +24,4 @@ def test_lora_tp2_and_pp2_equal_tp1(tmp_path: Path) -> None:
     for layout in ("tp1pp1", "tp2pp1", "tp1pp2"):
         assert results[f"{layout}/merged_vs_adapters"] < 1e-4
         assert results[f"{layout}/checkpoint_to_tp1_exact"] == 1.0
+        assert results[f"{layout}/initial_equals_tp1"] == 1.0

@@ -220,3 +220,36 @@ def test_only_adapters_get_gradient_buffers_optimizer_state_and_updates(world_of
         assert metrics["update_skipped"] == 0.0
     changed = {name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])}
     assert changed == {name for name, p in model.named_parameters() if id(p) in trainable}
+
+
+def test_dropout_acts_in_training_only(world_of_one) -> None:
+    """With lora.dropout the adapters' input is dropped in train mode only; in eval mode the model is
+    the one without dropout."""
+    from megatron_rlhf.checkpoint.sources import architecture_of
+    from megatron_rlhf.models.lora import adapters
+
+    path = "builtin:tiny-llama"
+    role = build_role(
+        "actor",
+        ModelConfig(path=path, lora=LoraConfig(rank=4, dropout=0.5)),
+        architecture_of(path),
+        world_size=1,
+        dtype=torch.float32,
+        device=CPU,
+    )
+    with torch.no_grad():
+        for adapter in adapters(role.model):
+            for b in adapter.lora_B.values():
+                b.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(4))
+    input_ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(8)[None].expand_as(input_ids)
+    with torch.no_grad():
+        role.model.train()
+        first, second = (role.model(input_ids, positions, None) for _ in range(2))
+        role.model.eval()
+        evaluated = role.model(input_ids, positions, None)
+        for adapter in adapters(role.model):
+            adapter.dropout = 0.0
+        without = role.model(input_ids, positions, None)
+    assert (first - second).abs().max() > 1e-3
+    assert torch.equal(evaluated, without)
