@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig, build_role
-from megatron_rlhf.models.lora_config import LoraConfig
+from megatron_rlhf.models.hf_weights import shard_from_hf, tensor_maps
+from megatron_rlhf.models.lora_config import TARGET_LINEARS, LoraConfig
 from megatron_rlhf.models.roles import RoleModel
 from tests.helpers import PAD_ID, VOCAB, make_tiny_hf_model
 
@@ -163,11 +164,27 @@ def test_logits_and_adapter_grads_equal_peft_float64(world_of_one, tmp_path: Pat
         for ours_grad, peft_linear in ((a.grad, theirs[key][0]), (b.grad, theirs[key][1])):
             expected = peft_linear.weight.grad
             assert (ours_grad - expected).abs().max() <= TOLERANCE * expected.abs().max() != 0, key
-    from megatron_rlhf.models.lora import adapters
+    from megatron_rlhf.models.lora import adapted_linears, adapters
+    from tests.unit.test_hf_weights import MemorySource
 
     adapter_params = {id(p) for adapter in adapters(role.model) for p in adapter.parameters()}
     base = [p for p in role.model.parameters() if id(p) not in adapter_params]
     assert base and not any(p.requires_grad or p.grad is not None for p in base)
+
+    # merged_delta is PEFT's merge in megatron's fused layout: W + delta equals PEFT's merged HF
+    # weights converted by the HF map (pure float64 matmuls: no rotary in the way).
+    merged_hf = {name: t.detach() for name, t in hf.merge_and_unload().state_dict().items()}
+    maps = {tmap.mcore: tmap for tmap in tensor_maps(role.arch, 1, 0)}
+    names = {id(p): name for name, p in role.model.named_parameters()}
+    checked = 0
+    for _, linear, adapter in adapted_linears(role.model):
+        tmap = maps[names[id(linear.weight)]]
+        expected = shard_from_hf(tmap, MemorySource(merged_hf), role.arch, 1, 0, role.padded_vocab_size)
+        torch.testing.assert_close(
+            linear.weight.detach() + adapter.merged_delta().detach(), expected, rtol=0, atol=1e-12
+        )
+        checked += 1
+    assert checked == len({TARGET_LINEARS[t] for t in lora.targets()}) * role.arch.num_layers
 
 
 def our_logits_off(role: RoleModel, input_ids: torch.Tensor) -> torch.Tensor:
