@@ -128,8 +128,8 @@ class LoraAdapter(torch.nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         """Inverted dropout with one mask over the full input width, drawn from the default RNG
         (seeded alike on every rank) and sliced for a split input: every TP layout drops the same
-        features as TP1 on the same tokens, and the ranks' generators stay in step. megatron's model-parallel RNG
-        tracker is not used: nothing in this stack seeds it (no other dropout is on)."""
+        features as TP1 on the same tokens, and the ranks' generators stay in step. megatron's
+        model-parallel RNG tracker is not used: nothing in this stack seeds it (no other dropout)."""
         tp, keep = self.tp_group.size(), 1.0 - self.dropout
         width = x.shape[-1] * tp if self.input_is_split else x.shape[-1]
         mask = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device).bernoulli_(keep)
