@@ -130,7 +130,11 @@ CASES: list[CliCase] = [
         "a misspelt key is refused with the nearest real one",
         ("smoke", "actor.tpp=2"),
         exit_code=2,
-        stderr_has=("unknown key 'actor.tpp'; did you mean", "actor.tp", "valid keys here: ['path', 'tp', 'pp']"),
+        stderr_has=(
+            "unknown key 'actor.tpp'; did you mean",
+            "actor.tp",
+            "valid keys here: ['path', 'tp', 'pp', 'lora']",
+        ),
         builds_models=False,
     ),
     CliCase(

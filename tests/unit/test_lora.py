@@ -270,3 +270,13 @@ def test_dropout_acts_in_training_only(world_of_one) -> None:
         without = role.model(input_ids, positions, None)
     assert (first - second).abs().max() > 1e-3
     assert torch.equal(evaluated, without)
+
+
+def test_a_misspelt_lora_section_is_pointed_to_and_a_value_never_is() -> None:
+    from megatron_rlhf.config.loader import ConfigError, load_config
+    from megatron_rlhf.trainer.ppo_config import PPOConfig
+
+    with pytest.raises(ConfigError, match=r"did you mean actor\.lora\.rank=8\?"):
+        load_config(None, ["actor.lorra.rank=8"], schema=PPOConfig)
+    with pytest.raises(ConfigError, match=r"did you mean actor_optim\.lr=1e-6\?"):  # not the lora section
+        load_config(None, ["actor.lr=1e-6"], schema=PPOConfig)
