@@ -3,6 +3,7 @@
 One tiny Qwen2 (qkv bias, 2 query groups) with adapters on all seven projections, the same full
 adapter values in every layout (each rank keeps its slice: column-parallel B by output rows,
 row-parallel A by input columns). For each layout:
+* each rank trains the parameter count ``megatron-rlhf plan`` counts for its stage;
 * the adapters' initial values (A drawn from the seed, B zero), gathered, are TP1's;
 * the logits before the step and the SFT loss of one train step equal TP1's;
 * the gradient norm (clipped at 1: the split pieces must be marked tensor-parallel for megatron's
@@ -84,6 +85,7 @@ def main(session: WorkerSession) -> None:
     from megatron_rlhf.models.architecture import load_architecture
     from megatron_rlhf.models.lora import adapted_linears, adapters_off
     from megatron_rlhf.models.lora_config import LoraConfig
+    from megatron_rlhf.trainer.plan import stage_adapter_parameters
     from megatron_rlhf.training.objectives import sft_loss
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
     from megatron_rlhf.training.train import forward_outputs, train_step
@@ -108,6 +110,9 @@ def main(session: WorkerSession) -> None:
         cfg.tp, cfg.pp = tp, pp
         role = build_role("actor", cfg, arch, world_size=env.world_size, dtype=torch.float32, device=env.device)
         tp_group = role.groups.pg_collection.tp
+        trained = sum(p.numel() for p in role.model.parameters() if p.requires_grad)
+        planned = stage_adapter_parameters(arch, role.groups.layout, cfg.lora)  # `megatron-rlhf plan`'s count
+        results[f"{tag}/planned_trained_params_exact"] = -world_max(-float(trained == planned))
         initial = full_tensors(role.model, tp_group, grads=False)
         if reference is None:
             first_initial = initial

@@ -25,3 +25,4 @@ def test_lora_tp2_and_pp2_equal_tp1(tmp_path: Path) -> None:
         assert results[f"{layout}/merged_vs_adapters"] < 1e-4
         assert results[f"{layout}/checkpoint_to_tp1_exact"] == 1.0
         assert results[f"{layout}/initial_equals_tp1"] == 1.0
+        assert results[f"{layout}/planned_trained_params_exact"] == 1.0

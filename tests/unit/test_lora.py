@@ -206,14 +206,17 @@ def test_only_adapters_get_gradient_buffers_optimizer_state_and_updates(world_of
     head) only, and an SFT step (a critic step for the score-head model) changes only those."""
     from megatron_rlhf.checkpoint.sources import architecture_of
     from megatron_rlhf.models.lora import adapters
+    from megatron_rlhf.parallel.layout import Layout
+    from megatron_rlhf.trainer.plan import stage_adapter_parameters
     from megatron_rlhf.training.objectives import PPOLossConfig, critic_loss, sft_loss
     from megatron_rlhf.training.optim import OptimConfig, make_train_state, torch_optimizers
     from megatron_rlhf.training.train import train_step
     from tests.unit.test_packing import LENGTHS, batch_of
 
+    lora = LoraConfig(rank=4, target_modules=["q_proj", "o_proj", "up_proj"])
     role = build_role(
         "actor",
-        ModelConfig(path=path, lora=LoraConfig(rank=4, target_modules=["q_proj", "o_proj", "up_proj"])),
+        ModelConfig(path=path, lora=lora),
         architecture_of(path),
         world_size=1,
         dtype=torch.float32,
@@ -224,6 +227,8 @@ def test_only_adapters_get_gradient_buffers_optimizer_state_and_updates(world_of
     if role.arch.score_head:
         trainable |= {id(p) for p in model.output_layer.parameters()}
     assert len(adapters(model)) == 3 * role.arch.num_layers  # qkv, proj, fc1 per layer
+    planned = stage_adapter_parameters(role.arch, Layout(1, 1, 1), lora)  # what `megatron-rlhf plan` counts
+    assert sum(p.numel() for p in model.parameters() if id(p) in trainable) == planned
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0))
