@@ -252,6 +252,24 @@ CASES: list[CliCase] = [
         for num_workers in (0, 2)
     ),
     CliCase(
+        "sft_lora",
+        "sft with LoRA adapters trains, checkpoints, says how many parameters train, and writes no HF model "
+        "(TP2 and PP2: tests/distributed/test_lora.py)",
+        (
+            "sft",
+            "--config",
+            "sft-tiny",
+            "data.train=[{tmp}/train.jsonl]",
+            "model.lora.rank=8",
+            "save_hf=false",
+            "max_steps=2",
+            "output_dir={tmp}/run",
+        ),
+        files={"train.jsonl": "".join(f'{{"prompt": "{i}+{i}=", "response": "{2 * i}"}}\n' for i in range(32))},
+        stdout_has=("M parameters (LoRA rank 8: 0.075M trained) on rank 0", "step 2: saved checkpoint", "sft done"),
+        absent=("run/hf",),
+    ),
+    CliCase(
         "rm_global_batch_not_divisible_by_dp",
         "a global batch that DP cannot split is a config error, said once by rank 0",
         ("rm", "--config", "rm-tiny", "data.train=[{tmp}/train.jsonl]", "global_batch_size=3", "output_dir={tmp}/run"),
