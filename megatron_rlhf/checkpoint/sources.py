@@ -28,6 +28,7 @@ from megatron_rlhf.models.architecture import (
     load_architecture,
 )
 from megatron_rlhf.models.builtin import builtin_checkpoint, builtin_config, is_builtin
+from megatron_rlhf.models.lora_config import LoraConfig
 from megatron_rlhf.models.roles import HEAD_FROM_LM, NEEDS_SCORE_HEAD, RoleModel
 from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
 
@@ -46,6 +47,8 @@ class ModelConfig:
     """Tensor-parallel size: must divide the number of attention heads and of query groups."""
     pp: int = 1
     """Pipeline-parallel size: must divide the number of layers."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """Low-rank adapters trained instead of the full model (lora.rank > 0)."""
 
     def errors(self) -> list[str]:
         return at_least(self, 1, "tp", "pp")
@@ -221,15 +224,20 @@ def build_role(
     dtype: torch.dtype,
     device: torch.device,
     vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE,
+    seed: int = 0,
 ) -> RoleModel:
-    """The model of ``role`` in its own layout, with its weights (collective over the whole world).
+    """The model of ``role`` in its own layout, with its weights (collective over the whole world),
+    and its LoRA adapters when ``model_cfg.lora.rank > 0`` (drawn from ``seed``; base frozen).
 
     ``vocab_pad_multiple``: a model that receives another's weights in its layout must have that
     model's padded vocabulary (``hybrid.config.matching_vocab_pad_multiple``).
     """
     from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.lora import apply_lora
 
     groups = parallel_groups(Layout.for_world(model_cfg.tp, model_cfg.pp, world_size))
     model = build_model(arch, groups, dtype=dtype, device=device, vocab_pad_multiple=vocab_pad_multiple)
     source = load_weights(model, arch, groups, model_cfg.path)
+    if model_cfg.lora.enabled:
+        apply_lora(model, arch, model_cfg.lora, groups.pg_collection.tp, seed=seed)
     return RoleModel(role=role, arch=arch, groups=groups, model=model, source=source)

@@ -102,6 +102,11 @@ def _choices_of(dotted_key: str, schema: type) -> tuple[object, ...] | None:
     return literal_choices(_field_type(dotted_key, schema))
 
 
+def _is_section(dotted_key: str, schema: type) -> bool:
+    kind = _field_type(dotted_key.lstrip("."), schema)
+    return isinstance(kind, type) and dataclasses.is_dataclass(kind)
+
+
 def _is_list_field(dotted_key: str, schema: type) -> bool:
     kind = _field_type(dotted_key, schema)
     return kind is list or typing.get_origin(kind) in (list, tuple)
@@ -131,7 +136,9 @@ def _unknown_key_error(
     given_key = under[0] if under else full_key
     parent, _, leaf = full_key.rpartition(".")
     valid = _fields_at(full_key, schema)
-    close = difflib.get_close_matches(leaf, valid, n=1)
+    # A value is never meant for a section (actor.lr is not actor.lora, it is actor_optim.lr).
+    alike = valid if given_key != full_key else [k for k in valid if not _is_section(f"{parent}.{k}", schema)]
+    close = difflib.get_close_matches(leaf, alike, n=1)
     if close:
         meant = [(parent + "." if parent else "") + close[0] + given_key[len(full_key) :]]
     else:

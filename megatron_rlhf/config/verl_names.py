@@ -95,6 +95,17 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
             "on by default: sequences share rows of a micro-batch, each attending only to itself",
         ),
         (
+            f"{AR}.model.lora_rank",
+            "actor.lora.rank",
+            "0 (off) in both; ppo refuses a LoRA actor until generation merges adapters (sft: `model.lora.rank`)",
+        ),
+        (f"{AR}.model.lora_alpha", "actor.lora.alpha", "16 in both"),
+        (
+            f"{AR}.model.target_modules",
+            "actor.lora.target_modules",
+            "PEFT names; a list here, `[all-linear]` by default",
+        ),
+        (
             f"{AR}.model.enable_gradient_checkpointing",
             (),
             "activations are kept, not recomputed; a smaller `max_tokens_per_micro_batch` needs less memory",
@@ -258,6 +269,9 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
             "empty: the actor's path, given a new value head (verl loads a causal "
             "LM as a one-label token classifier the same way)",
         ),
+        ("critic.model.lora_rank", "critic.lora.rank", "0 (off) in both"),
+        ("critic.model.lora_alpha", "critic.lora.alpha", "16 in both"),
+        ("critic.model.target_modules", "critic.lora.target_modules", "as for the actor"),
         ("critic.megatron.tensor_model_parallel_size", "critic.tp"),
         ("critic.megatron.pipeline_model_parallel_size", "critic.pp"),
         ("critic.optim.lr", "critic_optim.lr", "1e-5 in both"),

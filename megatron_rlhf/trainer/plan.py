@@ -43,6 +43,7 @@ from megatron_rlhf.hybrid.memory import GIB, decide_offload, generation_bytes, k
 from megatron_rlhf.hybrid.reshard import generation_layout
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import padded_vocab_size
+from megatron_rlhf.models.lora_config import LoraConfig
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 from megatron_rlhf.trainer.supervised import SupervisedConfig, check_config
@@ -77,6 +78,30 @@ def stage_parameters(arch: Architecture, layout: Layout, padded_vocab: int) -> i
     if layout.pp == 1:
         return embedding + layers + hidden + head
     return max(embedding + layers, layers + hidden + head)
+
+
+def stage_adapter_parameters(arch: Architecture, layout: Layout, lora: LoraConfig) -> int:
+    """Trained parameters of one rank of a pipeline stage with LoRA (``models/lora.py``): per adapted
+    module A (rank x in) and B (out x rank), the split one divided by tp (B on QKV and gate/up, A on
+    o_proj and down_proj), plus a score head; the base is frozen."""
+    tp, hidden, ffn = layout.tp, arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    # (in features, out features, input split over TP)
+    shapes = {
+        "q_proj": (hidden, q, False),
+        "k_proj": (hidden, kv, False),
+        "v_proj": (hidden, kv, False),
+        "o_proj": (q, hidden, True),
+        "gate_proj": (hidden, ffn, False),
+        "up_proj": (hidden, ffn, False),
+        "down_proj": (ffn, hidden, True),
+    }
+    layer = 0
+    for name in lora.targets():
+        inputs, outputs, split = shapes[name]
+        layer += lora.rank * (inputs // tp + outputs if split else inputs + outputs // tp)
+    head = arch.num_labels * hidden if arch.score_head else 0
+    return arch.num_layers // layout.pp * layer + head
 
 
 def micro_batch_tokens(budget: int, rows: int, longest: int) -> int:
@@ -210,9 +235,10 @@ def _model_memory(
     whole = stage_parameters(arch, Layout(1, 1, 1), vocab)
     grads = optimizer = training = step = 0
     if optim is not None:
-        grads = 4 * local
+        trained = stage_adapter_parameters(arch, layout, model.lora) if model.lora.enabled else local
+        grads = 4 * trained
         per_param = 8 + (0 if dtype == torch.float32 else 4)
-        shard = -(-local // layout.dp) if optim.distributed_optimizer else local
+        shard = -(-trained // layout.dp) if optim.distributed_optimizer else trained
         optimizer = round(per_param * shard * (1 - optim.cpu_offload_fraction))
         training = activation_bytes(arch, layout, vocab, tokens, element, training=True)
         if optim.cpu_offload_fraction > 0:  # the step's workspace, which outlives the step (module docstring)

@@ -243,7 +243,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     errors = config_errors(cfg, unused=unused + (["critic_optim"] if "critic" not in roles else []))
     errors += cfg.output_dir_errors()
     found, archs = role_errors(cfg, roles, world_size)
-    errors += found + _reference_update_errors(cfg, roles, archs)
+    errors += found + _reference_update_errors(cfg, roles, archs) + _lora_errors(cfg)
     algo, rollout, data, sampling = cfg.algorithm, cfg.rollout, cfg.data, cfg.rollout.sampling
     if (
         algo.advantage_estimator in ADVANTAGE_ESTIMATORS
@@ -324,6 +324,21 @@ def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str
         if role in ("actor", "critic") and mini % dp:
             errors.append(f"mini_batch_size={mini} must be divisible by the {role}'s dp={dp}")
     return errors
+
+
+def _lora_errors(cfg: PPOConfig) -> list[str]:
+    """LoRA where ppo cannot train it: the reference and the reward model never train, and the actor's
+    adapters are not merged into the generation weights yet (its rollouts would ignore them)."""
+    why = {
+        "actor": "ppo's generation does not apply adapters yet (LoRA trains in sft, rm and the ppo critic)",
+        "reference": "the reference never trains",
+        "reward": "the reward model never trains in ppo (train it with LoRA in rm)",
+    }
+    return [
+        f"{role}.lora.rank={cfg.role(role).lora.rank} must be 0: {reason}"
+        for role, reason in why.items()
+        if cfg.role(role).lora.rank > 0
+    ]
 
 
 def _reference_update_errors(cfg: PPOConfig, roles: list[str], archs: dict[str, Architecture]) -> list[str]:

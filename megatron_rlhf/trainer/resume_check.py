@@ -40,6 +40,8 @@ RULES: dict[str, dict[str, str]] = {
         "host_threads": MAY_CHANGE,
     },
     "ModelConfig": {"path": MODEL, "tp": LAYOUT, "pp": LAYOUT},
+    # rank, alpha and the targets shape the adapters and what a step means; dropout only regularises.
+    "LoraConfig": {"rank": FIXED, "alpha": FIXED, "dropout": MAY_CHANGE, "target_modules": FIXED},
     # none <-> periodic/ema decides whether the checkpoint holds the reference's weights.
     "ReferenceConfig": {"update": FIXED, "update_every": MAY_CHANGE, "ema_decay": MAY_CHANGE},
     "LoopConfig": {

@@ -41,6 +41,8 @@ class RunStart:
     tokenizer: Tokenizer
     claim: RunClaim
     models: dict[str, RunModel]
+    seed: int
+    """The run's seed (the LoRA adapters' initial values are drawn from it)."""
 
     def build(self, role: str, vocab_pad_multiple: int = VOCAB_PAD_MULTIPLE) -> RoleModel:
         """The model of ``role``, built in its layout and loaded from its path (timed)."""
@@ -54,6 +56,7 @@ class RunStart:
                 dtype=self.dtype,
                 device=self.env.device,
                 vocab_pad_multiple=vocab_pad_multiple,
+                seed=self.seed,
             )
 
 
@@ -82,4 +85,4 @@ def start_run[Data](
     data = load_data(tokenizer)
     archs = {role: model.arch for role, model in models.items()}
     claim = write_run_files(cfg, Path(cfg.output_dir), archs, tokenizer)
-    return RunStart(env, dtype, tokenizer, claim, models), data
+    return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), data

@@ -96,9 +96,13 @@ def set_up_run(
     )
     model = start.build(role)
     state = make_train_state(model, cfg.optim)
+    params = list(model.model.parameters())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    lora = cfg.model.lora
+    adapters = f" (LoRA rank {lora.rank}: {trained / 1e6:.3f}M trained)" if lora.enabled else ""
     log(
         f"model {arch.hf_class_name} {arch.num_layers} layers, {model.groups.layout}, "
-        f"{sum(p.numel() for p in model.model.parameters()) / 1e6:.2f}M parameters on rank 0, from {model.source}"
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M parameters{adapters} on rank 0, from {model.source}"
     )
     return SupervisedRun(start.tokenizer, train, validation, state, start.claim)
 

@@ -130,7 +130,11 @@ CASES: list[CliCase] = [
         "a misspelt key is refused with the nearest real one",
         ("smoke", "actor.tpp=2"),
         exit_code=2,
-        stderr_has=("unknown key 'actor.tpp'; did you mean", "actor.tp", "valid keys here: ['path', 'tp', 'pp']"),
+        stderr_has=(
+            "unknown key 'actor.tpp'; did you mean",
+            "actor.tp",
+            "valid keys here: ['path', 'tp', 'pp', 'lora']",
+        ),
         builds_models=False,
     ),
     CliCase(
@@ -246,6 +250,24 @@ CASES: list[CliCase] = [
             stderr_has=("{tmp}/no-response.jsonl", "no column 'response'"),
         )
         for num_workers in (0, 2)
+    ),
+    CliCase(
+        "sft_lora",
+        "sft with LoRA adapters trains, checkpoints, says how many parameters train, and writes no HF model "
+        "(TP2 and PP2: tests/distributed/test_lora.py)",
+        (
+            "sft",
+            "--config",
+            "sft-tiny",
+            "data.train=[{tmp}/train.jsonl]",
+            "model.lora.rank=8",
+            "save_hf=false",
+            "max_steps=2",
+            "output_dir={tmp}/run",
+        ),
+        files={"train.jsonl": "".join(f'{{"prompt": "{i}+{i}=", "response": "{2 * i}"}}\n' for i in range(32))},
+        stdout_has=("M parameters (LoRA rank 8: 0.075M trained) on rank 0", "step 2: saved checkpoint", "sft done"),
+        absent=("run/hf",),
     ),
     CliCase(
         "rm_global_batch_not_divisible_by_dp",

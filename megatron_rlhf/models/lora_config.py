@@ -1,0 +1,76 @@
+"""LoRA settings of a trained model (``actor.lora``, ``critic.lora``, sft's/rm's ``model.lora``) and
+the PEFT module names they accept; no megatron import, so that a config is checked before it loads.
+
+The names are PEFT's (the HF projections); ``models/lora.py`` maps each onto its rows or columns of
+megatron's fused linears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from megatron_rlhf.config.fields import check_on_init
+
+ALL_LINEAR = "all-linear"
+TARGET_LINEARS = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+"""Each PEFT target name and the megatron linear that holds its weight (q/k/v and gate/up share
+one fused linear; the LM head and the score head are never adapted, as in PEFT's all-linear)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the model's linears; the base weights then stay
+    frozen and only the adapters (and a score head) train."""
+
+    rank: int = 0
+    """The adapters' rank r; 0 trains the full model without adapters."""
+    alpha: float = 16.0
+    """Scale numerator: an adapter adds (alpha / rank) * B @ A to its weight (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1) (PEFT's lora_dropout)."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: [ALL_LINEAR])
+    """PEFT module names to adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
+    all-linear (all seven)."""
+
+    def __post_init__(self) -> None:
+        check_on_init(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def targets(self) -> tuple[str, ...]:
+        """The PEFT names adapted, in ``TARGET_LINEARS`` order (all-linear expanded)."""
+        wanted = set(self.target_modules)
+        return tuple(name for name in TARGET_LINEARS if ALL_LINEAR in wanted or name in wanted)
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.rank < 0:
+            errors.append(f"rank={self.rank} must be >= 0 (0: no adapters)")
+        if not self.alpha > 0:
+            errors.append(f"alpha={self.alpha} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            errors.append(f"dropout={self.dropout} must be in [0, 1)")
+        known = [*TARGET_LINEARS, ALL_LINEAR]
+        if not self.target_modules:
+            errors.append(f"target_modules is empty: name at least one of {known}")
+        for name in self.target_modules:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                errors.append(f"target_modules: {name!r} is not a known module; expected names from {known}{hint}")
+        return errors
