@@ -47,6 +47,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     RUN_STATE_FILE,
     copy_problems,
     files_under,
+    step_of,
     write_atomically,
 )
 from megatron_rlhf.debug import faults
@@ -120,32 +121,27 @@ class RemoteDir:
                 steps.append(step)
         return sorted(steps)
 
-    def _step_dirs(self) -> list[tuple[int, str]]:
-        """(step, name) of each ``step_N`` entry (not ``.tmp``) under the root."""
+    def _entries(self) -> list[str]:
+        """The names directly under the root (none before the first upload)."""
         try:
-            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.root, detail=False)]
+            return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return []
-        return [
-            (int(name[5:]), name)
-            for name in names
-            if name.startswith("step_") and name[5:].isdigit()  # not step_N.tmp
-        ]
+
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        """(step, name) of each ``step_N`` entry (not ``.tmp``) under the root."""
+        return [(step, name) for name in self._entries() if (step := step_of(name)) is not None]
 
     def _remove_partial(self) -> None:
         """Leftovers of interrupted uploads: ``*.tmp`` entries, and step directories beyond ``latest``
         (a copy interrupted before ``latest`` named it, or a step that a run resumed from an older
         checkpoint redoes)."""
         latest = self.latest()
-        try:
-            entries = [entry.rstrip("/") for entry in self.fs.ls(self.root, detail=False)]
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            name = entry.rsplit("/", 1)[-1]
-            beyond = name.startswith("step_") and name[5:].isdigit() and (latest is None or int(name[5:]) > latest)
+        for name in self._entries():
+            step = step_of(name)
+            beyond = step is not None and (latest is None or step > latest)
             if name.endswith(".tmp") or beyond:
-                self.fs.rm(entry, recursive=True)
+                self.fs.rm(self.path(name), recursive=True)
                 why = "an interrupted upload" if name.endswith(".tmp") else f"beyond latest (step_{latest})"
                 log(f"removed {self.url}/{name}: {why}")
 

@@ -75,9 +75,15 @@ def checkpoints_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / CHECKPOINTS_DIR
 
 
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory's name ``step_N``; None for any other name (``step_N.tmp``)."""
+    match = _STEP_DIR.fullmatch(name)
+    return None if match is None else int(match.group(1))
+
+
 def is_complete(ckpt: Path) -> bool:
     """A finished checkpoint: a ``step_N`` directory (not ``.tmp``) holding ``run_state.json``."""
-    return _STEP_DIR.fullmatch(ckpt.name) is not None and (ckpt / RUN_STATE_FILE).is_file()
+    return step_of(ckpt.name) is not None and (ckpt / RUN_STATE_FILE).is_file()
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
