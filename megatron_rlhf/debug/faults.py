@@ -44,16 +44,17 @@ def on_gradients_reduced(gradient_buffers: Sequence[torch.Tensor], updates_done:
 
 def on_checkpoint_written(step: int) -> None:
     """Called once a checkpoint's files are written, before it is marked complete: sleeps when armed."""
-    spec = os.environ.get(SLOW_SAVE_ENV)
-    if spec:
-        slow_step, seconds = spec.split(":")
-        if int(slow_step) == step:
-            time.sleep(float(seconds))
+    _sleep_if_armed(SLOW_SAVE_ENV, step)
 
 
 def on_remote_files_uploaded(step: int) -> None:
     """Called by ``remote.RemoteDir.upload`` once the bulk of step ``step`` is uploaded: sleeps when armed."""
-    spec = os.environ.get(SLOW_UPLOAD_ENV)
+    _sleep_if_armed(SLOW_UPLOAD_ENV, step)
+
+
+def _sleep_if_armed(variable: str, step: int) -> None:
+    """Sleeps the seconds ``variable`` (``STEP:SECONDS``) names when ``step`` is its step."""
+    spec = os.environ.get(variable)
     if spec:
         slow_step, seconds = spec.split(":")
         if int(slow_step) == step:

@@ -19,14 +19,12 @@ first, so that neither measured save does.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import clock
+from common import RunningReport, clock
 
 
 def main() -> None:
@@ -80,38 +78,28 @@ def main() -> None:
         writer.save(step, train_states={"actor": state}, weights={}, run_state={}, config_yaml="")
         returned = synchronized()
         if background:
-            report(async_blocking_s=returned - start)
+            report.add(async_blocking_s=returned - start)
         writer.wait()
         done = synchronized()
         return returned - start, done - start, args.dir / name / f"step_{step}"
 
-    result: dict[str, Any] = {
-        "model": args.model,
-        "device": env.device.type,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    report = RunningReport(model=args.model, device=env.device.type, dtype=str(dtype).removeprefix("torch."))
 
-    def report(**figures: object) -> None:
-        """Print the figures so far, one JSON line each time: a run cut short keeps what it measured."""
-        result.update(figures)
-        if env.rank == 0:
-            print(json.dumps(result), flush=True)
-
-    report(warmup_save_s=save(train_state("builtin:tiny-llama"), "warmup", background=False)[1])
+    report.add(warmup_save_s=save(train_state("builtin:tiny-llama"), "warmup", background=False)[1])
     state = train_state(args.model)
-    report(layout=str(state.role.groups.layout))
+    report.add(layout=str(state.role.groups.layout))
     if not args.async_only:
         sync_s, _, ckpt = save(state, "sync", background=False)
         size = sum(path.stat().st_size for path in ckpt.rglob("*") if path.is_file())
-        report(sync_save_s=sync_s, size_GB=size / 1e9, write_GBps=size / 1e9 / sync_s)
+        report.add(sync_save_s=sync_s, size_GB=size / 1e9, write_GBps=size / 1e9 / sync_s)
         start = synchronized()
         load_run_checkpoint(ckpt, train_states={"actor": state}, weights={})
-        report(load_s=synchronized() - start)
+        report.add(load_s=synchronized() - start)
         if env.rank == 0:
             shutil.rmtree(args.dir / "sync")  # room on the disk for the next one
         dist.barrier()
     _, async_total_s, _ = save(state, "async", background=True)
-    report(async_total_s=async_total_s)
+    report.add(async_total_s=async_total_s)
     if env.rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
 

@@ -223,3 +223,20 @@ def write_report(result: Mapping[str, Any], out: Path | None, *, show: bool = Tr
         print(json.dumps(result, indent=1), flush=True)
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+class RunningReport:
+    """Figures reported as they are measured: after each ``add``, rank 0 prints all of them so far as
+    one JSON line (and rewrites ``out``), so that a run cut short keeps what it measured."""
+
+    def __init__(self, out: Path | None = None, **figures: object) -> None:
+        self.out = out
+        self.figures: dict[str, object] = dict(figures)
+
+    def add(self, **figures: object) -> None:
+        self.figures.update(figures)
+        if not is_rank_zero():
+            return
+        print(json.dumps(self.figures), flush=True)
+        if self.out is not None:
+            self.out.write_text(json.dumps(self.figures, indent=2) + "\n")

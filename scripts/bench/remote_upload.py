@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -31,10 +30,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from common import clock
+from common import RunningReport, clock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.s3_server, run by its path
 
@@ -70,17 +68,7 @@ def main() -> None:
     dtype = resolve_dtype("auto", env.device)
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
-    result: dict[str, Any] = {
-        "model": args.model,
-        "device": env.device.type,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-    def report(**figures: object) -> None:
-        result.update(figures)
-        print(json.dumps(result), flush=True)
-        if args.out is not None:
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    report = RunningReport(args.out, model=args.model, device=env.device.type, dtype=str(dtype).removeprefix("torch."))
 
     role = build_role(
         "actor", ModelConfig(path=args.model), architecture_of(args.model), world_size=1, dtype=dtype, device=env.device
@@ -104,7 +92,7 @@ def main() -> None:
     writer.save(1, train_states={"actor": state}, weights={}, run_state={}, config_yaml="")
     ckpt = args.dir / "local" / "step_1"
     size = sum(path.stat().st_size for path in ckpt.rglob("*") if path.is_file())
-    report(size_GB=size / 1e9, local_save_s=time.perf_counter() - start)
+    report.add(size_GB=size / 1e9, local_save_s=time.perf_counter() - start)
 
     def timed_upload(remote: RemoteDir) -> float:
         start = time.perf_counter()
@@ -132,7 +120,7 @@ def main() -> None:
         uploading: list[float] = []
         while thread.is_alive() and len(uploading) < args.steps:
             uploading.append(step_seconds())
-        report(
+        report.add(
             step_s_idle=statistics.median(idle),
             step_s_uploading=statistics.median(uploading),
             steps_while_uploading=len(uploading),
@@ -144,13 +132,13 @@ def main() -> None:
             raise SystemExit(
                 "the upload failed" + (f"; moto's log: {args.dir / 'moto.log'}" if args.target == "s3" else "")
             )
-        report(upload_s=seconds_box[0], upload_GBps=size / 1e9 / seconds_box[0])
+        report.add(upload_s=seconds_box[0], upload_GBps=size / 1e9 / seconds_box[0])
         shutil.rmtree(args.dir / "local")  # room on the disk
         start = time.perf_counter()
         got = remote.download_newest(args.dir / "downloaded")
         seconds = time.perf_counter() - start
         assert got is not None, "the upload did not download again"
-        report(download_s=seconds, download_GBps=size / 1e9 / seconds)
+        report.add(download_s=seconds, download_GBps=size / 1e9 / seconds)
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
