@@ -1,6 +1,6 @@
 """LoRA at TP2 and PP2 equals LoRA at TP1: logits, loss, adapter gradients (gathered), merged weights,
 and checkpoints saved in each layout loaded at TP1 (2 gloo ranks; the float64 parity with PEFT is in
-tests/unit/test_lora.py)."""
+tests/unit/test_lora.py); GRPO with a LoRA actor trained at TP2 and generating resharded at TP1."""
 
 from __future__ import annotations
 
@@ -26,3 +26,22 @@ def test_lora_tp2_and_pp2_equal_tp1(tmp_path: Path) -> None:
         assert results[f"{layout}/checkpoint_to_tp1_exact"] == 1.0
         assert results[f"{layout}/initial_equals_tp1"] == 1.0
         assert results[f"{layout}/planned_trained_params_exact"] == 1.0
+
+
+PPO_WORKER = Path(__file__).with_name("ppo_lora_worker.py")
+
+
+@pytest.mark.distributed
+def test_grpo_with_a_lora_actor_trained_at_tp2_generating_resharded(tmp_path: Path) -> None:
+    """The adapters are resharded with the weights into the TP1 generation copy and merged there: the
+    engine's log-probs equal the trainer's (as for full fine-tuning), the base never changes, and
+    the reference is the actor's base, no model built (``ppo_lora_worker.py``)."""
+    results = run_worker(PPO_WORKER, 2, tmp_path, timeout=600)
+    assert results["resharded"] == 1.0 and results["reshard_timed"] == 1.0
+    assert results["reference_model_built"] == 0.0 and results["reference_is_actor_base"] == 1.0
+    assert results["kl_step1"] == 0.0 and results["kl_last"] != 0.0
+    assert results["logprob_max_abs_diff"] < 1e-5
+    assert results["base_exact"] == 1.0 and results["adapters_moved"] == 1.0
+    assert results["random_b/actor_unchanged"] == 1.0
+    assert results["random_b/adapters_effect"] > 1e-2
+    assert results["random_b/logprob_max_abs_diff"] < 1e-5

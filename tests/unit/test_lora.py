@@ -76,7 +76,11 @@ def test_commands_name_the_full_key_of_a_bad_lora_setting(tmp_path: Path) -> Non
     [
         (["reward.lora.rank=8", "scoring.use_reward_model=true"], "reward.lora.rank=8 must be 0: the reward model"),
         (["reference.lora.rank=4"], "reference.lora.rank=4 must be 0: the reference never trains"),
-        (["actor.lora.rank=8"], "actor.lora.rank=8 must be 0: ppo's generation does not apply adapters yet"),
+        (
+            ["actor.lora.rank=8", "save_hf=false", "reference.update=ema"],
+            "reference.update='ema' with actor.lora.rank=8: a reference that follows a LoRA actor is not supported",
+        ),
+        (["actor.lora.rank=8"], "save_hf=true with actor.lora.rank=8: the HF export does not merge LoRA adapters yet"),
     ],
 )
 def test_ppo_refuses_lora_where_it_cannot_train(overrides: list[str], message: str) -> None:
