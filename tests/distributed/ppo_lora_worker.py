@@ -1,11 +1,12 @@
-"""torchrun worker (2 ranks, gloo, float32): GRPO on ppo-tiny with a LoRA actor (rank 8) trained at
-TP2 and generating at TP1 x DP2, so that its adapters are resharded with the weights and merged into
-the generation copy.
+"""torchrun worker (2 ranks, gloo, float32): GRPO on ppo-tiny with a LoRA actor (rank 8) trained in
+the layout its arguments give (actor.tp=2 or actor.pp=2) and generating at TP1 x DP2, so that its
+adapters are resharded with the weights (TP-split pieces gathered, PP stages renumbered) and merged
+into the generation copy.
 
 * no reference model is built: the reference is the actor's base, its adapters off;
 * three steps from B = 0: the KL is 0 at step 1, the engine's log-probs stay within the tolerance of
-  the trainer's, every adapter moves, and the base is bit-identical to a TP2 model of the same path
-  built without LoRA (the independent reference);
+  the trainer's, every adapter moves, and the base is bit-identical to a model of the same path and
+  layout built without LoRA (the independent reference);
 * then, with random B (the adapters matter), one rollout: the engine's log-probs equal the trainer's
   with the adapters unmerged and differ from the base's by far more; the actor is unchanged by it.
 Rank 0 writes the figures (reduced over the ranks) to OUT/results.json; the test checks them.
@@ -24,7 +25,6 @@ from tests.launch import WorkerSession, worker_session
 
 OVERRIDES = (
     "device=cpu",
-    "actor.tp=2",
     "rollout.tp=1",
     "actor.lora.rank=8",
     "save_hf=false",
@@ -58,7 +58,8 @@ def main(session: WorkerSession) -> None:
     from megatron_rlhf.training.train import forward_all_rows
 
     env, results = session.env, session.results
-    cfg = load_config("ppo-tiny", [*OVERRIDES, f"output_dir={session.out / 'run'}"], schema=PPOConfig)
+    layout = session.args  # e.g. ["actor.tp=2"]
+    cfg = load_config("ppo-tiny", [*OVERRIDES, *layout, f"output_dir={session.out / 'run'}"], schema=PPOConfig)
     run = set_up_ppo(cfg, env)
     actor = run.actor.role
     results["reference_model_built"] = float(run.reference is not None)
@@ -80,7 +81,7 @@ def main(session: WorkerSession) -> None:
 
     base = build_role(
         "reference",
-        ModelConfig(path=cfg.actor.path, tp=2),
+        ModelConfig(path=cfg.actor.path, tp=cfg.actor.tp, pp=cfg.actor.pp),
         architecture_of(cfg.actor.path),
         world_size=env.world_size,
         dtype=torch.float32,

@@ -1,6 +1,6 @@
 """LoRA at TP2 and PP2 equals LoRA at TP1: logits, loss, adapter gradients (gathered), merged weights,
 and checkpoints saved in each layout loaded at TP1 (2 gloo ranks; the float64 parity with PEFT is in
-tests/unit/test_lora.py); GRPO with a LoRA actor trained at TP2 and generating resharded at TP1."""
+tests/unit/test_lora.py); GRPO with a LoRA actor trained at TP2 or PP2, generating resharded at TP1."""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ PPO_WORKER = Path(__file__).with_name("ppo_lora_worker.py")
 
 
 @pytest.mark.distributed
-def test_grpo_with_a_lora_actor_trained_at_tp2_generating_resharded(tmp_path: Path) -> None:
-    """The adapters are resharded with the weights into the TP1 generation copy and merged there: the
-    engine's log-probs equal the trainer's (as for full fine-tuning), the base never changes, and
-    the reference is the actor's base, no model built (``ppo_lora_worker.py``)."""
-    results = run_worker(PPO_WORKER, 2, tmp_path, timeout=600)
+@pytest.mark.parametrize("layout", ["actor.tp=2", "actor.pp=2"])
+def test_grpo_with_a_lora_actor_generating_resharded(tmp_path: Path, layout: str) -> None:
+    """The adapters are resharded with the weights into the TP1 x DP2 generation copy and merged
+    there: the engine's log-probs equal the trainer's (as for full fine-tuning), the base never
+    changes, and the reference is the actor's base, no model built (``ppo_lora_worker.py``)."""
+    results = run_worker(PPO_WORKER, 2, tmp_path, layout, timeout=600)
     assert results["resharded"] == 1.0 and results["reshard_timed"] == 1.0
     assert results["reference_model_built"] == 0.0 and results["reference_is_actor_base"] == 1.0
     assert results["kl_step1"] == 0.0 and results["kl_last"] != 0.0
