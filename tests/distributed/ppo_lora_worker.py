@@ -8,7 +8,8 @@ into the generation copy.
   the trainer's, every adapter moves, and the base is bit-identical to a model of the same path and
   layout built without LoRA (the independent reference);
 * then, with random B (the adapters matter), one rollout: the engine's log-probs equal the trainer's
-  with the adapters unmerged and differ from the base's by far more; the actor is unchanged by it.
+  with the adapters unmerged and differ from the base's by far more; the actor is unchanged by it;
+  the same for two rollouts of an engine that frees its generation copy after each (offloading).
 Rank 0 writes the figures (reduced over the ranks) to OUT/results.json; the test checks them.
 """
 
@@ -50,6 +51,7 @@ def main(session: WorkerSession) -> None:
 
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.hybrid.engine import HybridEngine
     from megatron_rlhf.models.lora import adapters
     from megatron_rlhf.trainer.ppo import _rollout_logprobs, ppo_step, rollout_batch, set_up_ppo
     from megatron_rlhf.trainer.ppo_config import PPOConfig
@@ -98,29 +100,40 @@ def main(session: WorkerSession) -> None:
         float(bool(adapter_names) and all(not torch.equal(trained[n], initial[n]) for n in adapter_names))
     )
 
-    # Random B, alike on every rank (row-parallel linears' B is replicated over TP).
-    with torch.no_grad():
-        for index, adapter in enumerate(adapters(actor.model)):
-            for b in adapter.lora_B.values():
-                b.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(100 + index))
-    before = params()
     prompts = [run.prompts[i].prompt_ids.tolist() for i in range(per_step)]
-    completions = run.generation.generate(prompts, dataclasses.replace(cfg.rollout.sampling, seed=11))
-    after = params()
-    results["random_b/actor_unchanged"] = world_min(float(all(torch.equal(after[n], before[n]) for n in before)))
-    batch = rollout_batch(completions, run.tokenizer.pad_id)
-    mask = batch["response_mask"]
-    response_only = logits_only_at(batch, "response_mask")
 
-    def logprobs(role) -> torch.Tensor:
-        return forward_all_rows(
-            role, response_only, logprobs_output(role), max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch
-        )
+    def rollout(generation, seed: int) -> tuple[float, float]:
+        """Random B (alike on every rank: row-parallel linears' B is replicated over TP), one
+        rollout: the engine's log-probs against the trainer's (adapters unmerged), and how far
+        the adapters move the trainer's from the base's."""
+        with torch.no_grad():
+            for index, adapter in enumerate(adapters(actor.model)):
+                for b in adapter.lora_B.values():
+                    b.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(seed + index))
+        before = params()
+        completions = generation.generate(prompts, dataclasses.replace(cfg.rollout.sampling, seed=seed))
+        after = params()
+        if not all(torch.equal(after[n], before[n]) for n in before):
+            raise AssertionError("the rollout changed the actor's weights")
+        batch = rollout_batch(completions, run.tokenizer.pad_id)
+        mask = batch["response_mask"]
+        response_only = logits_only_at(batch, "response_mask")
 
-    adapted, based = logprobs(actor), logprobs(base)
-    engine = _rollout_logprobs(completions, mask)
-    results["random_b/logprob_max_abs_diff"] = float(((engine - adapted).abs() * mask).max())
-    results["random_b/adapters_effect"] = float(((adapted - based).abs() * mask).max())
+        def logprobs(role) -> torch.Tensor:
+            return forward_all_rows(
+                role, response_only, logprobs_output(role), max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch
+            )
+
+        adapted, based = logprobs(actor), logprobs(base)
+        engine = _rollout_logprobs(completions, mask)
+        return float(((engine - adapted).abs() * mask).max()), float(((adapted - based).abs() * mask).max())
+
+    diff, effect = rollout(run.generation, 100)
+    results["random_b/logprob_max_abs_diff"], results["random_b/adapters_effect"] = diff, effect
+    # An engine that frees its generation copy after each rollout (hybrid.offload, on a GPU): the
+    # adapters' storage goes with the weights' and comes back at the next refresh.
+    freeing = HybridEngine(run.actor, 1, run.generation.engine.cfg, offload=True)
+    results["freeing/logprob_max_abs_diff"] = max(rollout(freeing, seed)[0] for seed in (200, 300))
 
 
 if __name__ == "__main__":
