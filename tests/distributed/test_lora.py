@@ -46,3 +46,35 @@ def test_grpo_with_a_lora_actor_generating_resharded(tmp_path: Path, layout: str
     assert results["random_b/adapters_effect"] > 1e-2
     assert results["random_b/logprob_max_abs_diff"] < 1e-5
     assert results["freeing/logprob_max_abs_diff"] < 1e-5
+
+
+LORA_GRPO = (
+    "ppo",
+    "--config",
+    "ppo-tiny",
+    "actor.lora.rank=8",
+    "save_hf=false",
+    "save_every=2",
+    "prompts_per_step=4",
+    "mini_batch_size=8",
+    "rollout.sampling.max_new_tokens=8",
+)
+
+
+@pytest.mark.distributed
+def test_grpo_with_a_lora_actor_resumes_exactly(tmp_path: Path) -> None:
+    """A LoRA actor's run ended after its step-2 checkpoint and started again with max_steps raised
+    logs, step for step, what the run never stopped logs, bit for bit: the adapters and their Adam
+    state come back from the checkpoint and the base from its path (every later figure reads them)."""
+    from tests.distributed.test_lifecycle import _deterministic, _records
+    from tests.launch import run_cli
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_cli(*LORA_GRPO, "max_steps=4", f"output_dir={straight}")
+    run_cli(*LORA_GRPO, "max_steps=2", f"output_dir={resumed}")
+    again = run_cli(*LORA_GRPO, "max_steps=4", f"output_dir={resumed}")
+    assert "at step 2" in again.stdout.split("resumed from ")[1], again.stdout[-3000:]
+    records = _records(resumed)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[2]["kl/per_sequence"] != 0.0  # the adapters had moved: losing them would show
+    assert [_deterministic(r) for r in records] == [_deterministic(r) for r in _records(straight)]
