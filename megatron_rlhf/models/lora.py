@@ -282,8 +282,15 @@ def add_delta(weight: torch.Tensor, adapter: LoraAdapter) -> None:
     weight's dtype: in bf16 that is one rounding of the merged value, not one of the delta and a
     second of the sum."""
     with torch.no_grad():
+        weight.copy_(merged_weight(weight, adapter))
+
+
+def merged_weight(weight: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
+    """A new tensor ``weight + scaling * B @ A`` in ``weight``'s dtype, summed in float32 and rounded
+    once (``add_delta``'s value, ``weight`` untouched): what the HF export writes for an adapted linear."""
+    with torch.no_grad():
         delta = (adapter.fused_b().float() @ adapter.fused_a().float()) * adapter.scaling
-        weight.copy_(weight.float() + delta)
+        return (weight.detach().float() + delta).to(weight.dtype)
 
 
 def merge_adapters(model: torch.nn.Module, *, keep_base: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

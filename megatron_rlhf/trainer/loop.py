@@ -490,7 +490,7 @@ def _export(cfg: LoopConfig, task: Task, out_dir: Path, final_step: int | None) 
     the ``convert`` command that redoes the export from it."""
     hf = out_dir / "hf"
     try:
-        export_hf(task.export_role, task.tokenizer, hf)
+        export_hf(task.export_role, task.tokenizer, hf, adapter_dir=out_dir / "hf_adapter")
     except OSError as err:
         if final_step is None:
             what = (

@@ -328,8 +328,7 @@ def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str
 
 def _lora_errors(cfg: PPOConfig, roles: list[str]) -> list[str]:
     """LoRA where ppo cannot use it: the reference and the reward model never train; a LoRA actor's
-    reference cannot follow it (the reference's copy of the actor would need the adapters merged),
-    and its HF export does not merge the adapters yet."""
+    reference cannot follow it (the reference's copy of the actor would need the adapters merged)."""
     why = {
         "reference": "the reference never trains",
         "reward": "the reward model never trains in ppo (train it with LoRA in rm)",
@@ -347,11 +346,6 @@ def _lora_errors(cfg: PPOConfig, roles: list[str]) -> list[str]:
             f"reference.update={cfg.reference.update!r} with actor.lora.rank={lora.rank}: a reference that "
             "follows a LoRA actor is not supported yet (its copy of the actor leaves the adapters out); "
             "use reference.update=none (the reference is then the actor's base, for free)"
-        )
-    if cfg.save_hf:
-        errors.append(
-            f"save_hf=true with actor.lora.rank={lora.rank}: the HF export does not merge LoRA adapters "
-            "yet (it would write the base model); set save_hf=false (the run's checkpoints hold the adapters)"
         )
     return errors
 

@@ -67,8 +67,6 @@ def test_commands_name_the_full_key_of_a_bad_lora_setting(tmp_path: Path) -> Non
     message = _config_error("sft", [f"data.train=[{rows}]", "model.lora.rank=-2", "model.lora.target_modules=[o_prj]"])
     assert "model.lora.rank=-2 must be >= 0" in message
     assert "model.lora.target_modules: 'o_prj' is not a known module" in message and "did you mean 'o_proj'?" in message
-    message = _config_error("sft", [f"data.train=[{rows}]", "model.lora.rank=8", "save_hf=true"])
-    assert "save_hf=true with model.lora.rank=8: the HF export does not merge LoRA adapters yet" in message
 
 
 @pytest.mark.parametrize(
@@ -80,7 +78,6 @@ def test_commands_name_the_full_key_of_a_bad_lora_setting(tmp_path: Path) -> Non
             ["actor.lora.rank=8", "save_hf=false", "reference.update=ema"],
             "reference.update='ema' with actor.lora.rank=8: a reference that follows a LoRA actor is not supported",
         ),
-        (["actor.lora.rank=8"], "save_hf=true with actor.lora.rank=8: the HF export does not merge LoRA adapters yet"),
     ],
 )
 def test_ppo_refuses_lora_where_it_cannot_train(overrides: list[str], message: str) -> None:
