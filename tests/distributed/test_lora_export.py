@@ -131,3 +131,21 @@ def test_a_grpo_run_with_a_lora_actor_exports_its_merged_model_and_adapter(tmp_p
         assert (base.eval()(input_ids).logits - logits).abs().max() > 1e-4  # the adapters trained
         with_adapter = peft.PeftModel.from_pretrained(base, out / "hf_adapter").eval()
         assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
+
+
+@pytest.mark.distributed
+def test_a_failed_lora_export_does_not_point_to_convert(tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` builds the model without adapters (it would write the base): a LoRA
+    run whose export fails says to run the command again instead."""
+    from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
+    from tests.launch import run_cli
+
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(16, 0))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hf").write_text("not a directory\n")
+    args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "model.lora.rank=4", "max_steps=1")
+    proc = run_cli(*args, "overwrite=true", f"output_dir={out}", exit_code=2)
+    assert "redo the export by running the same command again" in proc.stderr, proc.stderr[-3000:]
+    assert "megatron-rlhf convert does not merge LoRA adapters" in proc.stderr
+    assert "redo the export with: megatron-rlhf convert" not in proc.stderr
