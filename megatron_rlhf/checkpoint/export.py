@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.hf import save_hf_checkpoint, side_files_in
+from megatron_rlhf.checkpoint.peft_adapter import save_peft_adapter
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.lora import adapted_weights
 from megatron_rlhf.models.roles import RoleModel
 
 
@@ -30,9 +32,11 @@ def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
     return dataclasses.replace(arch, hf_config=hf_config)
 
 
-def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path) -> None:
+def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path, *, adapter_dir: Path | None = None) -> None:
     """Write ``role``'s model to ``hf_dir`` with its tokenizer files (collective). A model with a
-    non-finite weight on any rank is refused: it would load and produce garbage."""
+    non-finite weight on any rank is refused: it would load and produce garbage. A LoRA model is
+    written merged; a LoRA causal LM's adapters also go to ``adapter_dir`` (when given) as a PEFT
+    adapter of ``role.source`` (a score-head model's are not: PEFT would need its head too)."""
     local_ok = all(bool(torch.isfinite(param).all()) for param in role.model.parameters())
     bad = torch.tensor([0.0 if local_ok else 1.0], device=next(role.model.parameters()).device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -41,7 +45,12 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path) -> None:
     arch = with_token_ids(role.arch, tokenizer)
     start = time.perf_counter()
     save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
+    lora = any(True for _ in adapted_weights(role.model))
+    merged = "merged LoRA adapters; " if lora else ""
     log(
-        f"saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
+        f"{merged}saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
         f"copied {', '.join(side_files_in(role.source))} from {role.source}"
     )
+    if lora and adapter_dir is not None and not arch.score_head:
+        save_peft_adapter(role.model, role.groups, adapter_dir, base_model=str(role.source))
+        log(f"saved the LoRA adapters as a PEFT adapter of {role.source} to {adapter_dir}")

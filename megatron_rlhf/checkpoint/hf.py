@@ -187,10 +187,14 @@ def save_hf_checkpoint(
     side_files_from: str | Path | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
-    """Write ``model`` (any layout) as an HF checkpoint loadable by ``from_pretrained``.
+    """Write ``model`` (any layout) as an HF checkpoint loadable by ``from_pretrained``. A LoRA
+    model's adapted weights are written merged (``lora.merged_weight``: the model the adapters
+    make), computed per tensor beside the model, whose own weights are never touched.
 
     Collective over the whole world: every rank must call it.
     """
+    from megatron_rlhf.models.lora import adapted_weights, merged_weight
+
     out = Path(out_dir)
     layout = groups.layout
     is_writer = groups.tp_rank == 0 and groups.dp_rank == 0
@@ -198,6 +202,7 @@ def save_hf_checkpoint(
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     params = dict(model.named_parameters())
+    adapter_of = {id(weight): adapter for weight, adapter in adapted_weights(model)}
     weight_map: dict[str, str] = {}
     pending: dict[str, torch.Tensor] = {}
     pending_bytes, part = 0, 0
@@ -212,7 +217,9 @@ def save_hf_checkpoint(
         pending, pending_bytes, part = {}, 0, part + 1
 
     for tmap in exported_maps(arch, layout.pp, groups.pp_rank):
-        shard = params[tmap.mcore].detach()
+        param = params[tmap.mcore]
+        adapter = adapter_of.get(id(param))
+        shard = param.detach() if adapter is None else merged_weight(param, adapter)
         if tmap.kind == "replicated" or layout.tp == 1:
             shards = [shard]
         else:

@@ -63,7 +63,9 @@ class ModelsConfig(RunConfig):
     critic: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The value model; an empty path: the actor's (its backbone and a new value head, as in verl)."""
     reference: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    """The KL reference; an empty path: the actor's (the policy before training, as in verl)."""
+    """The KL reference; an empty path: the actor's (the policy before training, as in verl). The
+    actor's path with a LoRA actor and reference.update=none: the actor with its adapters off (its
+    frozen base), and no reference model is built."""
     reward: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The reward model (read with scoring.use_reward_model=true)."""
 

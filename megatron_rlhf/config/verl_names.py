@@ -97,7 +97,7 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         (
             f"{AR}.model.lora_rank",
             "actor.lora.rank",
-            "0 (off) in both; ppo refuses a LoRA actor until generation merges adapters (sft: `model.lora.rank`)",
+            "0 (off) in both; the reference can be the LoRA actor's base (sft: `model.lora.rank`)",
         ),
         (f"{AR}.model.lora_alpha", "actor.lora.alpha", "16 in both"),
         (

@@ -4,7 +4,9 @@
 buffers freed once the model has taken an optimizer step, optimizer state to pinned CPU), bring the
 generation weights up to date (zero copy when the layouts match, else a resharding copy written in
 place into the generation layout), generate with the run's one native engine on this rank's share
-of the prompts (data parallel over the generation layout), and when offloading free the KV cache,
+of the prompts (data parallel over the generation layout; a LoRA actor's generation weights are
+the merged ``W + scale * B @ A``, and where they are the actor's own weights its base is put back
+bit-exactly right after), and when offloading free the KV cache,
 the CUDA graphs and the generation copy and restore the training memory. Every rank gets all
 completions. Each of these parts is timed into the caller's phase timer, under the phase it
 has open (ppo's ``timing_s/gen/<part>``). No process group is created after construction.
@@ -74,8 +76,13 @@ class HybridEngine:
             self.resharder.refresh()
 
         captured = self.engine.graph_capture_seconds
-        with parts.part("generate"):
-            completions = generate_data_parallel(self.engine, prompts, params)
+        try:
+            with parts.part("generate"):
+                completions = generate_data_parallel(self.engine, prompts, params)
+        finally:
+            if self.resharder.merges_in_place:  # a LoRA actor generating from its own weights
+                with parts.part("lora base weights back"):
+                    self.resharder.restore()
         if self.device.type == "cuda" and self.engine.cfg.cuda_graphs:  # part of generate
             parts.add("cuda graph capture", self.engine.graph_capture_seconds - captured)
 

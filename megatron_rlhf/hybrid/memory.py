@@ -48,13 +48,18 @@ def generation_bytes(
     slots: int,
     max_len: int,
     dtype: torch.dtype,
+    lora_base_bytes: int = 0,
 ) -> int:
     """What generation allocates on one rank beside the training memory: the KV cache, and the
     resharded generation copy (``weight_bytes``, this rank's share of the actor in ``train``, spread
-    over ``generation_tp`` instead) unless the layouts match (zero copy)."""
+    over ``generation_tp`` instead) unless the layouts match (zero copy); then, for a LoRA actor,
+    its adapted linears' base weights (``lora_base_bytes``), kept while the adapters are merged
+    into them (``hybrid/reshard.py``)."""
     needs = kv_cache_bytes(arch, generation_tp=generation_tp, slots=slots, max_len=max_len, dtype=dtype)
     if not (generation_tp == train.tp and train.pp == 1):
         needs += weight_bytes * train.tp * train.pp // generation_tp
+    else:
+        needs += lora_base_bytes
     return needs
 
 

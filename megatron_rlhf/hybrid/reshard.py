@@ -34,6 +34,29 @@ trains in its own layout (say TP2, or PP2) and generates in another: TP = the ge
   storage (the addresses the engine's CUDA graphs read). Parameter objects (and megatron's cached
   name -> tensor maps of them) stay valid across the cycle: only the storage under them is freed and
   reallocated. megatron 0.19.2 does no bucketing: all the temporaries of one refresh exist at once.
+* LoRA: a source with adapters gets a copy with the same adapters (``models/lora.py``'s
+  ``mirror_adapters``, no forward hook), and ``refresh()`` reshards them with the weights (megatron's
+  plan reads their names and tensor-parallel attributes; the plan follows the destination's
+  parameters, so a copy without them would simply leave the source's adapters behind).
+
+Generation weights of a LoRA actor (``WeightResharder``) are the merged ``W + scale * B @ A``,
+computed where it costs least and leaves the actor's base exactly as it was:
+* resharded: in the generation copy, after the copy. ``refresh()`` copies W and the adapters (A and
+  B: rank x (in + out) values per linear, small next to W) into the generation layout, then adds
+  each adapter's delta into the copy's own W (``merge_adapters``; ``merged_delta`` is local in any
+  TP layout, so no communication beyond the copy). The alternatives cost more: resharding the
+  deltas moves a second set of full-size weights, and resharding W + delta needs the merged
+  weights in the training layout first (the zero-copy problem below). The actor's weights are only
+  read. The next ``refresh()`` overwrites the copy's W, so nothing is undone.
+* zero copy: the generation weights are the actor's own, bf16 on a GPU (fp32 on CPU) with no fp32
+  master copy (the base is frozen), so merging in place and subtracting the delta afterwards would
+  not give W back bit-exactly. Of the two exact ways, (a) a generation copy of the adapted
+  linears holding W + delta, which the engine would have to read instead of the model's weights,
+  and (b) keeping W of the adapted linears, merging in place, generating, and copying W back, this
+  takes (b): the engine reads the model's weights as always (same addresses, so CUDA graphs stay
+  valid), and its cost is one copy of the adapted weights while generating plus two device
+  copies of them per rollout (``restore()`` puts them back). Both cost that memory; a GPU run
+  will measure what the copies cost in time (not measured yet).
 """
 
 from __future__ import annotations
@@ -46,6 +69,7 @@ from megatron.core.resharding.utils import invalidate_refit_tensor_cache
 
 from megatron_rlhf.models.architecture import matching_vocab_pad_multiple
 from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.lora import adapters, merge_adapters, mirror_adapters, unmerge_adapters
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.layout import Layout, layout_errors, parallel_groups
 
@@ -90,6 +114,8 @@ class LayoutCopy:
         multiple = matching_vocab_pad_multiple(source.arch.vocab_size, source.padded_vocab_size, layout.tp)
         groups = parallel_groups(layout)
         model = build_model(source.arch, groups, dtype=dtypes.pop(), device=devices.pop(), vocab_pad_multiple=multiple)
+        if adapters(source.model):
+            mirror_adapters(source.model, model, source.arch, groups.pg_collection.tp)
         model.requires_grad_(False)  # read only; the copy writes into .data in place
         model.eval()
         self._flat = _flatten_parameters(model)
@@ -141,6 +167,33 @@ class WeightResharder(LayoutCopy):
             if errors:
                 raise ValueError("cannot generate in this layout: " + "; ".join(errors))
         super().__init__(source, layout)
+        self.lora = bool(adapters(source.model))
+        """Whether the actor has LoRA adapters, merged into the generation weights at each refresh."""
+        self._base: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def merges_in_place(self) -> bool:
+        """Whether ``refresh()`` merges the adapters into the actor's own weights (zero copy with
+        LoRA), to be undone by ``restore()`` before the actor trains again."""
+        return self.lora and self.zero_copy
+
+    def refresh(self) -> RoleModel:
+        """The generation weights: the copy (or the actor itself), with the adapters merged in."""
+        target = super().refresh()
+        if self.merges_in_place:
+            if self._base is not None:
+                raise RuntimeError("the generation weights are merged already: call restore() first")
+            self._base = merge_adapters(target.model, keep_base=True)
+        elif self.lora:
+            merge_adapters(target.model, keep_base=False)
+        return target
+
+    def restore(self) -> None:
+        """After generating: the actor's base weights back bit-exactly and its adapters on, where
+        ``refresh()`` merged in place; else nothing to do (the copy is rewritten at the next refresh)."""
+        if self._base is not None:
+            unmerge_adapters(self.source.model, self._base)
+            self._base = None
 
 
 _ALIGN = 128  # elements: every parameter view starts 256-byte aligned (bf16), as kernels prefer

@@ -24,6 +24,12 @@ Tensor parallelism (sequence parallelism off, as in this stack):
   ``x_local @ A_local^T`` is a partial sum: ``reduce_from_tensor_model_parallel_region`` all-reduces
   it (tokens, rank) before B, a tensor ``hidden / rank`` times smaller than the base's output, so the
   base's own all-reduce stays untouched.
+
+Merging (generation, which reads megatron's weights directly and would skip the hooks):
+``merge_adapters`` adds each adapter's delta into its weight and switches the adapters off;
+``unmerge_adapters`` copies back the base weights it kept (the only bit-exact way back: a bf16
+``W + delta - delta`` is not W). ``mirror_adapters`` gives a copy of the model in another layout
+the same adapters, so that a resharding copy moves them with the weights (``hybrid/reshard.py``).
 """
 
 from __future__ import annotations
@@ -261,6 +267,94 @@ def apply_lora(
 def adapters(model: torch.nn.Module) -> list[LoraAdapter]:
     """The model's adapters (none without LoRA), in module order."""
     return [module for module in model.modules() if isinstance(module, LoraAdapter)]
+
+
+def adapted_weights(model: torch.nn.Module) -> Iterator[tuple[torch.Tensor, LoraAdapter]]:
+    """(base weight, its adapter) of every adapted linear on this stage."""
+    for _, linear, adapter in adapted_linears(model):
+        weight = linear.weight
+        assert isinstance(weight, torch.Tensor)
+        yield weight, adapter
+
+
+def add_delta(weight: torch.Tensor, adapter: LoraAdapter) -> None:
+    """``weight += scaling * B @ A`` (``merged_delta``), summed in float32 and rounded once to the
+    weight's dtype: in bf16 that is one rounding of the merged value, not one of the delta and a
+    second of the sum."""
+    with torch.no_grad():
+        weight.copy_(merged_weight(weight, adapter))
+
+
+def merged_weight(weight: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
+    """A new tensor ``weight + scaling * B @ A`` in ``weight``'s dtype, summed in float32 and rounded
+    once (``add_delta``'s value, ``weight`` untouched): what the HF export writes for an adapted linear."""
+    with torch.no_grad():
+        delta = (adapter.fused_b().float() @ adapter.fused_a().float()) * adapter.scaling
+        return (weight.detach().float() + delta).to(weight.dtype)
+
+
+def merge_adapters(model: torch.nn.Module, *, keep_base: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Merge every adapter into its linear's weight (``add_delta``) and switch the adapters off (their
+    hook would add their output a second time). ``keep_base``: return (weight, a copy of it before
+    the merge) per adapted linear, for ``unmerge_adapters``; else nothing is kept (a copy whose
+    weights are rewritten before the next merge, like the resharded generation copy)."""
+    kept = []
+    for weight, adapter in adapted_weights(model):
+        if keep_base:
+            kept.append((weight, weight.detach().clone()))
+        add_delta(weight, adapter)
+        adapter.enabled = False
+    return kept
+
+
+def unmerge_adapters(model: torch.nn.Module, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Undo ``merge_adapters(model, keep_base=True)``: the weights it kept copied back (bit-exact;
+    subtracting the delta again would not give the base back after the merge's rounding) and the
+    adapters on."""
+    with torch.no_grad():
+        for weight, base in kept:
+            weight.copy_(base)
+    for adapter in adapters(model):
+        adapter.enabled = True
+
+
+def mirror_adapters(
+    source: GPTModel, target: GPTModel, arch: Architecture, tp_group: torch.distributed.ProcessGroup
+) -> None:
+    """Give ``target`` (``source``'s architecture in another layout) the adapters ``source`` has, at
+    the same linears with the same targets, rank and scaling, in ``target``'s TP layout and frozen,
+    without a forward hook: a copy that merges them into its weights (``merge_adapters``) rather than
+    running them. Their values are not copied here: ``LayoutCopy.refresh`` reshards them with the
+    weights (by their names and tensor-parallel attributes; A and B are small next to the weights).
+    Every pipeline stage adapts the same linears, so this stage's adapters describe the whole model's."""
+    like: dict[str, LoraAdapter] = {}
+    for _, name, parent, _ in _linears(source):
+        adapter = getattr(parent, name + ADAPTER_SUFFIX, None)
+        if isinstance(adapter, LoraAdapter):
+            like.setdefault(name, adapter)
+    weight = next(target.parameters())
+    for _, name, parent, linear in _linears(target):
+        found = like.get(name)
+        if found is None:
+            continue
+        base = linear.weight
+        assert isinstance(base, torch.Tensor)
+        # alpha only sets the scaling, which is then taken from the source exactly
+        cfg = LoraConfig(rank=found.rank, alpha=found.scaling * found.rank, target_modules=list(found.targets))
+        adapter = LoraAdapter(
+            fused_rows(name, arch, tp_group.size()),
+            found.targets,
+            in_features=base.shape[1],
+            cfg=cfg,
+            input_is_split=found.input_is_split,
+            tp_group=tp_group,
+            init=torch.Generator(),  # values overwritten by the copy
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        adapter.scaling = found.scaling
+        adapter.requires_grad_(False)
+        setattr(parent, name + ADAPTER_SUFFIX, adapter)
 
 
 @contextlib.contextmanager

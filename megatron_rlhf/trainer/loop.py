@@ -65,6 +65,7 @@ from megatron_rlhf.metrics.sinks import (
     strict_json,
 )
 from megatron_rlhf.models.architecture import Architecture
+from megatron_rlhf.models.lora import adapted_weights
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rewards.calls import ScoringInterrupted
 from megatron_rlhf.trainer import run_lock
@@ -490,12 +491,19 @@ def _export(cfg: LoopConfig, task: Task, out_dir: Path, final_step: int | None) 
     the ``convert`` command that redoes the export from it."""
     hf = out_dir / "hf"
     try:
-        export_hf(task.export_role, task.tokenizer, hf)
+        export_hf(task.export_role, task.tokenizer, hf, adapter_dir=out_dir / "hf_adapter")
     except OSError as err:
         if final_step is None:
             what = (
                 f"no checkpoint holds the final step (save_final={cfg.save_final}): the steps since the last "
                 "checkpoint are lost"
+            )
+        elif any(True for _ in adapted_weights(task.export_role.model)):
+            # convert mcore-to-hf builds the model without adapters: it would write the base model
+            what = (
+                f"the checkpoint {checkpoints_root(out_dir) / f'step_{final_step}'} holds every step; redo the "
+                "export by running the same command again (it resumes at the last step and exports; "
+                "megatron-rlhf convert does not merge LoRA adapters)"
             )
         else:
             ckpt = checkpoints_root(out_dir) / f"step_{final_step}"

@@ -20,8 +20,11 @@ Per rank, for each model the command uses, in the largest of its pipeline stages
   the update phase, so the next mini-batch's activations come on top of it (docs/benchmarks.md, memory
   plan against measured peaks).
 Generation adds the KV cache (``hybrid.memory.kv_cache_bytes``), the resharded generation copy
-when the generation layout differs from the actor's, the decode CUDA graphs' static logits (one
-(slots, Vp/tp) tensor per KV-length bucket), and the prefill and sampling workspace.
+when the generation layout differs from the actor's (else, for a LoRA actor, its adapted base
+weights kept while the adapters are merged into them), the decode CUDA graphs' static logits (one
+(slots, Vp/tp) tensor per KV-length bucket), and the prefill and sampling workspace. A LoRA actor's
+reference that is its own base (``ppo_config.reference_from_actor``) holds no weights: the plan
+leaves the reference out and says what it saves.
 
 The phase peaks follow ``hybrid.offload``: without offloading, the KV cache and the generation copy
 stay allocated through training; with it, the actor's gradient buffers and optimizer state leave
@@ -43,9 +46,9 @@ from megatron_rlhf.hybrid.memory import GIB, decide_offload, generation_bytes, k
 from megatron_rlhf.hybrid.reshard import generation_layout
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import padded_vocab_size
-from megatron_rlhf.models.lora_config import LoraConfig
+from megatron_rlhf.models.lora_config import TARGET_LINEARS, LoraConfig
 from megatron_rlhf.parallel.layout import Layout
-from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
+from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, reference_from_actor
 from megatron_rlhf.trainer.supervised import SupervisedConfig, check_config
 from megatron_rlhf.training.optim import OptimConfig
 
@@ -102,6 +105,21 @@ def stage_adapter_parameters(arch: Architecture, layout: Layout, lora: LoraConfi
         layer += lora.rank * (inputs // tp + outputs if split else inputs + outputs // tp)
     head = arch.num_labels * hidden if arch.score_head else 0
     return arch.num_layers // layout.pp * layer + head
+
+
+def stage_adapted_weights(arch: Architecture, layout: Layout, lora: LoraConfig) -> int:
+    """Base weight elements of the linears LoRA adapts, on one rank of a pipeline stage: what a LoRA
+    actor generating in its own layout keeps while its adapters are merged (``hybrid/reshard.py``)."""
+    tp, hidden, ffn = layout.tp, arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    weights = {
+        "linear_qkv": (q + 2 * kv) // tp * hidden,
+        "linear_proj": hidden * q // tp,
+        "linear_fc1": 2 * ffn // tp * hidden,
+        "linear_fc2": hidden * ffn // tp,
+    }
+    adapted = {TARGET_LINEARS[name] for name in lora.targets()}
+    return arch.num_layers // layout.pp * sum(weights[linear] for linear in adapted)
 
 
 def micro_batch_tokens(budget: int, rows: int, longest: int) -> int:
@@ -190,6 +208,11 @@ class MemoryPlan:
     generation_copy: int = 0
     graph_outputs: int = 0
     generation_workspace: int = 0
+    lora_base: int = 0
+    """A LoRA actor generating in its own layout: its adapted base weights, kept while merged."""
+    reference_saved: int = 0
+    """The weights per rank a reference model would hold, not built: the reference is the LoRA
+    actor's base, its adapters off (``ppo_config.reference_from_actor``)."""
     offload_mode: str = "never"
     auto_offload: bool = False
     """What ``hybrid.offload=auto`` decides on a device of ``gpu_memory``."""
@@ -264,23 +287,26 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
     actor_vocab = padded_vocab_size(archs["actor"].vocab_size, cfg.actor.tp)
     optims = {"actor": cfg.actor_optim, "critic": cfg.critic_optim}
     models = []
+    reference_saved = 0
     for role, arch in archs.items():
         model = cfg.role(role)
         dp = Layout.for_world(model.tp, model.pp, world_size).dp
         follows = role == "reference" and cfg.reference.update != "none"
-        models.append(
-            _model_memory(
-                role,
-                model,
-                arch,
-                world_size,
-                dtype,
-                optim=optims.get(role),
-                tokens=micro_batch_tokens(budget, (cfg.mini_batch_size or rows) // dp, longest),
-                forward_tokens=micro_batch_tokens(budget, rows // dp, longest),
-                padded_vocab=actor_vocab if follows else None,
-            )
+        memory = _model_memory(
+            role,
+            model,
+            arch,
+            world_size,
+            dtype,
+            optim=optims.get(role),
+            tokens=micro_batch_tokens(budget, (cfg.mini_batch_size or rows) // dp, longest),
+            forward_tokens=micro_batch_tokens(budget, rows // dp, longest),
+            padded_vocab=actor_vocab if follows else None,
         )
+        if role == "reference" and reference_from_actor(cfg):
+            reference_saved = memory.weights  # its forward pass runs on the actor instead
+            continue
+        models.append(memory)
     actor, arch = models[0], archs["actor"]
     generation_tp = rollout.tp or cfg.actor.tp
     generation = generation_layout(actor.layout, generation_tp, world_size)
@@ -289,6 +315,9 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
     slots = min(rollout.engine.max_batch_size, sequences)
     kv_len = min(rollout.engine.max_seq_len, longest)
     kv = kv_cache_bytes(arch, generation_tp=generation_tp, slots=slots, max_len=kv_len, dtype=dtype)
+    lora_base = 0
+    if cfg.actor.lora.enabled and generation == actor.layout:
+        lora_base = stage_adapted_weights(arch, actor.layout, cfg.actor.lora) * element
     copy = (
         generation_bytes(
             arch,
@@ -315,15 +344,17 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
     transient = max(m.transient for m in models)
     # The trainer decides from the memory free at set-up, less the Adam moments to come (ppo._decide_offload).
     auto, reason = decide_offload(
-        "auto", generation_needs=kv + copy, free=gpu_memory - weights - state, total=gpu_memory
+        "auto", generation_needs=kv + copy + lora_base, free=gpu_memory - weights - state, total=gpu_memory
     )
     offloaded = actor.grads + actor.optimizer
     kept = kv + copy + graphs  # what generation holds until the next rollout unless offloading
     peaks = {
-        "keep": PhasePeaks(training=weights + state + kept + transient, generation=weights + state + kept + workspace),
+        "keep": PhasePeaks(
+            training=weights + state + kept + transient, generation=weights + state + kept + lora_base + workspace
+        ),
         "offload": PhasePeaks(
             training=weights + state + transient,
-            generation=max(weights + state, weights + state - offloaded + kept + workspace),
+            generation=max(weights + state, weights + state - offloaded + kept + lora_base + workspace),
         ),
     }
     return MemoryPlan(
@@ -339,6 +370,8 @@ def plan_ppo(cfg: PPOConfig, world_size: int, gpu_memory: int) -> MemoryPlan:
         copy,
         graphs,
         workspace,
+        lora_base,
+        reference_saved,
         cfg.hybrid.offload,
         auto,
         reason,
@@ -414,6 +447,11 @@ def format_plan(plan: MemoryPlan) -> str:
             f"  {'generation':<11}{plan.generation!s:<14}{how}; "
             f"KV cache {plan.kv_slots} slots x {plan.kv_len} positions"
         )
+    if plan.reference_saved:
+        lines.append(
+            f"  {'reference':<11}the actor's base, its LoRA adapters off: no reference model "
+            f"(saves {plan.reference_saved / GIB:.2f} GiB of weights per GPU)"
+        )
     lines += [
         "",
         "per-GPU memory, GiB (busiest rank of each layout):",
@@ -429,6 +467,7 @@ def format_plan(plan: MemoryPlan) -> str:
             f"  generation: KV cache {plan.kv_cache / GIB:.2f}, generation copy {plan.generation_copy / GIB:.2f}, "
             f"graph logits {plan.graph_outputs / GIB:.2f}, "
             f"prefill + sampling workspace {plan.generation_workspace / GIB:.2f}"
+            + (f", LoRA base weights kept while merged {plan.lora_base / GIB:.2f}" if plan.lora_base else "")
         )
         lines += ["", "peak per GPU, GiB:", f"  {'':<11}{'keep':>9}{'offload':>9}"]
         for phase in ("training", "generation"):

@@ -4,12 +4,14 @@ One SPMD program: every rank holds its shards of the models the algorithm needs,
 layout. One step, on every rank, top to bottom in ``ppo_step``:
 
   1. rollout      the hybrid engine frees the actor's training memory, builds the generation
-                  weights (zero copy, or resharded), samples ``rollout.sampling.n`` responses per prompt
-                  and restores training memory; every rank gets every completion;
+                  weights (zero copy, or resharded; a LoRA actor's adapters merged in), samples
+                  ``rollout.sampling.n`` responses per prompt and restores training memory; every
+                  rank gets every completion;
   2. rewards      rule functions (split over ranks) plus the reward model's score at the last token;
                   the rules run on a host thread while step 3's passes run on the GPU, and the
                   reward model's pass comes after them (``timing_s/reward``: what the step waited);
-  3. reference    reference log-probs (when a KL term is on), the actor's own log-probs before the
+  3. reference    reference log-probs (when a KL term is on; a LoRA actor's base, its adapters off,
+                  when it is the reference), the actor's own log-probs before the
      / old / values  update (the exact quantity the loss recomputes; no pass of their own when the
                   rollout feeds exactly one optimizer step: the update's forward supplies them,
                   ``old_logprob_pass``), the critic's values (GAE);
@@ -58,13 +60,20 @@ from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimi
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
 from megatron_rlhf.metrics.log import log, snake_case, timed
 from megatron_rlhf.metrics.phases import PhaseTimer
+from megatron_rlhf.models.lora import adapted_weights, adapters_off
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
 from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.trainer.loop import RunClaim, StepRows, run_loop
-from megatron_rlhf.trainer.ppo_config import CheckedConfig, PPOConfig, check_ppo_config, old_logprob_pass
+from megatron_rlhf.trainer.ppo_config import (
+    CheckedConfig,
+    PPOConfig,
+    check_ppo_config,
+    old_logprob_pass,
+    reference_from_actor,
+)
 from megatron_rlhf.trainer.start import RunModel, start_run
 from megatron_rlhf.trainer.stop import stop_requested
 from megatron_rlhf.training.objectives import (
@@ -93,6 +102,10 @@ class PPORun:
     actor: TrainState
     critic: TrainState | None
     reference: RoleModel | None
+    """The reference model; None without a KL term, or when the actor's base is the reference."""
+    reference_is_actor_base: bool
+    """The reference's log-probs come from the actor with its LoRA adapters off, and no reference
+    model is built (``ppo_config.reference_from_actor``)."""
     reference_updater: ReferenceUpdater | None
     """Moves the reference towards the actor after each actor update; None: a fixed reference."""
     reward_model: RoleModel | None
@@ -159,7 +172,10 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     actor = make_train_state(start.build("actor"), cfg.actor_optim)
     critic = make_train_state(start.build("critic"), cfg.critic_optim) if "critic" in archs else None
     reference = updater = None
-    if "reference" in archs:
+    free_reference = reference_from_actor(cfg)
+    if free_reference:
+        log("reference: the actor's base, its LoRA adapters off (no reference model built)")
+    elif "reference" in archs:
         reference = start.build("reference", reference_vocab_pad_multiple(cfg.reference, actor.role))
         if cfg.reference.update != "none":
             updater = ReferenceUpdater(actor.role, reference, cfg.reference)
@@ -199,6 +215,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         actor=actor,
         critic=critic,
         reference=reference,
+        reference_is_actor_base=free_reference,
         reference_updater=updater,
         reward_model=reward_model,
         scorer=scorer,
@@ -255,9 +272,10 @@ class PPOTask:
             "reference": run.reference,
             "reward": run.reward_model,
         }
+        free = ", reference = the actor's base (adapters off)" if run.reference_is_actor_base else ""
         return (
             ", ".join(f"{name} {role.groups.layout}" for name, role in models.items() if role is not None)
-            + f"; {run.generation.layout_description}"
+            + f"{free}; {run.generation.layout_description}"
         )
 
     @property
@@ -533,6 +551,10 @@ def forward_passes(run: PPORun, batch: Batch, timer: PhaseTimer | None = None) -
             out.ref_logprobs = forward(
                 run.reference, response_only, logprobs_output(run.reference, temperature=temperature)
             )
+    elif run.reference_is_actor_base:
+        actor = run.actor.role
+        with timer.phase("ref"), adapters_off(actor.model):
+            out.ref_logprobs = forward(actor, response_only, logprobs_output(actor, temperature=temperature))
     if run.old_logprob_pass:
         with timer.phase("old_log_prob"):
             out.old_logprobs = forward(
@@ -659,20 +681,23 @@ def _decide_offload(
 ) -> bool:
     """``hybrid.offload``, decided once from the device's memory at the training peak (what is
     allocated now plus the Adam moments still to come) against what generation allocates (the KV
-    cache, and the generation copy when it reshards); the decision and its figures are logged."""
+    cache, and the generation copy when it reshards, else a LoRA actor's base weights kept while
+    merged); the decision and its figures are logged."""
     if env.device.type != "cuda":
         log(f"hybrid.offload={cfg.hybrid.offload}: CPU mode, nothing to move")
         return False
     generation_tp = cfg.rollout.tp or cfg.actor.tp
-    dtype = next(actor.role.model.parameters()).dtype
+    model = actor.role.model
+    dtype = next(model.parameters()).dtype
     needs = generation_bytes(
         actor.role.arch,
         train=actor.role.groups.layout,
         generation_tp=generation_tp,
-        weight_bytes=sum(p.numel() * p.element_size() for p in actor.role.model.parameters()),
+        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         slots=engine_cfg.max_batch_size,
         max_len=engine_cfg.max_seq_len,
         dtype=dtype,
+        lora_base_bytes=sum(w.numel() * w.element_size() for w, _ in adapted_weights(model)),
     )
     free, total = torch.cuda.mem_get_info(env.device)
     free -= sum(optimizer_bytes_to_come(state) for state in (actor, *others))

@@ -243,7 +243,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     errors = config_errors(cfg, unused=unused + (["critic_optim"] if "critic" not in roles else []))
     errors += cfg.output_dir_errors()
     found, archs = role_errors(cfg, roles, world_size)
-    errors += found + _reference_update_errors(cfg, roles, archs) + _lora_errors(cfg)
+    errors += found + _reference_update_errors(cfg, roles, archs) + _lora_errors(cfg, roles)
     algo, rollout, data, sampling = cfg.algorithm, cfg.rollout, cfg.data, cfg.rollout.sampling
     if (
         algo.advantage_estimator in ADVANTAGE_ESTIMATORS
@@ -326,19 +326,42 @@ def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str
     return errors
 
 
-def _lora_errors(cfg: PPOConfig) -> list[str]:
-    """LoRA where ppo cannot train it: the reference and the reward model never train, and the actor's
-    adapters are not merged into the generation weights yet (its rollouts would ignore them)."""
+def _lora_errors(cfg: PPOConfig, roles: list[str]) -> list[str]:
+    """LoRA where ppo cannot use it: the reference and the reward model never train; a LoRA actor's
+    reference cannot follow it (the reference's copy of the actor would need the adapters merged)."""
     why = {
-        "actor": "ppo's generation does not apply adapters yet (LoRA trains in sft, rm and the ppo critic)",
         "reference": "the reference never trains",
         "reward": "the reward model never trains in ppo (train it with LoRA in rm)",
     }
-    return [
+    errors = [
         f"{role}.lora.rank={cfg.role(role).lora.rank} must be 0: {reason}"
         for role, reason in why.items()
         if cfg.role(role).lora.rank > 0
     ]
+    lora = cfg.actor.lora
+    if not lora.enabled:
+        return errors
+    if cfg.reference.update != "none" and "reference" in roles:
+        errors.append(
+            f"reference.update={cfg.reference.update!r} with actor.lora.rank={lora.rank}: a reference that "
+            "follows a LoRA actor is not supported yet (its copy of the actor leaves the adapters out); "
+            "use reference.update=none (the reference is then the actor's base, for free)"
+        )
+    return errors
+
+
+def reference_from_actor(cfg: PPOConfig) -> bool:
+    """Whether the reference's log-probs come from the actor with its adapters off, no reference
+    model built: a LoRA actor (its base is frozen, so with the adapters off it is the model it was
+    loaded as) whose path is the reference's (an empty reference.path is the actor's), a fixed
+    reference (reference.update=none), and an algorithm that uses the reference."""
+    return (
+        cfg.actor.lora.enabled
+        and cfg.reference.update == "none"
+        and cfg.reference.path == cfg.actor.path
+        and cfg.reference.lora.rank == 0
+        and "reference" in models_used(cfg)
+    )
 
 
 def _reference_update_errors(cfg: PPOConfig, roles: list[str], archs: dict[str, Architecture]) -> list[str]:

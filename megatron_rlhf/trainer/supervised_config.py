@@ -64,11 +64,6 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
                 f"global_batch_size={cfg.global_batch_size} must be divisible by the data-parallel size "
                 f"dp={dp} (world size {world_size} / (model.tp={model.tp} * model.pp={model.pp}))"
             )
-    if model.lora.enabled and cfg.save_hf:
-        errors.append(
-            f"save_hf=true with model.lora.rank={model.lora.rank}: the HF export does not merge LoRA adapters "
-            "yet (it would write the base model); set save_hf=false (the run's checkpoints hold the adapters)"
-        )
     data = cfg.data  # type: ignore[attr-defined]
     if not data.train:
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")

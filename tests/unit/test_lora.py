@@ -67,8 +67,6 @@ def test_commands_name_the_full_key_of_a_bad_lora_setting(tmp_path: Path) -> Non
     message = _config_error("sft", [f"data.train=[{rows}]", "model.lora.rank=-2", "model.lora.target_modules=[o_prj]"])
     assert "model.lora.rank=-2 must be >= 0" in message
     assert "model.lora.target_modules: 'o_prj' is not a known module" in message and "did you mean 'o_proj'?" in message
-    message = _config_error("sft", [f"data.train=[{rows}]", "model.lora.rank=8", "save_hf=true"])
-    assert "save_hf=true with model.lora.rank=8: the HF export does not merge LoRA adapters yet" in message
 
 
 @pytest.mark.parametrize(
@@ -76,7 +74,10 @@ def test_commands_name_the_full_key_of_a_bad_lora_setting(tmp_path: Path) -> Non
     [
         (["reward.lora.rank=8", "scoring.use_reward_model=true"], "reward.lora.rank=8 must be 0: the reward model"),
         (["reference.lora.rank=4"], "reference.lora.rank=4 must be 0: the reference never trains"),
-        (["actor.lora.rank=8"], "actor.lora.rank=8 must be 0: ppo's generation does not apply adapters yet"),
+        (
+            ["actor.lora.rank=8", "save_hf=false", "reference.update=ema"],
+            "reference.update='ema' with actor.lora.rank=8: a reference that follows a LoRA actor is not supported",
+        ),
     ],
 )
 def test_ppo_refuses_lora_where_it_cannot_train(overrides: list[str], message: str) -> None:
@@ -285,3 +286,42 @@ def test_a_misspelt_lora_section_is_pointed_to_and_a_value_never_is() -> None:
         load_config(None, ["actor.lorra.rank=8"], schema=PPOConfig)
     with pytest.raises(ConfigError, match=r"did you mean actor_optim\.lr=1e-6\?"):  # not the lora section
         load_config(None, ["actor.lr=1e-6"], schema=PPOConfig)
+
+
+def test_a_bf16_base_merged_in_place_comes_back_bit_identical(world_of_one) -> None:
+    """In bf16 (a GPU run's dtype), W + delta - delta is not W: the in-place merge (generation in the
+    actor's own layout) keeps W and copies it back. The merged weight is W + delta to bf16's precision
+    (the delta in float64 here: an independent product)."""
+    from megatron_rlhf.checkpoint.sources import architecture_of
+    from megatron_rlhf.models.lora import adapted_weights, adapters, merge_adapters, unmerge_adapters
+
+    path = "builtin:tiny-llama"
+    role = build_role(
+        "actor",
+        ModelConfig(path=path, lora=LoraConfig(rank=4)),
+        architecture_of(path),
+        world_size=1,
+        dtype=torch.bfloat16,
+        device=CPU,
+    )
+    with torch.no_grad():
+        for adapter in adapters(role.model):
+            for b in adapter.lora_B.values():
+                b.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(4))
+    before = {name: p.detach().clone() for name, p in role.model.named_parameters()}
+    deltas = [
+        (weight.detach().clone(), (adapter.fused_b().double() @ adapter.fused_a().double()).detach() * adapter.scaling)
+        for weight, adapter in adapted_weights(role.model)
+    ]
+    kept = merge_adapters(role.model, keep_base=True)
+    assert not any(adapter.enabled for adapter in adapters(role.model))
+    merged = [weight.detach().clone() for weight, _ in adapted_weights(role.model)]
+    for (base, delta), weight in zip(deltas, merged, strict=True):
+        exact = base.double() + delta
+        assert ((weight.double() - exact).abs() <= 2**-8 * exact.abs()).all()  # half a bf16 step
+    back = [(weight.double() - delta).bfloat16() for (_, delta), weight in zip(deltas, merged, strict=True)]
+    assert any(not torch.equal(w, base) for w, (base, _) in zip(back, deltas, strict=True))  # not the base
+    unmerge_adapters(role.model, kept)
+    assert all(adapter.enabled for adapter in adapters(role.model))
+    after = dict(role.model.named_parameters())
+    assert all(torch.equal(after[name], value) for name, value in before.items())

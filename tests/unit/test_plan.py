@@ -176,6 +176,33 @@ def test_the_1_5b_preset_is_the_issue_12_command_and_plans() -> None:
     assert half.training_activations == actor.training_activations + 4 * actor.parameters
 
 
+def test_a_lora_actor_plans_no_reference_model_and_its_merge(capsys: pytest.CaptureFixture) -> None:
+    """The 1.5B GRPO run with a LoRA actor: the reference is the actor's base (no reference model; the
+    weights it saves are printed); generating in the actor's layout, the adapted linears' base weights
+    are kept while merged (hand-derived: all-linear adapts every linear of the 28 layers, bf16); none
+    when generation reshards."""
+    full = plan_ppo(load_config("ppo-grpo-1.5b", [], schema=PPOConfig), 1, int(139.8 * GIB))
+    lora = plan_ppo(load_config("ppo-grpo-1.5b", ["actor.lora.rank=8"], schema=PPOConfig), 1, int(139.8 * GIB))
+    assert [m.role for m in lora.models] == ["actor"] and full.reference_saved == 0
+    assert lora.reference_saved == full.models[1].weights > 0
+    assert lora.lora_base == 2 * 28 * (2048 * 1536 + 1536 * 1536 + 3 * 1536 * 8960) and full.lora_base == 0
+    actor = lora.models[0]
+    lasting = actor.weights + actor.grads + actor.optimizer
+    kept = lora.kv_cache + lora.graph_outputs  # till the next rollout; the kept base only while generating
+    assert lora.peaks["keep"].generation == lasting + kept + lora.lora_base + lora.generation_workspace
+    resharded = plan_ppo(
+        load_config("ppo-grpo-1.5b", ["actor.lora.rank=8", "actor.tp=2", "rollout.tp=1"], schema=PPOConfig),
+        2,
+        int(139.8 * GIB),
+    )
+    assert resharded.lora_base == 0 and resharded.generation_copy > 0
+    assert main(["plan", "--config", "ppo-grpo-1.5b", "--gpu-memory-gib", "139.8", "actor.lora.rank=8"]) == 0
+    out = capsys.readouterr().out
+    saved = f"saves {lora.reference_saved / GIB:.2f} GiB of weights per GPU"
+    assert "reference  the actor's base, its LoRA adapters off: no reference model" in out and saved in out
+    assert "LoRA base weights kept while merged" in out
+
+
 @pytest.fixture
 def no_gpu_no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``plan`` must touch neither a GPU nor torch.distributed."""

@@ -43,8 +43,12 @@ def _run(tmp_path: Path, env, warmup: str, extra: tuple[str, ...], steps: int = 
 
 @pytest.mark.parametrize(
     "extra",
-    [(), ("algorithm.advantage_estimator=gae", "algorithm.loss.kl_loss_coef=0")],
-    ids=["grpo-kl-loss", "gae-critic"],
+    [
+        (),
+        ("algorithm.advantage_estimator=gae", "algorithm.loss.kl_loss_coef=0"),
+        ("actor.lora.rank=8", "save_hf=false"),  # merged generation weights, the actor's base as the reference
+    ],
+    ids=["grpo-kl-loss", "gae-critic", "lora-actor"],
 )
 def test_a_warmed_up_run_trains_exactly_as_one_without(world_of_one, tmp_path: Path, extra: tuple[str, ...]) -> None:
     warm, warm_weights, warm_run = _run(tmp_path, world_of_one, "always", extra)

@@ -1,0 +1,151 @@
+"""The HF export of a LoRA model at TP2 and PP2 writes what TP1 writes: the merged ``hf/`` and the
+PEFT ``hf_adapter/`` (gathered from TP shards and pipeline stages), and PEFT's adapter on the base
+gives the merged model's logits (2 gloo ranks, ``lora_export_worker.py``; TP1's own check against
+our model's logits is in tests/unit/test_lora_export.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.helpers import PAD_ID
+from tests.launch import run_worker
+
+WORKER = Path(__file__).with_name("lora_export_worker.py")
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    found = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            found.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    return found
+
+
+@pytest.mark.distributed
+def test_lora_export_at_tp2_and_pp2_equals_tp1(tmp_path: Path) -> None:
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    results = run_worker(WORKER, 2, tmp_path, timeout=600)
+    layouts = ("tp1pp1", "tp2pp1", "tp1pp2")
+    assert all(results[f"{tag}/model_untouched"] == 1.0 for tag in layouts)
+    merged = {tag: _tensors(tmp_path / tag / "hf") for tag in layouts}
+    adapter = {tag: _tensors(tmp_path / tag / "hf_adapter") for tag in layouts}
+    assert len(adapter["tp1pp1"]) == 4 * 7 * 2  # layers * projections * (A, B)
+    for tag in layouts[1:]:
+        assert adapter[tag].keys() == adapter["tp1pp1"].keys(), tag
+        for name, tensor in adapter[tag].items():
+            assert torch.equal(tensor, adapter["tp1pp1"][name]), (tag, name)
+        assert merged[tag].keys() == merged["tp1pp1"].keys(), tag
+        for name, tensor in merged[tag].items():
+            torch.testing.assert_close(tensor, merged["tp1pp1"][name], rtol=0, atol=1e-6, msg=f"{tag} {name}")
+
+    input_ids = torch.randint(0, PAD_ID, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32).eval()
+        base_logits = base(input_ids).logits
+        for tag in ("tp2pp1", "tp1pp2"):
+            hf = AutoModelForCausalLM.from_pretrained(tmp_path / tag / "hf", torch_dtype=torch.float32).eval()
+            logits = hf(input_ids).logits
+            assert (logits - base_logits).abs().max() > 0.05
+            fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32).eval()
+            with_adapter = peft.PeftModel.from_pretrained(fresh, tmp_path / tag / "hf_adapter").eval()
+            assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4, tag
+
+
+@pytest.mark.distributed
+def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adapter(tmp_path: Path) -> None:
+    """The trainers' final export (``save_hf=true``, the default): sft writes hf/ (merged) and
+    hf_adapter/, whose base is the run's model and which on it gives hf/'s logits; rm writes hf/ with
+    its merged weights and no hf_adapter/ (a score-head adapter is not written)."""
+    import json
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_sft_rm import _preference_rows, _sft_rows, _write_jsonl
+    from tests.launch import run_cli
+
+    sft_out, rm_out = tmp_path / "sft", tmp_path / "rm"
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(32, 0))
+    pairs = _write_jsonl(tmp_path / "pairs.jsonl", _preference_rows(32, 0))
+    common = ("model.lora.rank=4", "max_steps=2", "optim.lr=1e-2", "optim.warmup_steps=0")
+    run_cli("sft", "--config", "sft-tiny", f"data.train=[{train}]", *common, f"output_dir={sft_out}")
+    rm_proc = run_cli("rm", "--config", "rm-tiny", f"data.train=[{pairs}]", *common, f"output_dir={rm_out}")
+
+    config = json.loads((sft_out / "hf_adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM" and len(config["target_modules"]) == 7
+    base_dir = Path(config["base_model_name_or_path"])
+    input_ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(sft_out / "hf", torch_dtype=torch.float32).eval()
+        logits = merged(input_ids).logits
+        base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
+        assert (base(input_ids).logits - logits).abs().max() > 1e-3  # the adapters trained
+        with_adapter = peft.PeftModel.from_pretrained(base, sft_out / "hf_adapter").eval()
+        assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
+
+    assert (rm_out / "hf" / "config.json").is_file() and not (rm_out / "hf_adapter").exists()
+    found = re.search(r"merged LoRA adapters; saved HF checkpoint .* from (\S+)\n", rm_proc.stdout)
+    assert found, rm_proc.stdout[-3000:]
+    exported, rm_base = _tensors(rm_out / "hf"), _tensors(Path(found.group(1)))
+    assert exported.keys() == rm_base.keys()
+    for name, tensor in exported.items():  # the adapted weights moved; the frozen ones are the base's
+        adapted = name.endswith("_proj.weight")
+        assert torch.equal(tensor, rm_base[name]) != adapted or name == "score.weight", name
+
+
+@pytest.mark.distributed
+def test_a_grpo_run_with_a_lora_actor_exports_its_merged_model_and_adapter(tmp_path: Path) -> None:
+    """ppo's export of a LoRA actor: hf/ merged, hf_adapter/ on the actor's base gives hf/'s logits."""
+    import json
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from tests.launch import run_cli
+
+    out = tmp_path / "run"
+    run_cli(
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        "actor.lora.rank=4",
+        "actor_optim.lr=1e-2",
+        "prompts_per_step=4",
+        "mini_batch_size=8",
+        "rollout.sampling.max_new_tokens=8",
+        "max_steps=2",
+        f"output_dir={out}",
+    )
+    config = json.loads((out / "hf_adapter" / "adapter_config.json").read_text())
+    input_ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(out / "hf", torch_dtype=torch.float32).eval()(input_ids).logits
+        base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], torch_dtype=torch.float32)
+        assert (base.eval()(input_ids).logits - logits).abs().max() > 1e-4  # the adapters trained
+        with_adapter = peft.PeftModel.from_pretrained(base, out / "hf_adapter").eval()
+        assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
+
+
+@pytest.mark.distributed
+def test_a_failed_lora_export_does_not_point_to_convert(tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` builds the model without adapters (it would write the base): a LoRA
+    run whose export fails says to run the command again instead."""
+    from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
+    from tests.launch import run_cli
+
+    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(16, 0))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hf").write_text("not a directory\n")
+    args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "model.lora.rank=4", "max_steps=1")
+    proc = run_cli(*args, "overwrite=true", f"output_dir={out}", exit_code=2)
+    assert "redo the export by running the same command again" in proc.stderr, proc.stderr[-3000:]
+    assert "megatron-rlhf convert does not merge LoRA adapters" in proc.stderr
+    assert "redo the export with: megatron-rlhf convert" not in proc.stderr
