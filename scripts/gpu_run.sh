@@ -17,7 +17,8 @@
 #             (SEQUENCES=64|256, default 64; TRL_CONFIGS, default the script's; arguments after -- go to the
 #             script; needs the `bench` extra: trl, datasets)
 #   big       3 GRPO steps of a 7B-class actor with a reference on one GPU, the optimizer state on the host
-#             (FRACTION=actor_optim.cpu_offload_fraction, default 1.0)
+#             (FRACTION=actor_optim.cpu_offload_fraction, default 1.0); with LORA_RANK=r a LoRA actor of
+#             rank r on all linears instead (its base is the reference; FRACTION default 0)
 #
 # Environment:
 #   PYTHON      the interpreter (default: python3 of the active environment)
@@ -143,10 +144,13 @@ if wants big; then  # the first run writes the random 7B checkpoint (15 GB) into
       "gpu used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader -i 0)"
   done) > "$out/big_memory.log" &
   sampler=$!
+  lora_rank=${LORA_RANK:-0}
+  if [ "$lora_rank" -gt 0 ]; then fraction=${FRACTION:-0.0}; else fraction=${FRACTION:-1.0}; fi
   "$python" -m megatron_rlhf ppo --config ppo-tiny actor.path=builtin:llama-7b reference.path=builtin:llama-7b \
     data.max_prompt_length=128 rollout.sampling.max_new_tokens=256 rollout.sampling.n=4 prompts_per_step=16 \
     mini_batch_size=16 max_steps=3 max_tokens_per_micro_batch=4096 log_every=1 save_hf=false save_final=false \
-    actor_optim.cpu_offload_fraction="${FRACTION:-1.0}" output_dir="$work/big-run" resume=never overwrite=true \
+    actor.lora.rank="$lora_rank" actor_optim.cpu_offload_fraction="$fraction" \
+    output_dir="$work/big-run" resume=never overwrite=true \
     2>&1 | quiet | tee "$out/big_7b.log" || status=1
   kill "$sampler"
   cp "$work/big-run/metrics.jsonl" "$out/big_7b_metrics.jsonl"

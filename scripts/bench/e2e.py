@@ -207,6 +207,9 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         # The engine's sampling log-probs against the trainer's on the response, per step: the sampler's
         # check in a real run.
         rollout_logprob_max_abs_diff=[r.get("rollout/logprob_max_abs_diff") for r in rows],
+        peak_allocated_gib=max(
+            (v for r in rows for k, v in r.items() if k.startswith("memory/peak_allocated_gib/")), default=None
+        ),
     )
     profile = out_dir / "profile" / f"step_{args.steps}.txt"
     if profile.is_file():

@@ -1,7 +1,11 @@
-"""torchrun worker (2 ranks, gloo, float32): GRPO on ppo-tiny with a LoRA actor (rank 8) trained in
-the layout its arguments give (actor.tp=2 or actor.pp=2) and generating at TP1 x DP2, so that its
-adapters are resharded with the weights (TP-split pieces gathered, PP stages renumbered) and merged
-into the generation copy.
+"""torchrun worker: GRPO on ppo-tiny with a LoRA actor (rank 8), generating at TP1, with the device,
+dtype and training layout its arguments give (config overrides):
+
+* 2 gloo ranks, ``device=cpu actor.tp=2`` or ``actor.pp=2`` (``tests/distributed/test_lora.py``):
+  generation at TP1 x DP2, so the adapters are resharded with the weights (TP-split pieces gathered,
+  PP stages renumbered) and merged into the generation copy;
+* 1 GPU, ``device=cuda dtype=fp32|bf16`` (``tests/gpu/test_gpu_ppo.py``): the zero-copy layout, the
+  adapters merged into the actor's own weights in place and the kept base copied back.
 
 * no reference model is built: the reference is the actor's base, its adapters off;
 * three steps from B = 0: the KL is 0 at step 1, the engine's log-probs stay within the tolerance of
@@ -25,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.launch import WorkerSession, worker_session
 
 OVERRIDES = (
-    "device=cpu",
     "rollout.tp=1",
     "actor.lora.rank=8",
     "save_hf=false",
@@ -40,8 +43,8 @@ OVERRIDES = (
 STEPS = 3
 
 
-def world_min(value: float) -> float:
-    found = torch.tensor([value], dtype=torch.float64)
+def world_min(value: float, device: torch.device) -> float:
+    found = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MIN)
     return found.item()
 
@@ -60,8 +63,7 @@ def main(session: WorkerSession) -> None:
     from megatron_rlhf.training.train import forward_all_rows
 
     env, results = session.env, session.results
-    layout = session.args  # e.g. ["actor.tp=2"]
-    cfg = load_config("ppo-tiny", [*OVERRIDES, *layout, f"output_dir={session.out / 'run'}"], schema=PPOConfig)
+    cfg = load_config("ppo-tiny", [*OVERRIDES, *session.args, f"output_dir={session.out / 'run'}"], schema=PPOConfig)
     run = set_up_ppo(cfg, env)
     actor = run.actor.role
     results["reference_model_built"] = float(run.reference is not None)
@@ -79,14 +81,15 @@ def main(session: WorkerSession) -> None:
     results["kl_step1"] = metrics[0]["kl/per_sequence"]
     results["kl_last"] = metrics[-1]["kl/per_sequence"]
     results["logprob_max_abs_diff"] = max(m["rollout/logprob_max_abs_diff"] for m in metrics)
-    results["reshard_timed"] = float(all("timing_s/gen/generation_weights_reshard" in m for m in metrics))
+    where = "reshard" if results["resharded"] else "zero_copy"
+    results["weights_timed"] = float(all(f"timing_s/gen/generation_weights_{where}" in m for m in metrics))
 
     base = build_role(
         "reference",
         ModelConfig(path=cfg.actor.path, tp=cfg.actor.tp, pp=cfg.actor.pp),
         architecture_of(cfg.actor.path),
         world_size=env.world_size,
-        dtype=torch.float32,
+        dtype=next(actor.model.parameters()).dtype,
         device=env.device,
     )
     expected = dict(base.model.named_parameters())
@@ -94,10 +97,10 @@ def main(session: WorkerSession) -> None:
     adapter_names = {name for name in trained if "_lora." in name}
     same_names = set(trained) - adapter_names == set(expected)
     results["base_exact"] = world_min(
-        float(same_names and all(torch.equal(trained[name], expected[name]) for name in expected))
+        float(same_names and all(torch.equal(trained[name], expected[name]) for name in expected)), env.device
     )
     results["adapters_moved"] = world_min(
-        float(bool(adapter_names) and all(not torch.equal(trained[n], initial[n]) for n in adapter_names))
+        float(bool(adapter_names) and all(not torch.equal(trained[n], initial[n]) for n in adapter_names)), env.device
     )
 
     prompts = [run.prompts[i].prompt_ids.tolist() for i in range(per_step)]
@@ -108,8 +111,9 @@ def main(session: WorkerSession) -> None:
         the adapters move the trainer's from the base's."""
         with torch.no_grad():
             for index, adapter in enumerate(adapters(actor.model)):
+                draws = torch.Generator().manual_seed(seed + index)
                 for b in adapter.lora_B.values():
-                    b.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(seed + index))
+                    b.copy_(torch.empty(b.shape).normal_(0.0, 0.05, generator=draws))
         before = params()
         completions = generation.generate(prompts, dataclasses.replace(cfg.rollout.sampling, seed=seed))
         after = params()
