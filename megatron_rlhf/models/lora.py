@@ -162,8 +162,11 @@ class LoraAdapter(torch.nn.Module):
                 blocks.append(b_any.new_zeros(self.rows.repeats, rows, width))
         return torch.cat(blocks, dim=1).reshape(-1, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' output (..., local out) for the linear's input ``x`` (..., local in)."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The linear's output ``out`` (..., local out) plus the adapters' for its input ``x``
+        (..., local in). The up-projection, its scaling and the sum are one GEMM (``addmm``): adding a
+        separate adapter output would read and write tensors as wide as the linear's output three
+        more times, which on a GPU costs more than the weight gradients LoRA saves."""
         if self.training and self.dropout:
             x = self._drop(x)
         low = F.linear(x, self.fused_a())  # (..., targets * rank)
@@ -171,7 +174,10 @@ class LoraAdapter(torch.nn.Module):
             low = reduce_from_tensor_model_parallel_region(low, group=self.tp_group)
         else:
             low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
-        return F.linear(low, self.fused_b()) * self.scaling
+        summed = torch.addmm(
+            out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), self.fused_b().t(), alpha=self.scaling
+        )
+        return summed.view(out.shape)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """megatron's checkpoint entries, sharded like the base: column-parallel B along its rows,
@@ -204,7 +210,7 @@ def _add_adapter_output(
     out, bias = output
     if not adapter.enabled:
         return output
-    return out + adapter(args[0]), bias
+    return adapter(args[0], out), bias
 
 
 def _linears(model: GPTModel) -> Iterator[tuple[int, str, torch.nn.Module, torch.nn.Module]]:
