@@ -72,6 +72,11 @@ class LoraConfig:
     target_modules: list[str] = dataclasses.field(default_factory=lambda: [ALL_LINEAR])
     """PEFT module names to adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
     all-linear (all seven)."""
+    adapter_path: str = ""
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, as PEFT's
+    save_pretrained or a run's hf_adapter/ writes) to start the adapters from instead of A random and
+    B zero; its r, lora_alpha and target_modules must equal rank, alpha and target_modules. Only a
+    start: a resumed run continues from its checkpoint's adapters. Empty: none."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
@@ -93,6 +98,8 @@ class LoraConfig:
         errors = []
         if self.rank < 0:
             errors.append(f"rank={self.rank} must be >= 0 (0: no adapters)")
+        if self.adapter_path and self.rank == 0:
+            errors.append(f"adapter_path={self.adapter_path!r} is set with rank=0: set rank to the adapter's r")
         if not self.alpha > 0:
             errors.append(f"alpha={self.alpha} must be > 0")
         if not 0.0 <= self.dropout < 1.0:
