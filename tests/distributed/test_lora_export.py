@@ -1,7 +1,8 @@
 """The HF export of a LoRA model at TP2 and PP2 writes what TP1 writes: the merged ``hf/`` and the
 PEFT ``hf_adapter/`` (gathered from TP shards and pipeline stages), and PEFT's adapter on the base
-gives the merged model's logits (2 gloo ranks, ``lora_export_worker.py``; TP1's own check against
-our model's logits is in tests/unit/test_lora_export.py)."""
+gives the merged model's logits; TP1's adapter read back at TP2 and PP2 gives the same shards (2 gloo
+ranks, ``lora_export_worker.py``; TP1's own check against our model's logits is in
+tests/unit/test_lora_export.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_lora_export_at_tp2_and_pp2_equals_tp1(tmp_path: Path) -> None:
     results = run_worker(WORKER, 2, tmp_path, timeout=600)
     layouts = ("tp1pp1", "tp2pp1", "tp1pp2")
     assert all(results[f"{tag}/model_untouched"] == 1.0 for tag in layouts)
+    assert all(results[f"{tag}/adapter_read_back"] == 1.0 for tag in layouts[1:])
     merged = {tag: _tensors(tmp_path / tag / "hf") for tag in layouts}
     adapter = {tag: _tensors(tmp_path / tag / "hf_adapter") for tag in layouts}
     assert len(adapter["tp1pp1"]) == 4 * 7 * 2  # layers * projections * (A, B)
