@@ -64,7 +64,8 @@ def test_lora_export_at_tp2_and_pp2_equals_tp1(tmp_path: Path) -> None:
 def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adapter(tmp_path: Path) -> None:
     """The trainers' final export (``save_hf=true``, the default): sft writes hf/ (merged) and
     hf_adapter/, whose base is the run's model and which on it gives hf/'s logits; rm writes hf/ with
-    its merged weights and no hf_adapter/ (a score-head adapter is not written)."""
+    its merged weights and no hf_adapter/ (a score-head adapter is not written). ``convert
+    mcore-to-hf`` of sft's final checkpoint writes the same hf/ and hf_adapter/ tensors."""
     import json
 
     import peft
@@ -79,6 +80,13 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
     common = ("model.lora.rank=4", "max_steps=2", "optim.lr=1e-2", "optim.warmup_steps=0")
     run_cli("sft", "--config", "sft-tiny", f"data.train=[{train}]", *common, f"output_dir={sft_out}")
     rm_proc = run_cli("rm", "--config", "rm-tiny", f"data.train=[{pairs}]", *common, f"output_dir={rm_out}")
+    converted = tmp_path / "converted" / "hf"
+    run_cli("convert", "mcore-to-hf", str(sft_out / "checkpoints" / "step_2" / "models" / "actor"), str(converted))
+    for exported, written in ((sft_out / "hf", converted), (sft_out / "hf_adapter", converted.parent / "hf_adapter")):
+        theirs, mine = _tensors(exported), _tensors(written)
+        assert mine.keys() == theirs.keys(), written
+        for name, tensor in mine.items():
+            assert torch.equal(tensor, theirs[name]), (written, name)
 
     config = json.loads((sft_out / "hf_adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM" and len(config["target_modules"]) == 7
@@ -89,8 +97,10 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
         logits = merged(input_ids).logits
         base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
         assert (base(input_ids).logits - logits).abs().max() > 1e-3  # the adapters trained
-        with_adapter = peft.PeftModel.from_pretrained(base, sft_out / "hf_adapter").eval()
-        assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
+        for adapter_dir in (sft_out / "hf_adapter", converted.parent / "hf_adapter"):
+            with_adapter = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+            assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4, adapter_dir
+            base = with_adapter.unload()
 
     assert (rm_out / "hf" / "config.json").is_file() and not (rm_out / "hf_adapter").exists()
     found = re.search(r"merged LoRA adapters; saved HF checkpoint .* from (\S+)\n", rm_proc.stdout)
@@ -133,21 +143,3 @@ def test_a_grpo_run_with_a_lora_actor_exports_its_merged_model_and_adapter(tmp_p
         assert (base.eval()(input_ids).logits - logits).abs().max() > 1e-4  # the adapters trained
         with_adapter = peft.PeftModel.from_pretrained(base, out / "hf_adapter").eval()
         assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
-
-
-@pytest.mark.distributed
-def test_a_failed_lora_export_does_not_point_to_convert(tmp_path: Path) -> None:
-    """``convert mcore-to-hf`` builds the model without adapters (it would write the base): a LoRA
-    run whose export fails says to run the command again instead."""
-    from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
-    from tests.launch import run_cli
-
-    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(16, 0))
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "hf").write_text("not a directory\n")
-    args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "model.lora.rank=4", "max_steps=1")
-    proc = run_cli(*args, "overwrite=true", f"output_dir={out}", exit_code=2)
-    assert "redo the export by running the same command again" in proc.stderr, proc.stderr[-3000:]
-    assert "megatron-rlhf convert does not merge LoRA adapters" in proc.stderr
-    assert "redo the export with: megatron-rlhf convert" not in proc.stderr
