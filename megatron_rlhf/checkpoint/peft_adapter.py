@@ -204,10 +204,11 @@ def _setting_errors(setting: str, config_file: Path, config: dict[str, Any], lor
             f"{config_file}: target_modules has {unknown}, which this stack does not adapt "
             f"(expected names from {[*TARGET_LINEARS, ALL_LINEAR]})"
         )
-    elif set(LoraConfig(rank=1, target_modules=names).targets()) != set(lora.targets()):
+    elif set(adapted := LoraConfig(rank=1, target_modules=names).targets()) != set(lora.targets()):
+        override = ALL_LINEAR if set(adapted) == set(TARGET_LINEARS) else ",".join(sorted(names))
         errors.append(
             f"{setting}.target_modules={lora.target_modules} but {config_file} has target_modules={names}: "
-            f"pass {setting}.target_modules=[{','.join(sorted(names))}]"
+            f"pass {setting}.target_modules=[{override}]"
         )
     return errors
 

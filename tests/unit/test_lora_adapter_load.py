@@ -168,3 +168,15 @@ def test_an_adapter_directory_that_is_not_one_is_refused(peft_adapter: tuple[Pat
     assert adapter_errors("actor.lora", _lora(adapter_dir), arch) == []
     with pytest.raises(ValueError, match="adapter_path='x' is set with rank=0: set rank to the adapter's r"):
         LoraConfig(adapter_path="x")
+
+
+def test_ppo_names_the_actors_keys_at_start_up(peft_adapter: tuple[Path, Path]) -> None:
+    """The check runs with the config's (before any model is built), naming ppo's own keys."""
+    from tests.launch import run_cli_here
+
+    _, adapter_dir = peft_adapter
+    args = ("ppo", "--config", "ppo-tiny", "actor.lora.rank=8", f"actor.lora.adapter_path={adapter_dir}")
+    proc = run_cli_here(*args, "actor.lora.target_modules=[all-linear]", "--print-config", exit_code=2)
+    assert f"actor.lora.rank=8 but {adapter_dir / ADAPTER_CONFIG} has r=4: pass actor.lora.rank=4" in proc.stderr
+    assert "pass actor.lora.alpha=12.0" in proc.stderr
+    assert "pass actor.lora.target_modules=[down_proj,o_proj,q_proj,up_proj,v_proj]" in proc.stderr
