@@ -114,20 +114,33 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
 
 @pytest.mark.distributed
 def test_a_grpo_run_with_a_lora_actor_exports_its_merged_model_and_adapter(tmp_path: Path) -> None:
-    """ppo's export of a LoRA actor: hf/ merged, hf_adapter/ on the actor's base gives hf/'s logits."""
+    """ppo's export of a LoRA actor: hf/ merged, hf_adapter/ on the actor's base gives hf/'s logits.
+    The actor starts from a PEFT adapter (``actor.lora.adapter_path``) with B non-zero: the KL to the
+    free reference (the base, adapters off) is then above zero at step 1, where a fresh adapter's is 0."""
     import json
 
     import peft
     from transformers import AutoModelForCausalLM
 
+    from megatron_rlhf.models.builtin import builtin_checkpoint
     from tests.launch import run_cli
 
+    start = tmp_path / "start_adapter"
+    policy = AutoModelForCausalLM.from_pretrained(builtin_checkpoint("builtin:tiny-llama"), torch_dtype=torch.float32)
+    peft_model = peft.get_peft_model(policy, peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(2)
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    peft_model.save_pretrained(start)
     out = tmp_path / "run"
-    run_cli(
+    proc = run_cli(
         "ppo",
         "--config",
         "ppo-tiny",
         "actor.lora.rank=4",
+        f"actor.lora.adapter_path={start}",
         "actor_optim.lr=1e-2",
         "prompts_per_step=4",
         "mini_batch_size=8",
@@ -143,3 +156,6 @@ def test_a_grpo_run_with_a_lora_actor_exports_its_merged_model_and_adapter(tmp_p
         assert (base.eval()(input_ids).logits - logits).abs().max() > 1e-4  # the adapters trained
         with_adapter = peft.PeftModel.from_pretrained(base, out / "hf_adapter").eval()
         assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
+    assert f"without the adapter it started from ({start})" in proc.stdout
+    first_step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first_step["step"] == 1 and first_step["kl/per_sequence"] > 1e-3
