@@ -111,10 +111,11 @@ def _trained_lora(model_dir: Path) -> tuple[LoraConfig, str]:
         )
     run = yaml.safe_load(config_file.read_text())
     section = run.get(model_dir.name) if isinstance(run.get(model_dir.name), dict) else run.get("model")
-    if not (isinstance(section, dict) and isinstance(section.get("lora"), dict)):
-        raise ValueError(f"{config_file}: neither {model_dir.name}.lora nor model.lora is there (the model's LoRA)")
-    settings = {key: section["lora"][key] for key in ("rank", "alpha", "dropout", "target_modules")}
-    return LoraConfig(**settings), str(section.get("path", ""))
+    if not (isinstance(section, dict) and section.get("path")):
+        raise ValueError(f"{config_file}: neither {model_dir.name}.path nor model.path is set (the model's section)")
+    lora = section.get("lora") or {}  # none: a run from before LoRA, without adapters
+    settings = {key: lora[key] for key in ("rank", "alpha", "dropout", "target_modules") if key in lora}
+    return LoraConfig(**settings), str(section["path"])
 
 
 def _base_dir(path: str) -> Path:
