@@ -2,7 +2,11 @@
 
 ``mcore-to-hf`` also reads a trained model of a run checkpoint (``.../checkpoints/step_N/models/<name>``,
 ``train_state.py``'s format): its weights (the optimizer's state is left), and its architecture
-from the ``models`` the training loop records in the checkpoint's ``run_state.json``."""
+from the ``models`` the training loop records in the checkpoint's ``run_state.json``. It is written
+as the run's own export writes it (``export_hf``, with the tokenizer files of the run's base model).
+A model trained with LoRA (its settings read from the run's ``config.yaml`` saved in the checkpoint)
+gets its adapters before the load: ``output`` is then the merged model and, for a causal LM, the
+PEFT adapter goes to ``<output>_adapter`` (``hf`` -> ``hf_adapter``, the run's names)."""
 
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 
+from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.hf import checkpoint_torch_dtype, load_hf_weights, save_hf_checkpoint
 from megatron_rlhf.checkpoint.mcore import (
     global_dp_rank_of,
@@ -23,11 +29,14 @@ from megatron_rlhf.checkpoint.mcore import (
 )
 from megatron_rlhf.checkpoint.mcore_meta import read_architecture
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
-from megatron_rlhf.checkpoint.sources import model_dir
+from megatron_rlhf.checkpoint.sources import local_dir, model_dir
 from megatron_rlhf.checkpoint.train_state import STATE_FILE
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
 from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.lora import apply_lora
+from megatron_rlhf.models.lora_config import LoraConfig
+from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import init_distributed
 from megatron_rlhf.parallel.layout import Layout, ParallelGroups, layout_errors, parallel_groups
 
@@ -43,6 +52,7 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
         arch = load_architecture(source)
     else:
         arch = _trained_architecture(Path(source)) if trained else read_architecture(source)
+    lora, base = _trained_lora(Path(source)) if trained else (LoraConfig(), "")
     env = init_distributed(device)
     errors = layout_errors("", tp, pp, arch, env.world_size)
     if errors:
@@ -55,6 +65,8 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
     groups = parallel_groups(Layout.for_world(tp, pp, env.world_size))
     # Convert in the checkpoint's own dtype, so that a round trip is bit-exact.
     model = build_model(arch, groups, dtype=checkpoint_torch_dtype(arch, torch.float32), device=env.device)
+    if lora.enabled:  # the adapters' values come from the checkpoint (a strict load: they must be there)
+        apply_lora(model, arch, lora, groups.pg_collection.tp, seed=0)
     with timed(f"convert {direction}: load", env.device):
         if direction == "hf-to-mcore":
             load_hf_weights(model, arch, groups, source)
@@ -65,8 +77,12 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
     with timed(f"convert {direction}: save", env.device):
         if direction == "hf-to-mcore":
             save_mcore_checkpoint(model, arch, groups, output, side_files_from=source)
+        elif trained:
+            hf = Path(output)
+            role = RoleModel(role=Path(source).name, arch=arch, groups=groups, model=model, source=_base_dir(base))
+            export_hf(role, None, hf, adapter_dir=hf.with_name(hf.name + "_adapter"))
         else:
-            save_hf_checkpoint(model, arch, groups, output, side_files_from=None if trained else source)
+            save_hf_checkpoint(model, arch, groups, output, side_files_from=source)
     log(f"wrote {output} ({arch.hf_class_name}, layout {groups.layout})")
     dist.barrier()
 
@@ -81,6 +97,34 @@ def _trained_architecture(model_dir: Path) -> Architecture:
             "written before run checkpoints recorded their models): convert the run's hf/ export instead"
         )
     return architecture_from_hf_config(models[model_dir.name], source=f"{run_state}:models.{model_dir.name}")
+
+
+def _trained_lora(model_dir: Path) -> tuple[LoraConfig, str]:
+    """The LoRA settings and the base model path of a run checkpoint's trained model, from the
+    ``config.yaml`` saved with it: the section named like the model (ppo's actor, critic), else
+    ``model`` (sft's and rm's one model)."""
+    config_file = model_dir.parent.parent / "config.yaml"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{model_dir}: {config_file} is missing, so whether the model has LoRA adapters is unknown "
+            "(converted without them, it would be written as its base): convert the run's hf/ export instead"
+        )
+    run = yaml.safe_load(config_file.read_text())
+    section = run.get(model_dir.name) if isinstance(run.get(model_dir.name), dict) else run.get("model")
+    if not (isinstance(section, dict) and section.get("path")):
+        raise ValueError(f"{config_file}: neither {model_dir.name}.path nor model.path is set (the model's section)")
+    lora = section.get("lora") or {}  # none: a run from before LoRA, without adapters
+    settings = {key: lora[key] for key in ("rank", "alpha", "dropout", "target_modules") if key in lora}
+    return LoraConfig(**settings), str(section["path"])
+
+
+def _base_dir(path: str) -> Path:
+    """Where the run read its base model (the PEFT adapter's base and the tokenizer files' source):
+    its local directory, or the path as the run's config names it when that is no longer there."""
+    try:
+        return local_dir(path)
+    except FileNotFoundError:
+        return Path(path)
 
 
 def _load_trained_weights(model: GPTModel, groups: ParallelGroups, model_dir: Path) -> None:

@@ -32,17 +32,19 @@ def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
     return dataclasses.replace(arch, hf_config=hf_config)
 
 
-def export_hf(role: RoleModel, tokenizer: Tokenizer, hf_dir: Path, *, adapter_dir: Path | None = None) -> None:
-    """Write ``role``'s model to ``hf_dir`` with its tokenizer files (collective). A model with a
-    non-finite weight on any rank is refused: it would load and produce garbage. A LoRA model is
-    written merged; a LoRA causal LM's adapters also go to ``adapter_dir`` (when given) as a PEFT
-    adapter of ``role.source`` (a score-head model's are not: PEFT would need its head too)."""
+def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, adapter_dir: Path | None = None) -> None:
+    """Write ``role``'s model to ``hf_dir`` with the tokenizer files of ``role.source`` (collective);
+    ``tokenizer``'s special ids go into config.json where it names none (None: the config as
+    recorded, as ``convert`` has it). A model with a non-finite weight on any rank is refused: it
+    would load and produce garbage. A LoRA model is written merged; a LoRA causal LM's adapters also
+    go to ``adapter_dir`` (when given) as a PEFT adapter of ``role.source`` (a score-head model's
+    are not: PEFT would need its head too)."""
     local_ok = all(bool(torch.isfinite(param).all()) for param in role.model.parameters())
     bad = torch.tensor([0.0 if local_ok else 1.0], device=next(role.model.parameters()).device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
         raise ValueError(f"the {role.role} has non-finite weights: not exported to {hf_dir}")
-    arch = with_token_ids(role.arch, tokenizer)
+    arch = role.arch if tokenizer is None else with_token_ids(role.arch, tokenizer)
     start = time.perf_counter()
     save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
     lora = any(True for _ in adapted_weights(role.model))

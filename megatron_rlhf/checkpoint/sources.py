@@ -19,6 +19,7 @@ import torch
 
 from megatron_rlhf.checkpoint.hf import load_hf_weights
 from megatron_rlhf.checkpoint.mcore_meta import is_mcore_checkpoint, read_architecture
+from megatron_rlhf.checkpoint.peft_adapter import adapter_errors, load_peft_adapter
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.run import RunConfig
 from megatron_rlhf.models.architecture import (
@@ -148,8 +149,8 @@ def architecture_of(path: str, setting: str = "model path") -> Architecture:
 def model_errors(
     key: str, model: ModelConfig, world_size: int, *, score_head: bool, head_from_lm: bool = False
 ) -> tuple[list[str], Architecture | None]:
-    """The problems of the model configured at ``key`` (path, head type, layout in this world) and
-    its architecture (None when the path cannot be read).
+    """The problems of the model configured at ``key`` (path, head type, layout in this world, the
+    PEFT adapter its LoRA starts from) and its architecture (None when the path cannot be read).
 
     ``head_from_lm``: a model that needs a score head may start from a causal LM in HF format (its
     backbone, and a new score head; see ``load_weights``), as critics and reward models usually
@@ -165,6 +166,7 @@ def model_errors(
     except (ValueError, FileNotFoundError) as err:
         return [f"{key}.path={model.path!r}: {err}"], None
     errors = [f"{e} (model {model.path})" for e in layout_errors(key, model.tp, model.pp, arch, world_size)]
+    errors += adapter_errors(f"{key}.lora", model.lora, arch)
     if score_head and not arch.score_head and head_from_lm:
         if not is_builtin(model.path) and is_mcore_checkpoint(model_dir(model.path)):
             errors.append(
@@ -229,7 +231,8 @@ def build_role(
     seed: int = 0,
 ) -> RoleModel:
     """The model of ``role`` in its own layout, with its weights (collective over the whole world),
-    and its LoRA adapters when ``model_cfg.lora.rank > 0`` (drawn from ``seed``; base frozen).
+    and its LoRA adapters when ``model_cfg.lora.rank > 0`` (drawn from ``seed``, or read from
+    ``lora.adapter_path``; base frozen).
 
     ``vocab_pad_multiple``: a model that receives another's weights in its layout must have that
     model's padded vocabulary (``hybrid.config.matching_vocab_pad_multiple``).
@@ -242,4 +245,6 @@ def build_role(
     source = load_weights(model, arch, groups, model_cfg.path)
     if model_cfg.lora.enabled:
         apply_lora(model, arch, model_cfg.lora, groups.pg_collection.tp, seed=seed)
+    if model_cfg.lora.adapter_path:
+        load_peft_adapter(model, groups, model_cfg.lora, arch, f"{role}.lora")
     return RoleModel(role=role, arch=arch, groups=groups, model=model, source=source)

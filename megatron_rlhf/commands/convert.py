@@ -17,7 +17,9 @@ DESCRIPTION = (
     "hf-to-mcore: read an HF model directory straight into a TP/PP layout and save it as a megatron-rlhf "
     "checkpoint (dist_checkpointing); under torchrun the world size must be a multiple of tp*pp. mcore-to-hf: "
     "load a megatron-rlhf checkpoint (saved in any layout) and write an HF model directory (safetensors + "
-    "config.json) that transformers' from_pretrained can load. The first three words are direction, source and "
+    "config.json) that transformers' from_pretrained can load; a run checkpoint's model "
+    "(.../checkpoints/step_N/models/NAME) is written as the run's export writes it, a LoRA model merged, with its "
+    "PEFT adapter in OUTPUT_adapter. The first three words are direction, source and "
     "output: megatron-rlhf convert hf-to-mcore HF_DIR OUT_DIR tp=2 pp=2 is "
     "megatron-rlhf convert direction=hf-to-mcore source=HF_DIR output=OUT_DIR tp=2 pp=2."
 )

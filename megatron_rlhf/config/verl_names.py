@@ -106,6 +106,12 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
             "PEFT names; a list here, `[all-linear]` by default",
         ),
         (
+            f"{AR}.model.lora_adapter_path",
+            "actor.lora.adapter_path",
+            "verl takes r, alpha and targets from the adapter; here they must equal `actor.lora.*` (a mismatch "
+            "is refused at start-up, naming the overrides); the reference is the base without it in both",
+        ),
+        (
             f"{AR}.model.enable_gradient_checkpointing",
             (),
             "activations are kept, not recomputed; a smaller `max_tokens_per_micro_batch` needs less memory",

@@ -56,7 +56,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.lora_config import TARGET_LINEARS, LoraConfig
+from megatron_rlhf.models.lora_config import TARGET_LINEARS, LoraConfig, target_shapes
 
 ADAPTER_SUFFIX = "_lora"
 """An adapter is the module ``<linear>_lora`` beside its linear (``self_attention.linear_qkv_lora``)."""
@@ -73,18 +73,15 @@ class FusedRows:
 
 def fused_rows(linear: str, arch: Architecture, tp: int) -> FusedRows:
     """The local output layout of megatron's ``linear`` at tensor-parallel size ``tp``."""
-    hd = arch.head_dim
-    if linear == "linear_qkv":
-        q_rows = arch.num_attention_heads // arch.num_query_groups * hd
-        return FusedRows(arch.num_query_groups // tp, (("q_proj", q_rows), ("k_proj", hd), ("v_proj", hd)))
-    if linear == "linear_fc1":
-        f = arch.ffn_hidden_size // tp
-        return FusedRows(1, (("gate_proj", f), ("up_proj", f)))
-    if linear == "linear_proj":
-        return FusedRows(1, (("o_proj", arch.hidden_size),))
-    if linear == "linear_fc2":
-        return FusedRows(1, (("down_proj", arch.hidden_size),))
-    raise ValueError(f"no LoRA layout for {linear!r}; expected one of {sorted(set(TARGET_LINEARS.values()))}")
+    names = tuple(name for name, owner in TARGET_LINEARS.items() if owner == linear)
+    if not names:
+        raise ValueError(f"no LoRA layout for {linear!r}; expected one of {sorted(set(TARGET_LINEARS.values()))}")
+    shapes = target_shapes(arch)
+    if shapes[names[0]].input_split:  # row-parallel: every rank has the whole output
+        return FusedRows(1, tuple((name, shapes[name].out_features) for name in names))
+    # linear_qkv interleaves q, k and v per query group; linear_fc1 is this rank's gate rows, then up rows
+    blocks = arch.num_query_groups if linear == "linear_qkv" else tp
+    return FusedRows(blocks // tp, tuple((name, shapes[name].out_features // blocks) for name in names))
 
 
 class LoraAdapter(torch.nn.Module):

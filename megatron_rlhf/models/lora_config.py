@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.config.fields import check_on_init
+
+if TYPE_CHECKING:
+    from megatron_rlhf.models.architecture import Architecture
 
 ALL_LINEAR = "all-linear"
 TARGET_LINEARS = {
@@ -24,6 +28,34 @@ TARGET_LINEARS = {
 }
 """Each PEFT target name and the megatron linear that holds its weight (q/k/v and gate/up share
 one fused linear; the LM head and the score head are never adapted, as in PEFT's all-linear)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetShape:
+    """One PEFT target's full weight shape (PEFT's A is (rank, in_features), B (out_features, rank))
+    and how tensor parallelism splits its adapter."""
+
+    in_features: int
+    out_features: int
+    input_split: bool
+    """Row-parallel (o_proj, down_proj): A split by input columns, B whole; else (column-parallel)
+    A whole and B split by output rows."""
+
+
+def target_shapes(arch: Architecture) -> dict[str, TargetShape]:
+    """Each PEFT target of ``arch``, in ``TARGET_LINEARS`` order: the one table of adapter shapes
+    (the model's adapters, the planner's count and an adapter file's check all read it)."""
+    hidden, ffn = arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    return {
+        "q_proj": TargetShape(hidden, q, False),
+        "k_proj": TargetShape(hidden, kv, False),
+        "v_proj": TargetShape(hidden, kv, False),
+        "o_proj": TargetShape(q, hidden, True),
+        "gate_proj": TargetShape(hidden, ffn, False),
+        "up_proj": TargetShape(hidden, ffn, False),
+        "down_proj": TargetShape(ffn, hidden, True),
+    }
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,6 +72,11 @@ class LoraConfig:
     target_modules: list[str] = dataclasses.field(default_factory=lambda: [ALL_LINEAR])
     """PEFT module names to adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
     all-linear (all seven)."""
+    adapter_path: str = ""
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, as PEFT's
+    save_pretrained or a run's hf_adapter/ writes) to start the adapters from instead of A random and
+    B zero; its r, lora_alpha and target_modules must equal rank, alpha and target_modules. Only a
+    start: a resumed run continues from its checkpoint's adapters. Empty: none."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
@@ -61,6 +98,8 @@ class LoraConfig:
         errors = []
         if self.rank < 0:
             errors.append(f"rank={self.rank} must be >= 0 (0: no adapters)")
+        if self.adapter_path and self.rank == 0:
+            errors.append(f"adapter_path={self.adapter_path!r} is set with rank=0: set rank to the adapter's r")
         if not self.alpha > 0:
             errors.append(f"alpha={self.alpha} must be > 0")
         if not 0.0 <= self.dropout < 1.0:

@@ -65,7 +65,6 @@ from megatron_rlhf.metrics.sinks import (
     strict_json,
 )
 from megatron_rlhf.models.architecture import Architecture
-from megatron_rlhf.models.lora import adapted_weights
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rewards.calls import ScoringInterrupted
 from megatron_rlhf.trainer import run_lock
@@ -498,19 +497,12 @@ def _export(cfg: LoopConfig, task: Task, out_dir: Path, final_step: int | None) 
                 f"no checkpoint holds the final step (save_final={cfg.save_final}): the steps since the last "
                 "checkpoint are lost"
             )
-        elif any(True for _ in adapted_weights(task.export_role.model)):
-            # convert mcore-to-hf builds the model without adapters: it would write the base model
-            what = (
-                f"the checkpoint {checkpoints_root(out_dir) / f'step_{final_step}'} holds every step; redo the "
-                "export by running the same command again (it resumes at the last step and exports; "
-                "megatron-rlhf convert does not merge LoRA adapters)"
-            )
         else:
             ckpt = checkpoints_root(out_dir) / f"step_{final_step}"
             name = next(n for n, s in task.train_states().items() if s.role is task.export_role)
             what = (
                 f"the checkpoint {ckpt} holds every step; redo the export with: megatron-rlhf convert mcore-to-hf "
-                f"{ckpt / 'models' / name} {hf} (then copy the tokenizer files from {task.export_role.source}), "
+                f"{ckpt / 'models' / name} {hf} (it writes what the run's export writes), "
                 "or run the same command again (it resumes at the last step and exports)"
             )
         raise ExportFailed(f"the HF export to {hf} failed: {err}; {what}") from err

@@ -46,7 +46,7 @@ from megatron_rlhf.hybrid.memory import GIB, decide_offload, generation_bytes, k
 from megatron_rlhf.hybrid.reshard import generation_layout
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import padded_vocab_size
-from megatron_rlhf.models.lora_config import TARGET_LINEARS, LoraConfig
+from megatron_rlhf.models.lora_config import TARGET_LINEARS, LoraConfig, target_shapes
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, reference_from_actor
 from megatron_rlhf.trainer.supervised import SupervisedConfig, check_config
@@ -87,39 +87,27 @@ def stage_adapter_parameters(arch: Architecture, layout: Layout, lora: LoraConfi
     """Trained parameters of one rank of a pipeline stage with LoRA (``models/lora.py``): per adapted
     module A (rank x in) and B (out x rank), the split one divided by tp (B on QKV and gate/up, A on
     o_proj and down_proj), plus a score head; the base is frozen."""
-    tp, hidden, ffn = layout.tp, arch.hidden_size, arch.ffn_hidden_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
-    # (in features, out features, input split over TP)
-    shapes = {
-        "q_proj": (hidden, q, False),
-        "k_proj": (hidden, kv, False),
-        "v_proj": (hidden, kv, False),
-        "o_proj": (q, hidden, True),
-        "gate_proj": (hidden, ffn, False),
-        "up_proj": (hidden, ffn, False),
-        "down_proj": (ffn, hidden, True),
-    }
+    tp, shapes = layout.tp, target_shapes(arch)
     layer = 0
     for name in lora.targets():
-        inputs, outputs, split = shapes[name]
-        layer += lora.rank * (inputs // tp + outputs if split else inputs + outputs // tp)
-    head = arch.num_labels * hidden if arch.score_head else 0
+        inputs, outputs = shapes[name].in_features, shapes[name].out_features
+        layer += lora.rank * (inputs // tp + outputs if shapes[name].input_split else inputs + outputs // tp)
+    head = arch.num_labels * arch.hidden_size if arch.score_head else 0
     return arch.num_layers // layout.pp * layer + head
 
 
 def stage_adapted_weights(arch: Architecture, layout: Layout, lora: LoraConfig) -> int:
     """Base weight elements of the linears LoRA adapts, on one rank of a pipeline stage: what a LoRA
-    actor generating in its own layout keeps while its adapters are merged (``hybrid/reshard.py``)."""
-    tp, hidden, ffn = layout.tp, arch.hidden_size, arch.ffn_hidden_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
-    weights = {
-        "linear_qkv": (q + 2 * kv) // tp * hidden,
-        "linear_proj": hidden * q // tp,
-        "linear_fc1": 2 * ffn // tp * hidden,
-        "linear_fc2": hidden * ffn // tp,
-    }
+    actor generating in its own layout keeps while its adapters are merged (``hybrid/reshard.py``).
+    A fused linear (q/k/v, gate/up) is kept whole when any of its parts is adapted."""
     adapted = {TARGET_LINEARS[name] for name in lora.targets()}
-    return arch.num_layers // layout.pp * sum(weights[linear] for linear in adapted)
+    shapes = target_shapes(arch)
+    per_layer = sum(
+        shape.in_features * shape.out_features // layout.tp
+        for name, shape in shapes.items()
+        if TARGET_LINEARS[name] in adapted
+    )
+    return arch.num_layers // layout.pp * per_layer
 
 
 def micro_batch_tokens(budget: int, rows: int, longest: int) -> int:

@@ -174,7 +174,9 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     reference = updater = None
     free_reference = reference_from_actor(cfg)
     if free_reference:
-        log("reference: the actor's base, its LoRA adapters off (no reference model built)")
+        started = cfg.actor.lora.adapter_path
+        without = f", without the adapter it started from ({started})" if started else ""
+        log(f"reference: the actor's base, its LoRA adapters off{without} (no reference model built)")
     elif "reference" in archs:
         reference = start.build("reference", reference_vocab_pad_multiple(cfg.reference, actor.role))
         if cfg.reference.update != "none":

@@ -40,8 +40,15 @@ RULES: dict[str, dict[str, str]] = {
         "host_threads": MAY_CHANGE,
     },
     "ModelConfig": {"path": MODEL, "tp": LAYOUT, "pp": LAYOUT},
-    # rank, alpha and the targets shape the adapters and what a step means; dropout only regularises.
-    "LoraConfig": {"rank": FIXED, "alpha": FIXED, "dropout": MAY_CHANGE, "target_modules": FIXED},
+    # rank, alpha and the targets shape the adapters and what a step means; dropout only regularises;
+    # the adapter path is only a start (a resumed run takes its checkpoint's adapters).
+    "LoraConfig": {
+        "rank": FIXED,
+        "alpha": FIXED,
+        "dropout": MAY_CHANGE,
+        "target_modules": FIXED,
+        "adapter_path": MAY_CHANGE,
+    },
     # none <-> periodic/ema decides whether the checkpoint holds the reference's weights.
     "ReferenceConfig": {"update": FIXED, "update_every": MAY_CHANGE, "ema_decay": MAY_CHANGE},
     "LoopConfig": {

@@ -1,13 +1,16 @@
-"""torchrun worker (2 ranks, gloo): the HF export of a LoRA model at TP1, TP2 and PP2 (float32).
+"""torchrun worker (2 ranks, gloo): the HF export of a LoRA model at TP1, TP2 and PP2 (float32),
+and TP1's PEFT adapter read back at TP2 and PP2.
 
 One tiny Qwen2 with adapters on all seven projections, the same full adapter values in every layout
 (``lora_worker.set_full_values``), exported with ``export_hf`` to OUT/<layout>/hf (merged) and
 OUT/<layout>/hf_adapter (PEFT); the test compares the layouts' files and loads them in transformers
-and PEFT. Rank 0 writes the layouts it exported to OUT/results.json.
+and PEFT. At TP2 and PP2 a second model starts from TP1's hf_adapter/ (``lora.adapter_path``): its
+adapter shards must equal the first model's. Rank 0 writes the figures to OUT/results.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -50,6 +53,22 @@ def main(session: WorkerSession) -> None:
         dist.all_reduce(found, op=dist.ReduceOp.MIN)
         session.results[f"{tag}/model_untouched"] = found.item()
         dist.barrier()
+        if (tp, pp) != LAYOUTS[0]:
+            written = str(session.out / "tp1pp1" / "hf_adapter")
+            from_file = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, adapter_path=written))
+            read = build_role(
+                "actor", from_file, arch, world_size=env.world_size, dtype=torch.float32, device=env.device
+            )
+            same = all(
+                torch.equal(mine, theirs)
+                for (name, mine), (_, theirs) in zip(
+                    read.model.named_parameters(), role.model.named_parameters(), strict=True
+                )
+                if "_lora." in name
+            )
+            found = torch.tensor([float(same)])
+            dist.all_reduce(found, op=dist.ReduceOp.MIN)
+            session.results[f"{tag}/adapter_read_back"] = found.item()
 
 
 if __name__ == "__main__":

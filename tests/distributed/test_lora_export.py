@@ -1,7 +1,8 @@
 """The HF export of a LoRA model at TP2 and PP2 writes what TP1 writes: the merged ``hf/`` and the
 PEFT ``hf_adapter/`` (gathered from TP shards and pipeline stages), and PEFT's adapter on the base
-gives the merged model's logits (2 gloo ranks, ``lora_export_worker.py``; TP1's own check against
-our model's logits is in tests/unit/test_lora_export.py)."""
+gives the merged model's logits; TP1's adapter read back at TP2 and PP2 gives the same shards (2 gloo
+ranks, ``lora_export_worker.py``; TP1's own check against our model's logits is in
+tests/unit/test_lora_export.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_lora_export_at_tp2_and_pp2_equals_tp1(tmp_path: Path) -> None:
     results = run_worker(WORKER, 2, tmp_path, timeout=600)
     layouts = ("tp1pp1", "tp2pp1", "tp1pp2")
     assert all(results[f"{tag}/model_untouched"] == 1.0 for tag in layouts)
+    assert all(results[f"{tag}/adapter_read_back"] == 1.0 for tag in layouts[1:])
     merged = {tag: _tensors(tmp_path / tag / "hf") for tag in layouts}
     adapter = {tag: _tensors(tmp_path / tag / "hf_adapter") for tag in layouts}
     assert len(adapter["tp1pp1"]) == 4 * 7 * 2  # layers * projections * (A, B)
@@ -62,7 +64,8 @@ def test_lora_export_at_tp2_and_pp2_equals_tp1(tmp_path: Path) -> None:
 def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adapter(tmp_path: Path) -> None:
     """The trainers' final export (``save_hf=true``, the default): sft writes hf/ (merged) and
     hf_adapter/, whose base is the run's model and which on it gives hf/'s logits; rm writes hf/ with
-    its merged weights and no hf_adapter/ (a score-head adapter is not written)."""
+    its merged weights and no hf_adapter/ (a score-head adapter is not written). ``convert
+    mcore-to-hf`` of sft's final checkpoint writes the same hf/ and hf_adapter/ tensors."""
     import json
 
     import peft
@@ -77,6 +80,13 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
     common = ("model.lora.rank=4", "max_steps=2", "optim.lr=1e-2", "optim.warmup_steps=0")
     run_cli("sft", "--config", "sft-tiny", f"data.train=[{train}]", *common, f"output_dir={sft_out}")
     rm_proc = run_cli("rm", "--config", "rm-tiny", f"data.train=[{pairs}]", *common, f"output_dir={rm_out}")
+    converted = tmp_path / "converted" / "hf"
+    run_cli("convert", "mcore-to-hf", str(sft_out / "checkpoints" / "step_2" / "models" / "actor"), str(converted))
+    for exported, written in ((sft_out / "hf", converted), (sft_out / "hf_adapter", converted.parent / "hf_adapter")):
+        theirs, mine = _tensors(exported), _tensors(written)
+        assert mine.keys() == theirs.keys(), written
+        for name, tensor in mine.items():
+            assert torch.equal(tensor, theirs[name]), (written, name)
 
     config = json.loads((sft_out / "hf_adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM" and len(config["target_modules"]) == 7
@@ -87,8 +97,10 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
         logits = merged(input_ids).logits
         base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
         assert (base(input_ids).logits - logits).abs().max() > 1e-3  # the adapters trained
-        with_adapter = peft.PeftModel.from_pretrained(base, sft_out / "hf_adapter").eval()
-        assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
+        for adapter_dir in (sft_out / "hf_adapter", converted.parent / "hf_adapter"):
+            with_adapter = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+            assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4, adapter_dir
+            base = with_adapter.unload()
 
     assert (rm_out / "hf" / "config.json").is_file() and not (rm_out / "hf_adapter").exists()
     found = re.search(r"merged LoRA adapters; saved HF checkpoint .* from (\S+)\n", rm_proc.stdout)
@@ -102,20 +114,33 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
 
 @pytest.mark.distributed
 def test_a_grpo_run_with_a_lora_actor_exports_its_merged_model_and_adapter(tmp_path: Path) -> None:
-    """ppo's export of a LoRA actor: hf/ merged, hf_adapter/ on the actor's base gives hf/'s logits."""
+    """ppo's export of a LoRA actor: hf/ merged, hf_adapter/ on the actor's base gives hf/'s logits.
+    The actor starts from a PEFT adapter (``actor.lora.adapter_path``) with B non-zero: the KL to the
+    free reference (the base, adapters off) is then above zero at step 1, where a fresh adapter's is 0."""
     import json
 
     import peft
     from transformers import AutoModelForCausalLM
 
+    from megatron_rlhf.models.builtin import builtin_checkpoint
     from tests.launch import run_cli
 
+    start = tmp_path / "start_adapter"
+    policy = AutoModelForCausalLM.from_pretrained(builtin_checkpoint("builtin:tiny-llama"), torch_dtype=torch.float32)
+    peft_model = peft.get_peft_model(policy, peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(2)
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    peft_model.save_pretrained(start)
     out = tmp_path / "run"
-    run_cli(
+    proc = run_cli(
         "ppo",
         "--config",
         "ppo-tiny",
         "actor.lora.rank=4",
+        f"actor.lora.adapter_path={start}",
         "actor_optim.lr=1e-2",
         "prompts_per_step=4",
         "mini_batch_size=8",
@@ -131,21 +156,6 @@ def test_a_grpo_run_with_a_lora_actor_exports_its_merged_model_and_adapter(tmp_p
         assert (base.eval()(input_ids).logits - logits).abs().max() > 1e-4  # the adapters trained
         with_adapter = peft.PeftModel.from_pretrained(base, out / "hf_adapter").eval()
         assert (with_adapter(input_ids).logits - logits).abs().max() < 1e-4
-
-
-@pytest.mark.distributed
-def test_a_failed_lora_export_does_not_point_to_convert(tmp_path: Path) -> None:
-    """``convert mcore-to-hf`` builds the model without adapters (it would write the base): a LoRA
-    run whose export fails says to run the command again instead."""
-    from tests.distributed.test_sft_rm import _sft_rows, _write_jsonl
-    from tests.launch import run_cli
-
-    train = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(16, 0))
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "hf").write_text("not a directory\n")
-    args = ("sft", "--config", "sft-tiny", f"data.train=[{train}]", "model.lora.rank=4", "max_steps=1")
-    proc = run_cli(*args, "overwrite=true", f"output_dir={out}", exit_code=2)
-    assert "redo the export by running the same command again" in proc.stderr, proc.stderr[-3000:]
-    assert "megatron-rlhf convert does not merge LoRA adapters" in proc.stderr
-    assert "redo the export with: megatron-rlhf convert" not in proc.stderr
+    assert f"without the adapter it started from ({start})" in proc.stdout
+    first_step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first_step["step"] == 1 and first_step["kl/per_sequence"] > 1e-3

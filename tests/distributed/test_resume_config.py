@@ -162,7 +162,7 @@ def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes
     proc = run_cli(*SFT, f"data.train=[{sft_train}]", "max_steps=2", "overwrite=true", f"output_dir={out}", exit_code=2)
     ckpt = out / "checkpoints" / "step_2"
     assert is_complete(ckpt) and f"the checkpoint {ckpt} holds every step" in proc.stderr
-    command = proc.stderr.split("redo the export with: megatron-rlhf ")[1].split(" (then")[0].split()
+    command = proc.stderr.split("redo the export with: megatron-rlhf ")[1].split(" (it writes")[0].split()
     assert command == ["convert", "mcore-to-hf", str(ckpt / "models" / "actor"), str(out / "hf")]
     run_cli(*command[:-1], str(tmp_path / "hf"))
     import transformers
