@@ -8,7 +8,7 @@
 #   bench     scripts/bench/: model import (TP1, and TP2 with 2+ GPUs), the actor update (profiled), generation
 #             vs HF generate (profiled; with 2+ GPUs the TP2 -> TP1 x DP2 weight copy), checkpoint save/load and
 #             its copy to remote storage,
-#             the host work of a step
+#             the host work of a step, a LoRA actor's merge for generation (in place vs into a copy)
 #   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the log-prob kernels
 #   pipeline  the GPU preset of `megatron-rlhf pipeline` (SFT -> RM -> GRPO and PPO), seed 1
 #   seeds     its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model (after pipeline)
@@ -110,6 +110,7 @@ if wants bench; then
   bench remote_upload 3 "$python" scripts/bench/remote_upload.py --model "$model" --dir "$work/bench_remote" --target file \
     --out "$out/bench_remote_upload.json"
   bench host 12 "$python" scripts/bench/host.py --model "$model"
+  bench lora_merge 1 torchrun 1 scripts/bench/lora_merge.py --model "$model" --rank 32 --out "$out/bench_lora_merge.json"
   if [ "$ngpu" -ge 2 ]; then
     bench load_tp2 25 torchrun 2 scripts/bench/load.py --model "$model" --tp 2 --out "$out/bench_load_tp2.json"
     bench reshard 25 torchrun 2 scripts/bench/rollout.py --model "$model" --out "$out/bench_reshard.json"
