@@ -179,3 +179,29 @@ def load_all_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     for path in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
         tensors.update(load_file(path))
     return tensors
+
+
+PPO_TINY_ROLLOUT = (
+    "prompts_per_step=4",
+    "rollout.sampling.n=4",
+    "mini_batch_size=0",
+    "rollout.sampling.max_new_tokens=8",
+    "samples_per_step=0",
+    "max_tokens_per_micro_batch=64",
+)
+"""ppo-tiny cut to 16 sequences of at most 8 new tokens a step, one optimizer step per rollout over
+micro-batches of 64 tokens: a few seconds a step on a CPU."""
+
+
+def response_logprobs(role, batch: dict[str, torch.Tensor], max_tokens_per_micro_batch: int) -> torch.Tensor:
+    """The trainer's per-token log-probs of ``role`` on a rollout batch (``trainer/ppo.py``'s
+    ``rollout_batch``), the LM head only at the response's positions: what the engine's sampling
+    log-probs are held to."""
+    from megatron_rlhf.training.objectives import logprobs_output
+    from megatron_rlhf.training.schedule import logits_only_at
+    from megatron_rlhf.training.train import forward_all_rows
+
+    response_only = logits_only_at(batch, "response_mask")
+    return forward_all_rows(
+        role, response_only, logprobs_output(role), max_tokens_per_micro_batch=max_tokens_per_micro_batch
+    )

@@ -26,20 +26,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import PPO_TINY_ROLLOUT, response_logprobs
 from tests.launch import WorkerSession, worker_session
 
-OVERRIDES = (
-    "rollout.tp=1",
-    "actor.lora.rank=8",
-    "save_hf=false",
-    "prompts_per_step=4",
-    "rollout.sampling.n=4",
-    "mini_batch_size=0",
-    "rollout.sampling.max_new_tokens=8",
-    "samples_per_step=0",
-    "max_tokens_per_micro_batch=64",
-    "actor_optim.lr=1e-3",
-)
+OVERRIDES = ("rollout.tp=1", "actor.lora.rank=8", "save_hf=false", *PPO_TINY_ROLLOUT, "actor_optim.lr=1e-3")
 STEPS = 3
 
 
@@ -58,9 +48,6 @@ def main(session: WorkerSession) -> None:
     from megatron_rlhf.models.lora import adapters
     from megatron_rlhf.trainer.ppo import _rollout_logprobs, ppo_step, rollout_batch, set_up_ppo
     from megatron_rlhf.trainer.ppo_config import PPOConfig
-    from megatron_rlhf.training.objectives import logprobs_output
-    from megatron_rlhf.training.schedule import logits_only_at
-    from megatron_rlhf.training.train import forward_all_rows
 
     env, results = session.env, session.results
     cfg = load_config("ppo-tiny", [*OVERRIDES, *session.args, f"output_dir={session.out / 'run'}"], schema=PPOConfig)
@@ -121,14 +108,8 @@ def main(session: WorkerSession) -> None:
             raise AssertionError("the rollout changed the actor's weights")
         batch = rollout_batch(completions, run.tokenizer.pad_id)
         mask = batch["response_mask"]
-        response_only = logits_only_at(batch, "response_mask")
-
-        def logprobs(role) -> torch.Tensor:
-            return forward_all_rows(
-                role, response_only, logprobs_output(role), max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch
-            )
-
-        adapted, based = logprobs(actor), logprobs(base)
+        adapted = response_logprobs(actor, batch, cfg.max_tokens_per_micro_batch)
+        based = response_logprobs(base, batch, cfg.max_tokens_per_micro_batch)
         engine = _rollout_logprobs(completions, mask)
         return float(((engine - adapted).abs() * mask).max()), float(((adapted - based).abs() * mask).max())
 

@@ -15,18 +15,9 @@ import torch
 
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, reference_from_actor
+from tests.helpers import PPO_TINY_ROLLOUT, response_logprobs
 
-TINY = (
-    "device=cpu",
-    "prompts_per_step=4",
-    "rollout.sampling.n=4",
-    "mini_batch_size=0",
-    "rollout.sampling.max_new_tokens=8",
-    "samples_per_step=0",
-    "max_tokens_per_micro_batch=64",
-    "actor.lora.rank=8",
-    "save_hf=false",
-)
+TINY = ("device=cpu", *PPO_TINY_ROLLOUT, "actor.lora.rank=8", "save_hf=false")
 """ppo-tiny (GRPO, a KL loss to the reference, actor and reference on builtin:tiny-llama) with a LoRA
 actor, on 16 sequences."""
 TOLERANCE = 1e-5
@@ -87,9 +78,6 @@ def test_rollouts_use_the_merged_weights_and_the_reference_is_the_base(world_of_
     from megatron_rlhf.metrics.phases import PhaseTimer
     from megatron_rlhf.models.lora import adapters
     from megatron_rlhf.trainer.ppo import _rollout_logprobs, forward_passes, rollout_batch, set_up_ppo
-    from megatron_rlhf.training.objectives import logprobs_output
-    from megatron_rlhf.training.schedule import logits_only_at
-    from megatron_rlhf.training.train import forward_all_rows
 
     cfg = _config(f"output_dir={tmp_path}")
     run = set_up_ppo(cfg, world_of_one)
@@ -110,14 +98,8 @@ def test_rollouts_use_the_merged_weights_and_the_reference_is_the_base(world_of_
 
     batch = rollout_batch(completions, run.tokenizer.pad_id)
     mask = batch["response_mask"]
-    response_only = logits_only_at(batch, "response_mask")
-
-    def logprobs(role) -> torch.Tensor:
-        return forward_all_rows(
-            role, response_only, logprobs_output(role), max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch
-        )
-
-    adapted, base = logprobs(actor), logprobs(_base_model())
+    adapted = response_logprobs(actor, batch, cfg.max_tokens_per_micro_batch)
+    base = response_logprobs(_base_model(), batch, cfg.max_tokens_per_micro_batch)
     assert ((adapted - base).abs() * mask).max() > 1e-2  # the adapters matter: an unmerged rollout would show
     assert ((_rollout_logprobs(completions, mask) - adapted).abs() * mask).max() < TOLERANCE
     reference = forward_passes(run, batch, PhaseTimer(run.device)).ref_logprobs

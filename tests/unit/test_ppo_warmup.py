@@ -11,16 +11,9 @@ import torch
 
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.trainer.ppo_config import PPOConfig
+from tests.helpers import PPO_TINY_ROLLOUT
 
-TINY = (
-    "device=cpu",
-    "prompts_per_step=4",
-    "rollout.sampling.n=4",
-    "mini_batch_size=0",
-    "rollout.sampling.max_new_tokens=8",
-    "samples_per_step=0",
-    "max_tokens_per_micro_batch=64",
-)
+TINY = ("device=cpu", *PPO_TINY_ROLLOUT)
 
 
 def _run(tmp_path: Path, env, warmup: str, extra: tuple[str, ...], steps: int = 2):
