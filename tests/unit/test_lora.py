@@ -245,25 +245,29 @@ def test_only_adapters_get_gradient_buffers_optimizer_state_and_updates(world_of
     assert changed == {name for name, p in model.named_parameters() if id(p) in trainable}
 
 
-def test_dropout_acts_in_training_only(world_of_one) -> None:
-    """With lora.dropout the adapters' input is dropped in train mode only; in eval mode the model is
-    the one without dropout."""
+def _tiny_adapted_role(lora: LoraConfig, dtype: torch.dtype) -> RoleModel:
+    """builtin:tiny-llama with these adapters and a random B (B starts at zero: the adapters would
+    change nothing)."""
     from megatron_rlhf.checkpoint.sources import architecture_of
     from megatron_rlhf.models.lora import adapters
 
     path = "builtin:tiny-llama"
     role = build_role(
-        "actor",
-        ModelConfig(path=path, lora=LoraConfig(rank=4, dropout=0.5)),
-        architecture_of(path),
-        world_size=1,
-        dtype=torch.float32,
-        device=CPU,
+        "actor", ModelConfig(path=path, lora=lora), architecture_of(path), world_size=1, dtype=dtype, device=CPU
     )
     with torch.no_grad():
         for adapter in adapters(role.model):
             for b in adapter.lora_B.values():
                 b.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(4))
+    return role
+
+
+def test_dropout_acts_in_training_only(world_of_one) -> None:
+    """With lora.dropout the adapters' input is dropped in train mode only; in eval mode the model is
+    the one without dropout."""
+    from megatron_rlhf.models.lora import adapters
+
+    role = _tiny_adapted_role(LoraConfig(rank=4, dropout=0.5), torch.float32)
     input_ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(8)[None].expand_as(input_ids)
     with torch.no_grad():
@@ -292,22 +296,9 @@ def test_a_bf16_base_merged_in_place_comes_back_bit_identical(world_of_one) -> N
     """In bf16 (a GPU run's dtype), W + delta - delta is not W: the in-place merge (generation in the
     actor's own layout) keeps W and copies it back. The merged weight is W + delta to bf16's precision
     (the delta in float64 here: an independent product)."""
-    from megatron_rlhf.checkpoint.sources import architecture_of
     from megatron_rlhf.models.lora import adapted_weights, adapters, merge_adapters, unmerge_adapters
 
-    path = "builtin:tiny-llama"
-    role = build_role(
-        "actor",
-        ModelConfig(path=path, lora=LoraConfig(rank=4)),
-        architecture_of(path),
-        world_size=1,
-        dtype=torch.bfloat16,
-        device=CPU,
-    )
-    with torch.no_grad():
-        for adapter in adapters(role.model):
-            for b in adapter.lora_B.values():
-                b.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(4))
+    role = _tiny_adapted_role(LoraConfig(rank=4), torch.bfloat16)
     before = {name: p.detach().clone() for name, p in role.model.named_parameters()}
     deltas = [
         (weight.detach().clone(), (adapter.fused_b().double() @ adapter.fused_a().double()).detach() * adapter.scaling)
