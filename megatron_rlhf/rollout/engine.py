@@ -1,4 +1,5 @@
-"""How the trainer generates (``RolloutEngine``), and what generation returns (``Completion``).
+"""How the trainer generates (``RolloutEngine``), what generation returns (``Completion``), and the
+environment a multi-turn rollout talks to between policy turns (``Agent``, ``Episode``).
 
 The RL trainer (``trainer/ppo.py``) sees generation only through ``RolloutEngine``. Its one
 implementation today is ``hybrid.engine.HybridEngine``: the native engine (``rollout/native.py``)
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.rollout.sampling import SamplingParams
@@ -33,6 +35,13 @@ class Completion:
     context limit was reached."""
     prompt_tokens_dropped: int = 0
     """Tokens cut from the front of an over-long prompt (on_long_prompt=truncate), else 0."""
+    policy_mask: list[bool] | None = None
+    """Multi-turn: True where the policy sampled ``token_ids[i]``, False on the environment's tokens
+    (tool results and the chat template's tokens around them; their ``logprobs`` are 0). None: a
+    single-turn completion, every token the policy's."""
+    trajectory: dict[str, Any] | None = None
+    """Multi-turn: what the environment reports of the whole trajectory (``Episode.close``): turns,
+    tool calls and their errors, tool rewards. None for a single-turn completion."""
 
     def text_ids(self, stop_ids: Collection[int]) -> list[int]:
         """The response's ids without its final stop token: what its text is decoded from, with
@@ -40,6 +49,38 @@ class Completion:
         token would otherwise stay in the text). ``token_ids`` keeps every token."""
         ends_with_stop = self.finish_reason == "stop" and self.token_ids and self.token_ids[-1] in stop_ids
         return self.token_ids[:-1] if ends_with_stop else self.token_ids
+
+
+@dataclasses.dataclass
+class EnvironmentTurn:
+    """What the environment appends after a policy turn: tokens the policy did not sample (a tool
+    result rendered by the chat template), after which the policy goes on decoding."""
+
+    token_ids: list[int]
+
+
+class Episode(Protocol):
+    """One trajectory's environment (its tools' state). The engine calls ``after_turn`` each time a
+    policy turn ends on a stop token, and ``close`` once when the trajectory is over."""
+
+    def after_turn(self, turn_ids: list[int]) -> Future[EnvironmentTurn] | None:
+        """The environment's answer to the policy's turn ``turn_ids`` (stop token included), or
+        None when the trajectory ends here. A Future: tools run on host workers while the engine
+        keeps decoding the other sequences."""
+        ...
+
+    def close(self) -> dict[str, Any]:
+        """Release the trajectory's tools; returns what ``Completion.trajectory`` records."""
+        ...
+
+
+class Agent(Protocol):
+    """Makes each trajectory's ``Episode``: a multi-turn rollout's environment."""
+
+    def episode(self, prompt_index: int, sample_index: int) -> Episode:
+        """The environment of sample ``sample_index`` of prompt ``prompt_index`` (indices into the
+        prompts the trainer passed to ``generate``)."""
+        ...
 
 
 class RolloutEngine(Protocol):
@@ -51,10 +92,15 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, timer: PhaseTimer | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        timer: PhaseTimer | None = None,
+        agent: Agent | None = None,
     ) -> list[Completion]:
         """``params.n`` completions per prompt from the actor's weights as they are now, ordered by
         (prompt_index, sample_index). Collective over the world: every rank passes the same prompts
         and gets every completion. ``timer`` gets the backend's own parts (weight refresh, memory
-        switches, generation) under the phase it has open."""
+        switches, generation) under the phase it has open. With ``agent``, each completion is a
+        multi-turn trajectory: policy turns interleaved with the environment's."""
         ...
