@@ -30,7 +30,7 @@ import torch
 from megatron_rlhf.hybrid.memory import TrainingMemory
 from megatron_rlhf.hybrid.reshard import WeightResharder
 from megatron_rlhf.metrics.phases import PhaseTimer
-from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.rollout.engine import Agent, Completion
 from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
@@ -62,10 +62,15 @@ class HybridEngine:
         return f"generation {generation} ({how})"
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, timer: PhaseTimer | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        timer: PhaseTimer | None = None,
+        agent: Agent | None = None,
     ) -> list[Completion]:
-        """All completions (every rank gets all of them, ordered); ``timer`` gets the switch's parts
-        (release, generation weights, generate, CUDA graph capture, free, restore)."""
+        """All completions (every rank gets all of them, ordered; multi-turn trajectories with
+        ``agent``); ``timer`` gets the switch's parts (release, generation weights, generate, CUDA
+        graph capture, free, restore)."""
         parts = timer if timer is not None else PhaseTimer(self.device)
 
         if self.memory is not None:
@@ -78,7 +83,7 @@ class HybridEngine:
         captured = self.engine.graph_capture_seconds
         try:
             with parts.part("generate"):
-                completions = generate_data_parallel(self.engine, prompts, params)
+                completions = generate_data_parallel(self.engine, prompts, params, agent=agent)
         finally:
             if self.resharder.merges_in_place:  # a LoRA actor generating from its own weights
                 with parts.part("lora base weights back"):

@@ -297,6 +297,38 @@ def cached_decode_attention(
     return out.reshape(1, slots, heads * head_dim)
 
 
+def continued_prefill_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a prefill whose rows continue what their cache slots hold: row i's queries
+    (sq, b, heads, hn), at ``positions[i]`` (b, sq), attend the keys of slot ``slots[i]`` at or
+    before their own position (this prefill's keys already stored), within the sliding ``window``
+    if any. Returns (sq, b, heads * hn).
+
+    The rows' cached prefixes are gathered into one (b, groups, kv_len, 2 * hn) copy: a later turn's
+    prefill is a tool result of tens of tokens after a prefix of hundreds, a small fraction of the
+    work of recomputing the prefix (which is what it saves)."""
+    sq, rows, heads, head_dim = query.shape
+    kv_len = int(positions.max()) + 1
+    cached = cache[slots, :, :kv_len]
+    keys, values = cached[..., :head_dim], cached[..., head_dim:]
+    key_positions = torch.arange(kv_len, device=query.device)
+    allowed = key_positions[None, None, :] <= positions[:, :, None]  # (b, sq, kv_len)
+    if window is not None:
+        allowed &= positions[:, :, None] - key_positions[None, None, :] <= window
+    q = query.permute(1, 2, 0, 3)  # (b, heads, sq, hn)
+    groups = keys.shape[1]
+    if heads != groups:  # the mask rules out SDPA's GQA path on CUDA (see SDPAttention.forward)
+        keys, values = (t.repeat_interleave(heads // groups, dim=1) for t in (keys, values))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(sq, rows, heads * head_dim)
+
+
 def rotate_store_attend(
     mixed: torch.Tensor,
     heads_per_group: int,
@@ -379,6 +411,9 @@ class KVStep(Protocol):
     @property
     def window(self) -> int | None: ...
 
+    @property
+    def continued(self) -> bool: ...
+
 
 class CachedSelfAttention(SelfAttention):
     """megatron's SelfAttention, plus a KV-cache path used by the generation engine.
@@ -388,7 +423,8 @@ class CachedSelfAttention(SelfAttention):
     (``kv_step``), the forward writes this step's keys/values into the engine's cache at each row's
     own positions, then attends: a prefill (prompts from position 0) over its own keys with causal
     core attention; a decode step (one token per cache slot) over the cache in place. Otherwise it
-    is megatron's forward unchanged.
+    is megatron's forward unchanged. A continued prefill (a later turn's new tokens) attends over
+    its slot's cache (``continued_prefill_attention``).
     """
 
     kv_step: KVStep | None = None
@@ -402,7 +438,11 @@ class CachedSelfAttention(SelfAttention):
         query, key, value = self.get_query_key_value_tensors(hidden_states, None)  # (sq, b, heads, hn)
         cache = step.cache.layer(self.layer_number)  # (slots, groups, max_len, 2 * hn)
         query, entry = rotate_into_cache(query, key, value, step.cos, step.sin, cache, step.slots, step.positions)
-        if step.prefill:
+        if step.prefill and step.continued:
+            out = continued_prefill_attention(
+                query, cache, step.slots, step.positions, step.window, self.core_attention.softmax_scale
+            )
+        elif step.prefill:
             head_dim = query.shape[-1]
             key, value = entry[..., :head_dim], entry[..., head_dim:]  # views: rotated key, value
             out = self.core_attention(query, key, value, None, attn_mask_type=AttnMaskType.causal)

@@ -38,8 +38,10 @@ class KVCache:
 class DecodeStep:
     """What the cached attention needs for one forward: which slots, which positions.
 
-    A prefill starts every row at position 0 and attends over its own keys. A decode step has one
-    row per cache slot, in slot order, and attends over the cache.
+    A prefill starts every row at position 0 and attends over its own keys, unless ``continued``:
+    then each row's tokens follow what its slot already holds (a later turn of a multi-turn
+    trajectory) and attend over the slot's cache. A decode step has one row per cache slot, in slot
+    order, and attends over the cache.
     """
 
     cache: KVCache
@@ -50,3 +52,4 @@ class DecodeStep:
     prefill: bool
     kv_len: int | None  # decode: attend over cache positions [0, kv_len) at most
     window: int | None  # a sliding window's size (megatron's convention), or None
+    continued: bool = False  # a prefill whose rows start after their slot's cached tokens

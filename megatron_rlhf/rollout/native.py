@@ -23,10 +23,12 @@ Shapes: prefill input (b, W) right-padded; decode input (slots, 1): every cache 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +50,7 @@ from megatron_rlhf.models.attention import (
     swiglu,
 )
 from megatron_rlhf.models.roles import RoleModel
-from megatron_rlhf.rollout.engine import Completion
+from megatron_rlhf.rollout.engine import Agent, Completion, EnvironmentTurn, Episode
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams, sample
@@ -172,6 +174,110 @@ class _DecodeState:
         self.parity = 0
 
 
+class _Environment:
+    """A multi-turn ``generate`` call's side of the environment: the episode of each trajectory in a
+    slot, and the slots whose trajectory waits for the environment's answer (its KV cache kept).
+
+    Under TP only the group's rank 0 runs episodes, so that each tool call runs once; what it
+    learns (which turns get an answer, which answers are in, their tokens, the trajectory records)
+    is broadcast to the group, so that every rank keeps the same slots. An episode that raises on
+    rank 0 raises on every rank of the group."""
+
+    def __init__(self, agent: Agent, tp_group: dist.ProcessGroup, tp_src: int) -> None:
+        self.agent = agent
+        self.group, self.src = tp_group, tp_src
+        self.speaks = tp_group.size() == 1 or dist.get_rank() == tp_src
+        self.episodes: dict[int, Episode] = {}  # slot -> its trajectory's episode (rank 0 only)
+        self.pending: dict[int, Future[EnvironmentTurn] | None] = {}  # slot -> its answer (None off rank 0)
+
+    def _agreed[T](self, compute: Callable[[], T]) -> T:
+        """``compute()`` on rank 0, given to the whole TP group."""
+        if self.group.size() == 1:
+            return compute()
+        box: list[Any] = [None]
+        if self.speaks:
+            try:
+                box[0] = compute()
+            except Exception as exc:  # every rank must leave the loop, not only this one
+                box[0] = _EnvironmentFailure(f"{type(exc).__name__}: {exc}")
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        if isinstance(box[0], _EnvironmentFailure):
+            raise RuntimeError(f"the multi-turn environment failed on TP rank 0: {box[0].message}")
+        return box[0]
+
+    def start(self, slot: int, completion: Completion) -> None:
+        if self.speaks:
+            self.episodes[slot] = self.agent.episode(completion.prompt_index, completion.sample_index)
+
+    def after_turns(self, turns: dict[int, list[int]]) -> set[int]:
+        """Give each slot's finished turn to its episode; the slots that now wait for an answer."""
+        if not turns:
+            return set()
+
+        def answers() -> dict[int, Future[EnvironmentTurn]]:
+            asked = {slot: self.episodes[slot].after_turn(ids) for slot, ids in turns.items()}
+            return {slot: answer for slot, answer in asked.items() if answer is not None}
+
+        futures = answers() if self.speaks else {}
+        waiting = set(futures) if self.group.size() == 1 else self._agreed(lambda: set(futures))
+        self.pending.update({slot: futures.get(slot) for slot in waiting})
+        return waiting
+
+    def waits(self, slot: int) -> bool:
+        return slot in self.pending
+
+    def waiting_slots(self) -> list[int]:
+        return list(self.pending)
+
+    def ready(self) -> list[int]:
+        """The waiting slots whose answer is in."""
+        if not self.pending:
+            return []
+        return self._agreed(
+            lambda: [slot for slot, answer in self.pending.items() if answer is not None and answer.done()]
+        )
+
+    def take(self, slots: list[int]) -> dict[int, list[int]]:
+        """The answers' tokens of ``slots`` (all ready)."""
+        if not slots:
+            return {}
+
+        def tokens() -> dict[int, list[int]]:
+            return {
+                slot: list(answer.result().token_ids) for slot in slots if (answer := self.pending[slot]) is not None
+            }
+
+        answers = self._agreed(tokens)
+        for slot in slots:
+            del self.pending[slot]
+        return answers
+
+    def wait(self) -> None:
+        """Block until an answer is in (rank 0; the others wait in the next ``ready``)."""
+        if self.speaks:
+            concurrent.futures.wait(
+                [answer for answer in self.pending.values() if answer is not None],
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+
+    def close(self, slots: list[int]) -> dict[int, dict[str, Any]]:
+        """End the episodes of ``slots``; their trajectory records."""
+        if not slots:
+            return {}
+        return self._agreed(lambda: {slot: self.episodes.pop(slot).close() for slot in slots})
+
+    def abandon(self) -> None:
+        """Release what episodes are left (``generate`` was interrupted)."""
+        for episode in self.episodes.values():
+            episode.close()
+        self.episodes.clear()
+
+
+@dataclasses.dataclass
+class _EnvironmentFailure:
+    message: str
+
+
 class NativeEngine:
     def __init__(self, role: RoleModel, cfg: NativeEngineConfig) -> None:
         if role.groups.layout.pp != 1:
@@ -211,12 +317,24 @@ class NativeEngine:
             torch.cuda.empty_cache()
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_finished: Callable[[int], None] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        on_finished: Callable[[int], None] | None = None,
+        agent: Agent | None = None,
     ) -> list[Completion]:
         """``params.n`` completions per prompt, ordered by (prompt_index, sample_index);
-        ``on_finished(count)`` is told how many are complete whenever that number grows."""
+        ``on_finished(count)`` is told how many are complete whenever that number grows.
+
+        With ``agent`` each completion is a multi-turn trajectory. When a policy turn ends on a stop
+        token, its ``Episode`` answers (tools run on host workers) while the other slots go on
+        decoding; the slot keeps its KV cache meanwhile, and once the answer is there only the
+        answer's tokens are prefilled (``_prefill`` of a continued turn) and the policy goes on in
+        the same slot. ``params.max_new_tokens`` bounds the whole trajectory's response."""
         waiting = collections.deque(
-            self._completion(i, j, list(prompt), params) for i, prompt in enumerate(prompts) for j in range(params.n)
+            self._completion(i, j, list(prompt), params, agent is not None)
+            for i, prompt in enumerate(prompts)
+            for j in range(params.n)
         )
         if not waiting:
             return []
@@ -227,69 +345,131 @@ class NativeEngine:
         self._slots.use_weights(self)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
         state = _DecodeState(self._slots, stop_ids)
+        environment = _Environment(agent, self.tp_group, self.tp_src) if agent is not None else None
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         occupant: list[Completion | None] = [None] * count
-        first_step = [0] * count  # the history row where each occupant's decoding began
+        first_step = [0] * count  # the history row where each occupant's current turn began
         finished: list[Completion] = []
         in_flight: _LaunchedStep | None = None
 
-        def finish(slots: list[int]) -> None:
+        def end_turns(slots: list[int]) -> None:
+            """The turns of ``slots`` are over: their tokens to their completions; each trajectory
+            then waits for the environment's answer, or is finished."""
             if not slots:
                 return
             histories = state.history.of_slots(slots, [first_step[s] for s in slots])
+            turns: dict[int, list[int]] = {}
             for slot, (tokens, logprobs) in zip(slots, histories, strict=True):
                 completion = occupant[slot]
-                assert completion is not None, "finish() is given occupied slots only"
+                assert completion is not None, "end_turns() is given occupied slots only"
+                # the policy mask runs to the end of the last turn or answer: this turn's first token is past it
+                turn_start = len(completion.policy_mask) if completion.policy_mask is not None else 0
                 completion.token_ids += tokens
                 completion.logprobs += logprobs
                 completion.finish_reason = "stop" if completion.token_ids[-1] in stop_ids else "length"
+                if completion.policy_mask is not None:
+                    completion.policy_mask += [True] * (len(completion.token_ids) - len(completion.policy_mask))
+                    if completion.finish_reason == "stop" and self._room(completion, params) > 1:
+                        turns[slot] = completion.token_ids[turn_start:]  # room for an answer and a turn after it
+            answered = environment.after_turns(turns) if environment is not None else set()
+            finish([slot for slot in slots if slot not in answered])
+
+        def finish(slots: list[int]) -> None:
+            records = environment.close(slots) if environment is not None else {}
+            for slot in slots:
+                completion = occupant[slot]
+                assert completion is not None, "finish() is given occupied slots only"
+                if slot in records:
+                    completion.trajectory = records[slot]
                 finished.append(completion)
                 occupant[slot] = None
                 if on_finished is not None:
                     on_finished(len(finished))
+
+        def continue_answered(slots: list[int]) -> None:
+            """Append the environment's answers, then prefill them to continue each trajectory
+            (or finish it when the answer leaves no room for another token)."""
+            answers = environment.take(slots) if environment is not None else {}
+            continued: dict[int, list[int]] = {}
+            full = []
+            for slot in slots:
+                completion = occupant[slot]
+                assert completion is not None and completion.policy_mask is not None
+                room = self._room(completion, params)
+                answer = answers[slot][:room]
+                completion.token_ids += answer
+                completion.logprobs += [0.0] * len(answer)
+                completion.policy_mask += [False] * len(answer)
+                if len(answer) < room:
+                    # from the turn's last token: a decode step caches a token's keys only when it
+                    # feeds it, which may never have happened to a stop token
+                    continued[slot] = completion.token_ids[-len(answer) - 1 :]
+                    first_step[slot] = state.history.steps
+                else:  # the answer filled the response budget or the context
+                    completion.finish_reason = "length"
+                    full.append(slot)
+            finish(full)
+            rows = [(slot, completion) for slot in continued if (completion := occupant[slot]) is not None]
+            self._prefill(
+                [c for _, c in rows],
+                [slot for slot, _ in rows],
+                state,
+                params,
+                generator,
+                continued_by=list(continued.values()),
+            )
 
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 while True:
-                    if waiting and not bool(state.live_known.all()):  # a slot is free for a waiting prompt
+                    ended = [
+                        slot
+                        for slot in (~state.live_known).nonzero().flatten().tolist()
+                        if occupant[slot] is not None and not (environment is not None and environment.waits(slot))
+                    ]
+                    answered = environment.ready() if environment is not None else []
+                    free = [slot for slot, held in enumerate(occupant) if held is None]
+                    if (environment is not None and (ended or answered)) or (waiting and (free or ended)):
                         if in_flight is not None:  # drain: the history must be complete first
                             self._collect(in_flight, state)
                             in_flight = None
                             continue
-                        finish(
-                            [
-                                slot
-                                for slot in (~state.live_known).nonzero().flatten().tolist()
-                                if occupant[slot] is not None
-                            ]
-                        )
+                        end_turns(ended)
+                        continue_answered(answered)
                         free = [slot for slot, held in enumerate(occupant) if held is None]
                         admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                         for slot, completion in zip(free, admitted, strict=False):
                             occupant[slot], first_step[slot] = completion, state.history.steps
+                            if environment is not None:
+                                environment.start(slot, completion)
                         self._prefill(admitted, free[: len(admitted)], state, params, generator)
                         continue
                     if not bool(state.live_known.any()):  # nothing generates any more
-                        if in_flight is None:
-                            break
-                        self._collect(in_flight, state)
-                        in_flight = None
-                        continue
+                        if in_flight is not None:
+                            self._collect(in_flight, state)
+                            in_flight = None
+                            continue
+                        if environment is not None and environment.waiting_slots():
+                            environment.wait()  # for an answer: nothing else to do meanwhile
+                            continue
+                        break
                     launched = self._launch_decode(state, params, generator)
                     if in_flight is not None:
                         self._collect(in_flight, state)
                     in_flight = launched
-                finish([slot for slot, held in enumerate(occupant) if held is not None])
+                end_turns([slot for slot, held in enumerate(occupant) if held is not None])
         finally:
             self.model.train(was_training)
+            if environment is not None:
+                environment.abandon()
         return sorted(finished, key=lambda c: (c.prompt_index, c.sample_index))
 
     # ------------------------------------------------------------------ steps
 
     def _completion(
-        self, prompt_index: int, sample_index: int, prompt: list[int], params: SamplingParams
+        self, prompt_index: int, sample_index: int, prompt: list[int], params: SamplingParams, multi_turn: bool
     ) -> Completion:
         if not prompt:
             raise ValueError(f"prompt {prompt_index} is empty")
@@ -300,7 +480,20 @@ class NativeEngine:
                 f"prompt {prompt_index} has {len(prompt)} tokens; max_seq_len={self.cfg.max_seq_len} leaves room "
                 f"for at most {room} (set on_long_prompt=truncate to drop the oldest tokens instead)"
             )
-        return Completion(prompt_index, sample_index, prompt[dropped:], [], [], prompt_tokens_dropped=dropped)
+        return Completion(
+            prompt_index,
+            sample_index,
+            prompt[dropped:],
+            [],
+            [],
+            prompt_tokens_dropped=dropped,
+            policy_mask=[] if multi_turn else None,
+        )
+
+    def _room(self, completion: Completion, params: SamplingParams) -> int:
+        """Tokens a completion may still add: its response budget and the context, whichever ends first."""
+        used = len(completion.token_ids)
+        return min(params.max_new_tokens - used, self.cfg.max_seq_len - len(completion.prompt_ids) - used)
 
     def _prefill(
         self,
@@ -309,25 +502,46 @@ class NativeEngine:
         state: _DecodeState,
         params: SamplingParams,
         generator: torch.Generator,
+        *,
+        continued_by: list[list[int]] | None = None,
     ) -> None:
-        """Prompts into their slots: one batched prefill, the first token of each, and the slots'
-        device state (budget = max_new_tokens, capped by the context left).
+        """Sequences into their slots: one batched prefill, the first token of each, and the slots'
+        device state (budget: ``_room``).
 
-        The samples of one prompt admitted together share its prefill: the first sample's slot is
-        computed, the others copy its cache rows, and each samples its first token from the same
-        logits (with n samples per prompt, 1/n of the prefill's work)."""
-        lengths = [len(c.prompt_ids) for c in admitted]
-        width = max(lengths)
-        first_row: dict[int, int] = {}  # prompt index -> the admitted row computed for it
-        source = [first_row.setdefault(c.prompt_index, row) for row, c in enumerate(admitted)]
-        computed = list(first_row.values())
+        A new sequence's prefill is its prompt from position 0. The samples of one prompt admitted
+        together share it: the first sample's slot is computed, the others copy its cache rows,
+        and each samples its first token from the same logits (with n samples per prompt, 1/n of
+        the prefill's work). With ``continued_by``, each sequence is a trajectory already in its
+        slot, and these are its response's last tokens (the turn's last token, then the
+        environment's answer): only they are prefilled, after what the slot holds."""
+        if not admitted:
+            return
+        continued = continued_by is not None
+        if continued_by is not None:
+            new_tokens = continued_by
+            starts = [
+                len(c.prompt_ids) + len(c.token_ids) - len(new) for c, new in zip(admitted, new_tokens, strict=True)
+            ]
+            computed = list(range(len(admitted)))
+            source = computed
+        else:
+            new_tokens = [c.prompt_ids for c in admitted]
+            starts = [0] * len(admitted)
+            first_row: dict[int, int] = {}  # prompt index -> the admitted row computed for it
+            source = [first_row.setdefault(c.prompt_index, row) for row, c in enumerate(admitted)]
+            computed = list(first_row.values())
+        lengths = [start + len(new) for start, new in zip(starts, new_tokens, strict=True)]  # tokens in each slot
+        width = max(len(new_tokens[row]) for row in computed)
         input_ids = right_padded(
-            flat_tensor((admitted[row].prompt_ids for row in computed), torch.long),
-            torch.tensor([lengths[row] for row in computed]),
+            flat_tensor((new_tokens[row] for row in computed), torch.long),
+            torch.tensor([len(new_tokens[row]) for row in computed]),
             width,
             0,
         )
-        positions = torch.arange(width).expand(len(computed), width)
+        # Padding's positions run past a row's tokens; capped in the cache, their keys are never read.
+        positions = (torch.tensor([starts[row] for row in computed])[:, None] + torch.arange(width)).clamp(
+            max=self.cfg.max_seq_len - 1
+        )
         device_state = state.slots
         computed_slots = torch.tensor([slot_ids[row] for row in computed], device=self.device)
         logits = self._model_logits(
@@ -335,7 +549,8 @@ class NativeEngine:
             positions,
             computed_slots,
             device_state.cache,
-            last=torch.tensor([lengths[row] for row in computed]) - 1,
+            last=torch.tensor([len(new_tokens[row]) for row in computed]) - 1,
+            continued=continued,
         )
         if len(computed) < len(admitted):
             copies = [row for row in range(len(admitted)) if source[row] != row]
@@ -347,9 +562,7 @@ class NativeEngine:
             logits = logits[torch.tensor([where[source[row]] for row in range(len(admitted))], device=self.device)]
         slots = torch.tensor(slot_ids, device=self.device)
         tokens, logprobs = self._sample(logits, params, generator)
-        budget = torch.tensor(
-            [min(params.max_new_tokens, self.cfg.max_seq_len - n) for n in lengths], device=self.device
-        )
+        budget = torch.tensor([self._room(c, params) for c in admitted], device=self.device)
         device_state.input_ids[slots, 0] = tokens
         device_state.positions[slots, 0] = torch.tensor(lengths, device=self.device)  # the first token's position
         device_state.remaining[slots] = budget - 1
@@ -417,12 +630,14 @@ class NativeEngine:
         *,
         last: torch.Tensor | None = None,
         kv_len: int | None = None,
+        continued: bool = False,
     ) -> torch.Tensor:
         """Run the model over (b, sq) tokens at the given positions of the given cache slots; (b, V)
         logits (model dtype) of the token at index ``last[row]`` of each row.
 
         With ``last``: a prefill, every row from position 0, attending causally over its own
-        tokens. Without: a decode step, one token per slot (rows = all slots), attending over cache
+        tokens (``continued``: from its given positions, over its slot's cache as well). Without: a
+        decode step, one token per slot (rows = all slots), attending over cache
         positions [0, kv_len). No host synchronisation: decode graphs capture this."""
         model, device = self.model, self.device
         input_ids, positions = input_ids.to(device), positions.to(device)
@@ -437,6 +652,7 @@ class NativeEngine:
             prefill=prefill,
             kv_len=kv_len,
             window=self.window,
+            continued=continued,
         )
         for module in self.attention:
             module.kv_step = step
@@ -564,21 +780,35 @@ def generate_data_parallel(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     on_finished: Callable[[int], None] | None = None,
+    agent: Agent | None = None,
 ) -> list[Completion]:
     """Generate over the engine's data-parallel groups: each takes every dp-th prompt; every rank
     of the world returns all completions, ordered by (prompt_index, sample_index). Collective.
-    ``on_finished`` follows this rank's group (see ``NativeEngine.generate``)."""
+    ``on_finished`` follows this rank's group (see ``NativeEngine.generate``); ``agent`` is asked
+    for episodes by the prompts' indices in ``prompts``."""
     role = engine.role
     dp, dp_rank = role.groups.layout.dp, role.groups.dp_rank
     if dp == 1:  # every rank generated every prompt alike (TP ranks continue with rank 0's tokens)
-        return engine.generate([list(p) for p in prompts], params, on_finished)
+        return engine.generate([list(p) for p in prompts], params, on_finished, agent)
     mine = list(range(dp_rank, len(prompts), dp))
-    completions = engine.generate([list(prompts[i]) for i in mine], params, on_finished)
+    local_agent = _PromptsOf(agent, mine) if agent is not None else None
+    completions = engine.generate([list(prompts[i]) for i in mine], params, on_finished, local_agent)
     for completion in completions:
         completion.prompt_index = mine[completion.prompt_index]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, completions if role.groups.tp_rank == 0 else [])
     return sorted((c for part in gathered for c in part), key=lambda c: (c.prompt_index, c.sample_index))
+
+
+@dataclasses.dataclass
+class _PromptsOf:
+    """``agent`` seen from a data-parallel group that generates the prompts ``indices`` of the batch."""
+
+    agent: Agent
+    indices: list[int]
+
+    def episode(self, prompt_index: int, sample_index: int) -> Episode:
+        return self.agent.episode(self.indices[prompt_index], sample_index)
 
 
 class _DecodeGraphs:

@@ -7,18 +7,23 @@
 * sampled log-probs equal the trainer's recomputed log-probs (forward pass at the same temperature)
   to 1e-5, at T=1 and T=0.7;
 * every TP rank returns the same tokens;
+* multi-turn trajectories (a scripted environment answering each turn, ``test_multi_turn_engine.py``):
+  the same on every TP rank (only TP rank 0 runs the environment), log-probs at the policy's tokens
+  equal the trainer's over the whole trajectory;
 * which families decode through the engine's own layer forward (``fused_decode``).
 """
 
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.distributed.test_multi_turn_engine import STOPS, ScriptedAgent
 from tests.helpers import FAMILIES, PAD_ID, make_tiny_hf_model
 from tests.launch import WorkerSession, worker_session
 
@@ -70,13 +75,20 @@ def main(session: WorkerSession) -> None:
         results[f"{family}/greedy_mismatches"] = mismatches
         assert mismatches == 0, f"{family}: {mismatches} prompts differ from HF generate"
 
-        for temperature in (1.0, 0.7):
+        for temperature, turns in ((1.0, 1), (0.7, 1), (1.0, 4)):
             params = SamplingParams(
                 temperature=temperature, top_k=20, top_p=0.9, max_new_tokens=NEW_TOKENS, n=2, ignore_eos=True, seed=11
             )
-            samples = engine.generate(prompts, params)
+            if turns == 1:
+                samples = engine.generate(prompts, params)
+            else:
+                with ThreadPoolExecutor(2) as pool:
+                    samples = engine.generate(
+                        prompts, _with_stops(params, 3 * NEW_TOKENS), agent=ScriptedAgent(pool, turns)
+                    )
+                assert any(c.trajectory["num_turns"] > 1 for c in samples), "no trajectory took a second turn"
             gathered = [None] * env.world_size
-            dist.all_gather_object(gathered, [c.token_ids for c in samples])
+            dist.all_gather_object(gathered, [(c.token_ids, c.policy_mask, c.trajectory) for c in samples])
             assert all(g == gathered[0] for g in gathered), "TP ranks generated different tokens"
             width = max(len(c.prompt_ids) + len(c.token_ids) for c in samples)
             ids = torch.zeros(len(samples), width, dtype=torch.long)
@@ -95,9 +107,18 @@ def main(session: WorkerSession) -> None:
             for row, c in enumerate(samples):
                 start = len(c.prompt_ids)
                 engine_lp = torch.tensor(c.logprobs, device=recomputed.device)
-                diff = max(diff, (recomputed[row, start : start + len(c.token_ids)] - engine_lp).abs().max().item())
-            results[f"{family}/logprob_max_abs_diff_t{temperature}"] = diff
+                policy = torch.tensor(c.policy_mask or [True] * len(c.token_ids), device=recomputed.device)
+                gap = (recomputed[row, start : start + len(c.token_ids)] - engine_lp).abs()[policy]
+                diff = max(diff, gap.max().item())
+            results[f"{family}/logprob_max_abs_diff_t{temperature}_turns{turns}"] = diff
             assert diff < 1e-5, f"{family} T={temperature}: engine vs trainer log-probs differ by {diff:.3e}"
+
+
+def _with_stops(params, max_new_tokens: int):
+    """Sampling that ends turns often (``STOPS``) and leaves room for several."""
+    import dataclasses
+
+    return dataclasses.replace(params, ignore_eos=False, stop_token_ids=STOPS, max_new_tokens=max_new_tokens)
 
 
 if __name__ == "__main__":
