@@ -8,7 +8,8 @@
 #   bench     scripts/bench/: model import (TP1, and TP2 with 2+ GPUs), the actor update (profiled), generation
 #             vs HF generate (profiled; with 2+ GPUs the TP2 -> TP1 x DP2 weight copy), checkpoint save/load and
 #             its copy to remote storage,
-#             the host work of a step, a LoRA actor's merge for generation (in place vs into a copy)
+#             the host work of a step, a LoRA actor's merge for generation (in place vs into a copy), a multi-turn
+#             rollout vs single-turn generation of as many tokens
 #   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the log-prob kernels
 #   pipeline  the GPU preset of `megatron-rlhf pipeline` (SFT -> RM -> GRPO and PPO), seed 1
 #   seeds     its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model (after pipeline)
@@ -111,6 +112,7 @@ if wants bench; then
     --out "$out/bench_remote_upload.json"
   bench host 12 "$python" scripts/bench/host.py --model "$model"
   bench lora_merge 1 torchrun 1 scripts/bench/lora_merge.py --model "$model" --rank 32 --out "$out/bench_lora_merge.json"
+  bench multi_turn 1 torchrun 1 scripts/bench/multi_turn.py --model "$model" --out "$out/bench_multi_turn.json"
   if [ "$ngpu" -ge 2 ]; then
     bench load_tp2 25 torchrun 2 scripts/bench/load.py --model "$model" --tp 2 --out "$out/bench_load_tp2.json"
     bench reshard 25 torchrun 2 scripts/bench/rollout.py --model "$model" --out "$out/bench_reshard.json"
