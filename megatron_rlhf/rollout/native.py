@@ -174,6 +174,13 @@ class _DecodeState:
         self.parity = 0
 
 
+_RESUME_COST_STEPS = 4
+"""What continuing answered trajectories costs (draining the step in flight, an eager prefill of
+their answers), in decode steps of every slot. Answers wait until the steps their slots sat idle add
+up to that much (or until a round happens anyway): prefilling each answer as it comes made
+rollouts with fast tools several times slower (docs/benchmarks.md, "Multi-turn rollouts")."""
+
+
 class _Environment:
     """A multi-turn ``generate`` call's side of the environment: the episode of each trajectory in a
     slot, and the slots whose trajectory waits for the environment's answer (its KV cache kept).
@@ -189,6 +196,7 @@ class _Environment:
         self.speaks = tp_group.size() == 1 or dist.get_rank() == tp_src
         self.episodes: dict[int, Episode] = {}  # slot -> its trajectory's episode (rank 0 only)
         self.pending: dict[int, Future[EnvironmentTurn] | None] = {}  # slot -> its answer (None off rank 0)
+        self.answered_at: dict[int, int] = {}  # slot -> the decode step its answer was seen in
 
     def _agreed[T](self, compute: Callable[[], T]) -> T:
         """``compute()`` on rank 0, given to the whole TP group."""
@@ -229,13 +237,20 @@ class _Environment:
     def waiting_slots(self) -> list[int]:
         return list(self.pending)
 
-    def ready(self) -> list[int]:
-        """The waiting slots whose answer is in."""
+    def ready(self, step: int) -> list[int]:
+        """The waiting slots whose answer is in (noted as seen at decode step ``step``)."""
         if not self.pending:
             return []
-        return self._agreed(
+        slots = self._agreed(
             lambda: [slot for slot, answer in self.pending.items() if answer is not None and answer.done()]
         )
+        for slot in slots:
+            self.answered_at.setdefault(slot, step)
+        return slots
+
+    def idle_slot_steps(self, step: int) -> int:
+        """Decode steps that answered slots have sat idle since their answers came, summed."""
+        return sum(step - seen for seen in self.answered_at.values())
 
     def take(self, slots: list[int]) -> dict[int, list[int]]:
         """The answers' tokens of ``slots`` (all ready)."""
@@ -250,6 +265,7 @@ class _Environment:
         answers = self._agreed(tokens)
         for slot in slots:
             del self.pending[slot]
+            self.answered_at.pop(slot, None)
         return answers
 
     def wait(self) -> None:
@@ -429,10 +445,21 @@ class NativeEngine:
                         for slot in (~state.live_known).nonzero().flatten().tolist()
                         if occupant[slot] is not None and not (environment is not None and environment.waits(slot))
                     ]
-                    answered = environment.ready() if environment is not None else []
+                    if environment is not None and ended:
+                        end_turns(ended)  # no drain: the step in flight gives a slot that ended no token
+                        continue
+                    answered = environment.ready(state.history.steps) if environment is not None else []
                     free = [slot for slot, held in enumerate(occupant) if held is None]
-                    if (environment is not None and (ended or answered)) or (waiting and (free or ended)):
-                        if in_flight is not None:  # drain: the history must be complete first
+                    resume = bool(answered) and (
+                        not bool(state.live_known.any())
+                        or bool(waiting and free)
+                        or (
+                            environment is not None
+                            and environment.idle_slot_steps(state.history.steps) >= _RESUME_COST_STEPS * count
+                        )
+                    )
+                    if resume or (waiting and (free or ended)):
+                        if in_flight is not None:  # drain: the host's view of the slots must be current first
                             self._collect(in_flight, state)
                             in_flight = None
                             continue
