@@ -15,8 +15,10 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
      / old / values  update (the exact quantity the loss recomputes; no pass of their own when the
                   rollout feeds exactly one optimizer step: the update's forward supplies them,
                   ``old_logprob_pass``), the critic's values (GAE);
-  4. advantages   sequence score at the last response token, minus the KL penalty per token, then
-                  the configured estimator (GAE, GRPO, RLOO, ...);
+  4. advantages   sequence score at the last policy token, minus the KL penalty per token, then
+                  the configured estimator (GAE, GRPO, RLOO, ...); a multi-turn trajectory's
+                  environment tokens are out of ``response_mask`` (``rollout_batch``), so log-probs,
+                  KL, advantages and losses cover the policy's tokens only;
   5. updates      ``ppo_epochs`` passes of the actor (clipped policy loss) and the critic (clipped
                   value loss) over the rollout in shuffled mini-batches of ``mini_batch_size``;
                   right after the actor's, the reference follows it if ``reference.update`` says so

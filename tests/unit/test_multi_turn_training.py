@@ -7,6 +7,8 @@ depend on anything at the environment's positions."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -23,8 +25,13 @@ from megatron_rlhf.algorithms import (
     ppo_policy_loss,
     value_loss,
 )
+from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.trainer.ppo import outcome_rewards, rollout_batch
+from megatron_rlhf.training.objectives import PPOLossConfig, critic_loss, logprobs_output, ppo_actor_loss
+from megatron_rlhf.training.optim import OptimConfig, make_train_state
+from megatron_rlhf.training.schedule import logits_only_at, micro_batches
+from megatron_rlhf.training.train import forward_pass, train_step
 
 F64 = torch.float64
 
@@ -180,3 +187,98 @@ def test_the_kl_penalty_and_the_controllers_measure_skip_the_environment_tokens(
                 rtol=1e-12,
                 atol=1e-12,
             )
+
+
+# --------------------------------------------------------------------------- the trainer's passes
+
+CPU = torch.device("cpu")
+BUDGET = 64
+"""Tokens per micro-batch: several pieces, several trajectories packed into a row of each."""
+
+
+def tool_trajectories(seed: int) -> list[Completion]:
+    """Ten rollouts on the tiny model's vocabulary: prompts of 2-8 tokens, eight trajectories of two
+    or three policy turns (1-6 tokens) with tool results (1-5 tokens) between them, and two
+    single-turn responses."""
+    rng = random.Random(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(rng.randint(low, high))]
+
+    out = []
+    for index in range(10):
+        turns: list[tuple[list[int], bool]] = [(ids(1, 6), True)]
+        for _ in range(0 if index >= 8 else rng.randint(1, 2)):
+            turns += [(ids(1, 5), False), (ids(1, 6), True)]
+        out.append(trajectory(ids(2, 8), *turns, prompt_index=index))
+    out[8].policy_mask = out[9].policy_mask = None  # the single-turn ones
+    return out
+
+
+def build(path: str):
+    return build_role(
+        "actor", ModelConfig(path=path), architecture_of(path), world_size=1, dtype=torch.float32, device=CPU
+    )
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_the_lm_head_runs_at_policy_tokens_only_and_packing_changes_nothing(world_of_one, pack: bool) -> None:
+    """The rollout batch as the trainer's log-prob passes read it (``logits_only_at`` its
+    response_mask): one LM-head position per policy token, the log-probs of a pass with every
+    position's logits there (float32), 0 on the environment's tokens."""
+    batch = rollout_batch(tool_trajectories(0), pad_id=0)
+    policy = batch["response_mask"]
+    environment = batch["attention_mask"] & ~policy & (torch.arange(policy.shape[1]) > 0)
+    assert environment.sum() > 10
+    actor = build("builtin:tiny-llama")
+    fn = logprobs_output(actor, temperature=0.7)
+    selected = logits_only_at(batch, "response_mask")
+    pieces, _ = micro_batches(selected, BUDGET, actor.groups, CPU, pack=pack)
+    assert len(pieces) > 1 and any("cu_seqlens" in p for p in pieces) == pack
+    assert sum(len(p["logit_index"]) for p in pieces) == int(policy.sum())
+    full = forward_pass(actor, batch, fn, max_tokens_per_micro_batch=BUDGET, pack_sequences=False)
+    got = forward_pass(actor, selected, fn, max_tokens_per_micro_batch=BUDGET, pack_sequences=pack)
+    torch.testing.assert_close(got[policy], full[policy], rtol=1e-5, atol=1e-6)
+    assert not got[~policy].any() and full[environment].all()
+
+
+def per_token_inputs(batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The update's token-aligned inputs, random on every position of the rows."""
+    g = torch.Generator().manual_seed(seed)
+    shape = batch["input_ids"].shape
+    return {
+        "old_logprobs": -3.0 + 0.3 * torch.randn(shape, generator=g),
+        "ref_logprobs": -3.0 + 0.3 * torch.randn(shape, generator=g),
+        "advantages": torch.randn(shape, generator=g),
+        "old_values": torch.randn(shape, generator=g),
+        "returns": torch.randn(shape, generator=g),
+    }
+
+
+@pytest.mark.parametrize("role_name", ["actor", "critic"])
+def test_an_update_reads_nothing_at_the_environment_tokens(world_of_one, role_name: str) -> None:
+    """A PPO step (the actor with entropy bonus and KL loss, or the critic) on packed trajectories:
+    other advantages, log-probs, values and returns at the environment's tokens give the same loss
+    and bit-identical gradients; the same change at one policy token does not (the control)."""
+    batch = rollout_batch(tool_trajectories(1), pad_id=0)
+    policy = batch["response_mask"]
+    environment = batch["attention_mask"] & ~policy
+    inputs = per_token_inputs(batch, 0)
+    other = per_token_inputs(batch, 1)
+    control = policy & (policy.cumsum(1) == 2)  # each row's second policy token
+    cfg = PPOLossConfig(agg_mode="seq-mean-token-mean", entropy_coef=0.01, kl_loss_coef=0.05, value_clip=0.2)
+    results = []
+    for changed in (None, environment, control):
+        per_token = inputs if changed is None else {k: torch.where(changed, other[k], v) for k, v in inputs.items()}
+        role = build("builtin:tiny-llama" if role_name == "actor" else "builtin:tiny-llama-rm")
+        state = make_train_state(role, OptimConfig(lr=1e-2, clip_grad=100.0))
+        loss_fn = ppo_actor_loss(role, cfg, temperature=0.7) if role_name == "actor" else critic_loss(cfg)
+        step_batch = {**batch, **per_token}
+        if role_name == "actor":
+            step_batch = logits_only_at(step_batch, "response_mask")
+        metrics = train_step(state, step_batch, loss_fn, max_tokens_per_micro_batch=BUDGET)
+        results.append((metrics["loss"], torch.cat([b.grad_data for b in state.ddp_model.buffers])))
+    (loss, grads), (env_loss, env_grads), (control_loss, control_grads) = results
+    assert grads.abs().sum() > 0
+    assert env_loss == loss and torch.equal(env_grads, grads)
+    assert control_loss != loss and not torch.allclose(control_grads, grads)
