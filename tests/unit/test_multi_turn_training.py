@@ -7,7 +7,10 @@ depend on anything at the environment's positions."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,12 +29,17 @@ from megatron_rlhf.algorithms import (
     value_loss,
 )
 from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
-from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.trainer.ppo import outcome_rewards, rollout_batch
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.metrics.phases import PhaseTimer
+from megatron_rlhf.rollout.engine import Agent, Completion, RolloutEngine
+from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.trainer.ppo import outcome_rewards, ppo_step, rollout_batch, set_up_ppo
+from megatron_rlhf.trainer.ppo_config import PPOConfig
 from megatron_rlhf.training.objectives import PPOLossConfig, critic_loss, logprobs_output, ppo_actor_loss
 from megatron_rlhf.training.optim import OptimConfig, make_train_state
 from megatron_rlhf.training.schedule import logits_only_at, micro_batches
 from megatron_rlhf.training.train import forward_pass, train_step
+from tests.helpers import PPO_TINY_ROLLOUT
 
 F64 = torch.float64
 
@@ -282,3 +290,54 @@ def test_an_update_reads_nothing_at_the_environment_tokens(world_of_one, role_na
     assert grads.abs().sum() > 0
     assert env_loss == loss and torch.equal(env_grads, grads)
     assert control_loss != loss and not torch.allclose(control_grads, grads)
+
+
+@dataclasses.dataclass
+class ToolResultsInside:
+    """The run's engine with tokens 2-4 of each response relabelled as a tool's result (policy_mask
+    False, log-prob 0): multi-turn completions from the tiny model without an agent loop."""
+
+    engine: RolloutEngine
+
+    @property
+    def layout_description(self) -> str:
+        return self.engine.layout_description
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        timer: PhaseTimer | None = None,
+        agent: Agent | None = None,
+    ) -> list[Completion]:
+        out = []
+        for c in self.engine.generate(prompts, params, timer):
+            policy = [not 2 <= i < 5 for i in range(len(c.token_ids))]
+            logprobs = [logprob if sampled else 0.0 for logprob, sampled in zip(c.logprobs, policy, strict=True)]
+            out.append(dataclasses.replace(c, policy_mask=policy, logprobs=logprobs))
+        return out
+
+
+def test_a_ppo_step_with_a_critic_and_a_kl_penalty_trains_on_trajectories(world_of_one, tmp_path: Path) -> None:
+    """One whole step (GAE, the critic, the KL penalty in the reward) on trajectories: every figure
+    finite, the response length is the policy's tokens (8 sampled, 3 of them relabelled), the
+    engine's log-probs agree with the trainer's on them."""
+    cfg = load_config(
+        "ppo-tiny",
+        [
+            "device=cpu",
+            *PPO_TINY_ROLLOUT,
+            "rollout.sampling.ignore_eos=true",
+            "algorithm.advantage_estimator=gae",
+            "algorithm.kl_penalty.coef=0.05",
+            "algorithm.loss.kl_loss_coef=0",
+            f"output_dir={tmp_path}",
+        ],
+        schema=PPOConfig,
+    )
+    run = set_up_ppo(cfg, world_of_one)
+    run.generation = ToolResultsInside(run.generation)
+    metrics, _ = ppo_step(run, 1, [0, 1, 2, 3])
+    assert all(torch.isfinite(torch.tensor(value)) for value in metrics.values())
+    assert metrics["response_length/mean"] == metrics["response_length/max"] == 8 - 3
+    assert metrics["rollout/logprob_max_abs_diff"] < 1e-5 and metrics["critic/vf_loss"] > 0
