@@ -549,7 +549,7 @@ def forward_passes(run: PPORun, batch: Batch, timer: PhaseTimer | None = None) -
         forward_all_rows, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, pack_sequences=cfg.pack_sequences
     )
     out = ForwardPasses(None, None, None)
-    response_only = logits_only_at(batch, "response_mask")  # the LM head skips the prompts
+    response_only = logits_only_at(batch, "response_mask")  # no LM head at the prompts nor at tool results
     if run.reference is not None:
         with timer.phase("ref"):
             out.ref_logprobs = forward(

@@ -2,8 +2,8 @@
 ``response_mask``. The rollout batch's masks and the reward's position are checked by hand; every
 advantage estimator, aggregation mode and KL computation against float64 references made by
 removing the environment tokens and running the single-turn computation; and the trainer's own
-passes on the tiny built-in model: packed log-probs equal unpacked ones, and an update does not
-depend on anything at the environment's positions."""
+passes on the tiny built-in model: packed log-probs equal unpacked ones, an update does not
+depend on anything at the environment's positions, and a whole step runs on trajectories."""
 
 from __future__ import annotations
 
