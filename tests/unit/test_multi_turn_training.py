@@ -57,7 +57,6 @@ def trajectory(prompt: list[int], *turns: tuple[list[int], bool], prompt_index: 
         logprobs=[-0.5 if sampled else 0.0 for sampled in policy],
         finish_reason="stop",
         policy_mask=policy,
-        trajectory={"turns": sum(sampled for _, sampled in turns)},
     )
 
 
@@ -100,7 +99,7 @@ def test_a_policy_mask_of_the_wrong_length_is_named() -> None:
 
 def gapped_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, T) float64 per-token inputs, a response mask with gaps (two groups of three rows) and the
-    group of each row. Row 0 is the brief's trajectory's response (policy 2, tool 3, policy 2);
+    group of each row. Row 0 is the first test's trajectory's response (policy 2, tool 3, policy 2);
     row 3 is single-turn. The masked positions hold NaN: nothing may read them."""
     g = torch.Generator().manual_seed(seed)
     T = 11
