@@ -3,7 +3,9 @@
 Shape legend: B = batch (sequences), T = response tokens.
   token_rewards (B, T) float  per-token reward: the scalar score at the last
                               valid token plus any per-token KL penalty
-  response_mask (B, T) bool   True on valid response tokens
+  response_mask (B, T) bool   True on valid response tokens: the tokens the
+                              policy sampled (a multi-turn response's
+                              environment tokens are gaps, False)
   values        (B, T) float  critic values V(s_t), or None
   group_index   (B,)   int64  prompt id; rows sharing an id form a group
   -> advantages (B, T), returns (B, T); both exactly 0 on masked positions
@@ -12,6 +14,10 @@ Every estimator takes the SAME keyword-only arguments so the trainer calls
 ``ADVANTAGE_ESTIMATORS.get(name)(**kwargs)`` without branching on the name.
 Group statistics only use rows with at least one valid token (all-masked
 rows are padding, not samples). Size-1 and zero-variance groups give 0.
+Gaps inside a row are skipped: every estimator gives what it gives on the
+row with the masked tokens removed (so a tool's output between two turns
+neither earns reward nor discounts the return), except REINFORCE++ with
+``reset_return_at_gaps``, which ends the return at a gap on purpose.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import Tensor
 from megatron_rlhf.config.fields import check_on_init
 
 from .registry import Registry
-from .utils import as_bool_mask, masked_sum, masked_whiten
+from .utils import as_bool_mask, last_valid, masked_sum, masked_whiten
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageConfig", "AdvantageEstimator", "EstimatorNeeds", "compute_advantages"]
 
@@ -314,9 +320,6 @@ def reinforce_pp_baseline(
     mask = _check(token_rewards, response_mask)
     scores, valid_rows = _outcome_scores(token_rewards, mask)
     mean, _, _ = _group_stats(scores, group_index, valid_rows)
-    # last valid token of each row: valid and nothing valid after it
-    tail_count = mask.flip(-1).cumsum(-1).flip(-1)
-    last = mask & (tail_count == 1)
-    shifted = token_rewards - last.to(token_rewards.dtype) * mean.unsqueeze(-1)
+    shifted = token_rewards - last_valid(mask).to(token_rewards.dtype) * mean.unsqueeze(-1)
     returns = _discounted_scan(shifted, mask, None, config.gamma, 1.0)
     return masked_whiten(returns, mask, eps=config.eps), returns

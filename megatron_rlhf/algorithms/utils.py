@@ -17,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "as_bool_mask",
     "explained_variance",
+    "last_valid",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -29,6 +30,14 @@ def as_bool_mask(mask: Tensor, like: Tensor | None = None) -> Tensor:
     if like is not None and mask.shape != like.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} != tensor shape {tuple(like.shape)}")
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+def last_valid(mask: Tensor) -> Tensor:
+    """(B, T) bool: True at each row's last valid position, where an outcome reward goes (a
+    multi-turn response's last policy token, whatever environment tokens follow it); none in an
+    all-masked row."""
+    m = as_bool_mask(mask)
+    return m & (m.flip(-1).cumsum(-1).flip(-1) == 1)
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

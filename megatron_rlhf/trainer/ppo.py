@@ -15,8 +15,10 @@ layout. One step, on every rank, top to bottom in ``ppo_step``:
      / old / values  update (the exact quantity the loss recomputes; no pass of their own when the
                   rollout feeds exactly one optimizer step: the update's forward supplies them,
                   ``old_logprob_pass``), the critic's values (GAE);
-  4. advantages   sequence score at the last response token, minus the KL penalty per token, then
-                  the configured estimator (GAE, GRPO, RLOO, ...);
+  4. advantages   sequence score at the last policy token, minus the KL penalty per token, then
+                  the configured estimator (GAE, GRPO, RLOO, ...); a multi-turn trajectory's
+                  environment tokens are out of ``response_mask`` (``rollout_batch``), so log-probs,
+                  KL, advantages and losses cover the policy's tokens only;
   5. updates      ``ppo_epochs`` passes of the actor (clipped policy loss) and the critic (clipped
                   value loss) over the rollout in shuffled mini-batches of ``mini_batch_size``;
                   right after the actor's, the reference follows it if ``reference.update`` says so
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +52,7 @@ from megatron_rlhf.algorithms.kl import (
     build_kl_controller,
     controller_kl,
 )
-from megatron_rlhf.algorithms.utils import masked_mean
+from megatron_rlhf.algorithms.utils import last_valid, masked_mean
 from megatron_rlhf.data import PromptDataset, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
@@ -399,8 +402,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         return torch.where(mask, KL_ESTIMATORS.get(algo.kl_penalty_estimator)(logprobs, ref_logprobs), 0.0)
 
     with timer.phase("adv"):
-        token_rewards = torch.zeros(mask.shape)
-        token_rewards[torch.arange(len(scores)), batch["lengths"] - 1] = scores
+        token_rewards = outcome_rewards(scores, mask)
         kl = None
         if ref_logprobs is not None and old_logprobs is not None:
             kl = kl_to_reference(old_logprobs)
@@ -438,7 +440,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     kl_coef = run.kl_controller.value
     if kl is not None:
         run.kl_controller.update(controller_kl(kl, mask, algo.kl_penalty.kl_measure), n_steps=len(scores))
-    lengths = mask.sum(1).float()
+    policy_tokens = mask.sum(1).float()  # a multi-turn response's environment tokens not counted
     rollout_logprobs = _rollout_logprobs(completions, mask)
     assert old_logprobs is not None  # from their pass, or recorded by the update
     timing = timer.step_metrics()
@@ -447,8 +449,8 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         **scored.metrics(),
         **(rollout.metrics or {"rollout/uniform_group_fraction": uniform_group_fraction(scored.raw, n)}),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
+        "response_length/mean": float(policy_tokens.mean()),
+        "response_length/max": float(policy_tokens.max()),
         "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "kl/per_sequence": kl_per_sequence,
         "kl/coef": kl_coef,
@@ -461,7 +463,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         **reference_metrics,
         **_prefixed("critic/", critic_metrics, loss="vf_loss"),
         **timing,
-        "perf/gen_tokens_per_s": float(lengths.sum()) / max(timing["timing_s/gen"], 1e-9),
+        "perf/gen_tokens_per_s": float(policy_tokens.sum()) / max(timing["timing_s/gen"], 1e-9),
     }
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
@@ -547,7 +549,7 @@ def forward_passes(run: PPORun, batch: Batch, timer: PhaseTimer | None = None) -
         forward_all_rows, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, pack_sequences=cfg.pack_sequences
     )
     out = ForwardPasses(None, None, None)
-    response_only = logits_only_at(batch, "response_mask")  # the LM head skips the prompts
+    response_only = logits_only_at(batch, "response_mask")  # no LM head at the prompts nor at tool results
     if run.reference is not None:
         with timer.phase("ref"):
             out.ref_logprobs = forward(
@@ -737,15 +739,38 @@ def _step_seed(cfg: PPOConfig, step: int) -> int:
 
 def rollout_batch(completions: list[Completion], pad_id: int) -> Batch:
     """Completions -> right-padded rows ``prompt + response``: input_ids, attention_mask, lengths,
-    response_mask (True on response tokens) and prompt_index (the group of each row)."""
+    response_mask and prompt_index (the group of each row).
+
+    ``response_mask`` is True on the tokens the policy sampled: a single-turn response's every
+    token, a multi-turn trajectory's policy turns but not the environment's tokens between them
+    (``Completion.policy_mask``). Log-probs, KL, advantages, values and losses read it, so they
+    cover the policy's tokens only; the rows still hold every token, which the model attends to."""
+    for row, c in enumerate(completions):
+        if c.policy_mask is not None and len(c.policy_mask) != len(c.token_ids):
+            raise ValueError(
+                f"completion {row} (prompt {c.prompt_index}, sample {c.sample_index}): policy_mask has "
+                f"{len(c.policy_mask)} entries, expected one per response token ({len(c.token_ids)})"
+            )
     prompt_lengths = torch.tensor([len(c.prompt_ids) for c in completions])
     lengths = prompt_lengths + torch.tensor([len(c.token_ids) for c in completions])
     tokens = flat_tensor((part for c in completions for part in (c.prompt_ids, c.token_ids)), torch.long)
     batch = padded_ids(tokens, lengths, pad_id)
     past_prompt = torch.arange(batch["input_ids"].shape[1])[None] >= prompt_lengths[:, None]
-    batch["response_mask"] = batch["attention_mask"] & past_prompt
+    response = batch["attention_mask"] & past_prompt
+    sampled = flat_tensor(
+        (c.policy_mask if c.policy_mask is not None else itertools.repeat(1, len(c.token_ids)) for c in completions),
+        torch.long,
+    )
+    batch["response_mask"] = response.masked_scatter(response, sampled.bool())
     batch["prompt_index"] = torch.tensor([c.prompt_index for c in completions])
     return batch
+
+
+def outcome_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence scores -> (B, T) token rewards: each score on its row's last policy token
+    (``last_valid``), the token whose choice ended the policy's part of the trajectory; a
+    multi-turn trajectory may end on environment tokens after it. 0 elsewhere."""
+    return torch.where(last_valid(mask), scores[:, None], 0.0)
 
 
 def _prefixed(prefix: str, metrics: dict[str, float], *, loss: str = "loss") -> dict[str, float]:
@@ -761,7 +786,8 @@ def _model_inputs(batch: Batch) -> Batch:
 
 
 def _rollout_logprobs(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
-    """The engine's per-token log-probs in the batch's token-aligned layout."""
+    """The engine's per-token log-probs in the batch's token-aligned layout (0 on a trajectory's
+    environment tokens, as the engine reports them; ``mask`` leaves them out where it is read)."""
     starts = torch.tensor([len(c.prompt_ids) for c in completions])
     ends = starts + torch.tensor([len(c.logprobs) for c in completions])
     columns = torch.arange(mask.shape[1])[None]

@@ -48,8 +48,9 @@ OutputFn = Callable[[Batch, torch.Tensor], torch.Tensor]
 
 
 def logits_only_at(batch: Batch, mask_key: str) -> Batch:
-    """``batch`` with ``logits_mask`` set to ``batch[mask_key]`` (the response, an SFT target): the
-    LM head runs only at the positions that predict those tokens."""
+    """``batch`` with ``logits_mask`` set to ``batch[mask_key]`` (a rollout's policy tokens, an SFT
+    target): the LM head runs only at the positions that predict those tokens. The mask may have
+    gaps (a multi-turn response's tool results): they cost no LM head either."""
     return {**batch, "logits_mask": batch[mask_key]}
 
 
