@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlhf.rewards import load_custom_function
+from megatron_rlhf.rewards import CustomRewardFunction, load_custom_function
 from megatron_rlhf.rewards.config import ScoringConfig
 from megatron_rlhf.rewards.scoring import Scorer
 from megatron_rlhf.rollout.engine import Completion, TrajectoryRecord
@@ -48,7 +48,7 @@ def _completion(prompt_index: int, ids: list[int], mask: str | None, finish: str
     )
 
 
-# Two tool turns, one call that scored 1.0: policy 10 11 STOP, tool 20 21 22, policy 12 STOP.
+# One tool call, the tool's reward 1.0: policy 10 11 STOP, tool 20 21 22, policy 12 STOP.
 ONE_CALL = _completion(
     0, [10, 11, STOP, 20, 21, 22, 12, STOP], "pppeeepp", "stop", _record(4, 1, {}, 0.25, {"calc": 1.0})
 )
@@ -71,6 +71,18 @@ def _joined(rows: list[list[int]]) -> list[str]:
 def _joined_without_stop(rows: list[list[int]]) -> list[str]:
     """A decode that skips special tokens (the stop token), as the reward functions' texts are."""
     return _joined([[i for i in ids if i != STOP] for ids in rows])
+
+
+def _scorer(function: CustomRewardFunction | None) -> Scorer:
+    return Scorer(
+        ScoringConfig(use_reward_model=False),
+        {},
+        function,
+        None,
+        stop_ids=(STOP,),
+        max_new_tokens=16,
+        max_tokens_per_micro_batch=64,
+    )
 
 
 def test_turn_spans_are_the_runs_of_the_policy_mask() -> None:
@@ -112,17 +124,8 @@ def test_sample_rows_show_each_trajectory_turn_by_turn() -> None:
         decoded.append(rows)
         return _joined(rows)
 
-    scorer = Scorer(
-        ScoringConfig(use_reward_model=False),
-        {},
-        None,
-        None,
-        stop_ids=(STOP,),
-        max_new_tokens=16,
-        max_tokens_per_micro_batch=64,
-    )
     run = types.SimpleNamespace(
-        scorer=scorer,
+        scorer=_scorer(None),
         texts=_joined_without_stop,
         tokenizer=types.SimpleNamespace(stop_ids=[STOP], decode_batch=decode_batch),
         cfg=types.SimpleNamespace(samples_token_ids=False),
@@ -174,15 +177,7 @@ def test_a_verl_reward_file_gets_the_whole_trajectory_num_turns_and_tool_rewards
     path = tmp_path / "reward.py"
     path.write_text(VERL_MULTI_TURN_FILE, encoding="utf-8")
     function = load_custom_function(path)
-    scorer = Scorer(
-        ScoringConfig(use_reward_model=False),
-        {},
-        function,
-        None,
-        stop_ids=(STOP,),
-        max_new_tokens=16,
-        max_tokens_per_micro_batch=64,
-    )
+    scorer = _scorer(function)
     extras = [
         {"data_source": "openai/gsm8k", "ground_truth": "7", "extra_info": {"index": 0}},
         {"data_source": "openai/gsm8k", "ground_truth": "9", "extra_info": {"index": 1}},
