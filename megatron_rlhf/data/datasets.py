@@ -17,7 +17,9 @@ string of one, as some datasets store it) or else the loader's ``tools`` (a tool
   prompt      [BOS] + prompt, for RL rollouts; ``extra_keys`` columns are kept verbatim (e.g. the
               reference answer a rule-based reward checks against); a row in verl's format (with
               a ``reward_model`` column) also gives ``data_source``, ``ground_truth`` and
-              ``extra_info``, the inputs of a verl reward function.
+              ``extra_info``, the inputs of a verl reward function, and the multi-turn inputs
+              verl's tool datasets keep in ``extra_info``: ``tools_kwargs``, ``need_tools_kwargs``
+              and ``interaction_kwargs``.
 
 BOS is prepended unless the prompt already starts with it (chat templates often write it) and EOS
 is appended unless the response already ends with it (chat-templated text often does).
@@ -138,7 +140,8 @@ class PreferenceExample:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptExample:
     """An RL prompt. prompt_ids (P,) int; extras: the requested extra columns, verbatim, and verl's
-    reward inputs ``data_source``, ``ground_truth``, ``extra_info`` when the row has them."""
+    reward inputs ``data_source``, ``ground_truth``, ``extra_info`` and its multi-turn inputs
+    ``tools_kwargs``, ``need_tools_kwargs``, ``interaction_kwargs`` when the row is in verl's format."""
 
     prompt_ids: Tensor
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -482,7 +485,62 @@ def _reward_inputs(rec: Record) -> dict[str, Any]:
         )
     if extra_info is not None and not isinstance(extra_info, dict):
         raise _RowProblem(WRONG_TYPE, "extra_info", f"must be an object (or null), got {type(extra_info).__name__}")
-    return {"data_source": source, "ground_truth": reward_model["ground_truth"], "extra_info": extra_info or {}}
+    return {
+        "data_source": source,
+        "ground_truth": reward_model["ground_truth"],
+        "extra_info": extra_info or {},
+        **_tool_inputs(extra_info or {}),
+    }
+
+
+_TOOL_KWARGS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+"""What a tool's entry in ``tools_kwargs`` may hold: the keywords of each of a verl tool's methods."""
+
+
+def _object_or_empty(value: Any, field: str) -> dict[str, Any]:
+    """An object field of ``extra_info``; null (a parquet struct's absent field) is {}."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _RowProblem(
+            WRONG_TYPE, "extra_info", f"field '{field}' must be an object (or null), got {type(value).__name__}"
+        )
+    return value
+
+
+def _tool_inputs(extra_info: dict[str, Any]) -> dict[str, Any]:
+    """A verl row's multi-turn inputs, taken from its ``extra_info`` as verl's ``RLHFDataset``
+    takes them: ``tools_kwargs`` (tool name -> its ``create_kwargs``, ``execute_kwargs``, ...),
+    ``interaction_kwargs`` and ``need_tools_kwargs`` (default false). A parquet file's structs hold
+    every field any row has, null where a row has none: a null tool is another row's and is left
+    out, and each tool's four groups of keywords are there, {} where absent or null."""
+    tools: dict[str, dict[str, Any]] = {}
+    for name, entry in _object_or_empty(extra_info.get("tools_kwargs"), "tools_kwargs").items():
+        if entry is None:
+            continue
+        groups = _object_or_empty(entry, f"tools_kwargs.{name}")
+        unknown = sorted(set(groups) - set(_TOOL_KWARGS))
+        if unknown:
+            raise _RowProblem(
+                WRONG_TYPE,
+                "extra_info",
+                f"field 'tools_kwargs.{name}' holds {unknown}; expected only {list(_TOOL_KWARGS)}",
+            )
+        tools[name] = {
+            group: _object_or_empty(groups.get(group), f"tools_kwargs.{name}.{group}") for group in _TOOL_KWARGS
+        }
+    need_tools = extra_info.get("need_tools_kwargs")
+    if need_tools is not None and not isinstance(need_tools, bool):
+        raise _RowProblem(
+            WRONG_TYPE, "extra_info", f"field 'need_tools_kwargs' must be a boolean (or null), got {need_tools!r:.40}"
+        )
+    if need_tools and not tools:
+        raise _RowProblem(EMPTY, "extra_info", "field 'need_tools_kwargs' is true but 'tools_kwargs' names no tool")
+    return {
+        "tools_kwargs": tools,
+        "need_tools_kwargs": bool(need_tools),
+        "interaction_kwargs": _object_or_empty(extra_info.get("interaction_kwargs"), "interaction_kwargs"),
+    }
 
 
 def _response(ids: list[int], eos: int | None) -> list[int]:

@@ -8,7 +8,10 @@ is the reward and whose other keys are logged. The same file works here as is: t
 keeps those row fields with each prompt (``Sample.extras``), and ``scoring.custom_function.path`` /
 ``.name`` (``CustomFunctionConfig``) name the file and the function.
 
-The response is decoded with special tokens skipped, as verl's reward manager decodes it.
+The response is decoded with special tokens skipped, as verl's reward manager decodes it. A
+multi-turn response is the whole trajectory (the policy's turns and the tools' results), and its
+``extra_info`` gets what verl's reward manager adds to a multi-turn sample's: ``num_turns`` and
+``rollout_reward_scores`` (each tool's ``calc_reward``, by tool name).
 
 Stricter than verl on purpose: the function's signature is checked when it is loaded (a function
 that cannot take those four keywords, e.g. verl's own ``gsm8k.compute_score(solution_str,
@@ -76,6 +79,16 @@ def metric_means(parts: Sequence[CustomScores]) -> dict[str, float]:
     return {key: sum(values) / len(values) for key, values in pooled.items()}
 
 
+def _extra_info(sample: Sample) -> dict[str, Any]:
+    """The ``extra_info`` a call gets: a copy of the row's (the function may edit it, as verl's
+    does), with a multi-turn trajectory's additions under verl's names."""
+    extra_info = copy.deepcopy(sample.extras["extra_info"])
+    if sample.trajectory is not None:
+        extra_info["num_turns"] = sample.trajectory["num_turns"]
+        extra_info["rollout_reward_scores"] = dict(sample.trajectory["tool_rewards"])
+    return extra_info
+
+
 class CustomRewardFunction:
     """A loaded reward function; ``score`` calls it on each sample the way verl's reward manager does."""
 
@@ -107,8 +120,8 @@ class CustomRewardFunction:
                 data_source=sample.extras["data_source"],
                 solution_str=sample.response_text,
                 ground_truth=sample.extras["ground_truth"],
-                extra_info=copy.deepcopy(sample.extras["extra_info"]),
-            )  # the function may edit it, as verl's does
+                extra_info=_extra_info(sample),
+            )
             if isinstance(result, dict):
                 if "score" not in result:
                     raise RewardFunctionError(

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron_rlhf.algorithms.registry import Registry
+from megatron_rlhf.rollout.engine import TrajectoryRecord
 from megatron_rlhf.tasks.arithmetic import Verdict, judge
 
 from .calls import RewardCalls, RewardFunctionError, Where, formatted, origin, users_own
@@ -41,11 +42,15 @@ class Sample:
     response_ids: list[int]
     prompt_text: str
     response_text: str
+    """A multi-turn response's text is the whole trajectory's: the policy's turns and the tools'
+    results between them."""
     finish_reason: str
     """stop (EOS or a stop token ended it) or length (cut at max_new_tokens)."""
     extras: dict[str, Any]
     """The prompt row's columns named in ``data.extra_keys`` (e.g. a reference answer) and, for a row
     in verl's format, ``data_source``, ``ground_truth`` and ``extra_info``."""
+    trajectory: TrajectoryRecord | None = None
+    """A multi-turn response's record (turns, tool calls, tool rewards); None for a single turn."""
 
 
 RewardRule = Callable[[Sample], float]

@@ -136,6 +136,7 @@ class Scorer:
                 response,
                 c.finish_reason,
                 extras[c.prompt_index] if extras is not None else {},
+                c.trajectory,
             )
             for c, response in zip(completions, texts[len(prompts) :], strict=True)
         ]

@@ -12,12 +12,35 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Literal, Protocol, TypedDict
 
 from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length")
+
+ToolErrorKind = Literal["malformed_json", "unknown_tool", "bad_arguments", "timeout", "exception", "truncated"]
+"""Why a tool call went back to the model as an error (a truncated output is still delivered, cut
+at the length cap): the keys of ``TrajectoryRecord.tool_errors``."""
+
+
+class TrajectoryRecord(TypedDict):
+    """What an ``Episode`` reports of its whole trajectory when it closes: the trainer's multi-turn
+    metrics, the reward function's ``extra_info`` additions and samples.jsonl read it."""
+
+    num_turns: int
+    """Turns of the conversation, as verl's agent loop counts them (its ``__num_turns__``)."""
+    tool_calls: int
+    """Tool calls the policy made, failed ones included."""
+    tool_errors: dict[ToolErrorKind, int]
+    """Calls that went back to the model as an error, by kind (kinds without any may be absent)."""
+    tool_seconds: float
+    """Wall time the trajectory's tool calls took."""
+    tool_rewards: dict[str, float]
+    """Each tool's ``calc_reward``, by tool name: verl's ``rollout_reward_scores``, which a verl
+    reward function reads from its ``extra_info``."""
+    messages: list[dict[str, str]]
+    """The conversation as the agent parsed it: ``{role, content}`` messages."""
 
 
 @dataclasses.dataclass
@@ -39,7 +62,7 @@ class Completion:
     """Multi-turn: True where the policy sampled ``token_ids[i]``, False on the environment's tokens
     (tool results and the chat template's tokens around them; their ``logprobs`` are 0). None: a
     single-turn completion, every token the policy's."""
-    trajectory: dict[str, Any] | None = None
+    trajectory: TrajectoryRecord | None = None
     """Multi-turn: what the environment reports of the whole trajectory (``Episode.close``): turns,
     tool calls and their errors, tool rewards. None for a single-turn completion."""
 
@@ -69,7 +92,7 @@ class Episode(Protocol):
         keeps decoding the other sequences."""
         ...
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> TrajectoryRecord:
         """Release the trajectory's tools; returns what ``Completion.trajectory`` records."""
         ...
 

@@ -79,6 +79,7 @@ from megatron_rlhf.trainer.ppo_config import (
 )
 from megatron_rlhf.trainer.start import RunModel, start_run
 from megatron_rlhf.trainer.stop import stop_requested
+from megatron_rlhf.trainer.trajectories import trajectory_fields, trajectory_metrics
 from megatron_rlhf.training.objectives import (
     UpdateLogprobs,
     critic_loss,
@@ -464,6 +465,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         **_prefixed("critic/", critic_metrics, loss="vf_loss"),
         **timing,
         "perf/gen_tokens_per_s": float(policy_tokens.sum()) / max(timing["timing_s/gen"], 1e-9),
+        **trajectory_metrics(completions),
     }
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
@@ -714,20 +716,25 @@ def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor
     """samples.jsonl rows: each prompt and response as the reward functions read them (special
     tokens skipped, no final stop token) and the reward it got; where skipping dropped special
     tokens from a response, also ``raw_response``, its text with them (what the policy wrote, for
-    debugging; rows without such tokens stay small); with ``samples_token_ids``, ``response_ids``."""
+    debugging; rows without such tokens stay small); with ``samples_token_ids``, ``response_ids``.
+    A multi-turn row also shows its trajectory (``trajectory_fields``: its turns, with special
+    tokens, in place of ``raw_response``)."""
     samples = run.scorer.samples(completions, run.texts)
-    raw = run.tokenizer.decode_batch([c.text_ids(run.tokenizer.stop_ids) for c in completions])
+    stop_ids = run.tokenizer.stop_ids
+    raw = run.tokenizer.decode_batch([c.text_ids(stop_ids) for c in completions])
+    trajectories = trajectory_fields(completions, run.tokenizer.decode_batch, stop_ids)
     return [
         {
             "group": c.prompt_index,
             "prompt": sample.prompt_text,
             "response": sample.response_text,
-            **({"raw_response": text} if text != sample.response_text else {}),
+            **({"raw_response": text} if text != sample.response_text and not trajectory else {}),
             **({"response_ids": list(c.token_ids)} if run.cfg.samples_token_ids else {}),
             "finish_reason": c.finish_reason,
             "reward": float(score),
+            **trajectory,
         }
-        for c, sample, text, score in zip(completions, samples, raw, scores, strict=True)
+        for c, sample, text, score, trajectory in zip(completions, samples, raw, scores, trajectories, strict=True)
     ]
 
 

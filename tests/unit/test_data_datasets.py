@@ -363,6 +363,9 @@ def test_verl_parquet_is_read_unchanged(qwen2_dir, tmp_path):
             "data_source": "openai/gsm8k",
             "ground_truth": row["reward_model"]["ground_truth"],
             "extra_info": row["extra_info"],
+            "tools_kwargs": {},
+            "need_tools_kwargs": False,
+            "interaction_kwargs": {},
         }
     assert [e.extras["ground_truth"] for e in ds] == ["7", "1200"]
     assert ds[1].extras["extra_info"] == {
@@ -377,6 +380,120 @@ def test_verl_parquet_is_read_unchanged(qwen2_dir, tmp_path):
     ds2, _ = load_prompt_dataset(g, load_tokenizer(qwen2_dir), max_length=512)
     assert [e.prompt_ids.tolist() for e in ds2] == [e.prompt_ids.tolist() for e in ds]
     assert [e.extras["extra_info"] for e in ds2] == [{}, {}]
+
+
+GSM8K_TOOL_SYSTEM = (
+    "You are a math expert. You are given a question and you need to solve it step by step. Reasoning step "
+    "by step before any tool call. You should use the `calc_gsm8k_reward` tool after step by step solving the "
+    "question, before generate final answer at least once and refine your answer if necessary. Put your final "
+    "answer in the format of `#### <answer>`."
+)
+
+
+def gsm8k_tool_rows() -> list[dict]:
+    """Rows as verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py writes them."""
+    rows = []
+    for index, (question, answer) in enumerate(GSM8K_PROBLEMS):
+        truth = answer.split("#### ")[1].replace(",", "")
+        asked = question + " " + GSM8K_INSTRUCTION
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "system", "content": GSM8K_TOOL_SYSTEM}, {"role": "user", "content": asked}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": truth},
+                "extra_info": {
+                    "split": "train",
+                    "index": index,
+                    "answer": answer,
+                    "question": question,
+                    "need_tools_kwargs": True,
+                    "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                    "interaction_kwargs": {"query": asked, "ground_truth": truth},
+                },
+            }
+        )
+    return rows
+
+
+def test_verl_multiturn_tool_parquet_is_read_unchanged(qwen2_dir, tmp_path):
+    """verl's multi-turn tool rows keep tools_kwargs, need_tools_kwargs and interaction_kwargs per
+    prompt. A second source's row with another tool makes parquet null the fields each row lacks:
+    a null tool is left out, a null group of keywords is {}."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data import load_tokenizer
+
+    rows = gsm8k_tool_rows()
+    other = {
+        **rows[1],
+        "data_source": "mine",
+        "extra_info": {"index": 7, "tools_kwargs": {"python": {"execute_kwargs": {"timeout_s": 5}}}},
+    }
+    f = write_parquet(tmp_path / "train.parquet", [*rows, other])
+    tools_type = pq.read_schema(f).field("extra_info").type.field("tools_kwargs").type
+    assert str(tools_type) == (
+        "struct<calc_gsm8k_reward: struct<create_kwargs: struct<ground_truth: string>>, "
+        "python: struct<execute_kwargs: struct<timeout_s: int64>>>"
+    )
+    ds, report = load_prompt_dataset(f, load_tokenizer(qwen2_dir), max_length=512)
+    assert report.kept == 3
+    ref = AutoTokenizer.from_pretrained(str(qwen2_dir))
+    expected = ref.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ds[0].prompt_ids.tolist() == list(expected)  # the system message rendered
+    no_keywords = {"execute_kwargs": {}, "calc_reward_kwargs": {}, "release_kwargs": {}}
+    for example, truth in zip(ds[:2], ["7", "1200"], strict=True):
+        assert example.extras["tools_kwargs"] == {
+            "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}, **no_keywords}
+        }
+        assert example.extras["need_tools_kwargs"] is True
+        assert example.extras["interaction_kwargs"]["ground_truth"] == truth
+    assert ds[1].extras["extra_info"]["tools_kwargs"]["python"] is None  # the reward function sees the row as is
+    assert ds[2].extras["tools_kwargs"] == {
+        "python": {
+            "create_kwargs": {},
+            "execute_kwargs": {"timeout_s": 5},
+            "calc_reward_kwargs": {},
+            "release_kwargs": {},
+        }
+    }
+    assert (ds[2].extras["need_tools_kwargs"], ds[2].extras["interaction_kwargs"]) == (False, {})
+    # A verl row without them (the single-turn gsm8k script's) has none.
+    g = write_parquet(tmp_path / "single.parquet", gsm8k_rows())
+    single, _ = load_prompt_dataset(g, load_tokenizer(qwen2_dir), max_length=512)
+    assert [(e.extras["tools_kwargs"], e.extras["need_tools_kwargs"]) for e in single] == [({}, False), ({}, False)]
+
+
+def test_verl_multiturn_fields_errors(tmp_path):
+    good = {"prompt": "p", "data_source": "s", "reward_model": {"ground_truth": "7"}}
+    tool = {"create_kwargs": {"ground_truth": "7"}}
+    bad_extra_info = [
+        {"tools_kwargs": ["calc"]},
+        {"tools_kwargs": {"calc": {"create_kwargs": "7"}}},
+        {"tools_kwargs": {"calc": {**tool, "create_kwarg": {}}}},
+        {"tools_kwargs": {"calc": tool}, "need_tools_kwargs": "yes"},
+        {"interaction_kwargs": [1]},
+        {"need_tools_kwargs": True, "tools_kwargs": {"calc": None}},
+    ]
+    f = write_jsonl(tmp_path / "bad.jsonl", [good, *({**good, "extra_info": e} for e in bad_extra_info)])
+    with pytest.raises(
+        DataError, match=err(str(f), "row 1", "column 'extra_info' field 'tools_kwargs' must be an object")
+    ):
+        load_prompt_dataset(f, TOK, max_length=8)
+    ds, report = load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")
+    assert len(ds) == 1 and report.skipped == {"wrong_type": 5, "empty": 1}
+    assert [(s.row, s.detail) for s in report.samples["wrong_type"] + report.samples["empty"]] == [
+        (1, "field 'tools_kwargs' must be an object (or null), got list"),
+        (2, "field 'tools_kwargs.calc.create_kwargs' must be an object (or null), got str"),
+        (
+            3,
+            "field 'tools_kwargs.calc' holds ['create_kwarg']; expected only "
+            "['create_kwargs', 'execute_kwargs', 'calc_reward_kwargs', 'release_kwargs']",
+        ),
+        (4, "field 'need_tools_kwargs' must be a boolean (or null), got 'yes'"),
+        (5, "field 'interaction_kwargs' must be an object (or null), got list"),
+        (6, "field 'need_tools_kwargs' is true but 'tools_kwargs' names no tool"),
+    ]
 
 
 def test_rows_without_reward_model_carry_no_reward_inputs(tmp_path):

@@ -1,0 +1,94 @@
+"""What the trainer reports of multi-turn rollouts (``Completion.policy_mask`` and ``.trajectory``):
+a step's ``multi_turn/`` figures and the turns a samples.jsonl row shows.
+
+A multi-turn response alternates runs of tokens the policy sampled (its turns) with runs the
+environment appended (a tool's result in the chat template's tokens); ``policy_mask`` tells them
+apart, and the ``TrajectoryRecord`` the environment closed the trajectory with says what its tools
+did. Single-turn completions have neither and get no figures and no turns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, get_args
+
+from megatron_rlhf.rollout.engine import Completion, ToolErrorKind
+
+POLICY_ROLE, TOOL_ROLE = "assistant", "tool"
+
+
+def turn_spans(policy_mask: Sequence[bool]) -> list[tuple[bool, slice]]:
+    """The runs of equal ``policy_mask`` values, in order: (sampled by the policy, its positions)."""
+    spans: list[tuple[bool, slice]] = []
+    start = 0
+    for end in range(1, len(policy_mask) + 1):
+        if end == len(policy_mask) or policy_mask[end] != policy_mask[start]:
+            spans.append((policy_mask[start], slice(start, end)))
+            start = end
+    return spans
+
+
+def trajectory_fields(
+    completions: Sequence[Completion], decode_batch: Callable[[list[list[int]]], list[str]], stop_ids: Collection[int]
+) -> list[dict[str, Any]]:
+    """Each completion's samples.jsonl fields as a trajectory ({} for a single-turn one): ``turns``,
+    ``[{role: assistant | tool, text}]`` decoded by one ``decode_batch`` call (special tokens kept:
+    the turns show what the model read and wrote, the final stop token left out as in
+    ``response``), and from its record ``num_turns``, ``tool_calls``, the ``tool_errors`` that
+    happened and ``tool_rewards``."""
+    pieces: list[list[int]] = []
+    spans_of: list[list[tuple[bool, slice]]] = []
+    for c in completions:
+        ids = c.text_ids(stop_ids)
+        spans = turn_spans(c.policy_mask[: len(ids)]) if c.trajectory is not None and c.policy_mask else []
+        spans_of.append(spans)
+        pieces += [ids[span] for _, span in spans]
+    texts = iter(decode_batch(pieces))
+    fields: list[dict[str, Any]] = []
+    for c, spans in zip(completions, spans_of, strict=True):
+        record = c.trajectory
+        if record is None:
+            fields.append({})
+            continue
+        fields.append(
+            {
+                "turns": [{"role": POLICY_ROLE if policy else TOOL_ROLE, "text": next(texts)} for policy, _ in spans],
+                "num_turns": record["num_turns"],
+                "tool_calls": record["tool_calls"],
+                "tool_errors": {kind: n for kind, n in record["tool_errors"].items() if n},
+                "tool_rewards": dict(record["tool_rewards"]),
+            }
+        )
+    return fields
+
+
+def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
+    """A step's ``multi_turn/`` figures over its trajectories (none without one): turns and tool
+    calls per trajectory (mean, max), tool errors of each kind per trajectory (every kind, 0 when
+    none happened), seconds spent in tools per trajectory (mean, max), the policy's tokens and the
+    environment's per trajectory, and the environment's share of all response tokens."""
+    records = [(c, c.trajectory) for c in completions if c.trajectory is not None]
+    if not records:
+        return {}
+    count = len(records)
+    turns = [r["num_turns"] for _, r in records]
+    calls = [r["tool_calls"] for _, r in records]
+    seconds = [r["tool_seconds"] for _, r in records]
+    errors: dict[str, int] = dict.fromkeys(get_args(ToolErrorKind), 0)
+    for _, record in records:
+        for kind, n in record["tool_errors"].items():
+            errors[kind] = errors.get(kind, 0) + n
+    policy_tokens = sum(sum(c.policy_mask) if c.policy_mask is not None else len(c.token_ids) for c, _ in records)
+    all_tokens = sum(len(c.token_ids) for c, _ in records)
+    return {
+        "multi_turn/num_turns/mean": sum(turns) / count,
+        "multi_turn/num_turns/max": float(max(turns)),
+        "multi_turn/tool_calls/mean": sum(calls) / count,
+        "multi_turn/tool_calls/max": float(max(calls)),
+        **{f"multi_turn/tool_errors/{kind}": n / count for kind, n in errors.items()},
+        "multi_turn/tool_seconds/mean": sum(seconds) / count,
+        "multi_turn/tool_seconds/max": max(seconds),
+        "multi_turn/policy_tokens/mean": policy_tokens / count,
+        "multi_turn/tool_tokens/mean": (all_tokens - policy_tokens) / count,
+        "multi_turn/tool_token_fraction": (all_tokens - policy_tokens) / max(all_tokens, 1),
+    }
