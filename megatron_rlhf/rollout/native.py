@@ -50,7 +50,7 @@ from megatron_rlhf.models.attention import (
     swiglu,
 )
 from megatron_rlhf.models.roles import RoleModel
-from megatron_rlhf.rollout.engine import Agent, Completion, EnvironmentTurn, Episode
+from megatron_rlhf.rollout.engine import Agent, Completion, EnvironmentTurn, Episode, TrajectoryRecord
 from megatron_rlhf.rollout.kv_cache import DecodeStep, KVCache
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams, sample
@@ -276,7 +276,7 @@ class _Environment:
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
 
-    def close(self, slots: list[int]) -> dict[int, dict[str, Any]]:
+    def close(self, slots: list[int]) -> dict[int, TrajectoryRecord]:
         """End the episodes of ``slots``; their trajectory records."""
         if not slots:
             return {}
