@@ -185,3 +185,22 @@ def test_a_bad_schema_and_bad_settings_are_named_up_front(tmp_path: Path) -> Non
     assert MultiTurnConfig(enable=False).errors() == []
     with pytest.raises(ValueError, match="tool_config_path: multi-turn rollouts"):
         MultiTurnConfig(enable=True)
+
+
+def test_ppo_refuses_prompts_offered_other_tools_than_the_agent_runs(tmp_path: Path, capsys) -> None:
+    from megatron_rlhf.cli import main
+
+    runs, offered = tmp_path / "runs.yaml", tmp_path / "offered.yaml"
+    runs.write_text(TOOLS_YAML.format(class_name="megatron_rlhf.agent.builtin_tools.Calculator"))
+    offered.write_text(runs.read_text())
+    settings = [
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={runs}",
+    ]
+    assert main([*settings, f"data.tools_file={runs}", "--print-config"]) == 0
+    assert "tool_config_path" in capsys.readouterr().out
+    assert main([*settings, f"data.tools_file={offered}", "--print-config"]) == 2
+    assert f"data.tools_file='{offered}' offers the prompts other tools than the agent runs" in capsys.readouterr().err
