@@ -19,8 +19,8 @@ from typing import Any, get_args
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.agent.executor import CallOutcome, gather_calls, truncate_middle
 from megatron_rlhf.agent.parsers import PARSERS, CallError, ErrorKind, ParsedCall, ToolCall
-from megatron_rlhf.agent.tools import argument_problems, call_method, response_text
-from megatron_rlhf.data.chat_template import ChatTemplate
+from megatron_rlhf.agent.tools import argument_problems, call_method, response_text, tool_name
+from megatron_rlhf.data.chat_template import ChatTemplate, tool_schema_problem
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.rollout.engine import EnvironmentTurn
 
@@ -109,6 +109,13 @@ class ToolAgent:
                 f"{tokenizer!r} has no chat template: multi-turn rollouts render tool messages with it "
                 "(rollout.multi_turn.enable needs a chat model's tokenizer)"
             )
+        for name, tool in tools.items():
+            schema: Any = getattr(tool, "tool_schema", None)
+            problem = tool_schema_problem(schema, f"tool {name!r}: its tool_schema")
+            if problem is None and tool_name(schema) != name:
+                problem = f"tool {name!r}: its tool_schema names the function {tool_name(schema)!r}"
+            if problem is not None:
+                raise ValueError(f"{problem} (tools are keyed by their schema's function name, see load_tools)")
         self.config, self.tokenizer, self.tools = config, tokenizer, dict(tools)
         self.parse = PARSERS.get(config.format)
         self.messages = ToolMessages(tokenizer.chat_template, template_variables)

@@ -172,8 +172,10 @@ def _has_json_type(value: Any, kind: str) -> bool:
 def argument_problems(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> list[str]:
     """What is wrong with a call's arguments for the function ``schema`` declares: missing required
     keys, keys it does not declare, values of another JSON type than declared (empty: none)."""
-    parameters = schema["function"].get("parameters") or {}
-    properties = parameters.get("properties") or {}
+    parameters = schema["function"].get("parameters")
+    parameters = parameters if isinstance(parameters, dict) else {}
+    properties = parameters.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
     problems = [
         f"missing required argument {key!r}" for key in parameters.get("required") or [] if key not in arguments
     ]

@@ -230,7 +230,33 @@ def test_bad_construction_is_named(model_dir, tokenizer) -> None:
         make_agent(tokenizer, tools, [{}, {"need_tools_kwargs": True}])
     with pytest.raises(ValueError, match=r"prompt 0: extra_info.tools_kwargs: 'search' is not a tool"):
         make_agent(tokenizer, tools, [{"tools_kwargs": {"search": {}}}])
+    with pytest.raises(ValueError, match=r"tool 'calc': its tool_schema names the function 'calculator'"):
+        make_agent(tokenizer, {"calc": Calculator({}, CALCULATOR)})
     without = load_tokenizer(model_dir)
     without.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         make_agent(without, tools)  # type: ignore[arg-type]
+
+
+def test_episodes_driven_from_many_threads_keep_their_own_answers(tokenizer) -> None:
+    """Engine threads call after_turn while the pool's workers finish other trajectories' calls."""
+    problems = {(prompt, sample): f"{prompt + 11} * {sample + 101}" for prompt in range(4) for sample in range(4)}
+    results: dict[tuple[int, int], tuple[str, dict]] = {}
+
+    def drive(prompt: int, sample: int) -> None:
+        episode = agent.episode(prompt, sample)
+        future = episode.after_turn(turn(tokenizer, call("calculator", expression=problems[prompt, sample])))
+        assert future is not None
+        results[prompt, sample] = tokenizer.decode(future.result(timeout=30).token_ids), episode.close()
+
+    tools = {"calculator": Calculator({}, CALCULATOR)}
+    with make_agent(tokenizer, tools, [{}] * 4, tool_workers=2) as agent:
+        threads = [threading.Thread(target=drive, args=key) for key in problems]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert sorted(results) == sorted(problems)
+    for (prompt, sample), (text, record) in results.items():
+        assert f"<tool_response>\n{(prompt + 11) * (sample + 101)}\n</tool_response>" in text
+        assert record["tool_calls"] == 1 and record["num_turns"] == 3
