@@ -77,9 +77,10 @@ def tools_kwargs_of(extra_info: Mapping[str, Any] | None, tool_names: Sequence[s
         raise ValueError(f"{where}: need_tools_kwargs is true but tools_kwargs is empty")
     create_kwargs: dict[str, dict] = {}
     for name, kwargs in tools_kwargs.items():
+        if kwargs is None:
+            continue  # parquet writes a struct's absent fields (another row's tools) as null
         if name not in tool_names:
             raise ValueError(f"{where}.tools_kwargs: {name!r} is not a tool of the tools file {sorted(tool_names)}")
-        kwargs = {} if kwargs is None else kwargs
         create = kwargs.get("create_kwargs") if isinstance(kwargs, Mapping) else None
         if not isinstance(kwargs, Mapping) or not isinstance(create or {}, Mapping):
             raise ValueError(f"{where}.tools_kwargs.{name}: expected {{create_kwargs: {{...}}}}, got {kwargs!r:.80}")
@@ -228,7 +229,9 @@ class ToolEpisode:
         return EnvironmentTurn(self.agent.tokenizer.encode(text))
 
     def close(self) -> dict[str, Any]:
-        """Ask each created tool instance its reward, release it, and return the trajectory record."""
+        """Ask each created tool instance its reward, release it, and return the trajectory record.
+        ``num_turns`` counts as verl's tool agent loop does (assistant turns + user turns + 1): the
+        prompt, each policy turn and each tool turn. Runs on the caller's thread (the engine's)."""
         with self._lock:
             self._closed = True
             instances = dict(self._instances)

@@ -86,12 +86,11 @@ def response_text(response: Any) -> str:
     """The text of what ``execute`` returned as its response: a string, or an object with ``text``."""
     if isinstance(response, str):
         return response
-    text = getattr(response, "text", None)
-    if text is None and not hasattr(response, "text"):
+    if not hasattr(response, "text"):
         raise TypeError(
             f"execute returned a response of type {type(response).__name__}, not a string nor a ToolResponse"
         )
-    return "" if text is None else str(text)
+    return "" if response.text is None else str(response.text)
 
 
 def _import_class(class_name: Any, where: str) -> type:

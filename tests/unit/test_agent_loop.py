@@ -230,6 +230,9 @@ def test_bad_construction_is_named(model_dir, tokenizer) -> None:
         make_agent(tokenizer, tools, [{}, {"need_tools_kwargs": True}])
     with pytest.raises(ValueError, match=r"prompt 0: extra_info.tools_kwargs: 'search' is not a tool"):
         make_agent(tokenizer, tools, [{"tools_kwargs": {"search": {}}}])
+    parquet_row = {"tools_kwargs": {"calculator": {"create_kwargs": {"x": None}}, "search": None}}
+    with make_agent(tokenizer, tools, [parquet_row]) as agent:  # a null entry: another row's tool, absent here
+        assert agent.create_kwargs == [{"calculator": {"x": None}}]
     with pytest.raises(ValueError, match=r"tool 'calc': its tool_schema names the function 'calculator'"):
         make_agent(tokenizer, {"calc": Calculator({}, CALCULATOR)})
     without = load_tokenizer(model_dir)
