@@ -263,3 +263,32 @@ def test_episodes_driven_from_many_threads_keep_their_own_answers(tokenizer) -> 
     for (prompt, sample), (text, record) in results.items():
         assert f"<tool_response>\n{(prompt + 11) * (sample + 101)}\n</tool_response>" in text
         assert record["tool_calls"] == 1 and record["num_turns"] == 3
+
+
+def test_template_variables_reach_the_next_generation_prompt(tmp_path: Path) -> None:
+    """A Qwen3-style template with enable_thinking=false: the environment's text ends with the empty
+    think block the template writes after the generation prompt, as the whole conversation does. (The
+    whole conversation's earlier assistant turns lack that block, which the policy saw in its prompt:
+    only what follows the policy's turn can be compared.)"""
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_data_chat_tools import QWEN3_STYLE_TEMPLATE
+
+    model_dir = make_chat_tokenizer("qwen2", tmp_path)
+    (model_dir / "chat_template.jinja").write_text(QWEN3_STYLE_TEMPLATE, encoding="utf-8")
+    tokenizer = load_tokenizer(model_dir)
+    assert isinstance(tokenizer, HFTokenizer)
+    first = call("calculator", expression="6 * 7")
+    config = MultiTurnConfig()
+    tools = {"calculator": Calculator({}, CALCULATOR)}
+    with ToolAgent(config, tokenizer, tools, [{}], template_variables={"enable_thinking": False}) as agent:
+        future = agent.episode(0, 0).after_turn(turn(tokenizer, first))
+        assert future is not None
+        environment = future.result(timeout=10).token_ids
+    conversation = [*USER, {"role": "assistant", "content": first}, {"role": "tool", "content": "42"}]
+    reference = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, enable_thinking=False
+    )["input_ids"]
+    text = tokenizer.decode(environment)
+    assert tokenizer.decode(reference).endswith(f"{first}<|im_end|>{text}")
+    assert text == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
