@@ -147,6 +147,7 @@ class ToolEpisode:
     def __init__(self, agent: ToolAgent, prompt_index: int, sample_index: int) -> None:
         self.agent, self.prompt_index, self.sample_index = agent, prompt_index, sample_index
         self._lock = threading.Lock()
+        self._creating = threading.Lock()  # not the record's lock: a create that hangs delays no timeout
         self._instances: dict[str, str] = {}
         self._closed = False
         self.policy_turns = self.tool_turns = self.tool_calls = self.truncated = 0
@@ -203,14 +204,23 @@ class ToolEpisode:
             return CallOutcome(f"Error: {call.name} failed: {text}", "exception", truncated=cut)
 
     def _instance(self, name: str) -> str:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the trajectory is closed")
+        """The trajectory's instance of tool ``name``, created on its first call."""
+        with self._creating:
             if name not in self._instances:
+                if self._closed:
+                    raise RuntimeError("the trajectory is closed")
+                tool = self.agent.tools[name]
                 create_kwargs = self.agent.create_kwargs[self.prompt_index].get(name, {})
                 wanted = f"{self.prompt_index}-{self.sample_index}-{name}-{uuid.uuid4().hex[:8]}"
-                created = call_method(self.agent.tools[name].create, wanted, create_kwargs=create_kwargs)
-                self._instances[name] = created[0] if isinstance(created, tuple) else created
+                created = call_method(tool.create, wanted, create_kwargs=create_kwargs)
+                instance_id = created[0] if isinstance(created, tuple) else created
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._instances[name] = instance_id
+                if closed:  # closed while creating: close() has not seen this instance
+                    call_method(tool.release, instance_id)
+                    raise RuntimeError("the trajectory is closed")
             return self._instances[name]
 
     def _environment_turn(self, outcomes: list[CallOutcome], stop_text: str) -> EnvironmentTurn:

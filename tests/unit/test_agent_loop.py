@@ -160,6 +160,35 @@ class Waits(BaseTool):
         return "late", 0.0, {}
 
 
+class CreateHangs(BaseTool):
+    """Its create blocks until the test releases it: the call's timeout must still answer."""
+
+    gate = threading.Event()
+
+    def create(self, instance_id: str, **kwargs: Any) -> tuple[str, ToolResponse]:
+        self.gate.wait(30)
+        return instance_id, ToolResponse()
+
+    def execute(self, instance_id: str, parameters: dict, **kwargs: Any):
+        return "ran", 0.0, {}
+
+
+def test_a_hanging_create_times_out_and_its_late_instance_is_released(tokenizer) -> None:
+    tool = CreateHangs({}, schema("hangs"))
+    released: list[str] = []
+    tool.release = released.append  # type: ignore[method-assign]
+    with make_agent(tokenizer, {"hangs": tool}, tool_timeout_s=0.2) as agent:
+        episode = agent.episode(0, 0)
+        future = episode.after_turn(turn(tokenizer, call("hangs")))
+        assert future is not None
+        assert "did not finish within 0.2 s" in tokenizer.decode(future.result(timeout=10).token_ids)
+        record = episode.close()
+        CreateHangs.gate.set()
+        agent.pool.shutdown(wait=True)
+    assert record["tool_errors"]["timeout"] == 1 and record["tool_rewards"] == {}
+    assert len(released) == 1  # created after close: released at once, never leaked
+
+
 def test_every_bad_call_goes_back_as_a_tool_message_and_is_counted(tokenizer) -> None:
     tools = {
         "echo": Echo({}, schema("echo", text="string")),
