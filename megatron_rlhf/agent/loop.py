@@ -13,7 +13,7 @@ import functools
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, get_args
 
 from megatron_rlhf.agent.config import MultiTurnConfig
@@ -240,20 +240,21 @@ class ToolEpisode:
 
     def close(self) -> dict[str, Any]:
         """Ask each created tool instance its reward, release it, and return the trajectory record.
+        The tools' calls run on the pool within ``tool_timeout_s`` (a failure or a timeout counts as
+        a tool error, reward 0), so that a hanging tool cannot stall the engine's thread that closes.
         ``num_turns`` counts as verl's tool agent loop does (assistant turns + user turns + 1): the
-        prompt, each policy turn and each tool turn. Runs on the caller's thread (the engine's)."""
+        prompt, each policy turn and each tool turn."""
         with self._lock:
             self._closed = True
             instances = dict(self._instances)
+        pending = {name: self.agent.pool.submit(self._finish, name, instance) for name, instance in instances.items()}
+        wait(pending.values(), timeout=self.agent.config.tool_timeout_s)
         rewards: dict[str, float] = {}
-        for name, instance_id in instances.items():
-            tool = self.agent.tools[name]
-            try:
-                rewards[name] = float(call_method(tool.calc_reward, instance_id))
-                call_method(tool.release, instance_id)
-            except BaseException:  # the user's code: counted, and the trajectory still closes
-                rewards.setdefault(name, 0.0)
-                self.errors["exception"] += 1
+        for name, future in pending.items():
+            failed = "timeout" if not future.done() else "exception" if future.exception() is not None else None
+            rewards[name] = 0.0 if failed else future.result()
+            if failed:
+                self.errors[failed] += 1
         return {
             "num_turns": 1 + self.policy_turns + self.tool_turns,
             "policy_turns": self.policy_turns,
@@ -265,6 +266,13 @@ class ToolEpisode:
             "tool_call_rewards": list(self.call_rewards),
             "messages": list(self.messages),
         }
+
+    def _finish(self, name: str, instance_id: str) -> float:
+        tool = self.agent.tools[name]
+        try:
+            return float(call_method(tool.calc_reward, instance_id))
+        finally:
+            call_method(tool.release, instance_id)
 
 
 def _name(call: ParsedCall) -> str:

@@ -321,3 +321,32 @@ def test_template_variables_reach_the_next_generation_prompt(tmp_path: Path) -> 
     text = tokenizer.decode(environment)
     assert tokenizer.decode(reference).endswith(f"{first}<|im_end|>{text}")
     assert text == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+class RewardFails(BaseTool):
+    def execute(self, instance_id: str, parameters: dict, **kwargs: Any):
+        return "ok", None, {}
+
+    def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        raise ValueError("no ground truth")
+
+
+class RewardHangs(RewardFails):
+    gate = threading.Event()
+
+    def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        self.gate.wait(30)
+        return 1.0
+
+
+def test_close_counts_a_failing_or_hanging_reward_and_returns(tokenizer) -> None:
+    tools = {"fails": RewardFails({}, schema("fails")), "hangs": RewardHangs({}, schema("hangs"))}
+    with make_agent(tokenizer, tools, tool_timeout_s=0.3) as agent:
+        episode = agent.episode(0, 0)
+        future = episode.after_turn(turn(tokenizer, call("fails") + call("hangs")))
+        assert future is not None and future.result(timeout=10)
+        record = episode.close()
+        RewardHangs.gate.set()
+    assert record["tool_rewards"] == {"fails": 0.0, "hangs": 0.0}
+    assert record["tool_errors"]["exception"] == 1 and record["tool_errors"]["timeout"] == 1
+    assert record["tool_call_rewards"] == []  # execute returned no reward
