@@ -350,3 +350,11 @@ def test_close_counts_a_failing_or_hanging_reward_and_returns(tokenizer) -> None
     assert record["tool_rewards"] == {"fails": 0.0, "hangs": 0.0}
     assert record["tool_errors"]["exception"] == 1 and record["tool_errors"]["timeout"] == 1
     assert record["tool_call_rewards"] == []  # execute returned no reward
+
+
+def test_a_turn_ended_by_another_stop_token_gets_the_templates_turn_end_from_the_environment(tokenizer) -> None:
+    with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}) as agent:
+        after_im_end = agent.messages.text(["7"], stop_text="<|im_end|>")
+        after_eos = agent.messages.text(["7"], stop_text="<|endoftext|>")
+    assert after_im_end == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert after_eos == "<|im_end|>" + after_im_end
