@@ -151,7 +151,8 @@ class PythonTool(BaseTool):
     Guarantees, per call: a CPU-time limit (``cpu_time_s``, RLIMIT_CPU: the process is killed past
     it) and a wall-time limit (``wall_time_s``: its process group is killed); an address-space limit
     (``memory_mb``, RLIMIT_AS: allocations past it fail); a new empty temporary working directory,
-    deleted afterwards; no network: a new network namespace (only a down loopback) where ``unshare``
+    deleted afterwards; an environment of its own (none of the run's variables: its tokens and keys
+    stay out of what the model can print); no network: a new network namespace (only a down loopback) where ``unshare``
     works, else an audit hook in the interpreter that refuses sockets, new processes and ctypes;
     output read only up to ``max_output_chars`` (files it writes are capped at 16 MiB each).
 
@@ -200,7 +201,13 @@ class PythonTool(BaseTool):
         command = [*namespace, sys.executable, "-I", "-c", _BOOTSTRAP, str(main), *map(str, limits)]
         with open(root / "stdout", "w+b") as stdout, open(root / "stderr", "w+b") as stderr:
             process = subprocess.Popen(
-                command, cwd=work, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True
+                command,
+                cwd=work,
+                env={"PATH": os.defpath, "HOME": str(work), "LANG": "C.UTF-8"},
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
             )
             try:
                 code_ = process.wait(timeout=self.limits["wall_time_s"])

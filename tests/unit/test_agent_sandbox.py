@@ -76,3 +76,8 @@ def test_bad_settings_are_named() -> None:
     says = r"PythonTool config: unknown keys \['cpu_s'\], not positive numbers \['memory_mb'\]"
     with pytest.raises(ValueError, match=says):
         PythonTool({"cpu_s": 1, "memory_mb": 0}, SCHEMA)
+
+
+def test_the_runs_environment_variables_stay_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert run("import os\nprint(os.environ.get('HF_TOKEN'), os.environ['HOME'] == os.getcwd())") == "None True"
