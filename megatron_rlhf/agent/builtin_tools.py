@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 import operator
 import os
 import shutil
@@ -152,9 +153,10 @@ class PythonTool(BaseTool):
     it) and a wall-time limit (``wall_time_s``: its process group is killed); an address-space limit
     (``memory_mb``, RLIMIT_AS: allocations past it fail); a new empty temporary working directory,
     deleted afterwards; an environment of its own (none of the run's variables: its tokens and keys
-    stay out of what the model can print); no network: a new network namespace (only a down loopback) where ``unshare``
-    works, else an audit hook in the interpreter that refuses sockets, new processes and ctypes;
-    output read only up to ``max_output_chars`` (files it writes are capped at 16 MiB each).
+    stay out of what the model can print); no network: a new network namespace (only a down
+    loopback) where ``unshare`` works, else an audit hook in the interpreter that refuses sockets,
+    new processes and ctypes; output read only up to ``max_output_chars`` (files it writes are
+    capped at 16 MiB each).
 
     Not guaranteed: isolation of the file system (the code runs as this user and can read and write
     what it can), of other processes' resources, or against a determined attacker on the audit-hook
@@ -193,7 +195,7 @@ class PythonTool(BaseTool):
         main.write_text(code, encoding="utf-8")
         namespace = network_namespace_prefix()
         limits = [
-            int(self.limits["cpu_time_s"]),
+            math.ceil(self.limits["cpu_time_s"]),  # RLIMIT_CPU counts whole seconds
             int(self.limits["memory_mb"]) << 20,
             self.FILE_BYTES,
             int(not namespace),
@@ -210,8 +212,8 @@ class PythonTool(BaseTool):
                 start_new_session=True,
             )
             try:
-                code_ = process.wait(timeout=self.limits["wall_time_s"])
-                status = "" if code_ == 0 else self._status(code_)
+                returncode = process.wait(timeout=self.limits["wall_time_s"])
+                status = "" if returncode == 0 else self._status(returncode)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
