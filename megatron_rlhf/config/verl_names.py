@@ -255,12 +255,32 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
             (),
             "the engine's log-probs are always compared with the trainer's (`rollout/logprob_max_abs_diff`)",
         ),
+        (f"{AR}.rollout.multi_turn.enable", "rollout.multi_turn.enable", "false in both"),
         (
             f"{AR}.rollout.multi_turn.tool_config_path",
-            "data.tools_file",
-            "only the tools' schemas, for the prompt (see below)",
+            ("rollout.multi_turn.tool_config_path", "data.tools_file"),
+            "the same YAML: the agent runs its tools; `data.tools_file` offers their schemas to the prompts "
+            "(see below)",
         ),
-        (f"{AR}.rollout.multi_turn.*", (), "one policy turn per prompt"),
+        (f"{AR}.rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_assistant_turns", "`null` is 0"),
+        (f"{AR}.rollout.multi_turn.format", "rollout.multi_turn.format", "`hermes` in both"),
+        (f"{AR}.rollout.multi_turn.max_parallel_calls", "rollout.multi_turn.max_parallel_calls", "1 in both"),
+        (
+            f"{AR}.rollout.multi_turn.max_tool_response_length",
+            "rollout.multi_turn.max_tool_response_length",
+            "256 in both",
+        ),
+        (
+            f"{AR}.rollout.multi_turn.tool_response_truncate_side",
+            (),
+            "`middle` (verl's default) only",
+        ),
+        (
+            f"{AR}.rollout.multi_turn.*",
+            (),
+            "no user-turn limit, interactions or tokenization sanity check: the engine extends each trajectory "
+            "in place with the chat template's tokens",
+        ),
         (f"{AR}.rollout.agent.*", ()),
         (
             f"{AR}.rollout.val_kwargs.*",

@@ -10,14 +10,15 @@ transformers 5.x (``utils/chat_template_utils.py``) step by step:
   Jinja's own, neither HTML-escapes nor ASCII-escapes;
 * the variables ``messages`` (keys whose value is null dropped, as transformers does: parquet
   structs fill absent fields with null and templates test for presence), ``add_generation_prompt``
-  (always true here: these are prompts), ``tools`` (the tool schemas, or None), ``documents``
+  (true for prompts; a multi-turn agent also renders a conversation without it to find where an
+  assistant turn ends), ``tools`` (the tool schemas, or None), ``documents``
   (None), the tokenizer's special-token strings (``bos_token``, ``eos_token``, ...) and the caller's
   own variables (``enable_thinking``: transformers' ``**kwargs``), which win over the special tokens.
 
 Tool schemas are OpenAI function schemas, ``{type: function, function: {name, description,
 parameters}}``, as templates read them (``tool | tojson``, ``tool.function.name``); a tools file is
-verl's ``tool_config_path`` YAML, of which only each tool's ``tool_schema`` is read here (the tool
-classes run tools, which prompts do not need).
+verl's ``tool_config_path`` YAML: ``load_tool_entries`` reads and checks it once; prompts need only
+each tool's ``tool_schema`` (``load_tool_schemas``), the agent (``agent/tools.py``) also its class.
 
 The rendered text is then tokenized with no special tokens added: the template writes them.
 """
@@ -42,6 +43,7 @@ __all__ = [
     "SPECIAL_TOKEN_VARIABLES",
     "ChatTemplate",
     "ChatTemplateError",
+    "load_tool_entries",
     "load_tool_schemas",
     "template_variable_errors",
     "tool_schema_problem",
@@ -141,17 +143,19 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The conversation as prompt text, ending with the generation prompt (the assistant's turn).
-        ``tools``: the schemas the template offers the model; ``variables``: more template variables
-        (not named in ``RESERVED_VARIABLES``; ``template_variable_errors`` checks them)."""
+        """The conversation as prompt text, ending with the generation prompt (the assistant's turn)
+        unless ``add_generation_prompt`` is false. ``tools``: the schemas the template offers the
+        model; ``variables``: more template variables (not named in ``RESERVED_VARIABLES``;
+        ``template_variable_errors`` checks them)."""
         chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
             return self._template.render(
                 messages=chat,
                 tools=tools,
                 documents=None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **(variables or {})},
             )
         except Exception as exc:  # the template is the model's code: any failure is its verdict on these messages
@@ -188,10 +192,10 @@ def tool_schema_problem(schema: Any, where: str) -> str | None:
     return None
 
 
-def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
-    """The ``tool_schema`` of each tool of a tools file in verl's ``tool_config_path`` format (YAML,
-    ``tools: [{class_name, config, tool_schema}]``), in file order; ``ValueError`` names the file and
-    the bad field."""
+def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
+    """The tools of a tools file in verl's ``tool_config_path`` format (YAML, ``tools: [{class_name,
+    config, tool_schema}]``), in file order, each with a valid ``tool_schema``; ``ValueError`` names
+    the file and the bad field. The other fields are checked by their reader (``agent/tools.py``)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: the tools file does not exist")
@@ -207,7 +211,6 @@ def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
             f"{path}: tools: expected a top-level 'tools' list of {{class_name, config, tool_schema}} "
             f"(verl's tool_config_path format), got {tools!r:.60}"
         )
-    schemas = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or "tool_schema" not in tool:
             raise ValueError(
@@ -217,8 +220,12 @@ def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
         problem = tool_schema_problem(tool["tool_schema"], f"tools[{i}].tool_schema")
         if problem is not None:
             raise ValueError(f"{path}: {problem}")
-        schemas.append(tool["tool_schema"])
-    return schemas
+    return tools
+
+
+def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
+    """The ``tool_schema`` of each tool of a tools file (``load_tool_entries``), in file order."""
+    return [tool["tool_schema"] for tool in load_tool_entries(path)]
 
 
 def tools_file_errors(setting: str, path: str) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
 from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
@@ -81,6 +82,8 @@ class RolloutConfig:
     max_sample_batches: int = 4
     """With filter_groups: at most this many sample batches per step (0: no limit); a batch still
     short is filled with dropped groups and the shortfall reported."""
+    multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tool calls: the tools, the call format, the limits of a trajectory."""
 
     def errors(self) -> list[str]:
         return at_least(self, 0, "tp", "max_sample_batches")
@@ -272,6 +275,12 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.eval.figures, per_source=True)
     errors += tools_file_errors("data.tools_file", data.tools_file)
+    multi_turn = rollout.multi_turn
+    if multi_turn.enable and data.tools_file and data.tools_file != multi_turn.tool_config_path:
+        errors.append(
+            f"data.tools_file={data.tools_file!r} offers the prompts other tools than the agent runs "
+            f"(rollout.multi_turn.tool_config_path={multi_turn.tool_config_path!r}): name the same file"
+        )
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = cfg.longest_sequence

@@ -116,6 +116,22 @@ RULES: dict[str, dict[str, str]] = {
     "SFTDataConfig": {"response_key": FIXED},
     "PreferenceDataConfig": {"chosen_key": FIXED, "rejected_key": FIXED},
     "RolloutConfig": {"tp": LAYOUT, "filter_groups": MAY_CHANGE, "max_sample_batches": MAY_CHANGE},
+    # What the policy learns to do (its tools, how it calls them) is fixed; the limits of a trajectory are not.
+    "MultiTurnConfig": {
+        "enable": FIXED,
+        "tool_config_path": FIXED,
+        "format": FIXED,
+        **{
+            key: MAY_CHANGE
+            for key in (
+                "max_assistant_turns",
+                "max_parallel_calls",
+                "tool_timeout_s",
+                "max_tool_response_length",
+                "tool_workers",
+            )
+        },
+    },
     "SamplingParams": {
         key: MAY_CHANGE
         for key in ("temperature", "top_k", "top_p", "max_new_tokens", "n", "stop_token_ids", "ignore_eos", "seed")

@@ -135,7 +135,7 @@ def test_a_value_where_a_section_belongs_names_the_section(tmp_path, text, origi
         load_any_config(preset, overrides, schema=PPOConfig)
     assert str(info.value).endswith(
         f"{origin}: rollout=5 is not valid: rollout is a section (keys ['tp', 'sampling', "
-        "'engine', 'filter_groups', 'max_sample_batches']), not a single value; set its keys, "
+        "'engine', 'filter_groups', 'max_sample_batches', 'multi_turn']), not a single value; set its keys, "
         "e.g. rollout.tp=..."
     )
 

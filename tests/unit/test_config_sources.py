@@ -136,8 +136,9 @@ def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(
         ("trainer.total_epochs=1", "here it is num_epochs"),
         ("data.val_files=[v.parquet]", "here it is data.validation"),
         ("trainer.save_freq=-1", "verl's -1 (never) is `save_every=0 save_final=false`"),
+        ("actor_rollout_ref.rollout.multi_turn.enable=true", "here it is rollout.multi_turn.enable"),
         (
-            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
             "verl's actor_rollout_ref.rollout.multi_turn.*; it has no counterpart",
         ),
         ("trainer.made_up=1", "a verl key with no counterpart here"),

@@ -18,7 +18,7 @@ LAYERS = [
     {"models"},
     {"data", "training"},
     {"checkpoint"},
-    {"rollout", "rewards"},
+    {"rollout", "rewards", "agent"},
     {"hybrid"},
     {"trainer"},
     {"commands", "cli", "__main__", "docs"},

@@ -1,0 +1,49 @@
+"""The multi-turn settings (``rollout.multi_turn.*``, verl's ``actor_rollout_ref.rollout.multi_turn``),
+apart from the agent so that checking a config builds no tools' workers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_rlhf.agent.parsers import PARSERS
+from megatron_rlhf.agent.tools import tools_file_errors
+from megatron_rlhf.config.fields import at_least, check_on_init
+
+__all__ = ["MultiTurnConfig"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollouts: a policy turn that calls tools is followed by the tools' results (rendered
+    by the chat template as tool messages) and the policy goes on, in the same sequence."""
+    max_assistant_turns: int = 0
+    """Policy turns per trajectory (0: no limit but rollout.sampling.max_new_tokens, which bounds the
+    whole response, tool results included)."""
+    tool_config_path: str = ""
+    """The tools, in verl's tool_config_path YAML (tools: [{class_name, config, tool_schema}]); checked
+    up front: each class imported and built."""
+    format: str = "hermes"
+    """How the policy writes tool calls (the parser): hermes, Qwen2.5's <tool_call>{json}</tool_call>."""
+    max_parallel_calls: int = 1
+    """Tool calls run per policy turn; further calls in the same turn are ignored, as verl does."""
+    tool_timeout_s: float = 30.0
+    """A call still running after this long answers the model with a timeout error."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's answer (or of its exception) kept; a longer one keeps its head and tail
+    (verl's middle truncation) and is counted as truncated."""
+    tool_workers: int = 4
+    """Host threads that run the tool calls of all trajectories."""
+
+    def __post_init__(self) -> None:
+        check_on_init(self)
+
+    def errors(self) -> list[str]:
+        errors = at_least(self, 0, "max_assistant_turns") + at_least(self, 1, "max_parallel_calls", "tool_workers")
+        errors += at_least(self, 1, "max_tool_response_length")
+        if not self.tool_timeout_s > 0:
+            errors.append(f"tool_timeout_s={self.tool_timeout_s} must be > 0")
+        errors += PARSERS.field_errors("format", self.format)
+        if self.enable and not self.tool_config_path:
+            errors.append("tool_config_path: multi-turn rollouts (enable=true) need the tools file")
+        return errors + tools_file_errors("tool_config_path", self.tool_config_path)

@@ -1,0 +1,279 @@
+"""The tool-calling agent of a multi-turn rollout: ``ToolAgent`` (rollout/engine.py's ``Agent``) and its
+``ToolEpisode`` (an ``Episode``, one per trajectory).
+
+After each policy turn the engine hands over the turn's tokens; the episode parses its tool calls
+(``multi_turn.format``), runs them on the agent's thread pool and answers with the tokens of the tool
+messages as the chat template writes them, up to the next assistant generation prompt. Every failure
+of a call becomes a tool message the model reads, counted by kind in the trajectory record.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, get_args
+
+from megatron_rlhf.agent.config import MultiTurnConfig
+from megatron_rlhf.agent.executor import CallOutcome, gather_calls, truncate_middle
+from megatron_rlhf.agent.parsers import PARSERS, CallError, ErrorKind, ParsedCall, ToolCall
+from megatron_rlhf.agent.tools import argument_problems, call_method, response_text, tool_name
+from megatron_rlhf.data.chat_template import ChatTemplate, tool_schema_problem
+from megatron_rlhf.data.tokenizer import Tokenizer
+from megatron_rlhf.rollout.engine import EnvironmentTurn
+
+__all__ = ["ToolAgent", "ToolEpisode", "ToolMessages", "tools_kwargs_of"]
+
+_ASSISTANT = "ASSISTANT-TURN-PLACEHOLDER"
+
+
+class ToolMessages:
+    """Renders tool messages as the text the chat template writes between the end of an assistant
+    turn and the next assistant generation prompt.
+
+    The template is rendered twice around a placeholder assistant turn: without tool messages and
+    without a generation prompt (A), and with both (B). What B adds to A, plus what A writes after the
+    assistant's content (its end-of-turn text, less the stop token the policy itself sampled), is the
+    environment's text: it depends on the tool messages only, not on the conversation before.
+    """
+
+    def __init__(self, template: ChatTemplate, variables: Mapping[str, Any] | None = None) -> None:
+        self.template, self.variables = template, dict(variables or {})
+        self._opening = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ASSISTANT}]
+        self._closed = template.render(self._opening, variables=self.variables, add_generation_prompt=False)
+        if self._closed.count(_ASSISTANT) != 1:
+            raise ValueError(f"{template.source}: the chat template does not write an assistant message's content once")
+        self._turn_end = self._closed[self._closed.index(_ASSISTANT) + len(_ASSISTANT) :]
+        self.text(["probe"], stop_text="")  # a template that rewrites earlier turns fails here, not mid-rollout
+
+    def text(self, contents: Sequence[str], stop_text: str) -> str:
+        """The environment's text after a policy turn ending in ``stop_text``, for tool messages with
+        ``contents``."""
+        tools = [{"role": "tool", "content": content} for content in contents]
+        rendered = self.template.render([*self._opening, *tools], variables=self.variables)
+        if not rendered.startswith(self._closed):
+            raise ValueError(
+                f"{self.template.source}: with tool messages after an assistant turn the chat template "
+                "rewrites the conversation before them, so a trajectory cannot be extended in place"
+            )
+        turn_end = self._turn_end.removeprefix(stop_text) if stop_text else self._turn_end
+        return turn_end + rendered[len(self._closed) :]
+
+
+def tools_kwargs_of(extra_info: Mapping[str, Any] | None, tool_names: Sequence[str], where: str) -> dict[str, dict]:
+    """A prompt's ``create_kwargs`` per tool, from verl's ``extra_info.tools_kwargs[tool].create_kwargs``;
+    ``ValueError`` (naming ``where``) for a malformed entry, an unknown tool, or ``need_tools_kwargs``
+    without any (verl only warns: here a tool would silently miss its ground truth)."""
+    extra_info = extra_info or {}
+    tools_kwargs = extra_info.get("tools_kwargs") or {}
+    if not isinstance(tools_kwargs, Mapping):
+        raise ValueError(
+            f"{where}.tools_kwargs: expected a mapping tool name -> {{create_kwargs: {{...}}}}, "
+            f"got {tools_kwargs!r:.80}"
+        )
+    if extra_info.get("need_tools_kwargs") and not tools_kwargs:
+        raise ValueError(f"{where}: need_tools_kwargs is true but tools_kwargs is empty")
+    create_kwargs: dict[str, dict] = {}
+    for name, kwargs in tools_kwargs.items():
+        if kwargs is None:
+            continue  # parquet writes a struct's absent fields (another row's tools) as null
+        if name not in tool_names:
+            raise ValueError(f"{where}.tools_kwargs: {name!r} is not a tool of the tools file {sorted(tool_names)}")
+        create = kwargs.get("create_kwargs") if isinstance(kwargs, Mapping) else None
+        if not isinstance(kwargs, Mapping) or not isinstance(create or {}, Mapping):
+            raise ValueError(f"{where}.tools_kwargs.{name}: expected {{create_kwargs: {{...}}}}, got {kwargs!r:.80}")
+        create_kwargs[name] = dict(create or {})
+    return create_kwargs
+
+
+class ToolAgent:
+    """The environment of tool-calling trajectories: the tools (built once, from the tools file), the
+    thread pool that runs their calls, and each prompt's ``create_kwargs``.
+
+    ``extra_infos``: each prompt's verl ``extra_info`` (None where a row has none), in prompt order.
+    ``template_variables``: the chat template's variables of the prompts (``data.chat_template_kwargs``).
+    Call ``shutdown`` when done with it (or use it as a context manager).
+    """
+
+    def __init__(
+        self,
+        config: MultiTurnConfig,
+        tokenizer: Tokenizer,
+        tools: Mapping[str, Any],
+        extra_infos: Sequence[Mapping[str, Any] | None],
+        template_variables: Mapping[str, Any] | None = None,
+    ) -> None:
+        if tokenizer.chat_template is None:
+            raise ValueError(
+                f"{tokenizer!r} has no chat template: multi-turn rollouts render tool messages with it "
+                "(rollout.multi_turn.enable needs a chat model's tokenizer)"
+            )
+        for name, tool in tools.items():
+            schema: Any = getattr(tool, "tool_schema", None)
+            problem = tool_schema_problem(schema, f"tool {name!r}: its tool_schema")
+            if problem is None and tool_name(schema) != name:
+                problem = f"tool {name!r}: its tool_schema names the function {tool_name(schema)!r}"
+            if problem is not None:
+                raise ValueError(f"{problem} (tools are keyed by their schema's function name, see load_tools)")
+        self.config, self.tokenizer, self.tools = config, tokenizer, dict(tools)
+        self.parse = PARSERS.get(config.format)
+        self.messages = ToolMessages(tokenizer.chat_template, template_variables)
+        self.create_kwargs = [
+            tools_kwargs_of(extra, list(self.tools), f"prompt {i}: extra_info") for i, extra in enumerate(extra_infos)
+        ]
+        self.pool = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="agent-tool")
+
+    def episode(self, prompt_index: int, sample_index: int) -> ToolEpisode:
+        return ToolEpisode(self, prompt_index, sample_index)
+
+    def shutdown(self) -> None:
+        """Stop the workers (calls still queued are dropped; running ones finish in the background)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> ToolAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class ToolEpisode:
+    """One trajectory: its tools' instances (created on a tool's first call, with the prompt's
+    ``create_kwargs``; released at ``close``) and its record. ``after_turn`` and ``close`` come from
+    the engine's thread, calls finish on the pool's: the record is updated under a lock."""
+
+    def __init__(self, agent: ToolAgent, prompt_index: int, sample_index: int) -> None:
+        self.agent, self.prompt_index, self.sample_index = agent, prompt_index, sample_index
+        self._lock = threading.Lock()
+        self._creating = threading.Lock()  # not the record's lock: a create that hangs delays no timeout
+        self._instances: dict[str, str] = {}
+        self._closed = False
+        self.policy_turns = self.tool_turns = self.tool_calls = self.truncated = 0
+        self.errors: dict[str, int] = dict.fromkeys(get_args(ErrorKind), 0)
+        self.tool_seconds = 0.0
+        self.call_rewards: list[float] = []
+        self.messages: list[dict[str, str]] = []
+
+    def after_turn(self, turn_ids: list[int]) -> Future[EnvironmentTurn] | None:
+        agent = self.agent
+        text = agent.tokenizer.decode(turn_ids[:-1])
+        stop_text = agent.tokenizer.decode(turn_ids[-1:])
+        with self._lock:
+            self.policy_turns += 1
+            self.messages.append({"role": "assistant", "content": text})
+        limit = agent.config.max_assistant_turns
+        calls = agent.parse(text)[: agent.config.max_parallel_calls]
+        if not calls or (limit and self.policy_turns >= limit):
+            return None
+        return gather_calls(
+            agent.pool,
+            [functools.partial(self._call, call) for call in calls],
+            agent.config.tool_timeout_s,
+            lambda i: CallOutcome(
+                f"Error: the call to {_name(calls[i])} did not finish within {agent.config.tool_timeout_s} s",
+                "timeout",
+                seconds=agent.config.tool_timeout_s,
+            ),
+            lambda outcomes: self._environment_turn(outcomes, stop_text),
+        )
+
+    def _call(self, call: ParsedCall) -> CallOutcome:
+        """One call, run on a worker; every failure is an outcome (a tool is the user's code: any
+        exception, SystemExit included, is its failure, never the run's). What the tool wrote (its
+        answer, its exception) is truncated to max_tool_response_length; our own messages are not."""
+        if isinstance(call, CallError):
+            return CallOutcome(f"Error: {call.message}", call.kind)
+        tool = self.agent.tools.get(call.name)
+        if tool is None:
+            return CallOutcome(
+                f"Error: unknown tool {call.name!r}; the tools are {sorted(self.agent.tools)}", "unknown_tool"
+            )
+        problems = argument_problems(tool.tool_schema, call.arguments)
+        if problems:
+            return CallOutcome(f"Error: wrong arguments for {call.name}: {'; '.join(problems)}", "bad_arguments")
+        limit = self.agent.config.max_tool_response_length
+        try:
+            result = call_method(tool.execute, self._instance(call.name), call.arguments)
+            response, reward = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
+            text, cut = truncate_middle(response_text(response), limit)
+            return CallOutcome(text, reward=None if reward is None else float(reward), truncated=cut)
+        except BaseException as exc:
+            text, cut = truncate_middle(f"{type(exc).__name__}: {exc}", limit)
+            return CallOutcome(f"Error: {call.name} failed: {text}", "exception", truncated=cut)
+
+    def _instance(self, name: str) -> str:
+        """The trajectory's instance of tool ``name``, created on its first call."""
+        with self._creating:
+            if name not in self._instances:
+                if self._closed:
+                    raise RuntimeError("the trajectory is closed")
+                tool = self.agent.tools[name]
+                create_kwargs = self.agent.create_kwargs[self.prompt_index].get(name, {})
+                wanted = f"{self.prompt_index}-{self.sample_index}-{name}-{uuid.uuid4().hex[:8]}"
+                created = call_method(tool.create, wanted, create_kwargs=create_kwargs)
+                instance_id = created[0] if isinstance(created, tuple) else created
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._instances[name] = instance_id
+                if closed:  # closed while creating: close() has not seen this instance
+                    call_method(tool.release, instance_id)
+                    raise RuntimeError("the trajectory is closed")
+            return self._instances[name]
+
+    def _environment_turn(self, outcomes: list[CallOutcome], stop_text: str) -> EnvironmentTurn:
+        with self._lock:
+            for outcome in outcomes:
+                self.messages.append({"role": "tool", "content": outcome.text})
+                self.tool_calls += 1
+                self.truncated += outcome.truncated
+                self.tool_seconds += outcome.seconds
+                if outcome.error is not None:
+                    self.errors[outcome.error] += 1
+                if outcome.reward is not None:
+                    self.call_rewards.append(outcome.reward)
+            self.tool_turns += 1
+        text = self.agent.messages.text([outcome.text for outcome in outcomes], stop_text)
+        return EnvironmentTurn(self.agent.tokenizer.encode(text))
+
+    def close(self) -> dict[str, Any]:
+        """Ask each created tool instance its reward, release it, and return the trajectory record.
+        The tools' calls run on the pool within ``tool_timeout_s`` (a failure or a timeout counts as
+        a tool error, reward 0), so that a hanging tool cannot stall the engine's thread that closes.
+        ``num_turns`` counts as verl's tool agent loop does (assistant turns + user turns + 1): the
+        prompt, each policy turn and each tool turn."""
+        with self._lock:
+            self._closed = True
+            instances = dict(self._instances)
+        pending = {name: self.agent.pool.submit(self._finish, name, instance) for name, instance in instances.items()}
+        wait(pending.values(), timeout=self.agent.config.tool_timeout_s)
+        rewards: dict[str, float] = {}
+        for name, future in pending.items():
+            failed = "timeout" if not future.done() else "exception" if future.exception() is not None else None
+            rewards[name] = 0.0 if failed else future.result()
+            if failed:
+                self.errors[failed] += 1
+        return {
+            "num_turns": 1 + self.policy_turns + self.tool_turns,
+            "policy_turns": self.policy_turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": dict(self.errors),
+            "tool_truncated": self.truncated,
+            "tool_seconds": self.tool_seconds,
+            "tool_rewards": rewards,
+            "tool_call_rewards": list(self.call_rewards),
+            "messages": list(self.messages),
+        }
+
+    def _finish(self, name: str, instance_id: str) -> float:
+        tool = self.agent.tools[name]
+        try:
+            return float(call_method(tool.calc_reward, instance_id))
+        finally:
+            call_method(tool.release, instance_id)
+
+
+def _name(call: ParsedCall) -> str:
+    return call.name if isinstance(call, ToolCall) else "a tool"

@@ -1,0 +1,360 @@
+"""``ToolAgent`` episodes driven by hand, as the engine drives them (a policy turn's ids in, a Future of the
+environment's ids out): the tokens equal transformers' ``apply_chat_template`` of the whole conversation
+on a Qwen2.5-shaped template (tool messages grouped in one user turn of <tool_response> blocks); every bad
+call goes back to the model as a tool message and is counted by kind; the trajectory record."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_rlhf.agent.builtin_tools import Calculator
+from megatron_rlhf.agent.config import MultiTurnConfig
+from megatron_rlhf.agent.loop import ToolAgent
+from megatron_rlhf.agent.tools import BaseTool, ToolResponse
+from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
+from tests.helpers import make_chat_tokenizer
+
+# Written here in the shape of Qwen2.5-Instruct's template: tools in the system turn, consecutive tool
+# messages in one user turn, each in <tool_response></tool_response>.
+QWEN25_STYLE_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content }}
+    {%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+    {{- "\n\n# Tools\n\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nReturn each function call within <tool_call></tool_call> XML tags.<|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or message.role == 'assistant' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+def schema(name: str, **properties: str) -> dict[str, Any]:
+    props = {key: {"type": kind} for key, kind in properties.items()}
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": props}}}
+
+
+CALCULATOR = schema("calculator", expression="string")
+USER = [{"role": "user", "content": "What is 123 * 4567?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = make_chat_tokenizer("qwen2", tmp_path_factory.mktemp("qwen25_style"))
+    (d / "chat_template.jinja").write_text(QWEN25_STYLE_TEMPLATE, encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> HFTokenizer:
+    loaded = load_tokenizer(model_dir)
+    assert isinstance(loaded, HFTokenizer)
+    return loaded
+
+
+def turn(tokenizer: HFTokenizer, text: str) -> list[int]:
+    """A policy turn as the engine hands it over: its ids, ending with the stop token."""
+    return tokenizer.encode(text + "<|im_end|>")
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def make_agent(tokenizer: HFTokenizer, tools: dict[str, Any], extra_infos=({},), **settings: Any) -> ToolAgent:
+    return ToolAgent(MultiTurnConfig(max_parallel_calls=4, **settings), tokenizer, tools, list(extra_infos))
+
+
+def test_an_episode_with_the_calculator_equals_the_whole_conversation_rendered(model_dir, tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}, max_assistant_turns=3) as agent:
+        episode = agent.episode(0, 1)
+        calls = [call("calculator", expression="123 * 4567"), call("calculator", expression="2 ** 3")]
+        first = "Let me compute.\n" + "\n".join(calls)
+        future = episode.after_turn(turn(tokenizer, first))
+        assert future is not None
+        environment = future.result(timeout=10).token_ids
+        second = "123 * 4567 = 561741."
+        assert episode.after_turn(turn(tokenizer, second)) is None
+        record = episode.close()
+
+    prompt = tokenizer.encode(tokenizer.chat_template.render(USER, tools=[CALCULATOR]))
+    conversation = [
+        *USER,
+        {"role": "assistant", "content": first},
+        {"role": "tool", "content": "561741"},
+        {"role": "tool", "content": "8"},
+    ]
+    reference = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        conversation, tools=[CALCULATOR], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    assert prompt + turn(tokenizer, first) + environment == list(reference)
+    assert tokenizer.decode(environment) == (
+        "\n<|im_start|>user\n<tool_response>\n561741\n</tool_response>\n<tool_response>\n8\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert record["num_turns"] == 4  # verl's count: the prompt, two policy turns, one tool turn
+    assert record["tool_calls"] == 2 and set(record["tool_errors"].values()) == {0}
+    assert record["messages"] == [
+        {"role": "assistant", "content": first},
+        {"role": "tool", "content": "561741"},
+        {"role": "tool", "content": "8"},
+        {"role": "assistant", "content": second},
+    ]
+
+
+class Echo(BaseTool):
+    """Answers with its text; keeps per-trajectory state from create_kwargs; async, as verl's tools are."""
+
+    def __init__(self, config: dict, tool_schema: dict) -> None:
+        super().__init__(config, tool_schema)
+        self.state: dict[str, dict] = {}
+        self.released: list[str] = []
+
+    async def create(self, instance_id: str, **kwargs: Any) -> tuple[str, ToolResponse]:  # type: ignore[override]
+        self.state[instance_id] = {"calls": 0, **kwargs["create_kwargs"]}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict, **kwargs: Any):  # type: ignore[override]
+        await asyncio.sleep(0)
+        self.state[instance_id]["calls"] += 1
+        return ToolResponse(text=parameters["text"]), 0.5, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:  # type: ignore[override]
+        return self.state[instance_id]["calls"] * self.state[instance_id]["bonus"]
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:  # type: ignore[override]
+        self.released.append(instance_id)
+
+
+class Raises(BaseTool):
+    def execute(self, instance_id: str, parameters: dict, **kwargs: Any):
+        raise SystemExit("tool gave up")
+
+
+class Waits(BaseTool):
+    """Blocks until the test releases it: a call past its timeout."""
+
+    gate = threading.Event()
+
+    def execute(self, instance_id: str, parameters: dict, **kwargs: Any):
+        self.gate.wait(30)
+        return "late", 0.0, {}
+
+
+class CreateHangs(BaseTool):
+    """Its create blocks until the test releases it: the call's timeout must still answer."""
+
+    gate = threading.Event()
+
+    def create(self, instance_id: str, **kwargs: Any) -> tuple[str, ToolResponse]:
+        self.gate.wait(30)
+        return instance_id, ToolResponse()
+
+    def execute(self, instance_id: str, parameters: dict, **kwargs: Any):
+        return "ran", 0.0, {}
+
+
+def test_a_hanging_create_times_out_and_its_late_instance_is_released(tokenizer) -> None:
+    tool = CreateHangs({}, schema("hangs"))
+    released: list[str] = []
+    tool.release = released.append  # type: ignore[method-assign]
+    with make_agent(tokenizer, {"hangs": tool}, tool_timeout_s=0.2) as agent:
+        episode = agent.episode(0, 0)
+        future = episode.after_turn(turn(tokenizer, call("hangs")))
+        assert future is not None
+        assert "did not finish within 0.2 s" in tokenizer.decode(future.result(timeout=10).token_ids)
+        record = episode.close()
+        CreateHangs.gate.set()
+        agent.pool.shutdown(wait=True)
+    assert record["tool_errors"]["timeout"] == 1 and record["tool_rewards"] == {}
+    assert len(released) == 1  # created after close: released at once, never leaked
+
+
+def test_every_bad_call_goes_back_as_a_tool_message_and_is_counted(tokenizer) -> None:
+    tools = {
+        "echo": Echo({}, schema("echo", text="string")),
+        "raises": Raises({}, schema("raises")),
+        "waits": Waits({}, schema("waits")),
+    }
+    extra = {"tools_kwargs": {"echo": {"create_kwargs": {"bonus": 2.0}}}, "need_tools_kwargs": True}
+    agent = make_agent(tokenizer, tools, [extra], tool_timeout_s=0.3, max_tool_response_length=10)
+    try:
+        episode = agent.episode(0, 0)
+        calls = [
+            call("echo", text="short"),
+            "<tool_call>\n{not json}\n</tool_call>",
+            call("search", query="x"),
+            call("echo", text=3),
+            call("raises"),
+            call("waits"),
+            call("echo", text="0123456789abcdefghij"),
+        ]
+        agent.config.max_parallel_calls = len(calls)
+        future = episode.after_turn(turn(tokenizer, "\n".join(calls)))
+        assert future is not None
+        text = tokenizer.decode(future.result(timeout=10).token_ids)
+        record = episode.close()
+    finally:
+        Waits.gate.set()
+        agent.shutdown()
+    answers = [m["content"] for m in record["messages"][1:]]
+    assert answers[0] == "short"
+    assert answers[1].startswith("Error: the tool call is not valid JSON")
+    assert answers[2] == "Error: unknown tool 'search'; the tools are ['echo', 'raises', 'waits']"
+    assert answers[3] == "Error: wrong arguments for echo: argument 'text' must be of type string, got integer"
+    assert answers[4] == "Error: raises failed: Syste...(truncated)...ve up"  # the tool's text is capped too
+    assert answers[5] == "Error: the call to waits did not finish within 0.3 s"
+    assert answers[6] == "01234...(truncated)...fghij"
+    assert all(f"<tool_response>\n{answer}\n</tool_response>" in text for answer in answers)
+    assert record["tool_errors"] == {
+        "malformed_json": 1,
+        "unknown_tool": 1,
+        "bad_arguments": 1,
+        "timeout": 1,
+        "exception": 1,
+    }
+    assert record["tool_calls"] == 7 and record["tool_truncated"] == 2
+    # calc_reward of each tool that ran: echo twice, bonus 2 from its create_kwargs
+    assert record["tool_rewards"] == {"echo": 4.0, "raises": 0.0, "waits": 0.0}
+    assert record["tool_call_rewards"] == [0.5, 0.5]
+    assert tools["echo"].released == list(tools["echo"].state)
+    assert record["tool_seconds"] >= 0.3
+
+
+def test_the_turn_limit_and_the_call_limit(tokenizer) -> None:
+    with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}, max_assistant_turns=1) as agent:
+        assert agent.episode(0, 0).after_turn(turn(tokenizer, call("calculator", expression="1+1"))) is None
+    with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}) as agent:
+        agent.config.max_parallel_calls = 1
+        episode = agent.episode(0, 0)
+        future = episode.after_turn(turn(tokenizer, call("calculator", expression="1+1") * 2))
+        assert future is not None and "<tool_response>\n2\n</tool_response><|im_end|>" in tokenizer.decode(
+            future.result(timeout=10).token_ids
+        )
+        assert episode.close()["tool_calls"] == 1
+
+
+def test_bad_construction_is_named(model_dir, tokenizer) -> None:
+    tools = {"calculator": Calculator({}, CALCULATOR)}
+    with pytest.raises(ValueError, match=r"prompt 1: extra_info: need_tools_kwargs is true but tools_kwargs is empty"):
+        make_agent(tokenizer, tools, [{}, {"need_tools_kwargs": True}])
+    with pytest.raises(ValueError, match=r"prompt 0: extra_info.tools_kwargs: 'search' is not a tool"):
+        make_agent(tokenizer, tools, [{"tools_kwargs": {"search": {}}}])
+    parquet_row = {"tools_kwargs": {"calculator": {"create_kwargs": {"x": None}}, "search": None}}
+    with make_agent(tokenizer, tools, [parquet_row]) as agent:  # a null entry: another row's tool, absent here
+        assert agent.create_kwargs == [{"calculator": {"x": None}}]
+    with pytest.raises(ValueError, match=r"tool 'calc': its tool_schema names the function 'calculator'"):
+        make_agent(tokenizer, {"calc": Calculator({}, CALCULATOR)})
+    without = load_tokenizer(model_dir)
+    without.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        make_agent(without, tools)  # type: ignore[arg-type]
+
+
+def test_episodes_driven_from_many_threads_keep_their_own_answers(tokenizer) -> None:
+    """Engine threads call after_turn while the pool's workers finish other trajectories' calls."""
+    problems = {(prompt, sample): f"{prompt + 11} * {sample + 101}" for prompt in range(4) for sample in range(4)}
+    results: dict[tuple[int, int], tuple[str, dict]] = {}
+
+    def drive(prompt: int, sample: int) -> None:
+        episode = agent.episode(prompt, sample)
+        future = episode.after_turn(turn(tokenizer, call("calculator", expression=problems[prompt, sample])))
+        assert future is not None
+        results[prompt, sample] = tokenizer.decode(future.result(timeout=30).token_ids), episode.close()
+
+    tools = {"calculator": Calculator({}, CALCULATOR)}
+    with make_agent(tokenizer, tools, [{}] * 4, tool_workers=2) as agent:
+        threads = [threading.Thread(target=drive, args=key) for key in problems]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert sorted(results) == sorted(problems)
+    for (prompt, sample), (text, record) in results.items():
+        assert f"<tool_response>\n{(prompt + 11) * (sample + 101)}\n</tool_response>" in text
+        assert record["tool_calls"] == 1 and record["num_turns"] == 3
+
+
+def test_template_variables_reach_the_next_generation_prompt(tmp_path: Path) -> None:
+    """A Qwen3-style template with enable_thinking=false: the environment's text ends with the empty
+    think block the template writes after the generation prompt, as the whole conversation does. (The
+    whole conversation's earlier assistant turns lack that block, which the policy saw in its prompt:
+    only what follows the policy's turn can be compared.)"""
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_data_chat_tools import QWEN3_STYLE_TEMPLATE
+
+    model_dir = make_chat_tokenizer("qwen2", tmp_path)
+    (model_dir / "chat_template.jinja").write_text(QWEN3_STYLE_TEMPLATE, encoding="utf-8")
+    tokenizer = load_tokenizer(model_dir)
+    assert isinstance(tokenizer, HFTokenizer)
+    first = call("calculator", expression="6 * 7")
+    config = MultiTurnConfig()
+    tools = {"calculator": Calculator({}, CALCULATOR)}
+    with ToolAgent(config, tokenizer, tools, [{}], template_variables={"enable_thinking": False}) as agent:
+        future = agent.episode(0, 0).after_turn(turn(tokenizer, first))
+        assert future is not None
+        environment = future.result(timeout=10).token_ids
+    conversation = [*USER, {"role": "assistant", "content": first}, {"role": "tool", "content": "42"}]
+    reference = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, enable_thinking=False
+    )["input_ids"]
+    text = tokenizer.decode(environment)
+    assert tokenizer.decode(reference).endswith(f"{first}<|im_end|>{text}")
+    assert text == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+class RewardFails(BaseTool):
+    def execute(self, instance_id: str, parameters: dict, **kwargs: Any):
+        return "ok", None, {}
+
+    def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        raise ValueError("no ground truth")
+
+
+class RewardHangs(RewardFails):
+    gate = threading.Event()
+
+    def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        self.gate.wait(30)
+        return 1.0
+
+
+def test_close_counts_a_failing_or_hanging_reward_and_returns(tokenizer) -> None:
+    tools = {"fails": RewardFails({}, schema("fails")), "hangs": RewardHangs({}, schema("hangs"))}
+    with make_agent(tokenizer, tools, tool_timeout_s=0.3) as agent:
+        episode = agent.episode(0, 0)
+        future = episode.after_turn(turn(tokenizer, call("fails") + call("hangs")))
+        assert future is not None and future.result(timeout=10)
+        record = episode.close()
+        RewardHangs.gate.set()
+    assert record["tool_rewards"] == {"fails": 0.0, "hangs": 0.0}
+    assert record["tool_errors"]["exception"] == 1 and record["tool_errors"]["timeout"] == 1
+    assert record["tool_call_rewards"] == []  # execute returned no reward
+
+
+def test_a_turn_ended_by_another_stop_token_gets_the_templates_turn_end_from_the_environment(tokenizer) -> None:
+    with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}) as agent:
+        after_im_end = agent.messages.text(["7"], stop_text="<|im_end|>")
+        after_eos = agent.messages.text(["7"], stop_text="<|endoftext|>")
+    assert after_im_end == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert after_eos == "<|im_end|>" + after_im_end
