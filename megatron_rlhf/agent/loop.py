@@ -18,11 +18,11 @@ from typing import Any, get_args
 
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.agent.executor import CallOutcome, gather_calls, truncate_middle
-from megatron_rlhf.agent.parsers import PARSERS, CallError, ErrorKind, ParsedCall, ToolCall
+from megatron_rlhf.agent.parsers import PARSERS, CallError, ParsedCall, ToolCall
 from megatron_rlhf.agent.tools import argument_problems, call_method, response_text, tool_name
 from megatron_rlhf.data.chat_template import ChatTemplate, tool_schema_problem
 from megatron_rlhf.data.tokenizer import Tokenizer
-from megatron_rlhf.rollout.engine import EnvironmentTurn
+from megatron_rlhf.rollout.engine import EnvironmentTurn, ToolErrorKind, TrajectoryRecord
 
 __all__ = ["ToolAgent", "ToolEpisode", "ToolMessages", "tools_kwargs_of"]
 
@@ -151,7 +151,7 @@ class ToolEpisode:
         self._instances: dict[str, str] = {}
         self._closed = False
         self.policy_turns = self.tool_turns = self.tool_calls = self.truncated = 0
-        self.errors: dict[str, int] = dict.fromkeys(get_args(ErrorKind), 0)
+        self.errors: dict[ToolErrorKind, int] = dict.fromkeys(get_args(ToolErrorKind), 0)
         self.tool_seconds = 0.0
         self.call_rewards: list[float] = []
         self.messages: list[dict[str, str]] = []
@@ -238,7 +238,7 @@ class ToolEpisode:
         text = self.agent.messages.text([outcome.text for outcome in outcomes], stop_text)
         return EnvironmentTurn(self.agent.tokenizer.encode(text))
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> TrajectoryRecord:
         """Ask each created tool instance its reward, release it, and return the trajectory record.
         The tools' calls run on the pool within ``tool_timeout_s`` (a failure or a timeout counts as
         a tool error, reward 0), so that a hanging tool cannot stall the engine's thread that closes.
@@ -251,7 +251,9 @@ class ToolEpisode:
         wait(pending.values(), timeout=self.agent.config.tool_timeout_s)
         rewards: dict[str, float] = {}
         for name, future in pending.items():
-            failed = "timeout" if not future.done() else "exception" if future.exception() is not None else None
+            failed: ToolErrorKind | None = (
+                "timeout" if not future.done() else "exception" if future.exception() is not None else None
+            )
             rewards[name] = 0.0 if failed else future.result()
             if failed:
                 self.errors[failed] += 1
@@ -259,8 +261,7 @@ class ToolEpisode:
             "num_turns": 1 + self.policy_turns + self.tool_turns,
             "policy_turns": self.policy_turns,
             "tool_calls": self.tool_calls,
-            "tool_errors": dict(self.errors),
-            "tool_truncated": self.truncated,
+            "tool_errors": {**self.errors, "truncated": self.truncated},
             "tool_seconds": self.tool_seconds,
             "tool_rewards": rewards,
             "tool_call_rewards": list(self.call_rewards),

@@ -11,13 +11,14 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from megatron_rlhf.algorithms.registry import Registry
+from megatron_rlhf.rollout.engine import ToolCallErrorKind
 
 __all__ = ["PARSERS", "CallError", "ErrorKind", "ParsedCall", "ToolCall"]
 
-ErrorKind = Literal["malformed_json", "unknown_tool", "bad_arguments", "timeout", "exception"]
+ErrorKind = ToolCallErrorKind
 """How a tool call failed; each kind is counted in the trajectory record."""
 
 

@@ -19,9 +19,11 @@ from megatron_rlhf.rollout.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length")
 
-ToolErrorKind = Literal["malformed_json", "unknown_tool", "bad_arguments", "timeout", "exception", "truncated"]
-"""Why a tool call went back to the model as an error (a truncated output is still delivered, cut
-at the length cap): the keys of ``TrajectoryRecord.tool_errors``."""
+ToolCallErrorKind = Literal["malformed_json", "unknown_tool", "bad_arguments", "timeout", "exception"]
+"""How a tool call failed: its answer to the model is an error message."""
+ToolErrorKind = Literal[ToolCallErrorKind, "truncated"]
+"""The keys of ``TrajectoryRecord.tool_errors``: a failed call's kind, or ``truncated`` for an
+answer cut at the length cap (still delivered)."""
 
 
 class TrajectoryRecord(TypedDict):
@@ -30,6 +32,8 @@ class TrajectoryRecord(TypedDict):
 
     num_turns: int
     """Turns of the conversation, as verl's agent loop counts them (its ``__num_turns__``)."""
+    policy_turns: int
+    """The policy's turns."""
     tool_calls: int
     """Tool calls the policy made, failed ones included."""
     tool_errors: dict[ToolErrorKind, int]
@@ -39,6 +43,8 @@ class TrajectoryRecord(TypedDict):
     tool_rewards: dict[str, float]
     """Each tool's ``calc_reward``, by tool name: verl's ``rollout_reward_scores``, which a verl
     reward function reads from its ``extra_info``."""
+    tool_call_rewards: list[float]
+    """The rewards the tools' ``execute`` returned, call by call (verl's ``tool_rewards``)."""
     messages: list[dict[str, str]]
     """The conversation as the agent parsed it: ``{role, content}`` messages."""
 

@@ -34,15 +34,18 @@ the actor as an HF checkpoint at the end; the settings and their checks are in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.agent.loop import ToolAgent
+from megatron_rlhf.agent.tools import load_tools
 from megatron_rlhf.algorithms.advantages import compute_advantages
 from megatron_rlhf.algorithms.kl import (
     KL_ESTIMATORS,
@@ -53,7 +56,7 @@ from megatron_rlhf.algorithms.kl import (
     controller_kl,
 )
 from megatron_rlhf.algorithms.utils import last_valid, masked_mean
-from megatron_rlhf.data import PromptDataset, load_prompt_dataset
+from megatron_rlhf.data import PromptDataset, PromptExample, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.chat_template import load_tool_schemas
@@ -124,6 +127,9 @@ class PPORun:
     """The run's claim on its output_dir, for ``run_loop``."""
     timer: PhaseTimer
     """Times each step's phases (``timing_s/...``, ``memory/...``)."""
+    tools: dict[str, Any] | None = None
+    """The tools of multi-turn rollouts (``rollout.multi_turn``), built once from its tools file;
+    None: single-turn rollouts."""
     kl_scale: float = 1.0
     """The actor loss's ``kl_loss_coef`` is the config's times this (the health watch's recovery)."""
 
@@ -140,6 +146,8 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     if checked is None:
         checked = check_ppo_config(cfg, env.world_size)
     archs, data, rollout = checked.archs, cfg.data, cfg.rollout
+    # The prompts offer the model the tools the agent runs, unless data.tools_file names (the same) file.
+    tools_file = data.tools_file or (rollout.multi_turn.tool_config_path if rollout.multi_turn.enable else "")
 
     def load_data(tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
         def load(paths: list[str], what: str) -> PromptDataset:
@@ -154,7 +162,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
                 add_bos=data.add_bos,
                 apply_chat_template=data.apply_chat_template,
                 chat_template_kwargs=data.chat_template_kwargs,
-                tools=load_tool_schemas(data.tools_file) if data.tools_file else None,
+                tools=load_tool_schemas(tools_file) if tools_file else None,
                 tools_key=data.tools_key,
                 num_workers=data.num_workers,
             )
@@ -230,6 +238,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         old_logprob_pass=recompute,
         claim=start.claim,
         timer=PhaseTimer(env.device),
+        tools=load_tools(rollout.multi_turn.tool_config_path) if rollout.multi_turn.enable else None,
     )
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
@@ -494,10 +503,10 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
         if draws:
             generator = torch.Generator().manual_seed(seed)
             indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
-        with timer.phase("gen"):
+        with timer.phase("gen"), tool_agent(run, [run.prompts[i] for i in indices]) as agent:
             prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
             params = dataclasses.replace(rollout.sampling, seed=seed)
-            completions = run.generation.generate(prompts, params, timer)
+            completions = run.generation.generate(prompts, params, timer, agent)
         with timer.phase("reward"):
             batch = rollout_batch(completions, run.tokenizer.pad_id)
             pending = run.scorer.start(batch, completions, [run.prompts[i].extras for i in indices], run.texts)
@@ -526,6 +535,19 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
     }
     batch = rollout_batch(completions, run.tokenizer.pad_id)  # regrouped rows: not a scored batch
     return Rollout(completions, batch, Scores.cat([s for _, s in chosen]), metrics)
+
+
+@contextlib.contextmanager
+def tool_agent(run: PPORun, prompts: Sequence[PromptExample]) -> Iterator[ToolAgent | None]:
+    """The environment of multi-turn rollouts of ``prompts`` (each prompt's ``tools_kwargs`` from
+    its extras), its workers stopped on leaving; None for single-turn rollouts."""
+    if run.tools is None:
+        yield None
+        return
+    cfg = run.cfg
+    extras = [p.extras for p in prompts]
+    with ToolAgent(cfg.rollout.multi_turn, run.tokenizer, run.tools, extras, cfg.data.chat_template_kwargs) as agent:
+        yield agent
 
 
 def uniform_groups(raw_scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -660,7 +682,8 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor, torch.Tensor]:
         """Completions, their raw scores and whether each is correct, (prompts, n)."""
         params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
-        completions = run.generation.generate(ids, params)
+        with tool_agent(run, prompts) as agent:
+            completions = run.generation.generate(ids, params, agent=agent)
         scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.texts)
         judged = scores.parts[ev.judged_by] if ev.judged_by else scores.raw
         return completions, scores.raw.view(len(ids), n), (judged >= ev.correct_score).view(len(ids), n)

@@ -231,8 +231,9 @@ def test_every_bad_call_goes_back_as_a_tool_message_and_is_counted(tokenizer) ->
         "bad_arguments": 1,
         "timeout": 1,
         "exception": 1,
+        "truncated": 2,
     }
-    assert record["tool_calls"] == 7 and record["tool_truncated"] == 2
+    assert record["tool_calls"] == 7
     # calc_reward of each tool that ran: echo twice, bonus 2 from its create_kwargs
     assert record["tool_rewards"] == {"echo": 4.0, "raises": 0.0, "waits": 0.0}
     assert record["tool_call_rewards"] == [0.5, 0.5]
