@@ -52,7 +52,8 @@ class PromptDataConfig(DataFilesConfig):
     them (verl: data.apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3."""
     tools_file: str = ""
     """Tool schemas the chat template offers the model (its ``tools``): a YAML file in verl's
-    tool_config_path format, of which only each tool's tool_schema is read (no tool runs); empty: none."""
+    tool_config_path format, of which only each tool's tool_schema is read (no tool runs); empty: none,
+    or with rollout.multi_turn.enable the agent's tools file (rollout.multi_turn.tool_config_path)."""
     tools_key: str = "tools"
     """Column of a row's own tool schemas (a list of OpenAI function schemas, or a JSON string of
     one): where present and not null they replace tools_file's for that row, not add to them; "": no
