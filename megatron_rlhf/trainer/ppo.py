@@ -240,6 +240,8 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         timer=PhaseTimer(env.device),
         tools=load_tools(rollout.multi_turn.tool_config_path) if rollout.multi_turn.enable else None,
     )
+    with tool_agent(run, []):
+        pass  # a tokenizer without a chat template or a tool unlike its schema fails here, not at step 1
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
             warm_up(run)
