@@ -48,8 +48,9 @@ def _arithmetic_prompts(split: str, count: int) -> Callable[[], list[dict[str, s
 
 TOOL_RATE = 0.3
 """The tool task's teacher calls the calculator on this share of the problems (``arithmetic-tool-sft``
-sets) and answers directly on the others: its SFT model rarely calls the tool, and gets most
-answers wrong without it, which leaves RL the room of the calls it learns to make."""
+sets) and answers directly on the others: its SFT model calls the tool on about this share of its
+samples but not when it decodes greedily, and gets the answers wrong without it, which leaves RL
+the room of the calls it learns to make."""
 
 
 def _tool_sft(split: str, count: int) -> Callable[[], list[dict[str, str]]]:

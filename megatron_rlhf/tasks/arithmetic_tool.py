@@ -9,7 +9,7 @@ calls, as Qwen2.5 writes them; the task's chat template renders it)::
     tool        "<tool_response>44416</tool_response>"                       tool: "44416"
     policy      " #### 44416</s>"
 
-or, answered directly, ``" 44416</s>"``. Every assistant turn starts with a space and ends with
+or, answered directly, ``" 347*128 #### 44416</s>"``. Every assistant turn starts with a space and ends with
 EOS; the chat template writes no BOS (the loaders prepend it) and no generation prompt, so a tool
 message rendered on its own is exactly the tokens the engine appends after a call. The trajectory's
 text, special tokens skipped, is well formed for ``arithmetic.judge``: the call and the tool
@@ -18,8 +18,12 @@ reward ``arithmetic_answer`` scores this task unchanged.
 
 The teacher of the SFT set calls the tool on a share ``tool_rate`` of the problems (by a hash of
 the problem) and answers directly on the others, with the right answer that the model cannot
-learn to compute: the SFT model calls the tool too rarely to do so when it decodes greedily, and
-RL finds that the calls earn the reward.
+learn to compute. Both ways start by copying the expression, so the choice is one token: the
+call's tag or the expression's first digit, which the model copies with certainty. The SFT model
+gives the tag about ``tool_rate``: below one half, it never calls the tool when it decodes
+greedily (had the direct answer started with the answer's first digit, nine digits would share
+the direct answers' mass, and the greedy choice would swing with how well the model guesses that
+digit), while sampling calls it often enough for RL to find that the calls earn the reward.
 
 The tokenizer (``write_tokenizer``, an HF ``tokenizer.json``, which carries the chat template)
 spells text character by character and has one token for each fixed string of the format: the
@@ -103,7 +107,10 @@ def teacher_messages(problem: Problem, tool_rate: float, seed: int) -> list[dict
     """The teacher's conversation in HF chat format (tool calls as ``tool_calls``)."""
     expression = f"{problem.a}{problem.op}{problem.b}"
     if not calls_tool(problem, tool_rate, seed):
-        return [user_message(problem), {"role": "assistant", "content": str(problem.answer)}]
+        return [
+            user_message(problem),
+            {"role": "assistant", "content": f"{expression} {ANSWER_MARKER} {problem.answer}"},
+        ]
     call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expression": expression}}}
     return [
         user_message(problem),
@@ -117,9 +124,10 @@ def teacher_response(problem: Problem, tool_rate: float, seed: int) -> str:
     """The teacher's whole trajectory after the prompt, as text, its final EOS left to the SFT
     loader: ``CHAT_TEMPLATE``'s rendering of ``teacher_messages`` after the user turn."""
     eos = SPECIAL_TOKENS["eos_token"]
+    expression = f"{problem.a}{problem.op}{problem.b}"
     if not calls_tool(problem, tool_rate, seed):
-        return f" {problem.answer}"
-    call = f"{CALL_OPEN}{CALL_PREFIX}{problem.a}{problem.op}{problem.b}{CALL_SUFFIX}{CALL_CLOSE}"
+        return f" {expression} {ANSWER_MARKER} {problem.answer}"
+    call = f"{CALL_OPEN}{CALL_PREFIX}{expression}{CALL_SUFFIX}{CALL_CLOSE}"
     result = f"{RESPONSE_OPEN}{problem.answer}{RESPONSE_CLOSE}"
     return f" {call}{eos}{result} {ANSWER_MARKER} {problem.answer}"
 

@@ -29,8 +29,9 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_teacher_writes_the_documented_trajectories() -> None:
     problem = Problem(347, "*", 128)
     assert tool.teacher_response(problem, tool_rate=1.0, seed=0) == CALL_TEXT
-    assert tool.teacher_response(problem, tool_rate=0.0, seed=0) == " 44416"
-    assert tool.sft_rows([problem], tool_rate=0.0, seed=0) == [{"prompt": "Q: 347*128=? A:", "response": " 44416"}]
+    assert tool.teacher_response(problem, tool_rate=0.0, seed=0) == " 347*128 #### 44416"
+    direct = {"prompt": "Q: 347*128=? A:", "response": " 347*128 #### 44416"}
+    assert tool.sft_rows([problem], tool_rate=0.0, seed=0) == [direct]
     assert tool.prompt_rows([problem]) == [{"prompt": [{"role": "user", "content": "347*128"}], "answer": "44416"}]
     with pytest.raises(ValueError, match=r"tool_rate=1.5: expected a probability in \[0, 1\]"):
         tool.calls_tool(problem, 1.5, seed=0)
@@ -90,7 +91,7 @@ def test_the_judge_reads_whole_trajectories(tokenizer_dir: Path) -> None:
     assert judge(text(CALL_TEXT), 44416) == "right"
     assert judge(text(CALL_TEXT.replace("#### 44416", "#### 44461")), 44416) == "wrong"
     assert judge(text(CALL_TEXT.replace(" #### ", " ")), 44416) == "malformed"
-    assert judge(text(" 44416"), 44416) == "right"
+    assert judge(text(" 347*128 #### 44416"), 44416) == "right"
     assert judge(text(CALL_TEXT.split("</s>")[0]), 44416) == "malformed"  # a call alone answers nothing
 
 
