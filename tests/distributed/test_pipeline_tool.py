@@ -20,9 +20,9 @@ pytest.importorskip(
 )
 
 MIN_GAIN = 0.20
-"""The issue's bar for the tool task on CPU. When measured, the SFT model answered 18% of the held-out
-problems right (it called the tool on 22% of them, and was right on 83% of its calls, on none of
-its direct answers): about 64 points of room for GRPO."""
+"""The issue's bar for the tool task on CPU. When written, the SFT model answered 0.2% of the
+held-out problems right (greedy, never calling the tool), and a single-turn stand-in of the GRPO
+stage took it to 89.6% (docs/benchmarks.md, "The tool task")."""
 
 
 def _rows(test_dir: Path, model: str) -> list[dict]:
@@ -61,6 +61,6 @@ def test_grpo_learns_to_call_the_calculator(tmp_path: Path) -> None:
     for model, value in accuracy.items():
         assert value == pytest.approx(_recomputed_accuracy(rows[model]))
     calls = {model: sum(CALL_OPEN in r["response"] for r in rows[model]) / 500 for model in rows}
-    assert accuracy["sft"] < 0.4 and calls["sft"] < 0.5  # the teacher called the tool on 30% of problems
+    assert accuracy["sft"] < 0.1 and calls["sft"] < 0.1  # greedy, it answers directly (arithmetic_tool's docstring)
     assert accuracy["grpo"] - accuracy["sft"] >= MIN_GAIN, (accuracy, calls)
     assert calls["grpo"] > calls["sft"], calls
