@@ -20,7 +20,7 @@ The teacher of the SFT set calls the tool on a share ``tool_rate`` of the proble
 the problem) and answers directly on the others, with the right answer that the model cannot
 learn to compute. Both ways start by copying the expression, so the choice is one token: the
 call's tag or the expression's first digit, which the model copies with certainty. The SFT model
-gives the tag about ``tool_rate``: below one half, it never calls the tool when it decodes
+gives the tag about ``tool_rate``: below one half, it hardly ever calls the tool when it decodes
 greedily (had the direct answer started with the answer's first digit, nine digits would share
 the direct answers' mass, and the greedy choice would swing with how well the model guesses that
 digit), while sampling calls it often enough for RL to find that the calls earn the reward.
