@@ -92,26 +92,31 @@ CHAT_TEMPLATE = (
 )
 
 
+def expression(problem: Problem) -> str:
+    """``347*128``: the user message, the calculator's argument, and the direct answer's restatement."""
+    return f"{problem.a}{problem.op}{problem.b}"
+
+
 def user_message(problem: Problem) -> dict[str, str]:
-    return {"role": "user", "content": f"{problem.a}{problem.op}{problem.b}"}
+    return {"role": "user", "content": expression(problem)}
 
 
 def calls_tool(problem: Problem, tool_rate: float, seed: int) -> bool:
     """Whether the teacher calls the calculator on ``problem``: deterministic in (seed, problem)."""
     if not 0.0 <= tool_rate <= 1.0:
         raise ValueError(f"tool_rate={tool_rate!r}: expected a probability in [0, 1]")
-    return random.Random(f"tool:{seed}:{problem.a}{problem.op}{problem.b}").random() < tool_rate
+    return random.Random(f"tool:{seed}:{expression(problem)}").random() < tool_rate
 
 
 def teacher_messages(problem: Problem, tool_rate: float, seed: int) -> list[dict[str, Any]]:
     """The teacher's conversation in HF chat format (tool calls as ``tool_calls``)."""
-    expression = f"{problem.a}{problem.op}{problem.b}"
     if not calls_tool(problem, tool_rate, seed):
         return [
             user_message(problem),
-            {"role": "assistant", "content": f"{expression} {ANSWER_MARKER} {problem.answer}"},
+            {"role": "assistant", "content": f"{expression(problem)} {ANSWER_MARKER} {problem.answer}"},
         ]
-    call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expression": expression}}}
+    arguments = {"expression": expression(problem)}
+    call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": arguments}}
     return [
         user_message(problem),
         {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -124,10 +129,9 @@ def teacher_response(problem: Problem, tool_rate: float, seed: int) -> str:
     """The teacher's whole trajectory after the prompt, as text, its final EOS left to the SFT
     loader: ``CHAT_TEMPLATE``'s rendering of ``teacher_messages`` after the user turn."""
     eos = SPECIAL_TOKENS["eos_token"]
-    expression = f"{problem.a}{problem.op}{problem.b}"
     if not calls_tool(problem, tool_rate, seed):
-        return f" {expression} {ANSWER_MARKER} {problem.answer}"
-    call = f"{CALL_OPEN}{CALL_PREFIX}{expression}{CALL_SUFFIX}{CALL_CLOSE}"
+        return f" {expression(problem)} {ANSWER_MARKER} {problem.answer}"
+    call = f"{CALL_OPEN}{CALL_PREFIX}{expression(problem)}{CALL_SUFFIX}{CALL_CLOSE}"
     result = f"{RESPONSE_OPEN}{problem.answer}{RESPONSE_CLOSE}"
     return f" {call}{eos}{result} {ANSWER_MARKER} {problem.answer}"
 
@@ -137,7 +141,7 @@ def sft_rows(problems: Iterable[Problem], tool_rate: float, seed: int) -> list[d
     whole response, so the tool's result is in the loss too: the model cannot predict a product
     it cannot compute, and during RL those tokens are the environment's, never sampled."""
     return [
-        {"prompt": f"{PROMPT_OPEN}{p.a}{p.op}{p.b}{PROMPT_CLOSE}", "response": teacher_response(p, tool_rate, seed)}
+        {"prompt": f"{PROMPT_OPEN}{expression(p)}{PROMPT_CLOSE}", "response": teacher_response(p, tool_rate, seed)}
         for p in problems
     ]
 
