@@ -11,10 +11,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_rlhf.data.records import data_files, write_jsonl
 from megatron_rlhf.models.builtin import PREFIX, cache_dir, is_builtin, made_once
-from megatron_rlhf.tasks import arithmetic
+from megatron_rlhf.tasks import arithmetic, arithmetic_tool
 
 
 def _lowercase_prompts() -> list[dict[str, str]]:
@@ -45,7 +46,24 @@ def _arithmetic_prompts(split: str, count: int) -> Callable[[], list[dict[str, s
     return lambda: arithmetic.prompt_rows(arithmetic.make_problems(ARITHMETIC, split, count))
 
 
-BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, str]]]] = {
+TOOL_RATE = 0.3
+"""The tool task's teacher calls the calculator on this share of the problems (``arithmetic-tool-sft``
+sets) and answers directly on the others: its SFT model calls the tool on about this share of its
+samples but not when it decodes greedily, and gets the answers wrong without it, which leaves RL
+the room of the calls it learns to make."""
+
+
+def _tool_sft(split: str, count: int) -> Callable[[], list[dict[str, str]]]:
+    return lambda: arithmetic_tool.sft_rows(
+        arithmetic_tool.problems(split, count), TOOL_RATE, arithmetic_tool.TASK.seed
+    )
+
+
+def _tool_prompts(split: str, count: int) -> Callable[[], list[dict[str, Any]]]:
+    return lambda: arithmetic_tool.prompt_rows(arithmetic_tool.problems(split, count))
+
+
+BUILTIN_DATASETS: dict[str, Callable[[], Sequence[dict[str, Any]]]] = {
     "lowercase-prompts": _lowercase_prompts,
     "arithmetic-sft": _arithmetic_sft("train", 8000),
     "arithmetic-sft-validation": _arithmetic_sft("validation", 500),
@@ -54,6 +72,11 @@ BUILTIN_DATASETS: dict[str, Callable[[], list[dict[str, str]]]] = {
     "arithmetic-prompts": _arithmetic_prompts("train", 8000),
     "arithmetic-validation": _arithmetic_prompts("validation", 500),
     "arithmetic-test": _arithmetic_prompts("test", 500),
+    "arithmetic-tool-sft": _tool_sft("train", 8000),
+    "arithmetic-tool-sft-validation": _tool_sft("validation", 500),
+    "arithmetic-tool-prompts": _tool_prompts("train", 8000),
+    "arithmetic-tool-validation": _tool_prompts("validation", 500),
+    "arithmetic-tool-test": _tool_prompts("test", 500),
 }
 
 

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from megatron_rlhf.models.architecture import architecture_from_hf_config
 from megatron_rlhf.models.hf_weights import hf_tensor_shapes
+from megatron_rlhf.tasks import arithmetic_tool
 from megatron_rlhf.tasks.arithmetic import write_tokenizer
 
 PREFIX = "builtin:"
@@ -61,6 +62,8 @@ _ARITH = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+# The tool task's model (tasks/arithmetic_tool.py): arith-llama's layers, the tool task's vocabulary.
+_ARITH_TOOL = {**_ARITH, "vocab_size": arithmetic_tool.TOKENIZER_VOCAB_SIZE}
 # Qwen2.5-1.5B dimensions with Llama layers: the benchmark shape.
 _LLAMA_1_5B = {
     **_LLAMA,
@@ -106,6 +109,7 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_labels": 1,
         "dtype": "float32",
     },
+    "arith-tool-llama": {**_ARITH_TOOL, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
     "llama-7b": {**_LLAMA_7B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
@@ -114,7 +118,8 @@ BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")
 """The byte tokenizer's special tokens (pad, bos, eos): their ids are their positions; byte b is id
 b + len(BYTE_SPECIALS)."""
 ARITHMETIC_MODELS = ("arith-llama", "arith-llama-rm")
-"""Built-in models that ship the arithmetic task's tokenizer files; the others ship the byte tokenizer."""
+"""Built-in models that ship the arithmetic task's tokenizer files; ``arith-tool-llama`` ships the
+tool task's, the others the byte tokenizer."""
 
 
 def is_builtin(path: str) -> bool:
@@ -182,6 +187,8 @@ def _write_checkpoint(name: str, target: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if name in ARITHMETIC_MODELS:
         write_tokenizer(tmp)
+    elif name == "arith-tool-llama":
+        arithmetic_tool.write_tokenizer(tmp, config["max_position_embeddings"])
     else:
         _write_byte_tokenizer(tmp, config)
     os.replace(tmp, target)  # atomic: a half-written checkpoint is never visible

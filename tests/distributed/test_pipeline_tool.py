@@ -1,0 +1,66 @@
+"""The tool task's CPU pipeline (preset ``pipeline-arith-tool-tiny``) on 2 ranks: SFT on a teacher
+that calls the calculator on 30% of the problems, then multi-turn GRPO with the calculator, must
+raise held-out greedy accuracy (the tool available) by the issue's 20 points, by calling the tool
+more. The accuracies are recomputed from the trajectories the test stage wrote."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.tasks.arithmetic import judge
+from megatron_rlhf.tasks.arithmetic_tool import CALL_OPEN
+from tests.launch import run
+
+pytest.importorskip(
+    "megatron_rlhf.agent.builtin_tools", reason="needs the multi-turn engine and the agent package (issue #33)"
+)
+
+MIN_GAIN = 0.20
+"""The issue's bar for the tool task on CPU. When written, the preset's SFT model answered 2.2% of
+the held-out problems right (greedy, calling the tool on 2.2% of them), and a single-turn stand-in
+of its GRPO stage took it to 83.2% (docs/benchmarks.md, "The tool task")."""
+
+
+def _rows(test_dir: Path, model: str) -> list[dict]:
+    rows = [json.loads(line) for line in (test_dir / f"{model}.jsonl").read_text().splitlines()]
+    assert len(rows) == 500
+    return rows
+
+
+def _recomputed_accuracy(rows: list[dict]) -> float:
+    """The share of trajectories the judge finds right, each against its problem evaluated here."""
+    right = [judge(r["response"], eval(r["prompt"][0]["content"])) == "right" for r in rows]
+    return sum(right) / len(rows)
+
+
+@pytest.mark.distributed
+def test_grpo_learns_to_call_the_calculator(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "megatron_rlhf",
+        "pipeline",
+        "--config",
+        "pipeline-arith-tool-tiny",
+        f"output_dir={out}",
+        "device=cpu",
+    ]
+    run(cmd, timeout=900)
+    accuracy = json.loads((out / "pipeline.json").read_text())["test_accuracy"]
+    assert set(accuracy) == {"sft", "grpo"}
+    rows = {model: _rows(out / "test", model) for model in accuracy}
+    for model, value in accuracy.items():
+        assert value == pytest.approx(_recomputed_accuracy(rows[model]))
+    calls = {model: sum(CALL_OPEN in r["response"] for r in rows[model]) / 500 for model in rows}
+    assert accuracy["sft"] < 0.1 and calls["sft"] < 0.1  # greedy, it answers directly (arithmetic_tool's docstring)
+    assert accuracy["grpo"] - accuracy["sft"] >= MIN_GAIN, (accuracy, calls)
+    assert calls["grpo"] > calls["sft"], calls
