@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
-    package_data={"megatron_rlhf": ["config/presets/*.yaml"]},
+    package_data={"megatron_rlhf": ["config/presets/*.yaml", "config/tools/*.yaml"]},
     # Runtime only: what `megatron-rlhf` imports to run (tests/unit/test_packaging.py checks each is used).
     install_requires=[
         # 2.11 is the torch that CI and the GPU machine run (constraints-ci.txt): the lower bound is the

@@ -48,6 +48,7 @@ __all__ = [
     "template_variable_errors",
     "tool_schema_problem",
     "tools_file_errors",
+    "tools_file_path",
 ]
 
 # The special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES), when set.
@@ -192,13 +193,31 @@ def tool_schema_problem(schema: Any, where: str) -> str | None:
     return None
 
 
+BUILTIN_TOOLS_DIR = Path(__file__).resolve().parents[1] / "config" / "tools"
+BUILTIN_TOOLS_FILES = tuple(sorted(p.stem for p in BUILTIN_TOOLS_DIR.glob("*.yaml")))
+"""``builtin:calculator`` (the Calculator) and ``builtin:python`` (the sandboxed Python tool)."""
+
+
+def tools_file_path(path: str | Path) -> Path:
+    """Where a tools file is: ``builtin:NAME`` is this package's ``config/tools/NAME.yaml``; a
+    missing file or an unknown built-in name is a ``ValueError`` naming it."""
+    text = str(path)
+    if text.startswith("builtin:"):
+        name = text.removeprefix("builtin:")
+        if name not in BUILTIN_TOOLS_FILES:
+            raise ValueError(f"{text}: no such built-in tools file; the built-in ones are {list(BUILTIN_TOOLS_FILES)}")
+        return BUILTIN_TOOLS_DIR / f"{name}.yaml"
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: the tools file does not exist")
+    return Path(path)
+
+
 def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
     """The tools of a tools file in verl's ``tool_config_path`` format (YAML, ``tools: [{class_name,
     config, tool_schema}]``), in file order, each with a valid ``tool_schema``; ``ValueError`` names
-    the file and the bad field. The other fields are checked by their reader (``agent/tools.py``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: the tools file does not exist")
+    the file and the bad field. The other fields are checked by their reader (``agent/tools.py``).
+    ``builtin:NAME`` is a tools file of this package (``BUILTIN_TOOLS_FILES``)."""
+    path = tools_file_path(path)
     try:
         content = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:

@@ -155,6 +155,14 @@ def test_the_tools_file_builds_its_tools(tmp_path: Path) -> None:
     assert MultiTurnConfig(enable=True, tool_config_path=str(path)).errors() == []
 
 
+def test_the_builtin_tools_files_build_their_tools_and_an_unknown_one_is_named() -> None:
+    calculator, python = load_tools("builtin:calculator"), load_tools("builtin:python")
+    assert calculator["calculator"].execute("i", {"expression": "347*128"})[0].text == "44416"
+    assert argument_problems(python["python"].tool_schema, {"code": "print(1)"}) == []
+    with pytest.raises(ValueError, match=r"builtin:search: no such built-in tools file; .*\['calculator', 'python'\]"):
+        load_tools("builtin:search")
+
+
 @pytest.mark.parametrize(
     ("class_name", "says"),
     [
