@@ -29,10 +29,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_rlhf.agent.config import MultiTurnConfig
+from megatron_rlhf.agent.loop import ToolAgent
+from megatron_rlhf.agent.tools import load_tools
 from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
+from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.data.records import write_jsonl
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
@@ -94,16 +98,32 @@ def _stage_table(result: dict[str, Any]) -> str:
 
 
 def sample_and_judge(
-    engine: NativeEngine, tokenizer: Tokenizer, prompt_paths: list[str], count: int, params: SamplingParams
+    engine: NativeEngine,
+    tokenizer: Tokenizer,
+    prompt_paths: list[str],
+    count: int,
+    params: SamplingParams,
+    multi_turn: MultiTurnConfig | None = None,
 ) -> tuple[list[str], list[list[str]], list[list[Verdict]]]:
     """Sample ``params.n`` responses to each of the first ``count`` prompts (all of them if fewer)
     and judge each against the prompt's ``answer``: (prompt texts, responses per prompt, verdicts
-    per prompt), identical on every rank. Collective."""
+    per prompt), identical on every rank; with ``multi_turn`` enabled each response is a trajectory
+    with its tools, judged (and returned) as its whole text. Collective."""
+    tools_file = multi_turn.tool_config_path if multi_turn is not None and multi_turn.enable else ""
     dataset, _ = load_prompt_dataset(
-        resolve_data_paths(prompt_paths), tokenizer, max_length=engine.cfg.max_seq_len, extra_keys=("prompt", "answer")
+        resolve_data_paths(prompt_paths),
+        tokenizer,
+        max_length=engine.cfg.max_seq_len,
+        extra_keys=("prompt", "answer"),
+        tools=load_tool_schemas(tools_file) if tools_file else None,
     )
     examples = dataset[: min(count, len(dataset))]
-    completions: list[Completion] = generate_data_parallel(engine, [e.prompt_ids.tolist() for e in examples], params)
+    ids = [e.prompt_ids.tolist() for e in examples]
+    if multi_turn is not None and multi_turn.enable:
+        with ToolAgent(multi_turn, tokenizer, load_tools(tools_file), [e.extras for e in examples]) as agent:
+            completions: list[Completion] = generate_data_parallel(engine, ids, params, agent=agent)
+    else:
+        completions = generate_data_parallel(engine, ids, params)
     responses: list[list[str]] = [[] for _ in examples]
     verdicts: list[list[Verdict]] = [[] for _ in examples]
     texts = tokenizer.decode_batch([c.text_ids(tokenizer.stop_ids) for c in completions], skip_special_tokens=True)
@@ -167,7 +187,9 @@ def held_out_accuracy(cfg: PipelineConfig, env: DistEnv) -> dict[str, float]:
     accuracy = {}
     for name, path in found.items():
         engine, tokenizer = _policy(str(path), cfg.test.engine, cfg.dtype, env)
-        prompts, responses, verdicts = sample_and_judge(engine, tokenizer, cfg.test.prompts, 1 << 30, greedy)
+        prompts, responses, verdicts = sample_and_judge(
+            engine, tokenizer, cfg.test.prompts, 1 << 30, greedy, cfg.test.multi_turn
+        )
         accuracy[name] = verdict_rates(verdicts)["right"]
         if is_rank0():
             write_jsonl(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.config.run import RunConfig
@@ -52,6 +53,9 @@ class TestConfig:
     max_new_tokens: int = 64
     """A response not finished (EOS) within this many tokens counts as malformed."""
     engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
+    multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
+    """With enable=true, each answer is a multi-turn trajectory with these tools (the tool task
+    tests its models as its RL stage trains them), judged on its whole text."""
     output_dir: str = "runs/pipeline/test"
     """Where each model's greedy responses and verdicts are written (``<model>.jsonl``)."""
 

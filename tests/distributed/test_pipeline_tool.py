@@ -15,10 +15,6 @@ from megatron_rlhf.tasks.arithmetic import judge
 from megatron_rlhf.tasks.arithmetic_tool import CALL_OPEN
 from tests.launch import run
 
-pytest.importorskip(
-    "megatron_rlhf.agent.builtin_tools", reason="needs the multi-turn engine and the agent package (issue #33)"
-)
-
 MIN_GAIN = 0.20
 """The issue's bar for the tool task on CPU. When written, the preset's SFT model answered 2.2% of
 the held-out problems right (greedy, calling the tool on 2.2% of them), and a single-turn stand-in
