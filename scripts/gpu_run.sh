@@ -13,7 +13,8 @@
 #   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the log-prob kernels
 #   pipeline  the GPU preset of `megatron-rlhf pipeline` (SFT -> RM -> GRPO and PPO), seed 1
 #   seeds     its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model (after pipeline)
-#   all       tests bench kernels pipeline seeds
+#   tool      the tool task's GPU preset (pipeline-arith-tool-gpu: SFT -> multi-turn GRPO with a calculator -> test)
+#   all       tests bench kernels pipeline seeds tool
 #   e2e       scripts/bench/e2e.py: one GRPO step, its floor and TRL's GRPOTrainer on the same shape
 #             (SEQUENCES=64|256, default 64; TRL_CONFIGS, default the script's; arguments after -- go to the
 #             script; needs the `bench` extra: trl, datasets)
@@ -39,12 +40,12 @@ while [ $# -gt 0 ]; do
     -o|--out) [ $# -ge 2 ] || usage; out=$2; shift 2;;
     -h|--help) usage 0;;
     --) shift; e2e_args=("$@"); break;;
-    tests|bench|kernels|pipeline|seeds|e2e|big) stages+=("$1"); shift;;
-    all) stages+=(tests bench kernels pipeline seeds); shift;;
+    tests|bench|kernels|pipeline|seeds|tool|e2e|big) stages+=("$1"); shift;;
+    all) stages+=(tests bench kernels pipeline seeds tool); shift;;
     *) echo "unknown stage or option '$1'" >&2; usage;;
   esac
 done
-[ ${#stages[@]} -gt 0 ] || stages=(tests bench kernels pipeline seeds)
+[ ${#stages[@]} -gt 0 ] || stages=(tests bench kernels pipeline seeds tool)
 wants() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 
 cd "$(dirname "$0")/.." || exit 1
@@ -89,11 +90,12 @@ bench() {  # name, lines of output to keep, command...
   local name=$1 keep=$2; shift 2
   "$@" 2>&1 | tail -"$keep" | tee "$out/bench_$name.log" || status=1
 }
-pipeline() {  # seed, extra overrides...
-  local seed=$1 runs=$work/pipeline-runs; shift
-  "$python" -m megatron_rlhf pipeline --config pipeline-arith-gpu seed="$seed" output_dir="$runs/seed$seed" "$@" \
-    2>&1 | quiet | tee "$out/pipeline_seed$seed.log" | grep -E "^(pipeline|test|  |step [0-9]+/[0-9]+ \|)" || status=1
-  (cd "$runs" && find "seed$seed" \( -name metrics.jsonl -o -name curves.png -o -name result.json \
+pipeline() {  # preset, seed, extra overrides...
+  local preset=$1 seed=$2 runs=$work/pipeline-runs; shift 2
+  local name=$preset-seed$seed
+  "$python" -m megatron_rlhf pipeline --config "$preset" seed="$seed" output_dir="$runs/$name" "$@" \
+    2>&1 | quiet | tee "$out/$name.log" | grep -E "^(pipeline|test|  |step [0-9]+/[0-9]+ \|)" || status=1
+  (cd "$runs" && find "$name" \( -name metrics.jsonl -o -name curves.png -o -name result.json \
     -o -name pipeline.json -o -name summary.json -o -path "*/test/*.jsonl" \) -print0 | xargs -0 tar cf - \
     | tar xf - -C "$out")
 }
@@ -124,13 +126,17 @@ if wants kernels; then
   bench train_kernels 10 "$python" scripts/bench/train_kernels.py --out "$out/bench_train_kernels.json"
 fi
 if wants pipeline; then
-  pipeline 1
+  pipeline pipeline-arith-gpu 1
 fi
 if wants seeds; then
   for seed in 2 3; do
-    pipeline "$seed" "stages=[grpo,ppo,test]" sft.output_dir="$work/pipeline-runs/seed1/sft" \
-      rm.output_dir="$work/pipeline-runs/seed1/rm"
+    pipeline pipeline-arith-gpu "$seed" "stages=[grpo,ppo,test]" \
+      sft.output_dir="$work/pipeline-runs/pipeline-arith-gpu-seed1/sft" \
+      rm.output_dir="$work/pipeline-runs/pipeline-arith-gpu-seed1/rm"
   done
+fi
+if wants tool; then
+  pipeline pipeline-arith-tool-gpu 1
 fi
 if wants e2e; then
   seqs=${SEQUENCES:-64}
