@@ -22,6 +22,7 @@ import errno
 import functools
 import json
 import os
+import queue
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
@@ -80,6 +82,22 @@ def _sharded_state_dict(model: GPTModel, groups: ParallelGroups) -> dict:
     # Pass the model's own data-parallel group: megatron otherwise reads its global parallel_state.
     with global_dp_rank_of(groups):
         return model.sharded_state_dict(metadata={"dp_cp_group": groups.pg_collection.dp_cp})
+
+
+@contextlib.contextmanager
+def results_in_this_process() -> Iterator[None]:
+    """For saves planned and written in this process (``execute_sync``): megatron-core 0.19.2 hands
+    a save's write results over through one process-wide queue, which it makes on the first save
+    from a *spawned* multiprocessing Manager: a new interpreter that imports the entry module, about
+    3 s of CPU and up to 9 s of waiting per rank on a loaded 2-core box. Saves written here need no
+    other process: a thread queue serves them. A background save (a forked writer) is planned
+    outside this and gets megatron's own queue."""
+    before = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = before
 
 
 def dist_save_request(sharded_state_dict: dict, dist_dir: Path) -> AsyncRequest:
@@ -186,7 +204,8 @@ def save_mcore_checkpoint(
     side_files_from: str | Path | None = None,
 ) -> None:
     """Collective: every rank calls it with its shard."""
-    mcore_save_request(model, arch, groups, ckpt_dir, side_files_from=side_files_from).execute_sync()
+    with results_in_this_process():
+        mcore_save_request(model, arch, groups, ckpt_dir, side_files_from=side_files_from).execute_sync()
 
 
 def load_mcore_checkpoint(model: GPTModel, groups: ParallelGroups, ckpt_dir: str | Path) -> None:

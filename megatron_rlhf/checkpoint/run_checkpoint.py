@@ -57,7 +57,12 @@ from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_rlhf.checkpoint.mcore import load_mcore_checkpoint, mcore_save_request, write_bytes
+from megatron_rlhf.checkpoint.mcore import (
+    load_mcore_checkpoint,
+    mcore_save_request,
+    results_in_this_process,
+    write_bytes,
+)
 from megatron_rlhf.checkpoint.train_state import load_train_state, train_state_save_request
 from megatron_rlhf.debug import faults
 from megatron_rlhf.metrics.log import log
@@ -182,7 +187,7 @@ class RunCheckpointWriter:
         run_state_json = json.dumps({"step": step, **run_state}, indent=2) + "\n"
         requests = _save_requests(tmp, train_states, weights)
         if self._in_flight is None:
-            with _failed_writes_named():
+            with _failed_writes_named(), results_in_this_process():
                 for request in requests:
                     request.execute_sync()
             faults.on_checkpoint_written(step)

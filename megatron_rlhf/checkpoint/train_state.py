@@ -50,7 +50,13 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer, param_group_identifier_keys
 
-from megatron_rlhf.checkpoint.mcore import dist_save_request, global_dp_rank_of, has_integrity_manifest, write_bytes
+from megatron_rlhf.checkpoint.mcore import (
+    dist_save_request,
+    global_dp_rank_of,
+    has_integrity_manifest,
+    results_in_this_process,
+    write_bytes,
+)
 from megatron_rlhf.training.optim import TrainState, fuse_device_adam, torch_optimizers
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -175,7 +181,8 @@ def train_state_save_request(state: TrainState, ckpt_dir: str | Path) -> AsyncRe
 
 def save_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
     """Collective. Writes ``ckpt_dir/{dist,rng}`` and ``train_state.json`` (written last)."""
-    train_state_save_request(state, ckpt_dir).execute_sync()
+    with results_in_this_process():
+        train_state_save_request(state, ckpt_dir).execute_sync()
 
 
 def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:

@@ -66,6 +66,25 @@ def test_a_save_before_any_update_loads(saved: tuple[Path, dict, dict]) -> None:
     assert _load(saved[0], saved) == {"step": 1, "task": {}}
 
 
+def test_a_synchronous_save_starts_no_process(world_of_one, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the first save of a fresh process: megatron would start its write-results queue's spawned
+    Manager (``mcore.results_in_this_process``); the data's round trip is the tests' above."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_rlhf.checkpoint.run_checkpoint import RunCheckpointWriter
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    children = set(multiprocessing.active_children())
+    RunCheckpointWriter(tmp_path, keep_last=1, background=False).save(
+        1, train_states={"actor": tiny_train_state(torch.float32, False)}, weights={}, run_state={}, config_yaml=""
+    )
+    assert (tmp_path / "step_1").is_dir()
+    assert set(multiprocessing.active_children()) == children
+    assert filesystem_async._results_queue is None
+
+
 def test_a_changed_byte_in_any_file_makes_the_checkpoint_unusable_naming_it(
     saved: tuple[Path, dict, dict], tmp_path: Path
 ) -> None:
