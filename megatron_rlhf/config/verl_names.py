@@ -258,9 +258,9 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         (f"{AR}.rollout.multi_turn.enable", "rollout.multi_turn.enable", "false in both"),
         (
             f"{AR}.rollout.multi_turn.tool_config_path",
-            ("rollout.multi_turn.tool_config_path", "data.tools_file"),
-            "the same YAML: the agent runs its tools; `data.tools_file` offers their schemas to the prompts "
-            "(see below)",
+            "rollout.multi_turn.tool_config_path",
+            "the agent runs its tools and the prompts offer their schemas (see below); also `builtin:calculator`, "
+            "`builtin:python`",
         ),
         (f"{AR}.rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_assistant_turns", "`null` is 0"),
         (f"{AR}.rollout.multi_turn.format", "rollout.multi_turn.format", "`hermes` in both"),
