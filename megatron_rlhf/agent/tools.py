@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_rlhf.data import chat_template
 from megatron_rlhf.data.chat_template import load_tool_entries
 
 __all__ = [
@@ -141,13 +142,7 @@ def load_tools(path: str) -> dict[str, Any]:
 
 def tools_file_errors(setting: str, path: str) -> list[str]:
     """The up-front check of the agent's tools file (empty path: none): schemas, class paths, building."""
-    if not path:
-        return []
-    try:
-        load_tools(path)
-    except ValueError as exc:
-        return [f"{setting}: {exc}"]
-    return []
+    return chat_template.tools_file_errors(setting, path, load_tools)
 
 
 # JSON Schema type -> the Python types json.loads gives for it (bool is no integer in JSON).

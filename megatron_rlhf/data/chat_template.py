@@ -26,7 +26,7 @@ The rendered text is then tokenized with no special tokens added: the template w
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -247,12 +247,13 @@ def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
     return [tool["tool_schema"] for tool in load_tool_entries(path)]
 
 
-def tools_file_errors(setting: str, path: str) -> list[str]:
-    """The up-front check of a tools-file setting (empty: no file)."""
+def tools_file_errors(setting: str, path: str, load: Callable[[str], object] = load_tool_schemas) -> list[str]:
+    """The up-front check of a tools-file setting (empty: no file): reading it with ``load``, by
+    default its schemas only (the agent's check builds the tools)."""
     if not path:
         return []
     try:
-        load_tool_schemas(path)
+        load(path)
     except ValueError as exc:
         return [f"{setting}: {exc}"]
     return []

@@ -6,14 +6,13 @@ more. The accuracies are recomputed from the trajectories the test stage wrote."
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rlhf.tasks.arithmetic import judge
 from megatron_rlhf.tasks.arithmetic_tool import CALL_OPEN
-from tests.launch import run
+from tests.launch import run_cli
 
 MIN_GAIN = 0.20
 """The issue's bar for the tool task on CPU. When written, the preset's SFT model answered 2.2% of
@@ -36,21 +35,7 @@ def _recomputed_accuracy(rows: list[dict]) -> float:
 @pytest.mark.distributed
 def test_grpo_learns_to_call_the_calculator(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "megatron_rlhf",
-        "pipeline",
-        "--config",
-        "pipeline-arith-tool-tiny",
-        f"output_dir={out}",
-        "device=cpu",
-    ]
-    run(cmd, timeout=900)
+    run_cli("pipeline", "--config", "pipeline-arith-tool-tiny", f"output_dir={out}", "device=cpu", nproc=2)
     accuracy = json.loads((out / "pipeline.json").read_text())["test_accuracy"]
     assert set(accuracy) == {"sft", "grpo"}
     rows = {model: _rows(out / "test", model) for model in accuracy}
