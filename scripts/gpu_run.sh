@@ -15,8 +15,8 @@
 #   seeds     its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model (after pipeline)
 #   tool      the tool task's GPU preset (pipeline-arith-tool-gpu: SFT -> multi-turn GRPO with a calculator -> test)
 #   all       tests bench kernels pipeline seeds tool
-#   e2e       scripts/bench/e2e.py: one GRPO step, its floor and TRL's GRPOTrainer on the same shape
-#             (SEQUENCES=64|256, default 64; TRL_CONFIGS, default the script's; arguments after -- go to the
+#   e2e       scripts/bench/e2e.py: RL steps against their floors (RUNS, default "grpo-64 grpo-256 ppo-256") and
+#             TRL's GRPOTrainer on the 64-sequence GRPO step (TRL_CONFIGS, default the script's; arguments after -- go to the
 #             script; needs the `bench` extra: trl, datasets)
 #   big       3 GRPO steps of a 7B-class actor with a reference on one GPU, the optimizer state on the host
 #             (FRACTION=actor_optim.cpu_offload_fraction, default 1.0); with LORA_RANK=r a LoRA actor of
@@ -139,11 +139,11 @@ if wants tool; then
   pipeline pipeline-arith-tool-gpu 1
 fi
 if wants e2e; then
-  seqs=${SEQUENCES:-64}
+  read -ra runs <<< "${RUNS:-grpo-64 grpo-256 ppo-256}"
   read -ra trl_configs <<< "${TRL_CONFIGS:-}"
-  "$python" scripts/bench/e2e.py --sequences "$seqs" --work-dir "$work/bench_e2e" --out "$out/bench_e2e_$seqs.json" \
+  "$python" scripts/bench/e2e.py --runs "${runs[@]}" --work-dir "$work/bench_e2e" --out "$out/bench_e2e.json" \
     ${trl_configs[@]+--trl-configs "${trl_configs[@]}"} ${e2e_args[@]+"${e2e_args[@]}"} 2>&1 | quiet \
-    | tee "$out/bench_e2e_$seqs.log" || status=1
+    | tee "$out/bench_e2e.log" || status=1
   cp "$work"/bench_e2e/*.log "$out/" 2>/dev/null
 fi
 if wants big; then  # the first run writes the random 7B checkpoint (15 GB) into the cache

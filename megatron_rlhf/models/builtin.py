@@ -111,6 +111,12 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "arith-tool-llama": {**_ARITH_TOOL, "architectures": ["LlamaForCausalLM"], "dtype": "float32"},
     "llama-1.5b": {**_LLAMA_1_5B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
+    "llama-1.5b-rm": {
+        **_LLAMA_1_5B,
+        "architectures": ["LlamaForSequenceClassification"],
+        "num_labels": 1,
+        "dtype": "bfloat16",
+    },
     "llama-7b": {**_LLAMA_7B, "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"},
 }
 INIT_STD = 0.02

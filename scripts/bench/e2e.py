@@ -1,45 +1,55 @@
-"""Benchmark: one GRPO step end to end, against its floor and against TRL's ``GRPOTrainer``.
+"""Benchmark: RL steps end to end, each against its floor, and TRL's ``GRPOTrainer`` on the GRPO step.
 
-    python scripts/bench/e2e.py --sequences 64  --out e2e-64.json    # 16 prompts x 4 samples
-    python scripts/bench/e2e.py --sequences 256 --out e2e-256.json   # 64 prompts x 4 samples
+    python scripts/bench/e2e.py --runs grpo-64 grpo-256 ppo-256 --trl-sequences 64 --out e2e.json
+
+Each ``--runs`` entry is ALGORITHM-SEQUENCES (sequences per step = prompts x ``--n`` samples):
+
+* ``grpo``: GRPO with a KL loss to the reference (the actor and the reference);
+* ``ppo``: the four-model step: GAE with a critic (started from the actor's weights with a new score
+  head), a reward model (``builtin:llama-1.5b-rm`` beside the default actor) mixed with the rule, and
+  a KL penalty in the reward (which makes the actor's old log-probs a pass of their own).
 
 One process runs, each in a subprocess of its own and on the same device:
 
 1. our trainer as users run it (``torchrun --nproc-per-node 1 -m megatron_rlhf ppo --config
-   ppo-grpo-1.5b ...``: GRPO with a KL loss to the reference, bf16 on a GPU, one optimizer step per
-   RL step), reading its ``metrics.jsonl``: step 1, the steady step (median of steps >= 3; a step is
-   the sum of its ``timing_s/<phase>`` times) and each phase;
-2. the floor of that step from the device's bf16 matmul peak and memory copy rate, measured in this
-   run (``roofline.py``, ``common.py``): training at 6 N + 12 L h s FLOPs per token, each
-   forward-only pass (reference log-probs; old log-probs when the trainer runs that pass) at a third
-   of it, prefill at the matmul peak, each decode step at its roofline (weights + KV cache so far
-   read once, or its FLOPs, whichever takes longer), the Adam step at the memory rate; then
-   step / floor;
-3. TRL ``GRPOTrainer`` on the same shape: the same HF checkpoint (``builtin:`` models are written
-   to the cache as HF safetensors), the same prompts (each exactly ``--prompt-len`` tokens), the same
-   number of sequences, samples per prompt and new tokens (EOS suppressed in both: ``ignore_eos`` /
-   ``min_new_tokens``), the same reward rule (``lowercase_fraction``), one optimizer step per
-   generation batch, KL beta 0.001 with a reference model, HF ``generate`` (no vLLM). Each
-   configuration in ``--trl-configs`` (``DTYPE-ATTN[-nockpt]``: bf16 or fp32 weights, which get bf16
-   autocast either way; eager or sdpa attention; TRL's default gradient checkpointing unless
-   ``-nockpt``) runs ``--trl-steps`` steps: its step 1, steady step (median of steps >= 2), grad norms.
-   Then ours / TRL's fastest steady step.
+   ppo-grpo-1.5b ...``: bf16 on a GPU, one optimizer step per RL step), once per run, reading its
+   ``metrics.jsonl``: step 1, the steady step (median of steps >= 3; a step is the sum of its
+   ``timing_s/<phase>`` times), each phase and each phase's peak GPU memory;
+2. the floor of each run's step from the device's bf16 matmul peak and memory copy rate, measured
+   in this run (``roofline.py``, ``common.py``): each update at 6 N + 12 L h s FLOPs per token of
+   its model (the critic's N has a score head for the LM head), each forward-only pass (reference
+   and old log-probs, values, the reward model) at a third of its model's, prefill at the matmul
+   peak, each decode step at its roofline (weights + KV cache so far read once, or its FLOPs,
+   whichever takes longer), each Adam step at the memory rate; then step / floor, and each phase
+   against its own floor;
+3. TRL ``GRPOTrainer`` on the GRPO shape of ``--trl-sequences`` rows: the same HF checkpoint
+   (``builtin:`` models are written to the cache as HF safetensors), the same prompts (each exactly
+   ``--prompt-len`` tokens), the same number of sequences, samples per prompt and new tokens (EOS
+   suppressed in both: ``ignore_eos`` / ``min_new_tokens``), the same reward rule
+   (``lowercase_fraction``), one optimizer step per generation batch, KL beta 0.001 with a reference
+   model, HF ``generate`` (no vLLM). Each configuration in ``--trl-configs``
+   (``DTYPE-ATTN[-nockpt]``: bf16 or fp32 weights, which get bf16 autocast either way; eager or sdpa
+   attention; TRL's default gradient checkpointing unless ``-nockpt``) runs ``--trl-steps`` steps:
+   its step 1, steady step (median of steps >= 2), grad norms. Then our GRPO run of that shape /
+   TRL's fastest steady step.
 
 TRL's gradient norm on these random weights: see ``TRL_NAN_NOTE`` below (printed with the results). The
 TRL worker checks step 1 for non-finite values (which layer's output first, which gradients) and
 reports them under ``trl.<config>.nonfinite``.
 
-``--profile`` runs our last step under torch.profiler (``profile_steps``) and prints where each
-phase's time goes (GPU busy time, launches, costliest kernels); that step is not a steady one.
+``--profile`` runs each run's last step under torch.profiler (``profile_steps``) and prints where
+each phase's time goes (GPU busy time, launches, costliest kernels); that step is not a steady one.
 
 Progress lines carry the elapsed time. ``--skip-trl`` / ``--skip-ours`` leave a part out. On a CPU the
-same script runs end to end on a tiny model (``--model builtin:tiny-llama --sequences 8 --prompt-len
-16 --new-tokens 16``; our trainer then runs in fp32 CPU mode and the floor uses the CPU's fp32 rates).
+same script runs end to end on a tiny model (``--model builtin:tiny-llama --reward-model
+builtin:tiny-llama-rm --runs grpo-8 ppo-8 --trl-sequences 8 --prompt-len 16 --new-tokens 16``; our
+trainer then runs in fp32 CPU mode and the floor uses the CPU's fp32 rates).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import re
@@ -53,6 +63,7 @@ from typing import Any
 from common import compute_dtype, copy_bandwidth, device_name, matmul_peak, median
 
 START = time.perf_counter()
+ALGORITHMS = ("grpo", "ppo")
 TRL_CONFIGS = ("bf16-eager", "bf16-sdpa", "fp32-sdpa", "bf16-eager-nockpt")
 KL_COEF = 0.001  # ppo-grpo-1.5b's algorithm.loss.kl_loss_coef; TRL's beta
 TRL_NAN_NOTE = """\
@@ -135,12 +146,51 @@ def run_logged(
     return rc
 
 
-def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One of our runs: ALGORITHM-SEQUENCES (``--runs``)."""
+
+    algorithm: str
+    sequences: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.algorithm}-{self.sequences}"
+
+    @classmethod
+    def parse(cls, text: str, samples_per_prompt: int) -> Run:
+        algorithm, _, sequences = text.partition("-")
+        if algorithm not in ALGORITHMS or not sequences.isdigit():
+            raise SystemExit(
+                f"--runs entry '{text}': expected ALGORITHM-SEQUENCES, ALGORITHM one of {list(ALGORITHMS)}"
+            )
+        if int(sequences) % samples_per_prompt:
+            raise SystemExit(
+                f"--runs entry '{text}': {sequences} sequences is not a multiple of --n {samples_per_prompt}"
+            )
+        return cls(algorithm, int(sequences))
+
+
+def algorithm_overrides(args: argparse.Namespace, run: Run) -> list[str]:
+    """What turns the GRPO preset into the run's algorithm."""
+    if run.algorithm == "grpo":
+        return []
+    return [
+        "algorithm.advantage_estimator=gae",
+        f"critic.path={args.model}",
+        f"reward.path={args.reward_model}",
+        "scoring.use_reward_model=true",
+        f"algorithm.kl_penalty.coef={KL_COEF}",
+        "algorithm.loss.kl_loss_coef=0.0",
+    ]
+
+
+def run_ours(args: argparse.Namespace, run: Run, prompts_file: Path, work: Path) -> dict[str, Any]:
     from megatron_rlhf.metrics.curves import read_metrics
 
-    out_dir = work / "ours"
+    out_dir = work / run.name
     shutil.rmtree(out_dir, ignore_errors=True)
-    prompts_per_step = args.sequences // args.n
+    prompts_per_step = run.sequences // args.n
     overrides = [
         "--config",
         "ppo-grpo-1.5b",
@@ -153,8 +203,8 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         f"rollout.sampling.n={args.n}",
         "rollout.sampling.ignore_eos=true",
         f"prompts_per_step={prompts_per_step}",
-        f"mini_batch_size={args.sequences}",
-        f"rollout.engine.max_batch_size={args.sequences}",
+        f"mini_batch_size={run.sequences}",
+        f"rollout.engine.max_batch_size={run.sequences}",
         f"max_steps={args.steps}",
         f"log_every={args.steps}",
         f"max_tokens_per_micro_batch={args.max_tokens_per_micro_batch}",
@@ -162,6 +212,7 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         "save_final=false",
         "loggers=[console,jsonl]",
         *([f"profile_steps=[{args.steps}]"] if args.profile else []),
+        *algorithm_overrides(args, run),
         *args.ours_override,
     ]
     cmd = [
@@ -177,11 +228,12 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         "ppo",
         *overrides,
     ]
-    rc = run_logged(cmd, work / "ours.log", re.compile(r"step \d+/\d+|Error|error:"), args.timeout)
+    log_path = work / f"ours-{run.name}.log"
+    rc = run_logged(cmd, log_path, re.compile(r"step \d+/\d+|Error|error:"), args.timeout)
     metrics_file = out_dir / "metrics.jsonl"
     rows = read_metrics(metrics_file)[0] if metrics_file.is_file() else []
     result: dict[str, Any] = {"command": " ".join(cmd), "exit_status": rc, "steps_run": len(rows)}
-    warmup = re.search(r"\[warm-up[^\]]*\] ([0-9.]+)s", (work / "ours.log").read_text())
+    warmup = re.search(r"\[warm-up[^\]]*\] ([0-9.]+)s", log_path.read_text())
     result["warmup_s"] = float(warmup.group(1)) if warmup else None  # start-up, before step 1 (GPU: warmup=auto)
     if not rows:
         return result
@@ -207,9 +259,12 @@ def run_ours(args: argparse.Namespace, prompts_file: Path, work: Path) -> dict[s
         # The engine's sampling log-probs against the trainer's on the response, per step: the sampler's
         # check in a real run.
         rollout_logprob_max_abs_diff=[r.get("rollout/logprob_max_abs_diff") for r in rows],
-        peak_allocated_gib=max(
-            (v for r in rows for k, v in r.items() if k.startswith("memory/peak_allocated_gib/")), default=None
-        ),
+        # Each phase's allocator peaks over the steady steps (GiB; GPU only).
+        peak_gib={
+            k.removeprefix("memory/peak_"): max(r.get(k, 0.0) for r in steady_rows)
+            for k in rows[0]
+            if k.startswith(("memory/peak_allocated_gib/", "memory/peak_reserved_gib/"))
+        },
     )
     profile = out_dir / "profile" / f"step_{args.steps}.txt"
     if profile.is_file():
@@ -231,8 +286,8 @@ def run_trl(args: argparse.Namespace, config: str, prompts_file: Path, work: Pat
         str(out),
         "--model",
         args.model,
-        "--sequences",
-        str(args.sequences),
+        "--trl-sequences",
+        str(args.trl_sequences),
         "--n",
         str(args.n),
         "--new-tokens",
@@ -285,10 +340,11 @@ def trl_worker(args: argparse.Namespace) -> None:
             for text, ids in zip(completions, completion_ids, strict=True)
         ]
 
-    micro = min(args.trl_micro_batch or args.sequences, args.sequences)
-    if args.sequences % micro:
-        raise ValueError(f"--trl-micro-batch {micro} must divide --sequences {args.sequences}")
-    accumulation = args.sequences // micro
+    sequences = args.trl_sequences
+    micro = min(args.trl_micro_batch or sequences, sequences)
+    if sequences % micro:
+        raise ValueError(f"--trl-micro-batch {micro} must divide --trl-sequences {sequences}")
+    accumulation = sequences // micro
     on_gpu = torch.cuda.is_available()
     config = GRPOConfig(
         output_dir=str(Path(args.work_dir) / f"trl-{args.trl_worker}"),
@@ -429,33 +485,55 @@ def trl_worker(args: argparse.Namespace) -> None:
 # The floor and the report.
 
 
-def measure_device(model: str, ours: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def measure_device() -> dict[str, Any]:
+    """The device's ceilings, measured once for every run's floor."""
     import torch
-    from roofline import ModelWork, StepShape, rl_step_floor
-
-    from megatron_rlhf.checkpoint.sources import architecture_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = compute_dtype(device)  # the trainer's dtype=auto
-    peak = matmul_peak(device, dtype)
-    bandwidth = copy_bandwidth(device)
-    work = ModelWork.of(architecture_of(model), dtype_bytes=torch.finfo(dtype).bits // 8)
-    forwards = sum(p in ours.get("phases_steady_s", {"ref": 0}) for p in ("ref", "old_log_prob", "values"))
-    shape = StepShape(
-        num_sequences=args.sequences,
-        prompt_len=args.prompt_len,
-        response_len=args.new_tokens,
-        num_forward_passes=forwards,
-    )
     return {
         "device": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
-        "matmul_peak_TFLOPs": peak / 1e12,
-        "copy_bandwidth_TBps": bandwidth / 1e12,
-        "params": work.params,
-        "matmul_params": work.matmul_params,
-        "forward_passes": forwards,
-        "floor_s": rl_step_floor(work, shape, flops_per_s=peak, bytes_per_s=bandwidth),
+        "dtype_bytes": torch.finfo(dtype).bits // 8,
+        "matmul_peak_TFLOPs": matmul_peak(device, dtype) / 1e12,
+        "copy_bandwidth_TBps": copy_bandwidth(device) / 1e12,
+    }
+
+
+def run_floor(args: argparse.Namespace, run: Run, phases: list[str], ceilings: dict[str, Any]) -> dict[str, Any]:
+    """The floor of the run's step and of each of its phases (``phases``: those the step ran)."""
+    from roofline import ModelWork, StepShape, forward_seconds, rl_step_floor, update_seconds
+
+    from megatron_rlhf.checkpoint.sources import architecture_of
+
+    policy_arch = architecture_of(args.model)
+    policy = ModelWork.of(policy_arch, dtype_bytes=ceilings["dtype_bytes"])
+    critic = ModelWork.of(policy_arch.with_score_head(), dtype_bytes=ceilings["dtype_bytes"])
+    reward = ModelWork.of(architecture_of(args.reward_model), dtype_bytes=ceilings["dtype_bytes"])
+    rates = {
+        "flops_per_s": ceilings["matmul_peak_TFLOPs"] * 1e12,
+        "bytes_per_s": ceilings["copy_bandwidth_TBps"] * 1e12,
+    }
+    shape = StepShape(num_sequences=run.sequences, prompt_len=args.prompt_len, response_len=args.new_tokens)
+    # Each forward-only phase's model; the reward phase is the reward model's pass (rules count zero).
+    forward_of = {"ref": policy, "old_log_prob": policy, "values": critic}
+    if run.algorithm == "ppo":
+        forward_of["reward"] = reward
+    updated = {"update_actor": policy, "update_critic": critic}
+    step = rl_step_floor(
+        policy,
+        shape,
+        **rates,
+        forward_passes=[work for phase, work in forward_of.items() if phase in phases],
+        updated=[work for phase, work in updated.items() if phase in phases],
+    )
+    per_phase = {"gen": step["generate"]}
+    per_phase |= {p: forward_seconds(w, shape, flops_per_s=rates["flops_per_s"]) for p, w in forward_of.items()}
+    per_phase |= {p: sum(update_seconds(w, shape, **rates).values()) for p, w in updated.items()}
+    return {
+        "params": {"policy": policy.params, "critic": critic.params, "reward": reward.params},
+        "step": step,
+        "phases": {p: per_phase[p] for p in phases if p in per_phase},
     }
 
 
@@ -463,47 +541,50 @@ def report(result: dict[str, Any]) -> None:
     def fmt(x: Any) -> str:
         return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
-    print("\n== " + ", ".join(f"{k} {result[k]}" for k in ("model", "sequences", "prompt_len", "new_tokens")))
-    ours, floor = result.get("ours", {}), result.get("device", {}).get("floor_s", {})
-    if ours.get("steps_run"):
+    print("\n== " + ", ".join(f"{k} {result[k]}" for k in ("model", "reward_model", "n", "prompt_len", "new_tokens")))
+    dev = result["device"]
+    print(
+        f"device {dev['device']} ({dev['dtype']}; matmul {dev['matmul_peak_TFLOPs']:.4g} TFLOP/s, copy "
+        f"{dev['copy_bandwidth_TBps']:.4g} TB/s)"
+    )
+    for name, entry in result["runs"].items():
+        ours, floor = entry["ours"], entry.get("floor", {})
+        print(f"\n-- {name}")
+        if not ours.get("steps_run"):
+            print(f"  no step ran (exit status {ours.get('exit_status')})")
+            continue
         print(
             f"ours: step 1 {fmt(ours['step1_s'])} s, steady (median of steps >= {ours['steady_from_step']}) "
             f"{fmt(ours['steady_step_s'])} s; steps {[round(s, 3) for s in ours['step_s']]}; start-up warm-up "
             f"{fmt(ours.get('warmup_s'))} s"
         )
-        one_pass = floor.get("forward_passes", 0) / max(result["device"].get("forward_passes", 1), 1) if floor else None
-        floor_of = {
-            "gen": floor.get("generate"),
-            "ref": one_pass,
-            "old_log_prob": one_pass,
-            "values": one_pass,
-            "update_actor": floor["train"] + floor["optimizer"] if floor else None,
-        }
-        print(f"  {'phase':<16}{'step 1':>10}{'steady':>10}{'floor':>10}")
+        peaks = ours.get("peak_gib", {})
+        print(f"  {'phase':<16}{'step 1':>10}{'steady':>10}{'floor':>10}{'ratio':>8}{'peak GiB':>10}{'reserved':>10}")
         for phase, steady in ours["phases_steady_s"].items():
+            phase_floor = floor.get("phases", {}).get(phase)
             print(
-                f"  {phase:<16}{fmt(ours['phases_step1_s'][phase]):>10}{fmt(steady):>10}{fmt(floor_of.get(phase)):>10}"
+                f"  {phase:<16}{fmt(ours['phases_step1_s'][phase]):>10}{fmt(steady):>10}{fmt(phase_floor):>10}"
+                f"{fmt(steady / phase_floor) if phase_floor else '-':>8}"
+                f"{fmt(peaks.get(f'allocated_gib/{phase}')):>10}{fmt(peaks.get(f'reserved_gib/{phase}')):>10}"
             )
         print(
             f"  grad norms {ours['grad_norm']}; engine vs trainer log-probs, max abs diff per step "
             f"{ours['rollout_logprob_max_abs_diff']}"
         )
+        if floor:
+            print("  floor: " + ", ".join(f"{k} {v:.4f}" for k, v in floor["step"].items()))
+            print(
+                f"  ours steady / floor: {entry['ours_over_floor']:.2f}; "
+                f"step 1 / steady: {entry['step1_over_steady']:.2f}"
+            )
         if ours.get("profile"):
             print(
                 f"  profile of step {ours['profile']['step']} (not in the steady median):\n{ours['profile']['phases']}"
             )
-    if floor:
-        dev = result["device"]
-        print(
-            f"floor on {dev['device']} ({dev['dtype']}; matmul {dev['matmul_peak_TFLOPs']:.4g} TFLOP/s, copy "
-            f"{dev['copy_bandwidth_TBps']:.4g} TB/s): " + ", ".join(f"{k} {v:.4f}" for k, v in floor.items())
-        )
-        if result.get("ours_over_floor"):
-            print(f"ours steady / floor: {result['ours_over_floor']:.2f}")
     for config, trl in result.get("trl", {}).items():
         print(
-            f"TRL {config}: step 1 {fmt(trl.get('step1_s'))} s, steady {fmt(trl.get('steady_step_s'))} s, "
-            f"grad norm {trl.get('grad_norm')}"
+            f"TRL {config} ({result['trl_sequences']} sequences): step 1 {fmt(trl.get('step1_s'))} s, steady "
+            f"{fmt(trl.get('steady_step_s'))} s, grad norm {trl.get('grad_norm')}"
             + (f", error: {trl['error']}" if trl.get("error") else "")
             + (
                 f", non-finite: {trl['nonfinite']}"
@@ -513,30 +594,49 @@ def report(result: dict[str, Any]) -> None:
         )
     if result.get("trl_fastest"):
         print(
-            f"TRL fastest: {result['trl_fastest']}; ours / TRL (steady): {fmt(result.get('ours_over_trl_steady'))}, "
-            f"(step 1): {fmt(result.get('ours_over_trl_step1'))}"
+            f"TRL fastest: {result['trl_fastest']}; ours (grpo-{result['trl_sequences']}) / TRL (steady): "
+            f"{fmt(result.get('ours_over_trl_steady'))}, (step 1): {fmt(result.get('ours_over_trl_step1'))}"
         )
     if "trl" in result:
         print("\n" + TRL_NAN_NOTE)
 
 
+def compare_with_trl(result: dict[str, Any]) -> None:
+    """TRL's fastest configuration (by steady step; by step 1 when none got past it) against our
+    GRPO run of the same shape."""
+    trl_runs = {c: t for c, t in result["trl"].items() if t.get("step1_s")}
+    key = "steady_step_s" if any(t.get("steady_step_s") for t in trl_runs.values()) else "step1_s"
+    trl_runs = {c: t for c, t in trl_runs.items() if t.get(key)}
+    if not trl_runs:
+        return
+    fastest = min(trl_runs, key=lambda c: trl_runs[c][key])
+    result["trl_fastest"] = fastest
+    ours = result["runs"].get(f"grpo-{result['trl_sequences']}", {}).get("ours", {})
+    if ours.get("steady_step_s") and trl_runs[fastest].get("steady_step_s"):
+        result["ours_over_trl_steady"] = ours["steady_step_s"] / trl_runs[fastest]["steady_step_s"]
+    if ours.get("step1_s"):
+        result["ours_over_trl_step1"] = ours["step1_s"] / trl_runs[fastest]["step1_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:llama-1.5b")
-    parser.add_argument("--sequences", type=int, default=256, help="sequences per step (prompts x --n)")
+    parser.add_argument("--reward-model", default="builtin:llama-1.5b-rm", help="the ppo runs' reward model")
+    parser.add_argument("--runs", nargs="+", default=["grpo-256"], help="ALGORITHM-SEQUENCES, ALGORITHM grpo or ppo")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5, help="our trainer's steps")
+    parser.add_argument("--steps", type=int, default=5, help="our trainer's steps per run")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
     parser.add_argument("--ours-override", nargs="*", default=[], help="extra config overrides for our trainer")
+    parser.add_argument("--trl-sequences", type=int, default=64, help="TRL's GRPO step: sequences (prompts x --n)")
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--trl-configs", nargs="+", default=list(TRL_CONFIGS), help="(bf16|fp32)-(eager|sdpa)[-nockpt]")
     parser.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's per-device batch (0: all sequences)")
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="profile our last step (profile_steps): its phase report is printed and kept in the JSON; "
+        help="profile each run's last step (profile_steps): its phase report is printed and kept in the JSON; "
         "that step is left out of the steady median",
     )
     parser.add_argument("--skip-trl", action="store_true")
@@ -551,52 +651,53 @@ def main() -> None:
     args = parser.parse_args()
     if args.trl_worker:
         return trl_worker(args)
-    if args.sequences % args.n:
-        raise SystemExit(f"--sequences {args.sequences} is not a multiple of --n {args.n}")
+    runs = [Run.parse(text, args.n) for text in args.runs]
+    if args.trl_sequences % args.n:
+        raise SystemExit(f"--trl-sequences {args.trl_sequences} is not a multiple of --n {args.n}")
 
     from megatron_rlhf.checkpoint.sources import local_dir
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     say(f"materialising {args.model}")
     model_dir = local_dir(args.model)
+    if any(run.algorithm == "ppo" for run in runs):
+        say(f"materialising {args.reward_model}")
+        local_dir(args.reward_model)
     prompts_file = args.work_dir / "prompts.jsonl"
-    write_prompts(
-        prompts_file, model_dir, max(args.sequences // args.n * max(args.steps, args.trl_steps), 64), args.prompt_len
-    )
+    most = max([run.sequences for run in runs] + [args.trl_sequences])
+    write_prompts(prompts_file, model_dir, max(most // args.n * max(args.steps, args.trl_steps), 64), args.prompt_len)
     result: dict[str, Any] = {
         "model": args.model,
         "model_dir": str(model_dir),
-        "sequences": args.sequences,
+        "reward_model": args.reward_model,
         "n": args.n,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "runs": {},
     }
     if not args.skip_ours:
-        say(f"our trainer: {args.steps} steps")
-        result["ours"] = run_ours(args, prompts_file, args.work_dir)
+        for run in runs:
+            say(f"our trainer, {run.name}: {args.steps} steps")
+            result["runs"][run.name] = {"ours": run_ours(args, run, prompts_file, args.work_dir)}
     if not args.skip_trl:
+        result["trl_sequences"] = args.trl_sequences
         result["trl"] = {}
         for config in args.trl_configs:
-            say(f"TRL GRPOTrainer {config}: {args.trl_steps} steps")
+            say(f"TRL GRPOTrainer {config}, {args.trl_sequences} sequences: {args.trl_steps} steps")
             result["trl"][config] = run_trl(args, config, prompts_file, args.work_dir)
-    say("device ceilings (matmul, copy)")
-    result["device"] = measure_device(args.model, result.get("ours", {}), args)
-    ours_steady = result.get("ours", {}).get("steady_step_s")
-    if ours_steady:
-        result["ours_over_floor"] = ours_steady / result["device"]["floor_s"]["step"]
-    # TRL's fastest: by steady step; by step 1 when no configuration got past it.
-    trl_runs = {c: t for c, t in result.get("trl", {}).items() if t.get("step1_s")}
-    key = "steady_step_s" if any(t.get("steady_step_s") for t in trl_runs.values()) else "step1_s"
-    trl_runs = {c: t for c, t in trl_runs.items() if t.get(key)}
-    if trl_runs:
-        fastest = min(trl_runs, key=lambda c: trl_runs[c][key])
-        result["trl_fastest"] = fastest
-        if ours_steady and trl_runs[fastest].get("steady_step_s"):
-            result["ours_over_trl_steady"] = ours_steady / trl_runs[fastest]["steady_step_s"]
-        if result.get("ours", {}).get("step1_s"):
-            result["ours_over_trl_step1"] = result["ours"]["step1_s"] / trl_runs[fastest]["step1_s"]
-    if "trl" in result:
         result["trl_nan_note"] = TRL_NAN_NOTE
+    say("device ceilings (matmul, copy)")
+    result["device"] = measure_device()
+    for run in runs:
+        entry = result["runs"].get(run.name)
+        if not entry or not entry["ours"].get("steps_run"):
+            continue
+        ours = entry["ours"]
+        entry["floor"] = run_floor(args, run, list(ours["phases_steady_s"]), result["device"])
+        entry["ours_over_floor"] = ours["steady_step_s"] / entry["floor"]["step"]["step"]
+        entry["step1_over_steady"] = ours["step1_s"] / ours["steady_step_s"]
+    if "trl" in result:
+        compare_with_trl(result)
     report(result)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -19,6 +19,7 @@ host) counts zero: a floor, not a prediction.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.hf_weights import hf_tensor_shapes
@@ -82,25 +83,37 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepShape:
-    """One RL step: ``num_sequences`` rows of ``prompt_len`` + ``response_len`` tokens, trained once
-    (one optimizer step), with ``num_forward_passes`` forward-only passes over all rows (reference
-    log-probs, an old-log-prob pass when it runs)."""
+    """One RL step's rows: ``num_sequences`` rows of ``prompt_len`` + ``response_len`` tokens."""
 
     num_sequences: int
     prompt_len: int
     response_len: int
-    num_forward_passes: int = 1
-    num_optimizer_steps: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.num_sequences * (self.prompt_len + self.response_len)
 
 
-def rl_step_floor(work: ModelWork, shape: StepShape, *, flops_per_s: float, bytes_per_s: float) -> dict[str, float]:
-    """The least seconds of each part of one RL step (see the module docstring) and their sum, ``step``."""
+def forward_seconds(work: ModelWork, shape: StepShape, *, flops_per_s: float) -> float:
+    """One forward-only pass over every row at the matmul peak. Every row is s tokens; the attention
+    term at the mean causal context is s / 2 per token, but the convention counts the whole context
+    (as update.py's MFU does): s."""
+    s = shape.prompt_len + shape.response_len
+    return shape.tokens * work.forward_flops_per_token(s) / flops_per_s
+
+
+def update_seconds(work: ModelWork, shape: StepShape, *, flops_per_s: float, bytes_per_s: float) -> dict[str, float]:
+    """One optimizer step over every row: the training passes at the matmul peak (``train``), Adam at
+    the memory rate (``optimizer``)."""
+    return {
+        "train": 3 * forward_seconds(work, shape, flops_per_s=flops_per_s),
+        "optimizer": work.params * ADAM_BYTES_PER_PARAM / bytes_per_s,
+    }
+
+
+def generate_seconds(work: ModelWork, shape: StepShape, *, flops_per_s: float, bytes_per_s: float) -> dict[str, float]:
+    """The rollout: the prompts' prefill at the matmul peak, then each decode step at its roofline."""
     b, p, r = shape.num_sequences, shape.prompt_len, shape.response_len
-    s = p + r
-    # Training rows: every row is s tokens; the attention term at the mean causal context is s / 2 per token,
-    # but the convention counts the whole context (as update.py's MFU does): s.
-    train = b * s * work.train_flops_per_token(s) / flops_per_s
-    forward = shape.num_forward_passes * b * s * work.forward_flops_per_token(s) / flops_per_s
     prefill = b * p * work.forward_flops_per_token(p) / flops_per_s
     decode_compute = decode_memory = decode = 0.0
     for t in range(1, r):  # the prefill gives the first response token; each later one is a decode step
@@ -110,12 +123,42 @@ def rl_step_floor(work: ModelWork, shape: StepShape, *, flops_per_s: float, byte
         decode_compute += step_flops
         decode_memory += step_bytes
         decode += max(step_flops, step_bytes)
-    optimizer = shape.num_optimizer_steps * work.params * ADAM_BYTES_PER_PARAM / bytes_per_s
-    parts = {"prefill": prefill, "decode": decode, "forward_passes": forward, "train": train, "optimizer": optimizer}
     return {
-        **parts,
+        "prefill": prefill,
+        "decode": decode,
         "decode_compute_bound": decode_compute,
         "decode_memory_bound": decode_memory,
-        "generate": prefill + decode,
+    }
+
+
+def rl_step_floor(
+    policy: ModelWork,
+    shape: StepShape,
+    *,
+    flops_per_s: float,
+    bytes_per_s: float,
+    forward_passes: Sequence[ModelWork] = (),
+    updated: Sequence[ModelWork] | None = None,
+) -> dict[str, float]:
+    """The least seconds of each part of one RL step (see the module docstring) and their sum, ``step``.
+
+    ``policy`` generates; ``forward_passes`` lists the model of each forward-only pass over all rows
+    (reference and old log-probs: the policy's work; values: the critic's; the reward model's);
+    ``updated`` the models that take one optimizer step each (default: the policy)."""
+    rates = {"flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s}
+    gen = generate_seconds(policy, shape, **rates)
+    updates = [update_seconds(work, shape, **rates) for work in ((policy,) if updated is None else updated)]
+    parts = {
+        "prefill": gen["prefill"],
+        "decode": gen["decode"],
+        "forward_passes": sum(forward_seconds(work, shape, flops_per_s=flops_per_s) for work in forward_passes),
+        "train": sum(u["train"] for u in updates),
+        "optimizer": sum(u["optimizer"] for u in updates),
+    }
+    return {
+        **parts,
+        "decode_compute_bound": gen["decode_compute_bound"],
+        "decode_memory_bound": gen["decode_memory_bound"],
+        "generate": gen["prefill"] + gen["decode"],
         "step": sum(parts.values()),
     }

@@ -40,8 +40,8 @@ def test_tiny_llama_work():
 
 def test_step_floor_by_hand():
     work = ModelWork.of(architecture_of("builtin:tiny-llama"), dtype_bytes=2)
-    shape = StepShape(num_sequences=2, prompt_len=3, response_len=3, num_forward_passes=1)
-    floor = rl_step_floor(work, shape, flops_per_s=1e9, bytes_per_s=2.5e8)
+    shape = StepShape(num_sequences=2, prompt_len=3, response_len=3)
+    floor = rl_step_floor(work, shape, flops_per_s=1e9, bytes_per_s=2.5e8, forward_passes=[work])
     # Forward FLOPs per token at context s: 1,607,936 + 2,048 s.
     assert floor["train"] == pytest.approx(2 * 6 * 3 * (1_607_936 + 2_048 * 6) / 1e9)  # 6 tokens a row, 3x forward
     assert floor["forward_passes"] == pytest.approx(2 * 6 * (1_607_936 + 2_048 * 6) / 1e9)
@@ -56,3 +56,29 @@ def test_step_floor_by_hand():
     assert floor["optimizer"] == pytest.approx(869_504 * 30 / 2.5e8)
     parts = ("prefill", "decode", "forward_passes", "train", "optimizer")
     assert floor["step"] == pytest.approx(sum(floor[k] for k in parts)) and floor["step"] == pytest.approx(0.204732928)
+
+
+def test_four_model_step_floor_by_hand():
+    """PPO: the policy generates; the reference and old log-prob passes are the policy's work, the
+    values and the reward model's passes a score-head model's; the policy and the critic each take
+    an optimizer step."""
+    arch = architecture_of("builtin:tiny-llama")
+    policy = ModelWork.of(arch, dtype_bytes=2)
+    scorer = ModelWork.of(arch.with_score_head(), dtype_bytes=2)
+    # The score head (1 x 128) replaces the LM head (512 x 128); the input embedding is a lookup.
+    assert scorer.params == 4 * 184_576 + 65_536 + 128 + 128 and scorer.matmul_params == 4 * 184_576 + 128 + 128
+    shape = StepShape(num_sequences=2, prompt_len=3, response_len=3)
+    floor = rl_step_floor(
+        policy,
+        shape,
+        flops_per_s=1e9,
+        bytes_per_s=2.5e8,
+        forward_passes=[policy, policy, scorer, scorer],
+        updated=[policy, scorer],
+    )
+    grpo = rl_step_floor(policy, shape, flops_per_s=1e9, bytes_per_s=2.5e8, forward_passes=[policy])
+    scorer_forward = 12 * (2 * scorer.matmul_params + 2_048 * 6) / 1e9  # 12 tokens at context 6
+    assert floor["forward_passes"] == pytest.approx(2 * grpo["forward_passes"] + 2 * scorer_forward)
+    assert floor["train"] == pytest.approx(grpo["train"] + 3 * scorer_forward)
+    assert floor["optimizer"] == pytest.approx((869_504 + scorer.params) * 30 / 2.5e8)
+    assert floor["generate"] == pytest.approx(grpo["generate"])
