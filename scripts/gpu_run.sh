@@ -10,7 +10,8 @@
 #             its copy to remote storage,
 #             the host work of a step, a LoRA actor's merge for generation (in place vs into a copy), a multi-turn
 #             rollout vs single-turn generation of as many tokens
-#   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the log-prob kernels
+#   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the training step's log-prob kernels and
+#             attention against Liger-Kernel (where installed), SDPA's backends, varlen and FlexAttention
 #   pipeline  the GPU preset of `megatron-rlhf pipeline` (SFT -> RM -> GRPO and PPO), seed 1
 #   seeds     its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model (after pipeline)
 #   tool      the tool task's GPU preset (pipeline-arith-tool-gpu: SFT -> multi-turn GRPO with a calculator -> test)
@@ -123,7 +124,7 @@ fi
 if wants kernels; then
   bench decode_kernels 40 "$python" scripts/bench/decode_kernels.py --out "$out/bench_decode_kernels.json"
   bench swiglu 10 "$python" scripts/bench/swiglu.py --out "$out/bench_swiglu.json"
-  bench train_kernels 10 "$python" scripts/bench/train_kernels.py --out "$out/bench_train_kernels.json"
+  bench train_kernels 40 "$python" scripts/bench/train_kernels.py --out "$out/bench_train_kernels.json"
 fi
 if wants pipeline; then
   pipeline pipeline-arith-gpu 1

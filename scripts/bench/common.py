@@ -192,16 +192,15 @@ class KernelReport:
         print(f"  {name:<40} {ms * 1e3:9.1f} us  {nbytes / ms / 1e9:7.2f} TB/s  {100 * fraction:5.1f}% of copy")
 
 
-def forward_backward_ms(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, calls: int
-) -> tuple[float, float]:
-    """(forward ms, backward ms) of ``fn`` on ``x``; the backward is timed alone, from a kept graph."""
-    leaf = x.detach().requires_grad_()
-    forward = cuda_ms_per_call(lambda: fn(leaf), calls=calls)
-    out = fn(leaf)
+def forward_backward_ms(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, calls: int) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``fn`` on ``inputs``; the backward (the gradients to every input)
+    is timed alone, from a kept graph."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    forward = cuda_ms_per_call(lambda: fn(*leaves), calls=calls)
+    out = fn(*leaves)
     upstream = torch.randn_like(out)
     backward = cuda_ms_per_call(
-        lambda: torch.autograd.grad(out, leaf, upstream, retain_graph=True),
+        lambda: torch.autograd.grad(out, leaves, upstream, retain_graph=True),
         calls=calls,
     )
     return forward, backward
