@@ -87,7 +87,7 @@ def _merged_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def phase_report(prof: profile, top: int = 10) -> list[str]:
+def phase_report(prof: profile, top: int = 20) -> list[str]:
     """Lines for each phase range in ``prof`` (outermost first in time order, sub-phases indented):
     wall time, GPU busy time (the union of its kernels, copies and fills: the rest is the GPU
     waiting on the host), launches, time by kind and the costliest kernels. A kernel belongs to the
