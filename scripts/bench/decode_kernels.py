@@ -11,26 +11,37 @@ copy bandwidth measured in the same run. Variants: cuBLAS, cuBLASLt
 (``torch._scaled_mm``; the activation quantisation is timed as part of it). Also the residual add
 + RMSNorm between GEMMs: torch's RMSNorm after an eager add vs the engine's ``add_rms_norm``, and
 decode attention: the engine's kernels (a Triton kernel on GPU, two matmuls on CPU) against
-FlexAttention's and SDPA's.
+FlexAttention's, SDPA's and FlashInfer's; and the engine's token sampler against FlashInfer's.
+
+FlashInfer is optional (``scripts/flashinfer_carry.py`` makes a carry of it for a machine without a
+network): where it does not import or its JIT build fails, its rows say why under ``*_unavailable``
+and the rest is measured. Its kernels build on first use (nvcc and ninja, ``CUDA_HOME``; cached under
+``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``): the seconds of the first plan / call record that.
+``--parts attention sampling`` measures only those rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import copy_bandwidth, graph_seconds, write_report
+from common import copy_bandwidth, cuda_ms_per_call, graph_seconds, write_report
 
 from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.attention import add_rms_norm, decode_score_bias, matmul_decode_attention
 from megatron_rlhf.models.decode_attention import decode_attention
+from megatron_rlhf.rollout.sampling import SamplingParams, apply_top_k_top_p, sample
 
 Attend = Callable[[torch.Tensor], torch.Tensor]
+PARTS = ("gemm", "norm", "attention", "sampling")
+SAMPLING_FILTERS = {"unfiltered": (0, 1.0), "top_p_0.9": (0, 0.9), "top_k_50_top_p_0.9": (50, 0.9)}
+"""(top_k, top_p) of each sampling row, at temperature 1."""
 
 
 def gemm_shapes(arch: Architecture) -> dict[str, tuple[int, int]]:
@@ -51,6 +62,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).to(torch.float8_e4m3fn), scale
 
 
+def cells(row: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+
+
+def unavailable(error: Exception) -> str:
+    """Why a FlashInfer variant cannot run, as ``"<type>: <message>"``: not installed, or its JIT
+    build failed (ninja's output: its first line and the compiler's error lines, not the commands)."""
+    lines = str(error).splitlines() or [""]
+    errors = [line.strip() for line in lines[1:] if "error" in line.lower()]
+    return f"{type(error).__name__}: " + " | ".join([lines[0], *errors[:5]])[:800]
+
+
 def layers_us(call: Callable[[Any], object], per_layer: list[Any]) -> float:
     """Microseconds per layer of ``call`` over each layer's input, all layers replayed as one CUDA graph."""
     return graph_seconds(lambda: [call(item) for item in per_layer]) * 1e6 / len(per_layer)
@@ -62,7 +85,8 @@ def attention_variants(arch: Architecture, slots: int, max_len: int, bandwidth: 
     engine's Triton kernel (what ``cached_decode_attention`` runs on a GPU) at several block sizes,
     warps and pipeline stages; its two matmuls around a fused softmax (what it runs on CPU);
     FlexAttention (compiled) and SDPA, each with a KV group's query heads as the query rows of one
-    KV head (the mask a bias). Errors are against a float64 computation."""
+    KV head (the mask a bias); FlashInfer's batch decode on CUDA cores and on tensor cores (its
+    prefill kernel) over the same cache, each slot one page. Errors are against a float64 computation."""
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled_flex = torch.compile(flex_attention)
@@ -77,11 +101,7 @@ def attention_variants(arch: Architecture, slots: int, max_len: int, bandwidth: 
     for kv_len in (max_len // 2, max_len):
         row = attention_row(q, caches, kv_len, bandwidth, compiled_flex)
         out[f"kv_{kv_len}"] = row
-        print(
-            f"attention kv {kv_len}: "
-            + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-            flush=True,
-        )
+        print(f"attention kv {kv_len}: {cells(row)}", flush=True)
     return out
 
 
@@ -124,6 +144,28 @@ def attention_row(
 
         return attend
 
+    def flashinfer_decode(tensor_cores: bool) -> Attend:
+        """FlashInfer's batch decode over the engine's cache as it is, no copy: each slot one page
+        of ``kv_len`` positions in its HND layout (keys and values strided views of the last dim),
+        planned once for each slot's length, with CUDA-graph buffers as the timing replays it."""
+        import flashinfer
+
+        pages = torch.arange(slots + 1, dtype=torch.int32, device="cuda")
+        lengths = (positions[:, 0] + 1).int()  # slot i attends positions [0, positions[i]]
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 * 1024**2, dtype=torch.uint8, device="cuda"),
+            kv_layout="HND",
+            use_cuda_graph=True,
+            use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=torch.empty_like(pages),
+            paged_kv_indices_buffer=torch.empty_like(pages[:-1]),
+            paged_kv_last_page_len_buffer=torch.empty_like(lengths),
+        )
+        heads = groups * q.shape[2]
+        wrapper.plan(pages, pages[:-1], lengths, heads, groups, head_dim, kv_len, q_data_type=q.dtype, sm_scale=scale)
+        queries = q.reshape(slots, heads, head_dim)
+        return lambda cache: wrapper.run(queries, split(cache)).view(q.shape)
+
     variants: dict[str, Attend] = {
         "bmm_softmax_bmm": lambda cache: matmul_decode_attention(q, *split(cache), bias, scale),
         "flex": flex,
@@ -134,13 +176,100 @@ def attention_row(
                 variants[f"triton_b{block}_w{warps}_s{stages}"] = triton(block, warps, stages)
     for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):  # flash: no kernel for a mask
         variants[f"sdpa_{backend.name.lower()}"] = sdpa(backend)
+    for name, tensor_cores in (("flashinfer", False), ("flashinfer_tensor_cores", True)):
+        start = time.perf_counter()
+        try:
+            variants[name] = flashinfer_decode(tensor_cores)
+            row[f"{name}_plan_s"] = time.perf_counter() - start  # the first imports FlashInfer, builds its kernels
+        except Exception as error:  # not installed, or its JIT build failed
+            row[f"{name}_unavailable"] = unavailable(error)
     for name, attend in variants.items():
         try:
             row[f"{name}_max_error"] = (attend(caches[0]).double() - reference).abs().max().item()
             row[name] = layers_us(attend, caches)
-        except RuntimeError as failure:
+        except Exception as failure:
             row[f"{name}_error"] = str(failure).splitlines()[0][:160]
     return row
+
+
+def peaked_logits(rows: int, vocab: int, peaks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (rows, vocab) logits, every row the same: N(0, 1) with ``peaks`` tokens raised by 8 to
+    12, which hold ~90% of the mass (an LM's few likely tokens over a long tail); and their indices."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    row = torch.randn(vocab, device="cuda", generator=generator)
+    tokens = torch.randperm(vocab, device="cuda", generator=generator)[:peaks]
+    row[tokens] += torch.linspace(8, 12, peaks, device="cuda")
+    return row.expand(rows, vocab).contiguous(), tokens
+
+
+def flashinfer_sampler(top_k: int, top_p: float, generator: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """FlashInfer's sampling at temperature 1 with the engine's filters, from the kernels of its one
+    sampling module: unfiltered ``sampling_from_logits``; else top-k masks the logits
+    (``top_k_mask_logits``) and top-p draws from their softmax by rejection
+    (``top_p_sampling_from_probs``), what ``top_k_top_p_sampling_from_logits`` does too, except that
+    for k <= 256 it takes a radix top-k instead, whose JIT build (``cub_topk.cu``) alone took over
+    ten minutes of one core."""
+    from flashinfer import sampling
+
+    if not (top_k or top_p < 1):
+        return lambda logits: sampling.sampling_from_logits(logits, generator=generator)
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:
+        masked = sampling.top_k_mask_logits(logits, top_k) if top_k else logits
+        return sampling.top_p_sampling_from_probs(torch.softmax(masked.float(), dim=-1), top_p, generator=generator)
+
+    return draw
+
+
+def total_variation(categories: torch.Tensor, exact: torch.Tensor) -> float:
+    """Total variation distance between the frequencies of ``categories`` (indices into ``exact``) and ``exact``."""
+    frequencies = torch.bincount(categories, minlength=len(exact)).double() / len(categories)
+    return 0.5 * (frequencies - exact).abs().sum().item()
+
+
+def sampling_row(logits: torch.Tensor, top_k: int, top_p: float, peaks: torch.Tensor, draws: int) -> dict[str, Any]:
+    """The engine's sampler and FlashInfer's on ``logits`` with one filter: µs per call and the total
+    variation distance of ``draws`` calls' tokens (each of ``peaks`` one category, the rest one) from
+    the exact filtered softmax, beside that of as many ``torch.multinomial`` draws (the sampling noise)."""
+    category = torch.full(logits.shape[1:], len(peaks), dtype=torch.long, device="cuda")
+    category[peaks] = torch.arange(len(peaks), device="cuda")
+    probs = torch.softmax(apply_top_k_top_p(logits[:1].double(), top_k, top_p), dim=-1)[0]
+    exact = torch.zeros(len(peaks) + 1, dtype=torch.float64, device="cuda").index_add_(0, category, probs)
+    row: dict[str, Any] = {
+        "multinomial_tvd": total_variation(torch.multinomial(exact, len(logits) * draws, replacement=True), exact)
+    }
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    engine = torch.Generator(device="cuda").manual_seed(1)
+    samplers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"engine": lambda x: sample(x, params, engine)[0]}
+    start = time.perf_counter()
+    try:
+        samplers["flashinfer"] = flashinfer_sampler(top_k, top_p, torch.Generator(device="cuda").manual_seed(2))
+        samplers["flashinfer"](logits)
+        row["flashinfer_first_call_s"] = time.perf_counter() - start  # the first builds its sampling kernels
+    except Exception as error:  # not installed, or its JIT build failed
+        samplers.pop("flashinfer", None)
+        row["flashinfer_unavailable"] = unavailable(error)
+    for name, draw in samplers.items():
+        row[f"{name}_us"] = cuda_ms_per_call(functools.partial(draw, logits), calls=20) * 1e3
+        tokens = torch.cat([draw(logits) for _ in range(draws)])
+        row[f"{name}_tvd"] = total_variation(category[tokens.long()], exact)
+    return row
+
+
+def sampling_variants(rows: int, vocab: int, draws: int) -> dict[str, dict[str, Any]]:
+    """The engine's sampler (``rollout.sampling.sample``: one Triton pass unfiltered, torch's sort with
+    top-k / top-p; it returns each token's log-prob over the full vocabulary too) against FlashInfer's
+    (rejection sampling, tokens only) at temperature 1, on bf16 and float32 (rows, vocab)
+    ``peaked_logits``: µs per call, eager (the engine samples outside its CUDA graphs), and whether
+    both draw from the same filtered softmax (``sampling_row``)."""
+    logits, peaks = peaked_logits(rows, vocab, peaks=32)
+    out: dict[str, dict[str, Any]] = {}
+    for label, (top_k, top_p) in SAMPLING_FILTERS.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            key = f"{label}_{str(dtype).removeprefix('torch.')}"
+            out[key] = sampling_row(logits.to(dtype), top_k, top_p, peaks, draws)
+            print(f"sampling {key}: {cells(out[key])}", flush=True)
+    return out
 
 
 def scaled_mm(x: torch.Tensor, x_scale: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -189,7 +318,7 @@ def main() -> None:
     parser.add_argument(
         "--autotune", action="store_true", help="also torch.compile max-autotune GEMMs (slow to compile)"
     )
-    parser.add_argument("--attention-only", action="store_true", help="only the decode attention variants")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which rows to measure (default: all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -200,14 +329,14 @@ def main() -> None:
     results: dict[str, Any] = {"bandwidth_tbps": bandwidth / 1e12}
     arch = architecture_of(args.model)
     layers = arch.num_layers
-    for name, (n, k) in ({} if args.attention_only else gemm_shapes(arch)).items():
+    for name, (n, k) in (gemm_shapes(arch) if "gemm" in args.parts else {}).items():
         count = 1 if name == "head" else layers
         row = gemm_row(n, k, count, args.batch, bandwidth, args.autotune)
         results[name] = row
-        cells = "  ".join(f"{key} {value:7.1f}" for key, value in row.items() if isinstance(value, float))
-        print(f"{name:5s} ({n}x{k}) µs per layer: {cells}", flush=True)
+        figures = "  ".join(f"{key} {value:7.1f}" for key, value in row.items() if isinstance(value, float))
+        print(f"{name:5s} ({n}x{k}) µs per layer: {figures}", flush=True)
 
-    if not args.attention_only:
+    if "norm" in args.parts:
         hidden = torch.randn(args.batch, arch.hidden_size, device="cuda", dtype=torch.bfloat16)
         residual = torch.randn_like(hidden)
         norm = torch.nn.RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, device="cuda", dtype=torch.bfloat16)
@@ -216,7 +345,10 @@ def main() -> None:
         fused = layers_us(lambda _: add_rms_norm(hidden, residual, norm.weight, norm.eps), norms)
         results["add_rmsnorm_us"] = {"eager": eager, "compiled": fused}
         print(f"add + RMSNorm µs each: eager {eager:.1f}, compiled {fused:.1f}", flush=True)
-    results["attention"] = attention_variants(arch, args.batch, args.max_len, bandwidth)
+    if "attention" in args.parts:
+        results["attention"] = attention_variants(arch, args.batch, args.max_len, bandwidth)
+    if "sampling" in args.parts:
+        results["sampling"] = sampling_variants(args.batch, arch.vocab_size, draws=100)
     write_report(results, args.out, show=False)
 
 
