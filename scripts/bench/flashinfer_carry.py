@@ -2,7 +2,7 @@
 and the JIT builds of decode, prefill (decode on tensor cores), sampling and top-k need, plus the
 dependencies the machine lacks.
 
-    python scripts/flashinfer_carry.py .whl-fi [--wheel flashinfer_python-0.7.4-py3-none-any.whl]
+    python scripts/bench/flashinfer_carry.py .whl-fi [--wheel flashinfer_python-0.7.4-py3-none-any.whl]
 
 flashinfer-python's wheel is ~100 MB (mostly CUDA sources of other kernels and CuTe-DSL backends),
 over what a device call carries (64 MiB with everything else). What is kept: every Python module of
