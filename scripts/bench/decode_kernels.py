@@ -13,7 +13,7 @@ copy bandwidth measured in the same run. Variants: cuBLAS, cuBLASLt
 decode attention: the engine's kernels (a Triton kernel on GPU, two matmuls on CPU) against
 FlexAttention's, SDPA's and FlashInfer's; and the engine's token sampler against FlashInfer's.
 
-FlashInfer is optional (``scripts/flashinfer_carry.py`` makes a carry of it for a machine without a
+FlashInfer is optional (``scripts/bench/flashinfer_carry.py`` makes a carry of it for a machine without a
 network): where it does not import or its JIT build fails, its rows say why under ``*_unavailable``
 and the rest is measured. Its kernels build on first use (nvcc and ninja, ``CUDA_HOME``; cached under
 ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``): the seconds of the first plan / call record that.
