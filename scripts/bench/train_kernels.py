@@ -23,8 +23,9 @@ Parts (default all):
   tokens. Rows of a missing ``liger_kernel`` say why they are unavailable.
 * ``attention``: causal training attention (forward and backward) over ``--sequences`` sequences of
   ``--seq-len`` tokens, as one packed row (each sequence attending only to itself) and as a batch
-  of rows: our ``SDPAttention`` (flash attention's variable-length kernel for the packed row, SDPA
-  for the batch), against ``varlen_attn`` given the longest sequence's length, SDPA with each
+  of rows: our ``SDPAttention`` (flash attention's variable-length kernel for the packed row, told
+  the longest sequence's length as the training schedule tells it; SDPA for the batch), against
+  ``varlen_attn`` called directly, SDPA with each
   backend forced (K/V heads repeated for a backend without grouped-query attention), and
   FlexAttention compiled with a (document-)causal block mask. Per row: ms, TFLOP/s (a sequence of
   s tokens counts 2 s^2 heads head_dim FLOPs forward, 2.5x that backward) and its fraction of the
@@ -294,13 +295,20 @@ def attention_variants(arch: Architecture, sequences: int, seq_len: int) -> dict
     scale = arch.head_dim**-0.5
     module = sdp_attention(arch)
     cu_seqlens = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32, device="cuda")
+    # The schedule's packed rows are never wider than the longest sequence (microbatch.pack_rows), so
+    # that is the kernel's max length: given this row's whole width instead, its backward took 0.84 ms
+    # against 0.47 (2026-12-04), blocks with nothing to do.
     packed = PackedSeqParams(
-        qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=tokens, max_seqlen_kv=tokens
+        qkv_format="sbhd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=seq_len,
+        max_seqlen_kv=seq_len,
     )
     compiled_flex = torch.compile(flex_attention)
     # what SDPAttention runs on the packed row: flash attention's variable-length kernel where usable
     probe = torch.empty(1, 1, 1, arch.head_dim, device="cuda", dtype=torch.bfloat16)
-    ours_packed = "varlen_attn, max length = row width" if _flash_varlen_usable(probe, 0.0) else "SDPA, packed mask"
+    ours_packed = "varlen_attn" if _flash_varlen_usable(probe, 0.0) else "SDPA, packed mask"
 
     def ours(params: Any) -> Attend:
         return lambda q, k, v: module(q, k, v, None, packed_seq_params=params)
@@ -351,7 +359,7 @@ def attention_variants(arch: Architecture, sequences: int, seq_len: int) -> dict
     return {
         f"packed row ({sequences} sequences x {seq_len} tokens in one row)": {
             f"ours: SDPAttention ({ours_packed})": ("packed sbhd", partial(ours, packed)),
-            "varlen_attn, max length = longest sequence": ("thd", varlen),
+            "varlen_attn called directly": ("thd", varlen),
             "flex_attention compiled, document-causal block mask": ("packed bhsd", partial(flex, document)),
         },
         f"batch of rows ({sequences}, {seq_len})": batch,
@@ -363,6 +371,9 @@ def attention(arch: Architecture, sequences: int, seq_len: int, peak: float, cal
     printed as measured."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    # Compiled FlexAttention donates its saved buffers to its backward, which then refuses the
+    # repeated backward passes of one graph that the timing runs (retain_graph).
+    torch._functorch.config.donated_buffer = False
     shape = (sequences, seq_len)
     q = torch.randn(*shape, arch.num_attention_heads, arch.head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (
