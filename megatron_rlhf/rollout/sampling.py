@@ -25,7 +25,9 @@ Why it is done this way:
   GPU give different streams), and filtered tokens (p_v = 0) can never win.
 * On a GPU, greedy and unfiltered sampling (no top-k/top-p) read the logits once in a Triton kernel
   (``rollout/sampling_kernel.py``) that draws by inverting the CDF with one uniform per row: the
-  same distribution and log-prob, another random stream.
+  same distribution and log-prob, another random stream. Top-k/top-p go through another kernel
+  there that keeps the same tokens without sorting the row (the torch path's full sort took 4.6 ms
+  a step at 256 slots): draws from the mass above a pivot, rejected outside the nucleus.
 * No host synchronisation (no ``.item()``, no data-dependent Python branching): only Python values
   of ``SamplingParams`` choose code paths. Greedy consumes no randomness.
 * Rows whose logits are NaN, or all -inf, are not checked (that would need a sync); they produce
@@ -167,8 +169,10 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point (B, V) tensor; got {logits.dtype} {tuple(logits.shape)}")
     unfiltered = params.greedy or not any(_filters(params.top_k, params.top_p, logits.shape[-1]))
-    if unfiltered and sampling_kernel.available(logits):  # one pass over the logits on a GPU
-        return sampling_kernel.sample_unfiltered(logits, params.temperature, generator)
+    if sampling_kernel.available(logits):  # Triton on a GPU: no softmax, sort or noise of (B, V) in memory
+        if unfiltered:
+            return sampling_kernel.sample_unfiltered(logits, params.temperature, generator)
+        return sampling_kernel.sample_filtered(logits, params.temperature, params.top_k, params.top_p, generator)
     if params.greedy:  # the argmax of the upcast values is that of the originals: no float32 copy
         tokens = torch.argmax(logits, dim=-1)  # first maximal index on ties
         return tokens, _logprob_of_max(logits, tokens)

@@ -17,6 +17,16 @@ per-element random numbers (a Gumbel-max race) cost a Philox draw and two logari
 more than the memory pass (``docs/benchmarks.md``, "Kernels"). The log-prob is
 z_token - logsumexp(z) over the whole vocabulary in float32, z = logits * (1 / T) as the trainer
 scales them (``training/logprobs.py``).
+
+Top-k / top-p (``sample_filtered``) draw without sorting the row: a full sort of (slots, V) took 4.6
+ms a step at 256 slots against 0.12 ms for the unfiltered draw (docs/benchmarks.md, "Kernels"). One
+program per row draws a candidate from the kept mass above a pivot (inverse CDF, as above) and keeps
+it if the probability of the tokens ranked above it is < top_p, i.e. if it lies in the nucleus;
+otherwise no token at or below the candidate can lie there, so the candidate's value becomes the
+pivot and the draw repeats over what is left. Conditioned on acceptance, a draw from the mass above
+the pivot is a draw from the nucleus, so tokens follow the renormalised filtered softmax exactly
+(up to float32 rounding of the sums), as FlashInfer's rejection samplers do. Each round costs two
+passes over the row, and the mass left after a rejection is the one the test just summed.
 """
 
 from __future__ import annotations
@@ -92,7 +102,113 @@ def sample_unfiltered(
     return tokens, logprobs
 
 
+def sample_filtered(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B,) int64, logprobs (B,) float32) drawn from softmax(logits / T) filtered as
+    ``sampling.apply_top_k_top_p`` filters (top-k keeps every z >= the k-th largest; top-p the
+    nucleus, ties with its last token kept; ``top_k`` 0 and ``top_p`` 1 are off), T > 0. The
+    log-prob is over the whole vocabulary, before filtering. No host synchronisation: the seed of
+    the in-kernel random numbers is drawn from ``generator`` on the device."""
+    rows, vocab = logits.shape
+    inv_temperature = 1.0 / temperature
+    if 0 < top_k < vocab:  # the k-th largest z: torch's top-k of k values, no full sort
+        z = logits.float() * inv_temperature  # as the kernel scales, for identical rounding
+        lowest_kept = torch.topk(z, top_k, dim=-1, sorted=False).values.amin(dim=-1)
+    else:
+        lowest_kept = torch.full((rows,), -float("inf"), device=logits.device)
+    seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, generator=generator)
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _filtered_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        vocab,
+        inv_temperature,
+        lowest_kept,
+        top_p,
+        seed,
+        tokens,
+        logprobs,
+        BLOCK=BLOCK,
+    )
+    return tokens, logprobs
+
+
 if triton is not None:
+
+    @triton.jit
+    def _filtered_kernel(
+        logits_ptr: tl.tensor,
+        row_stride: tl.tensor,
+        vocab: tl.tensor,
+        inv_temperature: tl.tensor,
+        lowest_kept_ptr: tl.tensor,
+        top_p: tl.tensor,
+        seed_ptr: tl.tensor,
+        token_ptr: tl.tensor,
+        logprob_ptr: tl.tensor,
+        BLOCK: tl.constexpr,
+    ) -> None:
+        # Pass 1: the row's maximum `top` and sum of exp(z - top) over the whole vocabulary (the
+        # log-prob's) and over top-k's kept tokens (z >= lowest). Then rounds: the candidate is the
+        # first column at which the running mass of the allowed tokens (z >= lowest, or z > pivot
+        # after a rejection) exceeds u times their mass (the last allowed column if rounding leaves
+        # it unreached); the mass strictly above it decides.
+        row = tl.program_id(0)
+        base = logits_ptr + row * row_stride
+        lowest = tl.load(lowest_kept_ptr + row)
+        seed = tl.load(seed_ptr)
+        top = -float("inf")
+        total = 0.0
+        kept = 0.0
+        for offset in range(0, vocab, BLOCK):
+            columns = offset + tl.arange(0, BLOCK)
+            z = tl.load(base + columns, mask=columns < vocab, other=-float("inf")).to(tl.float32) * inv_temperature
+            new_top = tl.maximum(top, tl.max(z, 0))
+            shift = tl.where(new_top == -float("inf"), 0.0, new_top)  # -inf logits so far sum to 0, not NaN
+            rescale = tl.exp(top - shift)
+            e = tl.exp(z - shift)
+            total = total * rescale + tl.sum(e, 0)
+            kept = kept * rescale + tl.sum(tl.where(z >= lowest, e, 0.0), 0)
+            top = new_top
+        pivot = lowest
+        inclusive = 1  # allowed: z >= pivot; after a rejection z > pivot
+        mass = kept
+        token = tl.full((), -1, tl.int32)
+        candidate = 0
+        z_candidate = top
+        attempt = 0
+        while token < 0:
+            target = tl.rand(seed, attempt * tl.num_programs(0) + row) * mass
+            running = 0.0
+            picked = vocab
+            last = 0
+            for offset in range(0, vocab, BLOCK):
+                columns = offset + tl.arange(0, BLOCK)
+                z = tl.load(base + columns, mask=columns < vocab, other=-float("inf")).to(tl.float32) * inv_temperature
+                allowed = (z > pivot) | ((inclusive == 1) & (z == pivot))
+                p = tl.where(allowed, tl.exp(z - top), 0.0)
+                crossed = (running + tl.cumsum(p, 0) > target) & (p > 0)
+                picked = tl.minimum(picked, tl.min(tl.where(crossed, columns, vocab), 0))
+                last = tl.maximum(last, tl.max(tl.where(p > 0, columns, 0), 0))
+                running += tl.sum(p, 0)
+            candidate = tl.where(picked < vocab, picked, last)
+            z_candidate = tl.load(base + candidate).to(tl.float32) * inv_temperature
+            above = 0.0
+            for offset in range(0, vocab, BLOCK):
+                columns = offset + tl.arange(0, BLOCK)
+                z = tl.load(base + columns, mask=columns < vocab, other=-float("inf")).to(tl.float32) * inv_temperature
+                above += tl.sum(tl.where(z > z_candidate, tl.exp(z - top), 0.0), 0)
+            if above < top_p * kept:
+                token = candidate
+            else:
+                pivot = z_candidate
+                inclusive = 0
+                mass = above
+            attempt += 1
+        tl.store(token_ptr + row, token.to(tl.int64))
+        tl.store(logprob_ptr + row, z_candidate - top - tl.log(total))
 
     @triton.jit
     def _chunk_stats_kernel(

@@ -1,7 +1,8 @@
 """GPU tier: the sampler on a GPU against float64 and against the distribution it draws from.
 
-Greedy and unfiltered sampling go through one Triton kernel (``rollout/sampling_kernel.py``);
-top-k/top-p through the compiled torch path."""
+Greedy and unfiltered sampling go through one Triton kernel (``rollout/sampling_kernel.py``),
+top-k/top-p through another (rejection from the mass above a pivot); the torch path on the CPU is
+their reference for which tokens top-k/top-p keep."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rlhf.rollout import sampling_kernel
-from megatron_rlhf.rollout.sampling import SamplingParams, sample
+from megatron_rlhf.rollout.sampling import SamplingParams, apply_top_k_top_p, sample
 
 pytestmark = pytest.mark.gpu
 
@@ -93,3 +94,60 @@ def test_kernel_draws_across_chunks_and_blocks_of_a_full_vocabulary_follow_softm
     assert abs(share - rest) < 5 * math.sqrt(rest * (1 - rest) / rows)
     reference = torch.log(probabilities[tokens.cpu()])
     assert (logprobs.double().cpu() - reference).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 0, 0.6), (1.0, 3, 1.0), (1.0, 4, 0.8), (1.3, 0, 0.3)]
+)
+def test_filtered_kernel_draws_follow_the_filtered_softmax(temperature: float, top_k: int, top_p: float) -> None:
+    """200,000 rows of the same logits (a tie at the top, a -inf): the tokens top-k/top-p keep on
+    the CPU (``apply_top_k_top_p``, the sorted reference) are the only ones drawn, each within 5
+    standard errors of the renormalised softmax, Pearson's chi-square below its 0.999 quantile;
+    the log-probs are over the whole vocabulary; the same seed repeats the draw."""
+    values = torch.tensor([0.3, 2.0, -1.2, 0.9, 1.6, -0.5, 2.0, -float("inf")])
+    rows = 200_000
+    logits = values.expand(rows, -1).contiguous().cuda()
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, logprobs = sample(logits, params, torch.Generator(device="cuda").manual_seed(11))
+    kept = apply_top_k_top_p((values / temperature)[None], top_k, top_p)[0].double()
+    expected = torch.softmax(kept, dim=0).tolist()
+    counts = torch.bincount(tokens.cpu(), minlength=len(values)).tolist()
+    assert all(counts[v] == 0 for v, p in enumerate(expected) if p == 0), (counts, expected)
+    support = [v for v, p in enumerate(expected) if p > 0]
+    for v in support:
+        p = expected[v]
+        assert abs(counts[v] / rows - p) < 5 * math.sqrt(p * (1 - p) / rows), (v, counts[v] / rows, p)
+    chi2 = sum((counts[v] - rows * expected[v]) ** 2 / (rows * expected[v]) for v in support)
+    quantiles = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458}  # chi-square 0.999
+    assert len(support) == 1 or chi2 < quantiles[len(support) - 1], (chi2, counts, expected)
+    reference = torch.log_softmax(values.double() / temperature, dim=0)[tokens.cpu()]
+    assert (logprobs.double().cpu() - reference).abs().max().item() < 1e-6
+    again, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(11))
+    assert torch.equal(tokens, again)
+
+
+def test_filtered_kernel_on_a_full_vocabulary_keeps_the_sorted_nucleus() -> None:
+    """Qwen's vocabulary, 64 rows of random bf16 logits, top-p 0.9 and top-k 50 + top-p 0.9: every
+    token drawn lies in the set the sorted CPU reference keeps for its row. And rows whose nucleus
+    is 24 hot tokens spread over every block (the rest 12 below them, one -inf block): 20,000
+    draws, each hot token within 5 standard errors of 1/24."""
+    logits = _logits(64, 151_936)
+    for top_k, top_p in ((0, 0.9), (50, 0.9)):
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+        tokens, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(2))
+        kept = apply_top_k_top_p(logits.float().cpu(), top_k, top_p)
+        assert torch.isfinite(kept.gather(-1, tokens.cpu()[:, None])).all(), (top_k, top_p)
+    vocab, rows = 151_936, 20_000
+    values = torch.full((vocab,), -12.0)
+    hot = torch.linspace(3, vocab - 3, 24).long()
+    values[50_000:52_048] = float("-inf")
+    values[hot] = 0.0
+    tokens, _ = sample(
+        values.cuda().expand(rows, -1),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        torch.Generator(device="cuda").manual_seed(4),
+    )
+    counts = torch.bincount(tokens.cpu(), minlength=vocab)
+    assert counts[hot].sum().item() == rows  # the 24 hot tokens hold > 0.9 of the mass: the nucleus
+    p = 1 / 24
+    assert (counts[hot].double() / rows - p).abs().max().item() < 5 * math.sqrt(p * (1 - p) / rows)
