@@ -10,7 +10,8 @@ Fixed output length (EOS ignored), greedy, random prompts. For each batch size: 
 (max_new_tokens=1 run), decode tokens/s of both engines, and the HBM roofline of a decode step:
 (weight bytes + KV bytes read per step) / measured copy bandwidth, averaged over the decode. Also
 the train<->generate switch of a training state (hybrid/memory.py) against its floor (bytes moved
-/ measured pinned host<->device bandwidth).
+/ measured pinned host<->device bandwidth). With ``--top-p P`` (< 1), also the CUDA-graph decode rate
+sampled at T=1 with top-p P on the same engine: what nucleus sampling costs beside greedy.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="below 1: also decode sampled at T=1 with this top-p (CUDA graphs)"
+    )
     parser.add_argument("--profile", action="store_true", help="profile decode at the largest batch (torch.profiler)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -183,6 +187,14 @@ def main() -> None:
             total_s = generate_seconds(engine, prompts, greedy)
             figures["prefill_tokens_per_s"] = batch * args.prompt_len / prefill_s
             figures[f"decode_tokens_per_s_{label}"] = batch * (args.new_tokens - 1) / (total_s - prefill_s)
+            if graphs and args.top_p < 1:  # what nucleus sampling costs a decode step, beside greedy's
+                nucleus = SamplingParams(
+                    temperature=1.0, top_p=args.top_p, max_new_tokens=args.new_tokens, ignore_eos=True
+                )
+                nucleus_s = generate_seconds(engine, prompts, nucleus)
+                figures[f"decode_tokens_per_s_top_p_{args.top_p}"] = (
+                    batch * (args.new_tokens - 1) / (nucleus_s - prefill_s)
+                )
             engine.release()  # its KV cache and graphs would otherwise count in the switch's memory below
         ours = figures["decode_tokens_per_s_cuda_graphs"]
         mean_context = args.prompt_len + args.new_tokens / 2

@@ -369,11 +369,12 @@ def attention_variants(arch: Architecture, sequences: int, seq_len: int) -> dict
 def attention(arch: Architecture, sequences: int, seq_len: int, peak: float, calls: int) -> dict[str, dict[str, Row]]:
     """Each variant of ``attention_variants`` forward and backward on the same bf16 q, k, v, each row
     printed as measured."""
+    import torch._functorch.config as functorch_config
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # Compiled FlexAttention donates its saved buffers to its backward, which then refuses the
     # repeated backward passes of one graph that the timing runs (retain_graph).
-    torch._functorch.config.donated_buffer = False
+    functorch_config.donated_buffer = False
     shape = (sequences, seq_len)
     q = torch.randn(*shape, arch.num_attention_heads, arch.head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (
