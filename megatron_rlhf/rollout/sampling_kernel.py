@@ -43,6 +43,8 @@ CHUNKS = 16
 """Programs per row: enough (row, chunk) programs to fill the GPU at a few hundred rows."""
 BLOCK = 2048
 """Columns per loop iteration of a program."""
+FILTERED_WARPS = 8
+"""Warps of a filtered draw's program: one program walks its whole row several times."""
 
 
 def available(logits: torch.Tensor) -> bool:
@@ -131,6 +133,7 @@ def sample_filtered(
         tokens,
         logprobs,
         BLOCK=BLOCK,
+        num_warps=FILTERED_WARPS,
     )
     return tokens, logprobs
 
