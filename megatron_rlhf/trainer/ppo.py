@@ -673,8 +673,9 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     """The policy on ``data.validation``: a greedy response per prompt (``greedy_accuracy``,
     ``greedy_reward``), and with ``eval.n`` samples at ``eval.temperature`` their mean reward and
     ``pass_at_<n>`` (a prompt counts when one of its samples is correct); each also per
-    ``data_source`` when the rows carry one. Scored by the run's scorer: rewards are raw scores,
-    correctness is ``eval.judged_by``'s score (or the raw one) reaching ``eval.correct_score``."""
+    ``data_source`` when the rows carry one; with multi-turn rollouts, the greedy trajectories'
+    ``multi_turn/`` figures (tool calls, errors, turns). Scored by the run's scorer: rewards are raw
+    scores, correctness is ``eval.judged_by``'s score (or the raw one) reaching ``eval.correct_score``."""
     cfg, ev, prompts = run.cfg, run.cfg.eval, run.validation
     assert prompts is not None
     ids = [p.prompt_ids.tolist() for p in prompts]
@@ -701,6 +702,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
         for source in sorted(set(sources)):
             rows = torch.tensor([s == source for s in sources])
             out |= {f"{snake_case(source)}/{name}": float(v[rows].mean()) for name, v in figures.items()}
+    out |= trajectory_metrics(greedy)
     return out, {"samples": sample_rows(run, greedy[: ev.samples], greedy_raw[: ev.samples, 0])}
 
 

@@ -45,3 +45,8 @@ def test_grpo_learns_to_call_the_calculator(tmp_path: Path) -> None:
     assert accuracy["sft"] < 0.1 and calls["sft"] < 0.1  # greedy, it answers directly (arithmetic_tool's docstring)
     assert accuracy["grpo"] - accuracy["sft"] >= MIN_GAIN, (accuracy, calls)
     assert calls["grpo"] > calls["sft"], calls
+    # GRPO's validation counts the greedy trajectories' tool calls: more at its end than at its start.
+    metrics = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    validation = [row for row in metrics if row["split"] == "validation"]
+    tool_calls = [row["multi_turn/tool_calls/mean"] for row in validation]
+    assert len(tool_calls) >= 2 and tool_calls[-1] > tool_calls[0], tool_calls
