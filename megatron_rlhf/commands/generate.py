@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 
+from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.commands.config_args import add_config_args, print_config, unset_errors
 from megatron_rlhf.config.flags import add_flag_aliases
 from megatron_rlhf.config.loader import config_errors, load_config_with_sources, raise_if_errors
@@ -18,7 +19,8 @@ DESCRIPTION = (
     "Read prompts (.jsonl/.parquet rows with 'prompt' text or 'prompt_ids'), generate with the "
     "native engine (KV cache, continuous batching) and write JSONL rows with token_ids, text, per-token "
     "logprobs and finish_reason. Under torchrun the world is split into groups of rollout.tp ranks. The "
-    "settings ppo also has are ppo's keys (rollout.sampling.*, rollout.engine.*, rollout.tp, device, dtype). "
+    "settings ppo also has are ppo's keys (rollout.sampling.*, rollout.engine.*, rollout.multi_turn.*, rollout.tp, "
+    "device, dtype). "
     "Example: megatron-rlhf generate model=builtin:tiny-llama input=builtin:arithmetic-test output=out.jsonl "
     "rollout.sampling.n=4"
 )
@@ -34,6 +36,8 @@ class GenerateRolloutConfig:
     """How completions are sampled (n per prompt, temperature, top-k/top-p, max_new_tokens, stops)."""
     engine: NativeEngineConfig = dataclasses.field(default_factory=NativeEngineConfig)
     """The native engine: KV-cache slots, CUDA graphs."""
+    multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
+    """Multi-turn responses with tools (tool_config_path), each a trajectory as in ppo's rollouts."""
 
     def errors(self) -> list[str]:
         return [] if self.tp >= 1 else [f"tp={self.tp} must be >= 1"]
@@ -84,5 +88,6 @@ def run(args: argparse.Namespace) -> int:
         dtype=cfg.dtype,
         params=cfg.rollout.sampling,
         engine_cfg=cfg.rollout.engine,
+        multi_turn=cfg.rollout.multi_turn,
     )
     return 0

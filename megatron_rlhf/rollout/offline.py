@@ -12,29 +12,42 @@ included), ``text``, ``logprobs``, ``finish_reason`` and ``prompt_tokens_dropped
 ``text`` is the response as the trainers' reward functions read it: decoded with special tokens
 skipped and without its final stop token, as vLLM's output text and verl's reward input are (not
 transformers' default ``decode``, which keeps them); ``token_ids`` holds what was generated.
+
+With ``rollout.multi_turn.enable`` (ppo's keys) each response is a trajectory with the tools of
+``tool_config_path``, offered to the prompts' chat template, and its row adds what a samples.jsonl
+row shows of one (``turns``, ``num_turns``, ``tool_calls``, ``tool_errors``, ``tool_rewards``);
+``token_ids`` and ``text`` then hold the tools' results too, as the trainers' rewards read them.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rlhf.agent.config import MultiTurnConfig
+from megatron_rlhf.agent.loop import ToolAgent
+from megatron_rlhf.agent.tools import load_tools
 from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
+from megatron_rlhf.data.chat_template import load_tool_schemas
+from megatron_rlhf.data.datasets import PromptExample
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.distributed import DistEnv, init_distributed
 from megatron_rlhf.parallel.layout import layout_errors
+from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.trainer.trajectories import trajectory_fields
 
 UNBOUNDED_PROMPT = 1 << 30  # the engine, not the loader, applies the prompt-length policy
 
@@ -57,6 +70,30 @@ def policy_engine(
     return NativeEngine(role, engine_cfg.with_eos_of(tokenizer.stop_ids)), tokenizer
 
 
+def offered_tools(multi_turn: MultiTurnConfig | None) -> list[dict] | None:
+    """The tool schemas prompts are rendered with: those of the multi-turn tools file, if enabled."""
+    return load_tool_schemas(multi_turn.tool_config_path) if multi_turn is not None and multi_turn.enable else None
+
+
+def generate_trajectories(
+    engine: NativeEngine,
+    tokenizer: Tokenizer,
+    prompts: Sequence[PromptExample],
+    params: SamplingParams,
+    multi_turn: MultiTurnConfig | None = None,
+    on_finished: Callable[[int], None] | None = None,
+) -> list[Completion]:
+    """``generate_data_parallel`` of ``prompts``; with ``multi_turn`` enabled each completion is a
+    trajectory with its tools (built here, their workers stopped on return), each prompt's
+    ``tools_kwargs`` from its extras. Collective."""
+    ids = [example.prompt_ids.tolist() for example in prompts]
+    if multi_turn is None or not multi_turn.enable:
+        return generate_data_parallel(engine, ids, params, on_finished)
+    tools = load_tools(multi_turn.tool_config_path)
+    with ToolAgent(multi_turn, tokenizer, tools, [example.extras for example in prompts]) as agent:
+        return generate_data_parallel(engine, ids, params, on_finished, agent=agent)
+
+
 def run_generate(
     *,
     model: str,
@@ -67,6 +104,7 @@ def run_generate(
     dtype: str,
     params: SamplingParams,
     engine_cfg: NativeEngineConfig,
+    multi_turn: MultiTurnConfig,
 ) -> None:
     arch = architecture_of(model)
     env = init_distributed(device)
@@ -76,18 +114,21 @@ def run_generate(
     if errors:
         raise ConfigError("; ".join(errors))
     engine, tokenizer = policy_engine(model, arch, tp=tp, dtype=dtype, engine_cfg=engine_cfg, env=env)
-    dataset, report = load_prompt_dataset(resolve_data_paths([input_path]), tokenizer, max_length=UNBOUNDED_PROMPT)
+    dataset, report = load_prompt_dataset(
+        resolve_data_paths([input_path]), tokenizer, max_length=UNBOUNDED_PROMPT, tools=offered_tools(multi_turn)
+    )
     log(report.summary())
     start = time.perf_counter()
     group_share = -(-len(dataset) // engine.role.groups.layout.dp) * params.n  # rank 0's data-parallel group
     progress = Progress("generate (data-parallel group 0)", group_share, "completions")
-    rows = generate_data_parallel(engine, [example.prompt_ids.tolist() for example in dataset], params, progress)
+    rows = generate_trajectories(engine, tokenizer, dataset, params, multi_turn, progress)
     elapsed = time.perf_counter() - start
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)
+        trajectories = trajectory_fields(rows, tokenizer.decode_batch, tokenizer.stop_ids)
         Path(output_path).parent.mkdir(parents=True, exist_ok=True)
         with open(output_path, "w", encoding="utf-8") as out:
-            for c in rows:
+            for c, trajectory in zip(rows, trajectories, strict=True):
                 out.write(
                     json.dumps(
                         {
@@ -98,6 +139,7 @@ def run_generate(
                             "logprobs": c.logprobs,
                             "finish_reason": c.finish_reason,
                             "prompt_tokens_dropped": c.prompt_tokens_dropped,
+                            **trajectory,
                         }
                     )
                     + "\n"

@@ -30,20 +30,16 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rlhf.agent.config import MultiTurnConfig
-from megatron_rlhf.agent.loop import ToolAgent
-from megatron_rlhf.agent.tools import load_tools
 from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
-from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.data.records import write_jsonl
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
+from megatron_rlhf.rollout.native import NativeEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
-from megatron_rlhf.rollout.offline import policy_engine
+from megatron_rlhf.rollout.offline import generate_trajectories, offered_tools, policy_engine
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.tasks.arithmetic import Verdict, judge, preference_pairs, verdict_rates
 from megatron_rlhf.trainer.pipeline_config import PairsConfig, PipelineConfig, check_pipeline_config
@@ -109,21 +105,15 @@ def sample_and_judge(
     and judge each against the prompt's ``answer``: (prompt texts, responses per prompt, verdicts
     per prompt), identical on every rank; with ``multi_turn`` enabled each response is a trajectory
     with its tools, judged (and returned) as its whole text. Collective."""
-    tools_file = multi_turn.tool_config_path if multi_turn is not None and multi_turn.enable else ""
     dataset, _ = load_prompt_dataset(
         resolve_data_paths(prompt_paths),
         tokenizer,
         max_length=engine.cfg.max_seq_len,
         extra_keys=("prompt", "answer"),
-        tools=load_tool_schemas(tools_file) if tools_file else None,
+        tools=offered_tools(multi_turn),
     )
     examples = dataset[: min(count, len(dataset))]
-    ids = [e.prompt_ids.tolist() for e in examples]
-    if multi_turn is not None and multi_turn.enable:
-        with ToolAgent(multi_turn, tokenizer, load_tools(tools_file), [e.extras for e in examples]) as agent:
-            completions: list[Completion] = generate_data_parallel(engine, ids, params, agent=agent)
-    else:
-        completions = generate_data_parallel(engine, ids, params)
+    completions = generate_trajectories(engine, tokenizer, examples, params, multi_turn)
     responses: list[list[str]] = [[] for _ in examples]
     verdicts: list[list[Verdict]] = [[] for _ in examples]
     texts = tokenizer.decode_batch([c.text_ids(tokenizer.stop_ids) for c in completions], skip_special_tokens=True)

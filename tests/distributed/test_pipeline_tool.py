@@ -1,7 +1,8 @@
 """The tool task's CPU pipeline (preset ``pipeline-arith-tool-tiny``) on 2 ranks: SFT on a teacher
 that calls the calculator on 30% of the problems, then multi-turn GRPO with the calculator, must
 raise held-out greedy accuracy (the tool available) by the issue's 20 points, by calling the tool
-more. The accuracies are recomputed from the trajectories the test stage wrote."""
+more. The accuracies are recomputed from the trajectories the test stage wrote; ``generate`` with
+the calculator then writes the GRPO model's trajectories."""
 
 from __future__ import annotations
 
@@ -50,3 +51,27 @@ def test_grpo_learns_to_call_the_calculator(tmp_path: Path) -> None:
     validation = [row for row in metrics if row["split"] == "validation"]
     tool_calls = [row["multi_turn/tool_calls/mean"] for row in validation]
     assert len(tool_calls) >= 2 and tool_calls[-1] > tool_calls[0], tool_calls
+    # `generate` with the calculator: the GRPO model's trajectories call it, read its answers and go on.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows["grpo"][:16]))
+    generated = tmp_path / "generated.jsonl"
+    run_cli(
+        "generate",
+        f"model={out / 'grpo' / 'hf'}",
+        f"input={prompts}",
+        f"output={generated}",
+        "device=cpu",
+        "rollout.sampling.temperature=0",
+        "rollout.sampling.max_new_tokens=40",  # the preset's test stage's
+        "rollout.engine.max_seq_len=64",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.tool_config_path=builtin:calculator",
+        "rollout.multi_turn.max_assistant_turns=2",
+    )
+    trajectories = [json.loads(line) for line in generated.read_text().splitlines()]
+    assert len(trajectories) == 16
+    called = [t for t in trajectories if t["tool_calls"] >= 1]
+    assert len(called) >= 12, [t["tool_calls"] for t in trajectories]
+    for t in called:  # the policy's call, the calculator's answer, the policy's final turn
+        assert [turn["role"] for turn in t["turns"]] == ["assistant", "tool", "assistant"], t["turns"]
+        assert CALL_OPEN in t["turns"][0]["text"]
