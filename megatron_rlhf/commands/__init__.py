@@ -7,7 +7,7 @@ its own ``--help``, or ``None``), ``add_arguments(parser)`` (``commands/config_a
 ``FileNotFoundError`` or ``ValueError`` and exits 2. Its settings are a config dataclass: the
 trainer commands (and smoke) offer ``trainer()`` (their schema, start-up checks and run), the others
 ``schema()``, their dataclass declared beside the command. The work is the library's (``trainer/``,
-``rollout/offline.py``, ``checkpoint/convert.py``): a command loads and checks its settings and
+``checkpoint/convert.py``): a command loads and checks its settings and
 calls it.
 
 Every command's parser is built before one runs, so a command module imports at module level only

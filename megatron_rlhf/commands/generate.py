@@ -1,4 +1,4 @@
-"""``megatron-rlhf generate``: completions for a file of prompts (``rollout/offline.py``)."""
+"""``megatron-rlhf generate``: completions for a file of prompts (``trainer/generate.py``)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if os.environ.get("RANK", "0") == "0":
         print(sources.report(), flush=True)
-    from megatron_rlhf.rollout.offline import run_generate
+    from megatron_rlhf.trainer.generate import run_generate
 
     run_generate(
         model=cfg.model,

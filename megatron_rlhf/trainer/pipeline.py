@@ -39,9 +39,9 @@ from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
 from megatron_rlhf.rollout.native import NativeEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
-from megatron_rlhf.rollout.offline import generate_trajectories, offered_tools, policy_engine
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.tasks.arithmetic import Verdict, judge, preference_pairs, verdict_rates
+from megatron_rlhf.trainer.generate import generate_trajectories, offered_tools, policy_engine
 from megatron_rlhf.trainer.pipeline_config import PairsConfig, PipelineConfig, check_pipeline_config
 from megatron_rlhf.trainer.ppo import run_ppo
 from megatron_rlhf.trainer.rm import run_rm
