@@ -45,6 +45,11 @@ BLOCK = 2048
 """Columns per loop iteration of a program."""
 FILTERED_WARPS = 8
 """Warps of a filtered draw's program: one program walks its whole row several times."""
+FILTERED_ROUNDS = 64
+"""Draws a filtered row may take before it falls back to its first maximal column (which is always
+kept). Each rejection leaves at most the mass it tested, and that mass is at least top_p: a real row
+is accepted within a few rounds; the bound is for rows of NaN or all -inf logits, which would
+otherwise never accept a candidate and hold the GPU for good."""
 
 
 def available(logits: torch.Tensor) -> bool:
@@ -133,6 +138,7 @@ def sample_filtered(
         tokens,
         logprobs,
         BLOCK=BLOCK,
+        ROUNDS=FILTERED_ROUNDS,
         num_warps=FILTERED_WARPS,
     )
     return tokens, logprobs
@@ -152,12 +158,14 @@ if triton is not None:
         token_ptr: tl.tensor,
         logprob_ptr: tl.tensor,
         BLOCK: tl.constexpr,
+        ROUNDS: tl.constexpr,
     ) -> None:
         # Pass 1: the row's maximum `top` and sum of exp(z - top) over the whole vocabulary (the
         # log-prob's) and over top-k's kept tokens (z >= lowest). Then rounds: the candidate is the
         # first column at which the running mass of the allowed tokens (z >= lowest, or z > pivot
         # after a rejection) exceeds u times their mass (the last allowed column if rounding leaves
-        # it unreached); the mass strictly above it decides.
+        # it unreached); the mass strictly above it decides. After FILTERED_ROUNDS rejections the
+        # row's first maximal column is taken.
         row = tl.program_id(0)
         base = logits_ptr + row * row_stride
         lowest = tl.load(lowest_kept_ptr + row)
@@ -165,10 +173,14 @@ if triton is not None:
         top = -float("inf")
         total = 0.0
         kept = 0.0
+        best = 0
         for offset in range(0, vocab, BLOCK):
             columns = offset + tl.arange(0, BLOCK)
             z = tl.load(base + columns, mask=columns < vocab, other=-float("inf")).to(tl.float32) * inv_temperature
-            new_top = tl.maximum(top, tl.max(z, 0))
+            block_max = tl.max(z, 0)
+            if block_max > top:  # strict: an earlier block keeps a tie
+                best = offset + tl.argmax(z, 0, tie_break_left=True)
+            new_top = tl.maximum(top, block_max)
             shift = tl.where(new_top == -float("inf"), 0.0, new_top)  # -inf logits so far sum to 0, not NaN
             rescale = tl.exp(top - shift)
             e = tl.exp(z - shift)
@@ -179,10 +191,8 @@ if triton is not None:
         inclusive = 1  # allowed: z >= pivot; after a rejection z > pivot
         mass = kept
         token = tl.full((), -1, tl.int32)
-        candidate = 0
-        z_candidate = top
         attempt = 0
-        while token < 0:
+        while (token < 0) & (attempt < ROUNDS):
             target = tl.rand(seed, attempt * tl.num_programs(0) + row) * mass
             running = 0.0
             picked = vocab
@@ -210,8 +220,10 @@ if triton is not None:
                 inclusive = 0
                 mass = above
             attempt += 1
+        token = tl.where(token < 0, best, token)
+        z_token = tl.load(base + token).to(tl.float32) * inv_temperature
         tl.store(token_ptr + row, token.to(tl.int64))
-        tl.store(logprob_ptr + row, z_candidate - top - tl.log(total))
+        tl.store(logprob_ptr + row, z_token - top - tl.log(total))
 
     @triton.jit
     def _chunk_stats_kernel(

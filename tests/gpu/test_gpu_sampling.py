@@ -151,3 +151,19 @@ def test_filtered_kernel_on_a_full_vocabulary_keeps_the_sorted_nucleus() -> None
     assert counts[hot].sum().item() == rows  # the 24 hot tokens hold > 0.9 of the mass: the nucleus
     p = 1 / 24
     assert (counts[hot].double() / rows - p).abs().max().item() < 5 * math.sqrt(p * (1 - p) / rows)
+
+
+def test_filtered_kernel_returns_on_rows_of_nan_or_all_minus_inf() -> None:
+    """A row the kernel can never accept a draw from (all -inf, or NaN: a diverged model) ends after
+    its bounded rounds with its first column and a non-finite log-prob, as the torch path does;
+    before the bound, such a row kept the GPU in the kernel for good. A healthy row beside them is
+    drawn as usual: its one dominant token holds the whole nucleus."""
+    logits = torch.zeros(3, 151_936, device="cuda")
+    logits[0] = float("-inf")
+    logits[1] = float("nan")
+    logits[2, 777] = 40.0
+    tokens, logprobs = sample(
+        logits, SamplingParams(temperature=1.0, top_p=0.9), torch.Generator(device="cuda").manual_seed(0)
+    )
+    assert tokens.tolist() == [0, 0, 777]
+    assert not torch.isfinite(logprobs[:2]).any() and torch.isfinite(logprobs[2])
