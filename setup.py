@@ -53,5 +53,5 @@ setup(
         "lint": ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", "types-psutil", "types-tqdm"],
         "bench": ["trl==1.16.0", "datasets==4.8.5"],
     },
-    entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
+    entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:entry"]},
 )

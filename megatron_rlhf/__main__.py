@@ -1,6 +1,4 @@
-import sys
-
-from megatron_rlhf.cli import main
+from megatron_rlhf.cli import entry
 
 if __name__ == "__main__":  # the guard matters: the checkpoint writer spawns processes
-    sys.exit(main())
+    entry()

@@ -31,6 +31,7 @@ from megatron_rlhf.commands import COMMANDS, schema_of
 from megatron_rlhf.commands.config_args import CommandParser
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.metrics.log import quiet_console
+from megatron_rlhf.parallel.distributed import shutdown_distributed
 
 REMOVED = {
     "config": "'megatron-rlhf config' is gone: use 'megatron-rlhf <command> --print-config' "
@@ -69,3 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, ConfigError) or os.environ.get("RANK", "0") == "0":
             print(f"megatron-rlhf: error: {err}", file=sys.stderr)
         return 2
+
+
+def entry() -> None:
+    """The process's entry (``python -m megatron_rlhf``, the ``megatron-rlhf`` script): ``main``, then
+    the process groups torn down before the interpreter exits. ``main`` leaves them up, for callers
+    that run it more than once in one process."""
+    code = main()
+    shutdown_distributed()
+    sys.exit(code)

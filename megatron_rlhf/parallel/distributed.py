@@ -93,6 +93,14 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=torch_device)
 
 
+def shutdown_distributed() -> None:
+    """Destroy every process group while the interpreter is still whole. Left to interpreter exit,
+    gloo's worker threads can still hold finished work whose tensors need the GIL to be freed, and
+    a run that succeeded aborts there ("terminate called without an active exception", SIGABRT)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU and every GPU) identically on all ranks."""
     random.seed(seed)
