@@ -121,11 +121,41 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}"""
 
+# Written here in the shape of Qwen2.5-Instruct's template: tools in the system turn, consecutive tool
+# messages in one user turn, each in <tool_response></tool_response>.
+QWEN25_TOOLS_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content }}
+    {%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+    {{- "\n\n# Tools\n\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nReturn each function call within <tool_call></tool_call> XML tags.<|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or message.role == 'assistant' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
 # style -> (special tokens, template, named special tokens)
 CHAT_STYLES = {
     "qwen2": (
         ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         QWEN2_TEMPLATE,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    ),
+    "qwen25_tools": (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        QWEN25_TOOLS_TEMPLATE,
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
     ),
     "llama3": (
@@ -137,8 +167,8 @@ CHAT_STYLES = {
 
 
 def make_chat_tokenizer(style: str, out_dir: str | Path) -> Path:
-    """A byte-level BPE tokenizer with the special tokens and a chat template of the given style (qwen2
-    or llama3), saved by transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    """A byte-level BPE tokenizer with the special tokens and a chat template of the given style (qwen2,
+    qwen25_tools or llama3), saved by transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

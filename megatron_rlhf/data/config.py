@@ -1,11 +1,14 @@
-"""Settings shared by every trainer's data: which files, which column holds the prompt, and what to
-do with a row that is too long or holds a bad value (the loaders in ``datasets.py`` apply them)."""
+"""Settings shared by every trainer's data: which files, which column holds the prompt, what to do
+with a row that is too long or holds a bad value, and how conversations are rendered (the loaders
+in ``datasets.py`` apply them)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from megatron_rlhf.config.fields import at_least
+from megatron_rlhf.data.chat_template import load_tool_schemas, template_variable_errors, tools_file_errors
 from megatron_rlhf.data.datasets import OnProblem
 
 
@@ -28,3 +31,41 @@ class DataFilesConfig:
 
     def errors(self) -> list[str]:
         return at_least(self, 0, "num_workers")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ChatDataConfig(DataFilesConfig):
+    """Data whose rows may be conversations (lists of {role, content} messages): how the model's chat
+    template renders them."""
+
+    apply_chat_template: bool = True
+    """Render a conversation with the model's chat template (an RL prompt with the generation prompt
+    appended); text and pre-tokenized columns are tokenized as they are."""
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """More variables for the chat template, as transformers' apply_chat_template(**kwargs) passes
+    them (verl: data.apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3."""
+    tools_file: str = ""
+    """Tool schemas the chat template offers the model (its ``tools``): a YAML file in verl's
+    tool_config_path format, of which only each tool's tool_schema is read (no tool runs); empty: none
+    (in RL with rollout.multi_turn.enable: the agent's tools file, rollout.multi_turn.tool_config_path)."""
+    tools_key: str = "tools"
+    """Column of a row's own tool schemas (a list of OpenAI function schemas, or a JSON string of
+    one): where present and not null they replace tools_file's for that row, not add to them; "": no
+    such column."""
+
+    def errors(self) -> list[str]:
+        return (
+            super().errors()
+            + template_variable_errors("chat_template_kwargs", self.chat_template_kwargs)
+            + tools_file_errors("tools_file", self.tools_file)
+        )
+
+    def chat_options(self, tools_file: str | None = None) -> dict[str, Any]:
+        """These settings as the loaders' keyword arguments; ``tools_file`` replaces the setting's."""
+        path = self.tools_file if tools_file is None else tools_file
+        return {
+            "apply_chat_template": self.apply_chat_template,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "tools": load_tool_schemas(path) if path else None,
+            "tools_key": self.tools_key,
+        }

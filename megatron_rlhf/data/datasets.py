@@ -12,7 +12,11 @@ add_generation_prompt=True, **chat_template_kwargs)`` renders and tokenizes it. 
 string of one, as some datasets store it) or else the loader's ``tools`` (a tools file's schemas).
 
   SFT         input_ids = [BOS] + prompt + response [+ EOS]; loss_mask 0 on BOS and the prompt,
-              1 on the response and EOS (the tokens the model is trained to produce).
+              1 on the response and EOS (the tokens the model is trained to produce). Or a
+              conversation (``messages_key``, verl's multi-turn SFT rows), rendered with the chat
+              template: loss_mask 1 on each assistant message from after its generation prompt
+              through its stop token (``Tokenizer.stop_ids``), 0 on everything else (system, user
+              and tool messages, the template's markup): the tokens a multi-turn rollout samples.
   preference  chosen and rejected each as above, sharing the prompt.
   prompt      [BOS] + prompt, for RL rollouts; ``extra_keys`` columns are kept verbatim (e.g. the
               reference answer a rule-based reward checks against); a row in verl's format (with
@@ -68,7 +72,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .chat_template import ChatTemplateError, template_variable_errors, tool_schema_problem
+from .chat_template import ChatTemplate, ChatTemplateError, template_variable_errors, tool_schema_problem
 from .records import DataError, Record, Span, data_files, read_records, read_span, split_files
 from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer
 
@@ -429,20 +433,59 @@ def _row_tools(rec: Record, chat: _ChatOptions) -> list[Mapping[str, Any]] | Non
     return value
 
 
-def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenizer, chat: _ChatOptions) -> list[int]:
-    """Token ids of a conversation: the chat template's text, generation prompt included, tokenized."""
+def _chat_options(
+    apply: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tools_key: str,
+) -> _ChatOptions:
+    """A loader's chat arguments, checked before any row is read."""
+    variables = dict(chat_template_kwargs or {})
+    problems = template_variable_errors("chat_template_kwargs", variables) + [
+        p for i, t in enumerate(tools or ()) if (p := tool_schema_problem(t, f"tools[{i}]")) is not None
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return _ChatOptions(apply, variables, None if tools is None else list(tools), tools_key)
+
+
+class _Conversation(NamedTuple):
+    """A row's conversation, checked, and what renders it: ``render(messages[:i])`` is its text."""
+
+    key: str
+    messages: list[dict[str, Any]]
+    template: ChatTemplate
+    tools: list[Mapping[str, Any]] | None
+    variables: dict[str, Any]
+
+    def render(self, count: int, add_generation_prompt: bool) -> str:
+        """The first ``count`` messages as text (with the generation prompt when asked)."""
+        try:
+            return self.template.render(self.messages[:count], self.tools, self.variables, add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise _RowProblem(TEMPLATE_FAILED, self.key, str(exc)) from None
+
+
+def _conversation(rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions) -> _Conversation:
+    """Column ``key`` of ``rec`` as a conversation: a non-empty list of messages with a string
+    ``role``, with the tokenizer's chat template and the row's tools."""
+    messages = rec.data.get(key)
     where = f"{rec.file}: row {rec.row}: column '{key}' holds chat messages"
+    if messages is None:
+        raise _RowProblem(EMPTY, key, "is null")
+    if not isinstance(messages, list):
+        raise _RowProblem(WRONG_TYPE, key, f"must be a list of {{role, content}} messages, got {_describe(messages)}")
     if not chat.apply:
         raise DataError(
             f"{where} but data.apply_chat_template is false: set it to true to render them with the "
-            "model's chat template, or give the prompts as text"
+            "model's chat template, or give the text instead"
         )
     template = tokenizer.chat_template
     if template is None:
         raise DataError(
             f"{where} but {tokenizer!r} has no chat template (looked for {CHAT_TEMPLATE_FILE}, or "
             "'chat_template' in tokenizer_config.json, beside a tokenizer.json): add one to the model "
-            "directory, or give the prompts as text (data.apply_chat_template renders message rows)"
+            "directory, or give the text instead (data.apply_chat_template renders message rows)"
         )
     if not messages:
         raise _RowProblem(EMPTY, key, "is an empty list of messages")
@@ -453,15 +496,73 @@ def _message_ids(rec: Record, key: str, messages: list[Any], tokenizer: Tokenize
                 key,
                 f"message {i} must be an object with a string 'role' (and its 'content'), got {message!r:.80}",
             )
-    tools = _row_tools(rec, chat)
-    try:
-        text = template.render(messages, tools, chat.variables)
-    except ChatTemplateError as exc:
-        raise _RowProblem(TEMPLATE_FAILED, key, str(exc)) from None
-    ids = tokenizer.encode(text)
+    return _Conversation(key, messages, template, _row_tools(rec, chat), chat.variables)
+
+
+def _message_ids(rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions) -> list[int]:
+    """Token ids of a conversation prompt: the chat template's text, generation prompt included."""
+    conversation = _conversation(rec, key, tokenizer, chat)
+    ids = tokenizer.encode(conversation.render(len(conversation.messages), add_generation_prompt=True))
     if not ids:
         raise _RowProblem(EMPTY, key, "renders to no tokens")
     return ids
+
+
+def _conversation_sequence(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> _Sequence:
+    """A conversation as one SFT sequence whose loss covers what the assistant says: each assistant
+    message from after its generation prompt through its stop token, as a rollout samples it. The
+    rest (system, user and tool messages, the template's markup around them and after a stop
+    token) is context. The text is tokenized turn by turn, as a multi-turn rollout assembles it."""
+    conversation = _conversation(rec, key, ld.tokenizer, chat)
+    turns = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
+    if not turns:
+        raise _RowProblem(EMPTY, key, "has no assistant message: nothing to train on")
+    stops = set(ld.tokenizer.stop_ids)
+    ids: list[int] = []
+    mask: list[int] = []
+
+    def add(piece: list[int], trained: bool) -> None:
+        ids.extend(piece)
+        mask.extend([int(trained)] * len(piece))
+
+    done = ""  # the text so far
+    for i in turns:
+        before = conversation.render(i, add_generation_prompt=True)
+        after = conversation.render(i + 1, add_generation_prompt=False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise _RowProblem(
+                TEMPLATE_FAILED,
+                key,
+                f"the chat template writes the conversation before message {i} (an assistant message) "
+                "differently once that message follows, so the assistant's tokens cannot be told apart",
+            )
+        add(ld.tokenizer.encode(before[len(done) :]), trained=False)
+        said = ld.tokenizer.encode(after[len(before) :])
+        stop = next((j for j in range(len(said) - 1, -1, -1) if said[j] in stops), None)
+        end = len(said) if stop is None else stop + 1
+        # A template that writes no stop token: the last message ends with EOS, as a response does.
+        eos = [ld.eos] if stop is None and i == turns[-1] and ld.eos is not None else []
+        add(said[:end] + eos, trained=True)
+        add(said[end:], trained=False)  # markup the template writes after the stop token
+        done = after
+    whole = conversation.render(len(conversation.messages), add_generation_prompt=False)
+    if not whole.startswith(done):
+        raise _RowProblem(
+            TEMPLATE_FAILED, key, "the chat template writes the conversation differently once its last messages follow"
+        )
+    add(ld.tokenizer.encode(whole[len(done) :]), trained=False)
+    if not any(mask):
+        raise _RowProblem(EMPTY, key, "its assistant messages render to no tokens")
+    sequence = ld.with_bos(ids)
+    ld.check_length(len(sequence), key, f"a conversation of {len(conversation.messages)} messages")
+    return sequence, [0] * (len(sequence) - len(ids)) + mask
+
+
+def _prompt_ids(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> list[int]:
+    """A prompt column's ids: a conversation rendered with the generation prompt, text, or ids."""
+    if isinstance(rec.data.get(key), list):
+        return _message_ids(rec, key, ld.tokenizer, chat)
+    return ld.field(rec, key)
 
 
 def _reward_inputs(rec: Record) -> dict[str, Any]:
@@ -713,8 +814,18 @@ def _read_span(span: Span) -> _Part:
     return _worker_loader.read(read_span(span))
 
 
-def _sft_row(ld: _Loader, rec: Record, prompt_key: str, response_key: str) -> tuple[list[_Sequence], None]:
-    prompt = ld.with_bos(ld.field(rec, prompt_key))
+def _sft_row(
+    ld: _Loader, rec: Record, prompt_key: str, response_key: str, messages_key: str, chat: _ChatOptions
+) -> tuple[list[_Sequence], None]:
+    has_prompt = prompt_key in rec.data or f"{prompt_key}_ids" in rec.data
+    if messages_key and (rec.data.get(messages_key) is not None or (messages_key in rec.data and not has_prompt)):
+        return [_conversation_sequence(ld, rec, messages_key, chat)], None
+    if messages_key and not has_prompt:
+        raise DataError(
+            f"{rec.file}: row {rec.row}: no column '{prompt_key}' (nor pre-tokenized '{prompt_key}_ids'), nor "
+            f"a conversation in '{messages_key}'; columns present: {_columns(rec)}"
+        )
+    prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     response = _response(ld.field(rec, response_key), ld.eos)
     ld.check_length(len(prompt) + len(response), response_key, f"prompt {len(prompt)} + response {len(response)}")
     return [(prompt + response, [0] * len(prompt) + [1] * len(response))], None
@@ -744,13 +855,7 @@ def _prompt_row(
             f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
             f"columns present: {_columns(rec)}"
         )
-    value = rec.data.get(prompt_key)
-    ids = (
-        _message_ids(rec, prompt_key, value, ld.tokenizer, chat)
-        if isinstance(value, list)
-        else ld.field(rec, prompt_key)
-    )
-    prompt = ld.with_bos(ids)
+    prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
     return [(prompt, None)], {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
 
@@ -764,12 +869,22 @@ def load_sft_dataset(
     on_invalid: OnProblem = "error",
     prompt_key: str = "prompt",
     response_key: str = "response",
+    messages_key: str = "messages",
     append_eos: bool = True,
     add_bos: bool = False,
+    apply_chat_template: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tools_key: str = "tools",
     num_workers: int = 0,
 ) -> tuple[SFTDataset, DataReport]:
-    """SFT sequences from ``.jsonl``/``.parquet`` files or directories (see the module docstring)."""
-    row = functools.partial(_sft_row, prompt_key=prompt_key, response_key=response_key)
+    """SFT sequences from ``.jsonl``/``.parquet`` files or directories (see the module docstring): a
+    row's ``messages_key`` conversation when it has one ("": never), else its prompt and response.
+    The chat arguments are ``load_prompt_dataset``'s."""
+    chat = _chat_options(apply_chat_template, chat_template_kwargs, tools, tools_key)
+    row = functools.partial(
+        _sft_row, prompt_key=prompt_key, response_key=response_key, messages_key=messages_key, chat=chat
+    )
     part = _Loader(
         paths,
         tokenizer,
@@ -842,13 +957,7 @@ def load_prompt_dataset(
     ``tools_key`` column (when present and not null; "": never) or else ``tools``. Text and
     pre-tokenized prompts are never templated (they may be chat-formatted already), so these do not
     apply to them."""
-    variables = dict(chat_template_kwargs or {})
-    problems = template_variable_errors("chat_template_kwargs", variables) + [
-        p for i, t in enumerate(tools or ()) if (p := tool_schema_problem(t, f"tools[{i}]")) is not None
-    ]
-    if problems:
-        raise ValueError("; ".join(problems))
-    chat = _ChatOptions(apply_chat_template, variables, None if tools is None else list(tools), tools_key)
+    chat = _chat_options(apply_chat_template, chat_template_kwargs, tools, tools_key)
     row = functools.partial(_prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys), chat=chat)
     part = _Loader(
         paths,

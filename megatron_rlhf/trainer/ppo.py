@@ -59,7 +59,6 @@ from megatron_rlhf.algorithms.utils import last_valid, masked_mean
 from megatron_rlhf.data import PromptDataset, PromptExample, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
-from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimizer_bytes_to_come
@@ -160,10 +159,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
                 prompt_key=data.prompt_key,
                 extra_keys=data.extra_keys,
                 add_bos=data.add_bos,
-                apply_chat_template=data.apply_chat_template,
-                chat_template_kwargs=data.chat_template_kwargs,
-                tools=load_tool_schemas(tools_file) if tools_file else None,
-                tools_key=data.tools_key,
+                **data.chat_options(tools_file),
                 num_workers=data.num_workers,
             )
             log(f"{what}: {report.summary()}")

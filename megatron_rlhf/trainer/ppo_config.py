@@ -11,7 +11,7 @@ reference that follows the actor against the actor).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Literal
 
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
@@ -20,8 +20,7 @@ from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.builtin import data_path_errors
-from megatron_rlhf.data.chat_template import template_variable_errors, tools_file_errors
-from megatron_rlhf.data.config import DataFilesConfig
+from megatron_rlhf.data.config import ChatDataConfig
 from megatron_rlhf.hybrid.config import HybridConfig, ReferenceConfig
 from megatron_rlhf.models.architecture import Architecture, matching_vocab_pad_multiple, padded_vocab_size
 from megatron_rlhf.parallel.layout import Layout, layout_errors
@@ -35,7 +34,7 @@ from megatron_rlhf.training.config import OptimConfig, PPOLossConfig
 
 
 @dataclasses.dataclass(kw_only=True)
-class PromptDataConfig(DataFilesConfig):
+class PromptDataConfig(ChatDataConfig):
     """RL prompts (``train`` may also name built-in sets, e.g. builtin:lowercase-prompts)."""
 
     validation: list[str] = dataclasses.field(default_factory=list)
@@ -44,27 +43,9 @@ class PromptDataConfig(DataFilesConfig):
     """Columns passed to reward rules with each sample (e.g. [answer])."""
     max_prompt_length: int = 512
     """Longest prompt in tokens; longer rows follow ``on_overlong``."""
-    apply_chat_template: bool = True
-    """Render a prompt that is a list of {role, content} messages with the model's chat template (and
-    the generation prompt); plain-text prompts are tokenized as they are."""
-    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """More variables for the chat template, as transformers' apply_chat_template(**kwargs) passes
-    them (verl: data.apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3."""
-    tools_file: str = ""
-    """Tool schemas the chat template offers the model (its ``tools``): a YAML file in verl's
-    tool_config_path format, of which only each tool's tool_schema is read (no tool runs); empty: none,
-    or with rollout.multi_turn.enable the agent's tools file (rollout.multi_turn.tool_config_path)."""
-    tools_key: str = "tools"
-    """Column of a row's own tool schemas (a list of OpenAI function schemas, or a JSON string of
-    one): where present and not null they replace tools_file's for that row, not add to them; "": no
-    such column."""
 
     def errors(self) -> list[str]:
-        return (
-            super().errors()
-            + at_least(self, 1, "max_prompt_length")
-            + template_variable_errors("chat_template_kwargs", self.chat_template_kwargs)
-        )
+        return super().errors() + at_least(self, 1, "max_prompt_length")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -275,7 +256,6 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
         )
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.eval.figures, per_source=True)
-    errors += tools_file_errors("data.tools_file", data.tools_file)
     multi_turn = rollout.multi_turn
     if multi_turn.enable and data.tools_file and data.tools_file != multi_turn.tool_config_path:
         errors.append(

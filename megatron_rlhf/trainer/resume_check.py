@@ -107,13 +107,15 @@ RULES: dict[str, dict[str, str]] = {
         "validation": MAY_CHANGE,
         "extra_keys": MAY_CHANGE,
         "max_prompt_length": FIXED,
+    },
+    "ChatDataConfig": {
         "apply_chat_template": FIXED,
         "chat_template_kwargs": FIXED,
         "tools_file": FIXED,
         "tools_key": FIXED,
     },
     "SupervisedDataConfig": {"validation": MAY_CHANGE, "max_length": FIXED},
-    "SFTDataConfig": {"response_key": FIXED},
+    "SFTDataConfig": {"response_key": FIXED, "messages_key": FIXED},
     "PreferenceDataConfig": {"chosen_key": FIXED, "rejected_key": FIXED},
     "RolloutConfig": {"tp": LAYOUT, "filter_groups": MAY_CHANGE, "max_sample_batches": MAY_CHANGE},
     # What the policy learns to do (its tools, how it calls them) is fixed; the limits of a trajectory are not.

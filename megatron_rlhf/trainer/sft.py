@@ -1,8 +1,10 @@
-"""``megatron-rlhf sft``: supervised fine-tuning of a causal LM on prompt -> response rows.
+"""``megatron-rlhf sft``: supervised fine-tuning of a causal LM on prompt -> response rows, or on
+conversations (``data.messages_key``).
 
-The loss is the next-token NLL of the response tokens (and EOS), token-mean over the global batch
-(``sft_loss``); the prompt is context only. Validation, when given, reports the same token-mean
-NLL (and its perplexity) over the whole validation set.
+The loss is the next-token NLL of the response tokens (and EOS), or of the assistant messages',
+token-mean over the global batch (``sft_loss``); the prompt, and every other message, is context
+only. Validation, when given, reports the same token-mean NLL (and its perplexity) over the whole
+validation set.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def _load(paths: list[str], tokenizer: Tokenizer, data: SFTDataConfig, what: str
         on_invalid=data.on_invalid,
         prompt_key=data.prompt_key,
         response_key=data.response_key,
+        messages_key=data.messages_key,
         add_bos=data.add_bos,
+        **data.chat_options(),
         num_workers=data.num_workers,
     )
     log(f"{what} data: {report.summary()}")

@@ -11,7 +11,7 @@ from megatron_rlhf.checkpoint.sources import ModelConfig, model_errors
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
 from megatron_rlhf.data.builtin import data_path_errors
-from megatron_rlhf.data.config import DataFilesConfig
+from megatron_rlhf.data.config import ChatDataConfig, DataFilesConfig
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import Layout
 from megatron_rlhf.trainer.loop_config import LoopConfig
@@ -75,11 +75,17 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
 
 
 @dataclasses.dataclass(kw_only=True)
-class SFTDataConfig(SupervisedDataConfig):
-    """SFT rows: a prompt and the response the model learns to produce."""
+class SFTDataConfig(SupervisedDataConfig, ChatDataConfig):
+    """SFT rows: a conversation whose assistant messages the model learns to write, or a prompt (text,
+    or a conversation rendered with the generation prompt) and the response it learns to produce."""
 
     response_key: str = "response"
     """Column of the response text (or pre-tokenized ``<key>_ids``)."""
+    messages_key: str = "messages"
+    """Column of a conversation (a list of {role, content, tool_calls} messages, verl's multi-turn SFT
+    rows): a row that has it is trained on its assistant messages only, each through its stop token;
+    system, user and tool messages are context. Rows without it use prompt_key and response_key. "":
+    no such column."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -20,31 +20,6 @@ from megatron_rlhf.agent.tools import BaseTool, ToolResponse
 from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
 from tests.helpers import make_chat_tokenizer
 
-# Written here in the shape of Qwen2.5-Instruct's template: tools in the system turn, consecutive tool
-# messages in one user turn, each in <tool_response></tool_response>.
-QWEN25_STYLE_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}{{- messages[0].content }}
-    {%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
-    {{- "\n\n# Tools\n\n<tools>" }}
-    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-    {{- "\n</tools>\n\nReturn each function call within <tool_call></tool_call> XML tags.<|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- else %}
-    {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' or message.role == 'assistant' or (message.role == 'system' and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
-
 
 def schema(name: str, **properties: str) -> dict[str, Any]:
     props = {key: {"type": kind} for key, kind in properties.items()}
@@ -57,9 +32,7 @@ USER = [{"role": "user", "content": "What is 123 * 4567?"}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = make_chat_tokenizer("qwen2", tmp_path_factory.mktemp("qwen25_style"))
-    (d / "chat_template.jinja").write_text(QWEN25_STYLE_TEMPLATE, encoding="utf-8")
-    return d
+    return make_chat_tokenizer("qwen25_tools", tmp_path_factory.mktemp("qwen25_tools"))
 
 
 @pytest.fixture(scope="module")

@@ -127,7 +127,7 @@ def test_missing_column_names_file_column_and_columns(tmp_path):
         ({"prompt": "", "response": "b"}, "prompt", "is empty", "empty"),
         ({"prompt": "a", "response": "  \n"}, "response", "is empty", "empty"),
         ({"prompt": 7, "response": "b"}, "prompt", "must be a string, got int", "wrong_type"),
-        ({"prompt": ["a"], "response": "b"}, "prompt", "must be a string, got list", "wrong_type"),
+        ({"prompt": {"a": 1}, "response": "b"}, "prompt", "must be a string, got dict", "wrong_type"),
         ({"prompt_ids": [], "response": "b"}, "prompt_ids", "is an empty list", "empty"),
         ({"prompt_ids": None, "response": "b"}, "prompt_ids", "is null", "empty"),
         (

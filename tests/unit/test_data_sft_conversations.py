@@ -1,0 +1,222 @@
+"""SFT on conversations (``data.messages_key``): the sequence is the one a multi-turn rollout of the same
+conversation builds (``ToolAgent``, driven by hand as the engine drives it) and its text is transformers'
+``apply_chat_template`` of the conversation; the loss covers exactly the tokens the policy sampled there.
+Hand-written masks for the built-in tool task's template and for a template with no stop token; every
+bad row names its file, row and column."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_rlhf.agent.builtin_tools import Calculator
+from megatron_rlhf.agent.config import MultiTurnConfig
+from megatron_rlhf.agent.loop import ToolAgent
+from megatron_rlhf.data import DataError, load_sft_dataset, load_tokenizer
+from megatron_rlhf.data.tokenizer import HFTokenizer
+from megatron_rlhf.tasks import arithmetic_tool as tool
+from megatron_rlhf.tasks.arithmetic import Problem
+from tests.helpers import make_chat_tokenizer
+
+CALCULATOR = {
+    "type": "function",
+    "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {}}}},
+}
+USER = {"role": "user", "content": "What is 123 * 4567?"}
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 4567"}}\n</tool_call>'
+ANSWER = "123 * 4567 = 561741."
+CONVERSATION = [
+    USER,
+    {"role": "assistant", "content": "Let me compute.\n" + CALL},
+    {"role": "tool", "content": "561741"},
+    {"role": "assistant", "content": ANSWER},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_chat_tokenizer("qwen25_tools", tmp_path_factory.mktemp("qwen25_tools"))
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def load(path: Path, model_dir: Path, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
+    dataset, report = load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096, **kwargs)
+    assert report.kept == len(dataset)
+    return [(ex.input_ids.tolist(), ex.loss_mask.int().tolist()) for ex in dataset]
+
+
+def test_a_conversation_is_the_rollout_of_it_and_trains_on_the_policy_tokens(model_dir, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is not None
+    # The rollout: the prompt, a policy turn that calls the calculator, the environment's tokens, a final turn.
+    agent_cfg = MultiTurnConfig(max_assistant_turns=3)
+    with ToolAgent(agent_cfg, tokenizer, {"calculator": Calculator({}, CALCULATOR)}, [{}]) as agent:
+        episode = agent.episode(0, 1)
+        first, second = (tokenizer.encode(m["content"] + "<|im_end|>") for m in CONVERSATION[1::2])
+        future = episode.after_turn(first)
+        assert future is not None
+        environment = future.result(timeout=10).token_ids
+        assert episode.after_turn(second) is None
+        episode.close()
+    prompt = tokenizer.encode(tokenizer.chat_template.render([USER], tools=[CALCULATOR]))
+    after_stop = tokenizer.encode("\n")  # the template's newline after the last <|im_end|>
+
+    rows = [{"messages": CONVERSATION, "tools": [CALCULATOR]}]
+    [(ids, mask)] = load(write_jsonl(tmp_path / "chat.jsonl", rows), model_dir)
+    assert ids == prompt + first + environment + second + after_stop
+    assert mask == [0] * len(prompt) + [1] * len(first) + [0] * len(environment) + [1] * len(second) + [0]
+    reference = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        CONVERSATION, tools=[CALCULATOR], tokenize=False
+    )
+    assert tokenizer.decode(ids) == reference
+    # The tools may come from the loader (a tools file) instead of the row.
+    [(from_file, _)] = load(
+        write_jsonl(tmp_path / "plain.jsonl", [{"messages": CONVERSATION}]), model_dir, tools=[CALCULATOR]
+    )
+    assert from_file == ids
+
+
+def test_the_tool_tasks_teacher_is_trained_on_its_own_turns_only(tmp_path) -> None:
+    model_dir = tool.write_tokenizer(tmp_path / "tok", model_max_length=256)
+    tokenizer = load_tokenizer(model_dir)
+    problem = Problem(347, "*", 128)
+    rows = [{"messages": tool.teacher_messages(problem, tool_rate, seed=0)} for tool_rate in (1.0, 0.0)]
+    (call_ids, call_mask), (direct_ids, direct_mask) = load(write_jsonl(tmp_path / "t.jsonl", rows), model_dir)
+
+    def trained(ids: list[int], mask: list[int]) -> list[str]:
+        """The trained spans' texts, in order."""
+        spans, current = [], []
+        for token, keep in zip(ids, mask, strict=True):
+            if keep:
+                current.append(token)
+            elif current:
+                spans, current = [*spans, tokenizer.decode(current)], []
+        return spans + ([tokenizer.decode(current)] if current else [])
+
+    assert tokenizer.decode(call_ids) == (
+        'Q: 347*128=? A: <tool_call>{"name": "calculator", "arguments": {"expression": "347*128"}}</tool_call></s>'
+        "<tool_response>44416</tool_response> #### 44416</s>"
+    )
+    assert trained(call_ids, call_mask) == [
+        ' <tool_call>{"name": "calculator", "arguments": {"expression": "347*128"}}</tool_call></s>',
+        " #### 44416</s>",
+    ]
+    assert tokenizer.decode([t for t, m in zip(call_ids, call_mask, strict=True) if not m]) == (
+        "Q: 347*128=? A:<tool_response>44416</tool_response>"
+    )
+    assert trained(direct_ids, direct_mask) == [" 347*128 #### 44416</s>"]
+
+
+def test_a_template_without_a_stop_token_ends_the_last_message_with_eos(model_dir, tmp_path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (plain / name).write_bytes((model_dir / name).read_bytes())
+    (plain / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}",
+        encoding="utf-8",
+    )
+    tokenizer = load_tokenizer(plain)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "ciao"},
+    ]
+    [(ids, mask)] = load(write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}]), plain)
+    pieces = [("user: hi\nassistant: ", 0), ("hello\n", 1), ("user: bye\nassistant: ", 0), ("ciao\n", 1)]
+    expected = [(t, m) for text, m in pieces for t in tokenizer.encode(text)] + [(tokenizer.eos_id, 1)]
+    assert list(zip(ids, mask, strict=True)) == expected
+    # append_eos=False: no EOS, the last message as the template writes it.
+    [(ids, _)] = load(tmp_path / "c.jsonl", plain, append_eos=False)
+    assert ids == [t for t, _ in expected[:-1]]
+
+
+def test_conversation_and_prompt_response_rows_mix(model_dir, tmp_path) -> None:
+    tokenizer = load_tokenizer(model_dir)
+    rows = [
+        {"prompt": "Say hi.", "response": "hi"},
+        {"messages": CONVERSATION[:2], "prompt": None},
+        {"messages": None, "prompt": [USER], "response": "It is 561741."},
+    ]
+    (text_ids, text_mask), (chat_ids, chat_mask), (prompt_ids, prompt_mask) = load(
+        write_jsonl(tmp_path / "mixed.jsonl", rows), model_dir
+    )
+    assert text_ids == tokenizer.encode("Say hi.") + tokenizer.encode("hi") + [tokenizer.eos_id]
+    assert sum(text_mask) == len(tokenizer.encode("hi")) + 1
+    assert tokenizer.decode([t for t, m in zip(chat_ids, chat_mask, strict=True) if m]) == (
+        CONVERSATION[1]["content"] + "<|im_end|>"
+    )
+    rendered = tokenizer.encode(tokenizer.chat_template.render([USER]))
+    assert prompt_ids == rendered + tokenizer.encode("It is 561741.") + [tokenizer.eos_id]
+    assert prompt_mask == [0] * len(rendered) + [1] * (len(prompt_ids) - len(rendered))
+    # messages_key="" reads no conversation column: the row without a prompt is then an error.
+    with pytest.raises(DataError, match=r"row 0: no column 'prompt' \(nor pre-tokenized 'prompt_ids'\)"):
+        load(write_jsonl(tmp_path / "only_chat.jsonl", [{"messages": CONVERSATION}]), model_dir, messages_key="")
+
+
+HISTORY_REWRITER = (  # writes only the last two messages: earlier turns vanish once more follow
+    "{% for m in messages[-2:] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+BAD_ROWS = [
+    ({"messages": "hello"}, "wrong_type", "must be a list of {role, content} messages, got str"),
+    ({"messages": []}, "empty", "is an empty list of messages"),
+    ({"messages": [{"content": "x"}]}, "wrong_type", "message 0 must be an object with a string 'role'"),
+    ({"messages": [USER]}, "empty", "has no assistant message: nothing to train on"),
+    ({"messages": None}, "empty", "is null"),
+]
+
+
+@pytest.mark.parametrize("row,reason,detail", BAD_ROWS)
+def test_bad_conversations_error_naming_the_row_or_are_skipped(row, reason, detail, model_dir, tmp_path) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, row])
+    with pytest.raises(DataError, match=re.escape(f"{path}: row 1: column 'messages'")) as err:
+        load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096)
+    assert detail in str(err.value) and "on_invalid='skip'" in str(err.value)
+    dataset, report = load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096, on_invalid="skip")
+    assert len(dataset) == 1 and report.skipped == {reason: 1}
+
+
+def test_bad_settings_and_templates_are_named(model_dir, tmp_path) -> None:
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    with pytest.raises(
+        DataError, match=r"column 'messages' holds chat messages but data\.apply_chat_template is false"
+    ):
+        load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096, apply_chat_template=False)
+    with pytest.raises(DataError, match=r"gives \d+ tokens \(a conversation of 4 messages\) > data\.max_length=8"):
+        load_sft_dataset(path, load_tokenizer(model_dir), max_length=8)
+    rewriter = tmp_path / "rewriter"
+    rewriter.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (rewriter / name).write_bytes((model_dir / name).read_bytes())
+    (rewriter / "chat_template.jinja").write_text(HISTORY_REWRITER, encoding="utf-8")
+    with pytest.raises(
+        DataError, match=r"writes the conversation before message 3 \(an assistant message\) differently"
+    ):
+        load_sft_dataset(path, load_tokenizer(rewriter), max_length=4096)
+    with pytest.raises(
+        DataError,
+        match=r"none\.jsonl: row 0: no column 'prompt' .*, nor a conversation in 'messages'; columns present: \['text",
+    ):
+        load_sft_dataset(
+            write_jsonl(tmp_path / "none.jsonl", [{"text": "x"}]), load_tokenizer(model_dir), max_length=64
+        )
+
+
+def test_worker_processes_read_conversations_alike(model_dir, tmp_path) -> None:
+    rows = [{"messages": CONVERSATION, "tools": [CALCULATOR]}, {"prompt": "Say hi.", "response": "hi"}] * 3
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    assert load(path, model_dir, num_workers=2) == load(path, model_dir)
