@@ -53,7 +53,7 @@ samples but not when it decodes greedily, and gets the answers wrong without it,
 the room of the calls it learns to make."""
 
 
-def _tool_sft(split: str, count: int) -> Callable[[], list[dict[str, str]]]:
+def _tool_sft(split: str, count: int) -> Callable[[], list[dict[str, Any]]]:
     return lambda: arithmetic_tool.sft_rows(
         arithmetic_tool.problems(split, count), TOOL_RATE, arithmetic_tool.TASK.seed
     )
@@ -79,6 +79,10 @@ BUILTIN_DATASETS: dict[str, Callable[[], Sequence[dict[str, Any]]]] = {
     "arithmetic-tool-test": _tool_prompts("test", 500),
 }
 
+REVISIONS = {"arithmetic-tool-sft": 2, "arithmetic-tool-sft-validation": 2}
+"""A set's revision where it is not 1: raised when its rows change, so that a file an earlier
+revision cached is never read for it (revision 2: the tool task's SFT rows became conversations)."""
+
 
 def _builtin_name(path: str) -> str:
     name = path[len(PREFIX) :]
@@ -95,7 +99,8 @@ def resolve_data_paths(paths: Sequence[str]) -> list[str]:
 
 def _builtin_file(name: str) -> Path:
     rows = BUILTIN_DATASETS[name]
-    return made_once(cache_dir() / "builtin-data" / f"{name}-v1.jsonl", lambda target: write_jsonl(rows(), target))
+    revision = REVISIONS.get(name, 1)
+    return made_once(cache_dir() / "builtin-data" / f"{name}-v{revision}.jsonl", lambda t: write_jsonl(rows(), t))
 
 
 def data_path_errors(key: str, paths: Sequence[str]) -> list[str]:

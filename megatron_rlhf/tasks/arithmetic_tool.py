@@ -125,25 +125,11 @@ def teacher_messages(problem: Problem, tool_rate: float, seed: int) -> list[dict
     ]
 
 
-def teacher_response(problem: Problem, tool_rate: float, seed: int) -> str:
-    """The teacher's whole trajectory after the prompt, as text, its final EOS left to the SFT
-    loader: ``CHAT_TEMPLATE``'s rendering of ``teacher_messages`` after the user turn."""
-    eos = SPECIAL_TOKENS["eos_token"]
-    if not calls_tool(problem, tool_rate, seed):
-        return f" {expression(problem)} {ANSWER_MARKER} {problem.answer}"
-    call = f"{CALL_OPEN}{CALL_PREFIX}{expression(problem)}{CALL_SUFFIX}{CALL_CLOSE}"
-    result = f"{RESPONSE_OPEN}{problem.answer}{RESPONSE_CLOSE}"
-    return f" {call}{eos}{result} {ANSWER_MARKER} {problem.answer}"
-
-
-def sft_rows(problems: Iterable[Problem], tool_rate: float, seed: int) -> list[dict[str, str]]:
-    """Text ``prompt``/``response`` rows for ``megatron-rlhf sft``. The SFT loader trains on the
-    whole response, so the tool's result is in the loss too: the model cannot predict a product
-    it cannot compute, and during RL those tokens are the environment's, never sampled."""
-    return [
-        {"prompt": f"{PROMPT_OPEN}{expression(p)}{PROMPT_CLOSE}", "response": teacher_response(p, tool_rate, seed)}
-        for p in problems
-    ]
+def sft_rows(problems: Iterable[Problem], tool_rate: float, seed: int) -> list[dict[str, Any]]:
+    """Conversation rows (``messages``) for ``megatron-rlhf sft``: the SFT loss covers the teacher's
+    own turns only, never the tool's result, which the model cannot compute and which RL never
+    samples."""
+    return [{"messages": teacher_messages(p, tool_rate, seed)} for p in problems]
 
 
 def prompt_rows(problems: Iterable[Problem]) -> list[dict[str, Any]]:

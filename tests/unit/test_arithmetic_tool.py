@@ -28,10 +28,16 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_teacher_writes_the_documented_trajectories() -> None:
     problem = Problem(347, "*", 128)
-    assert tool.teacher_response(problem, tool_rate=1.0, seed=0) == CALL_TEXT
-    assert tool.teacher_response(problem, tool_rate=0.0, seed=0) == " 347*128 #### 44416"
-    direct = {"prompt": "Q: 347*128=? A:", "response": " 347*128 #### 44416"}
-    assert tool.sft_rows([problem], tool_rate=0.0, seed=0) == [direct]
+    user = {"role": "user", "content": "347*128"}
+    direct = [user, {"role": "assistant", "content": "347*128 #### 44416"}]
+    assert tool.sft_rows([problem], tool_rate=0.0, seed=0) == [{"messages": direct}]
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "347*128"}}}
+    assert tool.teacher_messages(problem, tool_rate=1.0, seed=0) == [
+        user,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "44416"},
+        {"role": "assistant", "content": "#### 44416"},
+    ]
     assert tool.prompt_rows([problem]) == [{"prompt": [{"role": "user", "content": "347*128"}], "answer": "44416"}]
     with pytest.raises(ValueError, match=r"tool_rate=1.5: expected a probability in \[0, 1\]"):
         tool.calls_tool(problem, 1.5, seed=0)
@@ -51,12 +57,17 @@ def test_the_chat_template_renders_the_teachers_text(tokenizer_dir: Path) -> Non
     ours = load_tokenizer(tokenizer_dir)
     theirs = AutoTokenizer.from_pretrained(tokenizer_dir)
     assert isinstance(ours, HFTokenizer) and ours.chat_template is not None
-    problems = tool.problems("validation", 40)
-    for problem, row in zip(problems, tool.sft_rows(problems, 0.5, seed=0), strict=True):
+    texts = {
+        True: "Q: 347*128=? A:" + CALL_TEXT + "</s>",
+        False: "Q: 347*128=? A: 347*128 #### 44416</s>",
+    }
+    for tool_rate in (1.0, 0.0):
+        messages = tool.teacher_messages(Problem(347, "*", 128), tool_rate, seed=0)
+        assert ours.chat_template.render(messages, None, {}) == texts[tool_rate == 1.0]
+        assert theirs.apply_chat_template(messages, tokenize=False) == texts[tool_rate == 1.0]
+    for problem in tool.problems("validation", 40):
         messages = tool.teacher_messages(problem, 0.5, seed=0)
-        text = row["prompt"] + row["response"] + "</s>"
-        assert ours.chat_template.render(messages, None, {}) == text
-        assert theirs.apply_chat_template(messages, tokenize=False) == text
+        assert ours.chat_template.render(messages, None, {}) == theirs.apply_chat_template(messages, tokenize=False)
     # A tool message alone: exactly what the engine appends after a call (no BOS, no generation prompt).
     assert ours.chat_template.render([{"role": "tool", "content": "7"}], None, {}) == "<tool_response>7</tool_response>"
     with pytest.raises(ChatTemplateError, match="user, assistant and tool messages, not system"):
@@ -112,11 +123,12 @@ def test_builtin_tool_sets_and_model(tmp_path: Path, monkeypatch: pytest.MonkeyP
     rows = {n: [r.data for r in read_records(p)] for n, p in zip(names, paths, strict=True)}
     test = {r["prompt"][0]["content"] for r in rows["arithmetic-tool-test"]}
     assert len(test) == 500 and not test & {r["prompt"][0]["content"] for r in rows["arithmetic-tool-prompts"]}
-    calls = sum("<tool_call>" in r["response"] for r in rows["arithmetic-tool-sft"]) / len(rows["arithmetic-tool-sft"])
+    sft_rows = rows["arithmetic-tool-sft"]
+    calls = sum(len(r["messages"]) == 4 for r in sft_rows) / len(sft_rows)
     assert 0.28 < calls < 0.32
     # A chat prompt, rendered by the template, is the SFT row's prompt: the policy sees in RL what it saw in SFT.
     prompts, _ = load_prompt_dataset([paths[1]], tok, max_length=16)
     sft, _ = load_sft_dataset([paths[0]], tok, max_length=48)
     example = sft[0]
-    prompt_len = int((~example.loss_mask).sum())
+    prompt_len = int(example.loss_mask.int().argmax())  # the first trained token
     assert prompts[0].prompt_ids.tolist() == example.input_ids[:prompt_len].tolist()
