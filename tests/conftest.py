@@ -35,3 +35,22 @@ def world_of_one():
     from megatron_rlhf.parallel.distributed import init_distributed
 
     return init_distributed("cpu")
+
+
+@pytest.fixture(scope="session")
+def tool_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer directory with a Qwen2.5-shaped chat template that renders tool calls and messages
+    (``tests/helpers.py``'s ``qwen25_tools`` style)."""
+    from tests.helpers import make_chat_tokenizer
+
+    return make_chat_tokenizer("qwen25_tools", tmp_path_factory.mktemp("qwen25_tools"))
+
+
+@pytest.fixture(scope="session")
+def tool_chat_tokenizer(tool_chat_dir: Path):
+    """``tool_chat_dir``'s tokenizer (an ``HFTokenizer``)."""
+    from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
+
+    loaded = load_tokenizer(tool_chat_dir)
+    assert isinstance(loaded, HFTokenizer)
+    return loaded

@@ -195,6 +195,12 @@ def make_chat_tokenizer(style: str, out_dir: str | Path) -> Path:
     return Path(out_dir)
 
 
+def policy_turn(tokenizer, text: str) -> list[int]:
+    """A policy turn of a ``qwen25_tools`` conversation as the engine hands it to an episode: its ids,
+    ending with the stop token."""
+    return tokenizer.encode(text + "<|im_end|>")
+
+
 def hf_reference_outputs(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Per-token logits (causal LM) or per-token scores (sequence classifier)."""
     with torch.no_grad():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_rlhf.agent.interactions import interactions_file_errors
 from megatron_rlhf.agent.parsers import PARSERS
 from megatron_rlhf.agent.tools import tools_file_errors
 from megatron_rlhf.config.fields import at_least, check_on_init
@@ -16,13 +17,20 @@ __all__ = ["MultiTurnConfig"]
 class MultiTurnConfig:
     enable: bool = False
     """Multi-turn rollouts: a policy turn that calls tools is followed by the tools' results (rendered
-    by the chat template as tool messages) and the policy goes on, in the same sequence."""
+    by the chat template as tool messages), one that calls none by the interaction's reply (a user
+    message) where there is an interaction, and the policy goes on, in the same sequence."""
     max_assistant_turns: int = 0
     """Policy turns per trajectory (0: no limit but rollout.sampling.max_new_tokens, which bounds the
     whole response, tool results included)."""
+    max_user_turns: int = 0
+    """Environment turns per trajectory, tool results and interaction replies together, as verl counts
+    them (0: no limit but max_assistant_turns and max_new_tokens)."""
     tool_config_path: str = ""
     """The tools, in verl's tool_config_path YAML (tools: [{class_name, config, tool_schema}]); checked
     up front: each class imported and built."""
+    interaction_config_path: str = ""
+    """The interactions, in verl's interaction_config_path YAML (interaction: [{name, class_name,
+    config}]); a prompt picks one by its extra_info.interaction_kwargs.name. Checked up front."""
     format: str = "hermes"
     """How the policy writes tool calls (the parser): hermes, Qwen2.5's <tool_call>{json}</tool_call>."""
     max_parallel_calls: int = 1
@@ -39,11 +47,16 @@ class MultiTurnConfig:
         check_on_init(self)
 
     def errors(self) -> list[str]:
-        errors = at_least(self, 0, "max_assistant_turns") + at_least(self, 1, "max_parallel_calls", "tool_workers")
+        errors = at_least(self, 0, "max_assistant_turns", "max_user_turns")
+        errors += at_least(self, 1, "max_parallel_calls", "tool_workers")
         errors += at_least(self, 1, "max_tool_response_length")
         if not self.tool_timeout_s > 0:
             errors.append(f"tool_timeout_s={self.tool_timeout_s} must be > 0")
         errors += PARSERS.field_errors("format", self.format)
-        if self.enable and not self.tool_config_path:
-            errors.append("tool_config_path: multi-turn rollouts (enable=true) need the tools file")
-        return errors + tools_file_errors("tool_config_path", self.tool_config_path)
+        if self.enable and not (self.tool_config_path or self.interaction_config_path):
+            errors.append(
+                "tool_config_path: multi-turn rollouts (enable=true) need the tools file, or an "
+                "interactions file (interaction_config_path)"
+            )
+        errors += tools_file_errors("tool_config_path", self.tool_config_path)
+        return errors + interactions_file_errors("interaction_config_path", self.interaction_config_path)

@@ -30,8 +30,12 @@ class CallOutcome:
     error: ErrorKind | None = None
     seconds: float = 0.0
     reward: float | None = None
-    """The reward ``execute`` returned for this call (None: none, or the call failed)."""
+    """The reward ``execute`` returned for this call, or the score an interaction gave its reply
+    (None: none, or the call failed)."""
     truncated: bool = False
+    ends: bool = False
+    """An interaction's answer only: the trajectory ends here (its ``should_terminate_sequence``, or
+    its failure)."""
 
 
 def truncate_middle(text: str, limit: int) -> tuple[str, bool]:

@@ -4,11 +4,14 @@
 After each policy turn the engine hands over the turn's tokens; the episode parses its tool calls
 (``multi_turn.format``), runs them on the agent's thread pool and answers with the tokens of the tool
 messages as the chat template writes them, up to the next assistant generation prompt. Every failure
-of a call becomes a tool message the model reads, counted by kind in the trajectory record.
+of a call becomes a tool message the model reads, counted by kind in the trajectory record. A turn
+without calls goes to the prompt's interaction (``agent/interactions.py``), if it has one: its reply
+comes back as a user message, or it ends the trajectory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import uuid
@@ -18,25 +21,26 @@ from typing import Any, get_args
 
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.agent.executor import CallOutcome, gather_calls, truncate_middle
+from megatron_rlhf.agent.interactions import interaction_of, load_interactions
 from megatron_rlhf.agent.parsers import PARSERS, CallError, ParsedCall, ToolCall
-from megatron_rlhf.agent.tools import argument_problems, call_method, response_text, tool_name
+from megatron_rlhf.agent.tools import argument_problems, call_method, load_tools, response_text, tool_name
 from megatron_rlhf.data.chat_template import ChatTemplate, tool_schema_problem
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.rollout.engine import EnvironmentTurn, ToolErrorKind, TrajectoryRecord
 
-__all__ = ["ToolAgent", "ToolEpisode", "ToolMessages", "tools_kwargs_of"]
+__all__ = ["AgentParts", "EnvironmentMessages", "ToolAgent", "ToolEpisode", "tools_kwargs_of"]
 
 _ASSISTANT = "ASSISTANT-TURN-PLACEHOLDER"
 
 
-class ToolMessages:
-    """Renders tool messages as the text the chat template writes between the end of an assistant
-    turn and the next assistant generation prompt.
+class EnvironmentMessages:
+    """Renders the environment's messages (tool results, an interaction's reply) as the text the chat
+    template writes between the end of an assistant turn and the next assistant generation prompt.
 
-    The template is rendered twice around a placeholder assistant turn: without tool messages and
+    The template is rendered twice around a placeholder assistant turn: without the messages and
     without a generation prompt (A), and with both (B). What B adds to A, plus what A writes after the
     assistant's content (its end-of-turn text, less the stop token the policy itself sampled), is the
-    environment's text: it depends on the tool messages only, not on the conversation before.
+    environment's text: it depends on the messages only, not on the conversation before.
     """
 
     def __init__(self, template: ChatTemplate, variables: Mapping[str, Any] | None = None) -> None:
@@ -46,20 +50,39 @@ class ToolMessages:
         if self._closed.count(_ASSISTANT) != 1:
             raise ValueError(f"{template.source}: the chat template does not write an assistant message's content once")
         self._turn_end = self._closed[self._closed.index(_ASSISTANT) + len(_ASSISTANT) :]
-        self.text(["probe"], stop_text="")  # a template that rewrites earlier turns fails here, not mid-rollout
 
-    def text(self, contents: Sequence[str], stop_text: str) -> str:
-        """The environment's text after a policy turn ending in ``stop_text``, for tool messages with
-        ``contents``."""
-        tools = [{"role": "tool", "content": content} for content in contents]
-        rendered = self.template.render([*self._opening, *tools], variables=self.variables)
+    def check(self, role: str) -> None:
+        """Fail now, not mid-rollout, if the template cannot extend a trajectory with ``role`` messages."""
+        self.text(["probe"], stop_text="", role=role)
+
+    def text(self, contents: Sequence[str], stop_text: str, role: str = "tool") -> str:
+        """The environment's text after a policy turn ending in ``stop_text``, for ``role`` messages
+        with ``contents``."""
+        messages = [{"role": role, "content": content} for content in contents]
+        rendered = self.template.render([*self._opening, *messages], variables=self.variables)
         if not rendered.startswith(self._closed):
             raise ValueError(
-                f"{self.template.source}: with tool messages after an assistant turn the chat template "
+                f"{self.template.source}: with {role} messages after an assistant turn the chat template "
                 "rewrites the conversation before them, so a trajectory cannot be extended in place"
             )
         turn_end = self._turn_end.removeprefix(stop_text) if stop_text else self._turn_end
         return turn_end + rendered[len(self._closed) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentParts:
+    """What a ``ToolAgent`` runs, built once from the multi-turn settings' files: the tools by function
+    name and the interactions by name (either may be empty)."""
+
+    tools: dict[str, Any]
+    interactions: dict[str, Any]
+
+    @classmethod
+    def load(cls, config: MultiTurnConfig) -> AgentParts:
+        return cls(
+            load_tools(config.tool_config_path) if config.tool_config_path else {},
+            load_interactions(config.interaction_config_path) if config.interaction_config_path else {},
+        )
 
 
 def tools_kwargs_of(extra_info: Mapping[str, Any] | None, tool_names: Sequence[str], where: str) -> dict[str, dict]:
@@ -89,8 +112,9 @@ def tools_kwargs_of(extra_info: Mapping[str, Any] | None, tool_names: Sequence[s
 
 
 class ToolAgent:
-    """The environment of tool-calling trajectories: the tools (built once, from the tools file), the
-    thread pool that runs their calls, and each prompt's ``create_kwargs``.
+    """The environment of multi-turn trajectories: the tools and the interactions (each built once,
+    from its file), the thread pool that runs their calls, and each prompt's ``create_kwargs`` and
+    interaction.
 
     ``extra_infos``: each prompt's verl ``extra_info`` (None where a row has none), in prompt order.
     ``template_variables``: the chat template's variables of the prompts (``data.chat_template_kwargs``).
@@ -104,11 +128,12 @@ class ToolAgent:
         tools: Mapping[str, Any],
         extra_infos: Sequence[Mapping[str, Any] | None],
         template_variables: Mapping[str, Any] | None = None,
+        interactions: Mapping[str, Any] | None = None,
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError(
-                f"{tokenizer!r} has no chat template: multi-turn rollouts render tool messages with it "
-                "(rollout.multi_turn.enable needs a chat model's tokenizer)"
+                f"{tokenizer!r} has no chat template: multi-turn rollouts render the environment's messages "
+                "with it (rollout.multi_turn.enable needs a chat model's tokenizer)"
             )
         for name, tool in tools.items():
             schema: Any = getattr(tool, "tool_schema", None)
@@ -118,10 +143,18 @@ class ToolAgent:
             if problem is not None:
                 raise ValueError(f"{problem} (tools are keyed by their schema's function name, see load_tools)")
         self.config, self.tokenizer, self.tools = config, tokenizer, dict(tools)
+        self.interactions = dict(interactions or {})
         self.parse = PARSERS.get(config.format)
-        self.messages = ToolMessages(tokenizer.chat_template, template_variables)
+        self.messages = EnvironmentMessages(tokenizer.chat_template, template_variables)
+        for role, needed in (("tool", self.tools), ("user", self.interactions)):
+            if needed:
+                self.messages.check(role)
         self.create_kwargs = [
             tools_kwargs_of(extra, list(self.tools), f"prompt {i}: extra_info") for i, extra in enumerate(extra_infos)
+        ]
+        self.interaction_of = [
+            interaction_of(extra, list(self.interactions), f"prompt {i}: extra_info")
+            for i, extra in enumerate(extra_infos)
         ]
         self.pool = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="agent-tool")
 
@@ -141,43 +174,105 @@ class ToolAgent:
 
 class ToolEpisode:
     """One trajectory: its tools' instances (created on a tool's first call, with the prompt's
-    ``create_kwargs``; released at ``close``) and its record. ``after_turn`` and ``close`` come from
-    the engine's thread, calls finish on the pool's: the record is updated under a lock."""
+    ``create_kwargs``; released at ``close``), its interaction's instance (started on its first
+    reply, with the prompt's ``interaction_kwargs``; finalized at ``close``) and its record.
+    ``after_turn`` and ``close`` come from the engine's thread, calls finish on the pool's: the
+    record is updated under a lock."""
 
     def __init__(self, agent: ToolAgent, prompt_index: int, sample_index: int) -> None:
         self.agent, self.prompt_index, self.sample_index = agent, prompt_index, sample_index
         self._lock = threading.Lock()
         self._creating = threading.Lock()  # not the record's lock: a create that hangs delays no timeout
         self._instances: dict[str, str] = {}
+        self._conversation: str | None = None  # the interaction's instance, once started
         self._closed = False
         self.policy_turns = self.tool_turns = self.tool_calls = self.truncated = 0
+        self.user_turns = self.interaction_errors = 0
+        self.interaction_failure = ""
         self.errors: dict[ToolErrorKind, int] = dict.fromkeys(get_args(ToolErrorKind), 0)
         self.tool_seconds = 0.0
         self.call_rewards: list[float] = []
+        self.turn_scores: list[float] = []
         self.messages: list[dict[str, str]] = []
 
     def after_turn(self, turn_ids: list[int]) -> Future[EnvironmentTurn] | None:
-        agent = self.agent
+        agent, config = self.agent, self.agent.config
         text = agent.tokenizer.decode(turn_ids[:-1])
         stop_text = agent.tokenizer.decode(turn_ids[-1:])
         with self._lock:
             self.policy_turns += 1
             self.messages.append({"role": "assistant", "content": text})
-        limit = agent.config.max_assistant_turns
-        calls = agent.parse(text)[: agent.config.max_parallel_calls]
-        if not calls or (limit and self.policy_turns >= limit):
+            environment_turns = self.tool_turns + self.user_turns
+        if (config.max_assistant_turns and self.policy_turns >= config.max_assistant_turns) or (
+            config.max_user_turns and environment_turns >= config.max_user_turns
+        ):
+            return None
+        calls = agent.parse(text)[: config.max_parallel_calls] if agent.tools else []
+        if calls:
+            return gather_calls(
+                agent.pool,
+                [functools.partial(self._call, call) for call in calls],
+                config.tool_timeout_s,
+                lambda i: CallOutcome(
+                    f"Error: the call to {_name(calls[i])} did not finish within {config.tool_timeout_s} s",
+                    "timeout",
+                    seconds=config.tool_timeout_s,
+                ),
+                lambda outcomes: self._environment_turn(outcomes, stop_text),
+            )
+        chosen = agent.interaction_of[self.prompt_index]
+        if chosen is None:
             return None
         return gather_calls(
             agent.pool,
-            [functools.partial(self._call, call) for call in calls],
-            agent.config.tool_timeout_s,
-            lambda i: CallOutcome(
-                f"Error: the call to {_name(calls[i])} did not finish within {agent.config.tool_timeout_s} s",
-                "timeout",
-                seconds=agent.config.tool_timeout_s,
-            ),
-            lambda outcomes: self._environment_turn(outcomes, stop_text),
+            [self._reply],
+            config.tool_timeout_s,
+            lambda _: CallOutcome(f"{chosen[0]}: no answer within {config.tool_timeout_s} s", "timeout", ends=True),
+            lambda outcomes: self._user_turn(outcomes[0], stop_text),
         )
+
+    def _reply(self) -> CallOutcome:
+        """The interaction's answer to the policy's turn, run on a worker. Its failure ends the
+        trajectory (counted in ``interaction_errors``): it is the environment's fault, not the model's."""
+        chosen = self.agent.interaction_of[self.prompt_index]
+        assert chosen is not None, "after_turn asks for a reply only where the prompt has an interaction"
+        name, kwargs = chosen
+        interaction = self.agent.interactions[name]
+        try:
+            if self._conversation is None:  # replies come one at a time: no other worker starts it
+                wanted = f"{self.prompt_index}-{self.sample_index}-{name}-{uuid.uuid4().hex[:8]}"
+                started = call_method(interaction.start_interaction, wanted, **kwargs) or wanted
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._conversation = started
+                if closed:  # closed while starting: close() has not seen this instance
+                    call_method(interaction.finalize_interaction, started, **kwargs)
+                    raise RuntimeError("the trajectory is closed")
+            with self._lock:
+                messages = [dict(message) for message in self.messages]
+            ends, response, score, _ = call_method(
+                interaction.generate_response, self._conversation, messages, **kwargs
+            )
+            return CallOutcome(response_text(response), reward=None if score is None else float(score), ends=bool(ends))
+        except BaseException as exc:  # the user's code: any failure, SystemExit included, is its own
+            return CallOutcome(f"{name}: {type(exc).__name__}: {exc}", "exception", ends=True)
+
+    def _user_turn(self, outcome: CallOutcome, stop_text: str) -> EnvironmentTurn:
+        """The interaction's reply as a user message the policy reads next, or the trajectory's end."""
+        with self._lock:
+            if outcome.error is not None:
+                self.interaction_errors += 1
+                self.interaction_failure = self.interaction_failure or outcome.text
+            if outcome.reward is not None:
+                self.turn_scores.append(outcome.reward)
+            if outcome.error is None:
+                self.messages.append({"role": "user", "content": outcome.text})
+            if outcome.ends:
+                return EnvironmentTurn([], ends=True)
+            self.user_turns += 1
+        text = self.agent.messages.text([outcome.text], stop_text, role="user")
+        return EnvironmentTurn(self.agent.tokenizer.encode(text))
 
     def _call(self, call: ParsedCall) -> CallOutcome:
         """One call, run on a worker; every failure is an outcome (a tool is the user's code: any
@@ -239,16 +334,26 @@ class ToolEpisode:
         return EnvironmentTurn(self.agent.tokenizer.encode(text))
 
     def close(self) -> TrajectoryRecord:
-        """Ask each created tool instance its reward, release it, and return the trajectory record.
-        The tools' calls run on the pool within ``tool_timeout_s`` (a failure or a timeout counts as
-        a tool error, reward 0), so that a hanging tool cannot stall the engine's thread that closes.
+        """Ask each created tool instance its reward, release it, finalize the interaction's instance,
+        and return the trajectory record. These calls run on the pool within ``tool_timeout_s`` (a
+        tool's failure or timeout counts as a tool error, reward 0; the interaction's as an
+        interaction error), so that a hanging tool cannot stall the engine's thread that closes.
         ``num_turns`` counts as verl's tool agent loop does (assistant turns + user turns + 1): the
-        prompt, each policy turn and each tool turn."""
+        prompt, each policy turn, each tool turn and each reply of the interaction."""
         with self._lock:
             self._closed = True
             instances = dict(self._instances)
+            conversation = self._conversation
         pending = {name: self.agent.pool.submit(self._finish, name, instance) for name, instance in instances.items()}
-        wait(pending.values(), timeout=self.agent.config.tool_timeout_s)
+        chosen = self.agent.interaction_of[self.prompt_index]
+        finalizing = (
+            self.agent.pool.submit(
+                call_method, self.agent.interactions[chosen[0]].finalize_interaction, conversation, **chosen[1]
+            )
+            if chosen is not None and conversation is not None
+            else None
+        )
+        wait([*pending.values(), *([finalizing] if finalizing else [])], timeout=self.agent.config.tool_timeout_s)
         rewards: dict[str, float] = {}
         for name, future in pending.items():
             failed: ToolErrorKind | None = (
@@ -257,9 +362,15 @@ class ToolEpisode:
             rewards[name] = 0.0 if failed else future.result()
             if failed:
                 self.errors[failed] += 1
+        if finalizing is not None and (not finalizing.done() or finalizing.exception() is not None):
+            self.interaction_errors += 1
         return {
-            "num_turns": 1 + self.policy_turns + self.tool_turns,
+            "num_turns": 1 + self.policy_turns + self.tool_turns + self.user_turns,
             "policy_turns": self.policy_turns,
+            "user_turns": self.user_turns,
+            "turn_scores": list(self.turn_scores),
+            "interaction_errors": self.interaction_errors,
+            "interaction_failure": self.interaction_failure,
             "tool_calls": self.tool_calls,
             "tool_errors": {**self.errors, "truncated": self.truncated},
             "tool_seconds": self.tool_seconds,

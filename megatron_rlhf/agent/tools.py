@@ -32,6 +32,7 @@ __all__ = [
     "ToolResponse",
     "argument_problems",
     "call_method",
+    "import_class",
     "load_tools",
     "response_text",
     "tool_name",
@@ -94,7 +95,9 @@ def response_text(response: Any) -> str:
     return "" if response.text is None else str(response.text)
 
 
-def _import_class(class_name: Any, where: str) -> type:
+def import_class(class_name: Any, where: str, methods: tuple[str, ...], base: str) -> type:
+    """The class a file entry names by its dotted path, with each of ``methods`` (``base``: the
+    module whose base class documents them); ``ValueError`` names ``where`` and the problem."""
     if not isinstance(class_name, str) or "." not in class_name:
         raise ValueError(f"{where}: expected a dotted class path (package.module.Class), got {class_name!r:.80}")
     module_name, _, attribute = class_name.rpartition(".")
@@ -102,7 +105,7 @@ def _import_class(class_name: Any, where: str) -> type:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module: any failure to import it is reported as such
         hint = (
-            " (verl's own tools import verl, which is not installed here: port the class)"
+            " (verl's own classes import verl, which is not installed here: port the class)"
             if module_name.startswith("verl.")
             else ""
         )
@@ -110,12 +113,13 @@ def _import_class(class_name: Any, where: str) -> type:
     cls = getattr(module, attribute, None)
     if not isinstance(cls, type):
         raise ValueError(f"{where}: module {module_name!r} has no class {attribute!r}")
-    missing = [
-        name for name in ("create", "execute", "calc_reward", "release") if not callable(getattr(cls, name, None))
-    ]
+    missing = [name for name in methods if not callable(getattr(cls, name, None))]
     if missing:
-        raise ValueError(f"{where}: class {class_name} lacks the tool methods {missing} (see agent.tools.BaseTool)")
+        raise ValueError(f"{where}: class {class_name} lacks the methods {missing} (see megatron_rlhf.{base})")
     return cls
+
+
+_TOOL_METHODS = ("create", "execute", "calc_reward", "release")
 
 
 def load_tools(path: str) -> dict[str, Any]:
@@ -124,7 +128,7 @@ def load_tools(path: str) -> dict[str, Any]:
     tools: dict[str, Any] = {}
     for i, entry in enumerate(load_tool_entries(path)):
         where = f"{path}: tools[{i}]"
-        cls = _import_class(entry.get("class_name"), f"{where}.class_name")
+        cls = import_class(entry.get("class_name"), f"{where}.class_name", _TOOL_METHODS, "agent.tools.BaseTool")
         config = entry.get("config") or {}
         if not isinstance(config, dict):
             raise ValueError(f"{where}.config: expected a mapping (or nothing), got {config!r:.60}")

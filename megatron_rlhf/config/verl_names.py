@@ -263,6 +263,17 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
             "`builtin:python`",
         ),
         (f"{AR}.rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_assistant_turns", "`null` is 0"),
+        (
+            f"{AR}.rollout.multi_turn.max_user_turns",
+            "rollout.multi_turn.max_user_turns",
+            "`null` is 0; tool and interaction turns together, as in verl",
+        ),
+        (
+            f"{AR}.rollout.multi_turn.interaction_config_path",
+            "rollout.multi_turn.interaction_config_path",
+            "the same YAML and class shape; the conversation an interaction is given starts after the prompt "
+            "(see below)",
+        ),
         (f"{AR}.rollout.multi_turn.format", "rollout.multi_turn.format", "`hermes` in both"),
         (f"{AR}.rollout.multi_turn.max_parallel_calls", "rollout.multi_turn.max_parallel_calls", "1 in both"),
         (
@@ -278,8 +289,7 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         (
             f"{AR}.rollout.multi_turn.*",
             (),
-            "no user-turn limit, interactions or tokenization sanity check: the engine extends each trajectory "
-            "in place with the chat template's tokens",
+            "no tokenization sanity check: the engine extends each trajectory in place with the chat template's tokens",
         ),
         (f"{AR}.rollout.agent.*", ()),
         (

@@ -11,7 +11,8 @@ keeps those row fields with each prompt (``Sample.extras``), and ``scoring.custo
 The response is decoded with special tokens skipped, as verl's reward manager decodes it. A
 multi-turn response is the whole trajectory (the policy's turns and the tools' results), and its
 ``extra_info`` gets what verl's reward manager adds to a multi-turn sample's: ``num_turns`` and
-``rollout_reward_scores`` (each tool's ``calc_reward``, by tool name).
+``rollout_reward_scores`` (each tool's ``calc_reward``, by tool name); and ``turn_scores``, the
+scores an interaction gave its replies.
 
 Stricter than verl on purpose: the function's signature is checked when it is loaded (a function
 that cannot take those four keywords, e.g. verl's own ``gsm8k.compute_score(solution_str,
@@ -86,6 +87,7 @@ def _extra_info(sample: Sample) -> dict[str, Any]:
     if sample.trajectory is not None:
         extra_info["num_turns"] = sample.trajectory["num_turns"]
         extra_info["rollout_reward_scores"] = dict(sample.trajectory["tool_rewards"])
+        extra_info["turn_scores"] = list(sample.trajectory["turn_scores"])
     return extra_info
 
 

@@ -34,6 +34,14 @@ class TrajectoryRecord(TypedDict):
     """Turns of the conversation, as verl's agent loop counts them (its ``__num_turns__``)."""
     policy_turns: int
     """The policy's turns."""
+    user_turns: int
+    """The interaction's replies (user messages after a policy turn that called no tool)."""
+    turn_scores: list[float]
+    """The scores the interaction gave its replies, in order (verl's ``turn_scores``)."""
+    interaction_errors: int
+    """Interaction calls that raised or timed out: each ended its trajectory."""
+    interaction_failure: str
+    """The first such failure, as text ("" when none)."""
     tool_calls: int
     """Tool calls the policy made, failed ones included."""
     tool_errors: dict[ToolErrorKind, int]
@@ -83,9 +91,11 @@ class Completion:
 @dataclasses.dataclass
 class EnvironmentTurn:
     """What the environment appends after a policy turn: tokens the policy did not sample (a tool
-    result rendered by the chat template), after which the policy goes on decoding."""
+    result or a user's reply rendered by the chat template), after which the policy goes on
+    decoding; or, with ``ends``, nothing: the trajectory ends at the policy's turn."""
 
     token_ids: list[int]
+    ends: bool = False
 
 
 class Episode(Protocol):
@@ -94,8 +104,9 @@ class Episode(Protocol):
 
     def after_turn(self, turn_ids: list[int]) -> Future[EnvironmentTurn] | None:
         """The environment's answer to the policy's turn ``turn_ids`` (stop token included), or
-        None when the trajectory ends here. A Future: tools run on host workers while the engine
-        keeps decoding the other sequences."""
+        None when the trajectory ends here. A Future: tools and interactions run on host workers
+        while the engine keeps decoding the other sequences; its turn may still end the trajectory
+        (``EnvironmentTurn.ends``)."""
         ...
 
     def close(self) -> TrajectoryRecord:

@@ -252,17 +252,15 @@ class _Environment:
         """Decode steps that answered slots have sat idle since their answers came, summed."""
         return sum(step - seen for seen in self.answered_at.values())
 
-    def take(self, slots: list[int]) -> dict[int, list[int]]:
-        """The answers' tokens of ``slots`` (all ready)."""
+    def take(self, slots: list[int]) -> dict[int, EnvironmentTurn]:
+        """The answers of ``slots`` (all ready)."""
         if not slots:
             return {}
 
-        def tokens() -> dict[int, list[int]]:
-            return {
-                slot: list(answer.result().token_ids) for slot in slots if (answer := self.pending[slot]) is not None
-            }
+        def turns() -> dict[int, EnvironmentTurn]:
+            return {slot: answer.result() for slot in slots if (answer := self.pending[slot]) is not None}
 
-        answers = self._agreed(tokens)
+        answers = self._agreed(turns)
         for slot in slots:
             del self.pending[slot]
             self.answered_at.pop(slot, None)
@@ -404,15 +402,18 @@ class NativeEngine:
 
         def continue_answered(slots: list[int]) -> None:
             """Append the environment's answers, then prefill them to continue each trajectory
-            (or finish it when the answer leaves no room for another token)."""
+            (or finish it when the answer ends it or leaves no room for another token)."""
             answers = environment.take(slots) if environment is not None else {}
             continued: dict[int, list[int]] = {}
-            full = []
+            ended = []
             for slot in slots:
                 completion = occupant[slot]
                 assert completion is not None and completion.policy_mask is not None
+                if answers[slot].ends:  # the trajectory ends at the policy's turn, its stop token last
+                    ended.append(slot)
+                    continue
                 room = self._room(completion, params)
-                answer = answers[slot][:room]
+                answer = answers[slot].token_ids[:room]
                 completion.token_ids += answer
                 completion.logprobs += [0.0] * len(answer)
                 completion.policy_mask += [False] * len(answer)
@@ -423,8 +424,8 @@ class NativeEngine:
                     first_step[slot] = state.history.steps
                 else:  # the answer filled the response budget or the context
                     completion.finish_reason = "length"
-                    full.append(slot)
-            finish(full)
+                    ended.append(slot)
+            finish(ended)
             rows = [(slot, completion) for slot in continued if (completion := occupant[slot]) is not None]
             self._prefill(
                 [c for _, c in rows],

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rlhf.agent.config import MultiTurnConfig
-from megatron_rlhf.agent.loop import ToolAgent
-from megatron_rlhf.agent.tools import load_tools
+from megatron_rlhf.agent.loop import AgentParts, ToolAgent
 from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role, local_dir
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
@@ -72,7 +71,9 @@ def policy_engine(
 
 def offered_tools(multi_turn: MultiTurnConfig | None) -> list[dict] | None:
     """The tool schemas prompts are rendered with: those of the multi-turn tools file, if enabled."""
-    return load_tool_schemas(multi_turn.tool_config_path) if multi_turn is not None and multi_turn.enable else None
+    if multi_turn is None or not multi_turn.enable or not multi_turn.tool_config_path:
+        return None
+    return load_tool_schemas(multi_turn.tool_config_path)
 
 
 def generate_trajectories(
@@ -89,8 +90,9 @@ def generate_trajectories(
     ids = [example.prompt_ids.tolist() for example in prompts]
     if multi_turn is None or not multi_turn.enable:
         return generate_data_parallel(engine, ids, params, on_finished)
-    tools = load_tools(multi_turn.tool_config_path)
-    with ToolAgent(multi_turn, tokenizer, tools, [example.extras for example in prompts]) as agent:
+    parts = AgentParts.load(multi_turn)
+    extras = [example.extras for example in prompts]
+    with ToolAgent(multi_turn, tokenizer, parts.tools, extras, interactions=parts.interactions) as agent:
         return generate_data_parallel(engine, ids, params, on_finished, agent=agent)
 
 

@@ -44,8 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.agent.loop import ToolAgent
-from megatron_rlhf.agent.tools import load_tools
+from megatron_rlhf.agent.loop import AgentParts, ToolAgent
 from megatron_rlhf.algorithms.advantages import compute_advantages
 from megatron_rlhf.algorithms.kl import (
     KL_ESTIMATORS,
@@ -126,9 +125,9 @@ class PPORun:
     """The run's claim on its output_dir, for ``run_loop``."""
     timer: PhaseTimer
     """Times each step's phases (``timing_s/...``, ``memory/...``)."""
-    tools: dict[str, Any] | None = None
-    """The tools of multi-turn rollouts (``rollout.multi_turn``), built once from its tools file;
-    None: single-turn rollouts."""
+    agent_parts: AgentParts | None = None
+    """The tools and interactions of multi-turn rollouts (``rollout.multi_turn``), built once from
+    their files; None: single-turn rollouts."""
     kl_scale: float = 1.0
     """The actor loss's ``kl_loss_coef`` is the config's times this (the health watch's recovery)."""
 
@@ -234,10 +233,12 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         old_logprob_pass=recompute,
         claim=start.claim,
         timer=PhaseTimer(env.device),
-        tools=load_tools(rollout.multi_turn.tool_config_path) if rollout.multi_turn.enable else None,
+        agent_parts=AgentParts.load(rollout.multi_turn) if rollout.multi_turn.enable else None,
     )
-    with tool_agent(run, []):
-        pass  # a tokenizer without a chat template or a tool unlike its schema fails here, not at step 1
+    # A tokenizer without a chat template, a tool unlike its schema, or a prompt's tools_kwargs or
+    # interaction_kwargs that the files do not match fails here, not at some later step.
+    with tool_agent(run, [*prompts[:], *(validation[:] if validation is not None else [])]):
+        pass
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
             warm_up(run)
@@ -539,12 +540,15 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
 def tool_agent(run: PPORun, prompts: Sequence[PromptExample]) -> Iterator[ToolAgent | None]:
     """The environment of multi-turn rollouts of ``prompts`` (each prompt's ``tools_kwargs`` from
     its extras), its workers stopped on leaving; None for single-turn rollouts."""
-    if run.tools is None:
+    parts = run.agent_parts
+    if parts is None:
         yield None
         return
     cfg = run.cfg
     extras = [p.extras for p in prompts]
-    with ToolAgent(cfg.rollout.multi_turn, run.tokenizer, run.tools, extras, cfg.data.chat_template_kwargs) as agent:
+    with ToolAgent(
+        cfg.rollout.multi_turn, run.tokenizer, parts.tools, extras, cfg.data.chat_template_kwargs, parts.interactions
+    ) as agent:
         yield agent
 
 

@@ -123,10 +123,12 @@ RULES: dict[str, dict[str, str]] = {
         "enable": FIXED,
         "tool_config_path": FIXED,
         "format": FIXED,
+        "interaction_config_path": FIXED,
         **{
             key: MAY_CHANGE
             for key in (
                 "max_assistant_turns",
+                "max_user_turns",
                 "max_parallel_calls",
                 "tool_timeout_s",
                 "max_tool_response_length",

@@ -2,9 +2,10 @@
 a step's ``multi_turn/`` figures and the turns a samples.jsonl row shows.
 
 A multi-turn response alternates runs of tokens the policy sampled (its turns) with runs the
-environment appended (a tool's result in the chat template's tokens); ``policy_mask`` tells them
-apart, and the ``TrajectoryRecord`` the environment closed the trajectory with says what its tools
-did. Single-turn completions have neither and get no figures and no turns.
+environment appended (tool results, or an interaction's reply, in the chat template's tokens);
+``policy_mask`` tells them apart, and the ``TrajectoryRecord`` the environment closed the trajectory
+with says what its tools and its interaction did. Single-turn completions have neither and get no
+figures and no turns.
 """
 
 from __future__ import annotations
@@ -12,9 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, get_args
 
-from megatron_rlhf.rollout.engine import Completion, ToolErrorKind
+from megatron_rlhf.rollout.engine import Completion, ToolErrorKind, TrajectoryRecord
 
-POLICY_ROLE, TOOL_ROLE = "assistant", "tool"
+POLICY_ROLE = "assistant"
+ENVIRONMENT_ROLE = "environment"
+"""An environment turn's role where the record's messages do not say (an ``Agent`` that keeps none)."""
+
+
+def environment_roles(messages: Sequence[dict[str, str]]) -> list[str]:
+    """The role of each run of the environment's messages (``tool`` or ``user``), in order: what
+    each of a trajectory's environment turns held."""
+    roles: list[str] = []
+    for previous, message in zip([{"role": POLICY_ROLE}, *messages], messages, strict=False):
+        if message["role"] != POLICY_ROLE and previous["role"] == POLICY_ROLE:
+            roles.append(message["role"])
+    return roles
 
 
 def turn_spans(policy_mask: Sequence[bool]) -> list[tuple[bool, slice]]:
@@ -32,10 +45,11 @@ def trajectory_fields(
     completions: Sequence[Completion], decode_batch: Callable[[list[list[int]]], list[str]], stop_ids: Collection[int]
 ) -> list[dict[str, Any]]:
     """Each completion's samples.jsonl fields as a trajectory ({} for a single-turn one): ``turns``,
-    ``[{role: assistant | tool, text}]`` decoded by one ``decode_batch`` call (special tokens kept:
-    the turns show what the model read and wrote, the final stop token left out as in
+    ``[{role: assistant | tool | user, text}]`` decoded by one ``decode_batch`` call (special tokens
+    kept: the turns show what the model read and wrote, the final stop token left out as in
     ``response``), and from its record ``num_turns``, ``tool_calls``, the ``tool_errors`` that
-    happened and ``tool_rewards``."""
+    happened and ``tool_rewards``; with an interaction also ``user_turns``, ``turn_scores``,
+    ``interaction_errors`` and the first failure's text (``interaction_failure``)."""
     pieces: list[list[int]] = []
     spans_of: list[list[tuple[bool, slice]]] = []
     for c in completions:
@@ -50,15 +64,22 @@ def trajectory_fields(
         if record is None:
             fields.append({})
             continue
-        fields.append(
-            {
-                "turns": [{"role": POLICY_ROLE if policy else TOOL_ROLE, "text": next(texts)} for policy, _ in spans],
-                "num_turns": record["num_turns"],
-                "tool_calls": record["tool_calls"],
-                "tool_errors": {kind: n for kind, n in record["tool_errors"].items() if n},
-                "tool_rewards": dict(record["tool_rewards"]),
-            }
-        )
+        roles = iter(environment_roles(record["messages"]))
+        row = {
+            "turns": [
+                {"role": POLICY_ROLE if policy else next(roles, ENVIRONMENT_ROLE), "text": next(texts)}
+                for policy, _ in spans
+            ],
+            "num_turns": record["num_turns"],
+            "tool_calls": record["tool_calls"],
+            "tool_errors": {kind: n for kind, n in record["tool_errors"].items() if n},
+            "tool_rewards": dict(record["tool_rewards"]),
+        }
+        if record["user_turns"] or record["turn_scores"] or record["interaction_errors"]:
+            row |= {key: record[key] for key in ("user_turns", "turn_scores", "interaction_errors")}
+        if record["interaction_failure"]:
+            row["interaction_failure"] = record["interaction_failure"]
+        fields.append(row)
     return fields
 
 
@@ -66,7 +87,8 @@ def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     """A step's ``multi_turn/`` figures over its trajectories (none without one): turns and tool
     calls per trajectory (mean, max), tool errors of each kind per trajectory (every kind, 0 when
     none happened), seconds spent in tools per trajectory (mean, max), the policy's tokens and the
-    environment's per trajectory, and the environment's share of all response tokens."""
+    environment's per trajectory, and the environment's share of all response tokens; where a
+    trajectory had an interaction, its replies and errors per trajectory and its mean turn score."""
     records = [(c, c.trajectory) for c in completions if c.trajectory is not None]
     if not records:
         return {}
@@ -91,4 +113,16 @@ def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
         "multi_turn/policy_tokens/mean": policy_tokens / count,
         "multi_turn/tool_tokens/mean": (all_tokens - policy_tokens) / count,
         "multi_turn/tool_token_fraction": (all_tokens - policy_tokens) / max(all_tokens, 1),
+        **_interaction_metrics([r for _, r in records]),
+    }
+
+
+def _interaction_metrics(records: Sequence[TrajectoryRecord]) -> dict[str, float]:
+    if not any(r["user_turns"] or r["turn_scores"] or r["interaction_errors"] for r in records):
+        return {}
+    scores = [score for r in records for score in r["turn_scores"]]
+    return {
+        "multi_turn/user_turns/mean": sum(r["user_turns"] for r in records) / len(records),
+        "multi_turn/interaction_errors": sum(r["interaction_errors"] for r in records) / len(records),
+        **({"multi_turn/turn_score/mean": sum(scores) / len(scores)} if scores else {}),
     }

@@ -22,12 +22,14 @@ ANSWER = [7, 8, 10, 11]  # the environment's tokens (not stop-checked: the engin
 class ScriptedEpisode:
     """An environment that answers each of the first ``turns - 1`` turns with ``ANSWER`` plus the
     turn's own length, after a delay that differs per trajectory and turn (so that answers arrive
-    out of order while other slots decode), then ends the trajectory."""
+    out of order while other slots decode), then ends the trajectory: at once, or (``ends_late``)
+    by an answer that comes later, as an interaction's end does."""
 
     pool: ThreadPoolExecutor
     prompt_index: int
     sample_index: int
     turns: int
+    ends_late: bool = False
     seen: list[list[int]] = dataclasses.field(default_factory=list)
     closed: bool = False
 
@@ -35,13 +37,14 @@ class ScriptedEpisode:
         from megatron_rlhf.rollout.engine import EnvironmentTurn
 
         self.seen.append(list(turn_ids))
-        if len(self.seen) >= self.turns:
+        last = len(self.seen) >= self.turns
+        if last and not self.ends_late:
             return None
         delay = 0.002 * ((self.prompt_index * 7 + len(self.seen) * 3) % 5)
 
         def answer() -> EnvironmentTurn:
             time.sleep(delay)
-            return EnvironmentTurn(ANSWER + [len(turn_ids) + 20])
+            return EnvironmentTurn([], ends=True) if last else EnvironmentTurn(ANSWER + [len(turn_ids) + 20])
 
         return self.pool.submit(answer)
 
@@ -54,10 +57,11 @@ class ScriptedEpisode:
 class ScriptedAgent:
     pool: ThreadPoolExecutor
     turns: int
+    ends_late: bool = False
     episodes: list[ScriptedEpisode] = dataclasses.field(default_factory=list)
 
     def episode(self, prompt_index: int, sample_index: int) -> ScriptedEpisode:
-        episode = ScriptedEpisode(self.pool, prompt_index, sample_index, self.turns)
+        episode = ScriptedEpisode(self.pool, prompt_index, sample_index, self.turns, self.ends_late)
         self.episodes.append(episode)
         return episode
 
@@ -154,3 +158,24 @@ def test_one_turn_agent_gives_the_single_turn_completions(world_of_one) -> None:
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.finish_reason == b.finish_reason
         assert b.policy_mask == [True] * len(b.token_ids)
         assert b.trajectory == {"num_turns": 1 if a.finish_reason == "stop" else 0}  # turns that reached the episode
+
+
+def test_an_answer_that_ends_the_trajectory_ends_it_at_the_policys_turn(world_of_one) -> None:
+    """An interaction's end comes as a later answer (``EnvironmentTurn.ends``): the slot waits for it
+    while the others decode, then the trajectory ends on its stop token with nothing appended, as
+    greedy single-turn generation ends it (greedy: the slots' timing cannot change the tokens)."""
+    from megatron_rlhf.rollout.sampling import SamplingParams
+
+    engine = _tiny_engine("error")
+    engine.cfg.max_seq_len, engine.cfg.max_batch_size = 64, 2
+    prompts = [[5, 6, 7], [9], [11, 12, 13, 14]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=STOPS)
+    single = engine.generate(prompts, params)
+    with ThreadPoolExecutor(1) as pool:
+        agent = ScriptedAgent(pool, turns=1, ends_late=True)
+        multi = engine.generate(prompts, params, agent=agent)
+    assert any(c.finish_reason == "stop" for c in single)
+    for a, b in zip(single, multi, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert b.policy_mask == [True] * len(b.token_ids)
+    assert all(e.closed for e in agent.episodes) and len(agent.episodes) == len(prompts)

@@ -58,6 +58,29 @@ def _verl_parquet(path: Path, rows: int) -> None:
     pq.write_table(table, path)
 
 
+def _verl_run(out: Path, model: Path, train: Path, reward: Path, steps: int) -> list[str]:
+    """``megatron-rlhf ppo`` on a tiny model, verl-format prompts and a verl reward file: 4 prompts
+    x 4 samples a step (later arguments override these)."""
+    return [
+        "ppo",
+        "--config",
+        "ppo-tiny",
+        f"output_dir={out}",
+        f"actor.path={model}",
+        f"reference.path={model}",
+        f"data.train=[{train}]",
+        "data.max_prompt_length=64",
+        f"max_steps={steps}",
+        "prompts_per_step=4",
+        "mini_batch_size=16",
+        "samples_per_step=16",
+        "scoring.use_reward_model=false",
+        "scoring.rules=[]",
+        f"scoring.custom_function.path={reward}",
+        "rollout.sampling.max_new_tokens=12",
+    ]
+
+
 @pytest.mark.distributed
 def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> None:
     model = tmp_path / "model"
@@ -69,24 +92,7 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
     _verl_parquet(tmp_path / "train.parquet", 16)
     (tmp_path / "my_reward.py").write_text(COMPUTE_SCORE)
     out = tmp_path / "run"
-    run_cli(
-        "ppo",
-        "--config",
-        "ppo-tiny",
-        f"output_dir={out}",
-        f"actor.path={model}",
-        f"reference.path={model}",
-        f"data.train=[{tmp_path / 'train.parquet'}]",
-        "data.max_prompt_length=64",
-        "max_steps=3",
-        "prompts_per_step=4",
-        "mini_batch_size=16",
-        "samples_per_step=16",
-        "scoring.use_reward_model=false",
-        "scoring.rules=[]",
-        f"scoring.custom_function.path={tmp_path / 'my_reward.py'}",
-        "rollout.sampling.max_new_tokens=12",
-    )
+    run_cli(*_verl_run(out, model, tmp_path / "train.parquet", tmp_path / "my_reward.py", steps=3))
     metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     # The random policy samples special tokens mid-response: the rows show them in raw_response
@@ -109,6 +115,68 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
         assert m["reward/mean"] == pytest.approx(sum(recomputed) / len(recomputed), abs=1e-6)
         assert m["reward/custom_function"] == pytest.approx(m["reward/mean"], abs=1e-6)
         assert m["reward/custom/length"] == pytest.approx(sum(len(s["response"]) for s in rows) / 16, abs=1e-4)
+
+
+TURN_SCORES_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(extra_info["turn_scores"])
+"""
+
+
+@pytest.mark.distributed
+def test_an_interaction_replies_within_trajectories_and_its_scores_reach_the_reward(tmp_path: Path) -> None:
+    """verl's interaction setup run as is: the prompts' extra_info.interaction_kwargs pick the
+    interaction of an interaction_config_path file; a reward function reads its turn_scores."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "model"
+    tokenizer_dir = make_chat_tokenizer("qwen25_tools", model)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    make_tiny_hf_model("qwen2", False, model, vocab_size=vocab, pad_token_id=None)
+    rows = 8
+    pq.write_table(
+        pa.table(
+            {
+                "data_source": ["toy"] * rows,
+                "prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(rows)],
+                "reward_model": [{"ground_truth": str(i), "style": "rule"} for i in range(rows)],
+                "extra_info": [
+                    {"index": i, "interaction_kwargs": {"name": "retry", "question": f"count to {i}"}}
+                    for i in range(rows)
+                ],
+            }
+        ),
+        tmp_path / "train.parquet",
+    )
+    (tmp_path / "interaction_config.yaml").write_text(
+        "interaction:\n  - name: retry\n    class_name: tests.distributed.interaction_fixtures.RetryOnce\n"
+    )
+    (tmp_path / "reward.py").write_text(TURN_SCORES_REWARD)
+    out = tmp_path / "run"
+    stops = ",".join(str(i) for i in range(0, vocab, 4))  # a quarter of the vocabulary ends a turn
+    run_cli(
+        *_verl_run(out, model, tmp_path / "train.parquet", tmp_path / "reward.py", steps=2),
+        "rollout.sampling.max_new_tokens=64",
+        "rollout.engine.max_seq_len=160",
+        f"rollout.engine.eos_token_ids=[{stops}]",
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.interaction_config_path={tmp_path / 'interaction_config.yaml'}",
+    )
+    metrics, samples = _records(out / "metrics.jsonl"), _records(out / "samples.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    _check_keys(metrics)
+    ended = [s for s in samples if s.get("turn_scores") == [0.0, 0.5]]
+    assert ended, [s.get("turn_scores") for s in samples]  # asked again once, then ended
+    for s in samples:
+        assert s["reward"] == pytest.approx(sum(s.get("turn_scores", [])))
+        roles = [t["role"] for t in s["turns"]]
+        assert "tool" not in roles and roles.count("user") == s.get("user_turns", 0)
+    for s in ended:
+        assert s["turns"][1]["role"] == "user" and "Try again: count to" in s["turns"][1]["text"]
+    assert all(m["multi_turn/user_turns/mean"] > 0 for m in metrics)
 
 
 @pytest.mark.distributed

@@ -18,7 +18,7 @@ from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.agent.loop import ToolAgent
 from megatron_rlhf.agent.tools import BaseTool, ToolResponse
 from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
-from tests.helpers import make_chat_tokenizer
+from tests.helpers import make_chat_tokenizer, policy_turn
 
 
 def schema(name: str, **properties: str) -> dict[str, Any]:
@@ -30,21 +30,9 @@ CALCULATOR = schema("calculator", expression="string")
 USER = [{"role": "user", "content": "What is 123 * 4567?"}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_chat_tokenizer("qwen25_tools", tmp_path_factory.mktemp("qwen25_tools"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> HFTokenizer:
-    loaded = load_tokenizer(model_dir)
-    assert isinstance(loaded, HFTokenizer)
-    return loaded
-
-
-def turn(tokenizer: HFTokenizer, text: str) -> list[int]:
-    """A policy turn as the engine hands it over: its ids, ending with the stop token."""
-    return tokenizer.encode(text + "<|im_end|>")
+@pytest.fixture
+def tokenizer(tool_chat_tokenizer: HFTokenizer) -> HFTokenizer:
+    return tool_chat_tokenizer
 
 
 def call(name: str, **arguments: Any) -> str:
@@ -55,18 +43,18 @@ def make_agent(tokenizer: HFTokenizer, tools: dict[str, Any], extra_infos=({},),
     return ToolAgent(MultiTurnConfig(max_parallel_calls=4, **settings), tokenizer, tools, list(extra_infos))
 
 
-def test_an_episode_with_the_calculator_equals_the_whole_conversation_rendered(model_dir, tokenizer) -> None:
+def test_an_episode_with_the_calculator_equals_the_whole_conversation_rendered(tool_chat_dir, tokenizer) -> None:
     from transformers import AutoTokenizer
 
     with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}, max_assistant_turns=3) as agent:
         episode = agent.episode(0, 1)
         calls = [call("calculator", expression="123 * 4567"), call("calculator", expression="2 ** 3")]
         first = "Let me compute.\n" + "\n".join(calls)
-        future = episode.after_turn(turn(tokenizer, first))
+        future = episode.after_turn(policy_turn(tokenizer, first))
         assert future is not None
         environment = future.result(timeout=10).token_ids
         second = "123 * 4567 = 561741."
-        assert episode.after_turn(turn(tokenizer, second)) is None
+        assert episode.after_turn(policy_turn(tokenizer, second)) is None
         record = episode.close()
 
     prompt = tokenizer.encode(tokenizer.chat_template.render(USER, tools=[CALCULATOR]))
@@ -76,10 +64,10 @@ def test_an_episode_with_the_calculator_equals_the_whole_conversation_rendered(m
         {"role": "tool", "content": "561741"},
         {"role": "tool", "content": "8"},
     ]
-    reference = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+    reference = AutoTokenizer.from_pretrained(str(tool_chat_dir)).apply_chat_template(
         conversation, tools=[CALCULATOR], add_generation_prompt=True, tokenize=True
     )["input_ids"]
-    assert prompt + turn(tokenizer, first) + environment == list(reference)
+    assert prompt + policy_turn(tokenizer, first) + environment == list(reference)
     assert tokenizer.decode(environment) == (
         "\n<|im_start|>user\n<tool_response>\n561741\n</tool_response>\n<tool_response>\n8\n"
         "</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -152,7 +140,7 @@ def test_a_hanging_create_times_out_and_its_late_instance_is_released(tokenizer)
     tool.release = released.append  # type: ignore[method-assign]
     with make_agent(tokenizer, {"hangs": tool}, tool_timeout_s=0.2) as agent:
         episode = agent.episode(0, 0)
-        future = episode.after_turn(turn(tokenizer, call("hangs")))
+        future = episode.after_turn(policy_turn(tokenizer, call("hangs")))
         assert future is not None
         assert "did not finish within 0.2 s" in tokenizer.decode(future.result(timeout=10).token_ids)
         record = episode.close()
@@ -182,7 +170,7 @@ def test_every_bad_call_goes_back_as_a_tool_message_and_is_counted(tokenizer) ->
             call("echo", text="0123456789abcdefghij"),
         ]
         agent.config.max_parallel_calls = len(calls)
-        future = episode.after_turn(turn(tokenizer, "\n".join(calls)))
+        future = episode.after_turn(policy_turn(tokenizer, "\n".join(calls)))
         assert future is not None
         text = tokenizer.decode(future.result(timeout=10).token_ids)
         record = episode.close()
@@ -216,18 +204,18 @@ def test_every_bad_call_goes_back_as_a_tool_message_and_is_counted(tokenizer) ->
 
 def test_the_turn_limit_and_the_call_limit(tokenizer) -> None:
     with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}, max_assistant_turns=1) as agent:
-        assert agent.episode(0, 0).after_turn(turn(tokenizer, call("calculator", expression="1+1"))) is None
+        assert agent.episode(0, 0).after_turn(policy_turn(tokenizer, call("calculator", expression="1+1"))) is None
     with make_agent(tokenizer, {"calculator": Calculator({}, CALCULATOR)}) as agent:
         agent.config.max_parallel_calls = 1
         episode = agent.episode(0, 0)
-        future = episode.after_turn(turn(tokenizer, call("calculator", expression="1+1") * 2))
+        future = episode.after_turn(policy_turn(tokenizer, call("calculator", expression="1+1") * 2))
         assert future is not None and "<tool_response>\n2\n</tool_response><|im_end|>" in tokenizer.decode(
             future.result(timeout=10).token_ids
         )
         assert episode.close()["tool_calls"] == 1
 
 
-def test_bad_construction_is_named(model_dir, tokenizer) -> None:
+def test_bad_construction_is_named(tool_chat_dir, tokenizer) -> None:
     tools = {"calculator": Calculator({}, CALCULATOR)}
     with pytest.raises(ValueError, match=r"prompt 1: extra_info: need_tools_kwargs is true but tools_kwargs is empty"):
         make_agent(tokenizer, tools, [{}, {"need_tools_kwargs": True}])
@@ -238,7 +226,7 @@ def test_bad_construction_is_named(model_dir, tokenizer) -> None:
         assert agent.create_kwargs == [{"calculator": {"x": None}}]
     with pytest.raises(ValueError, match=r"tool 'calc': its tool_schema names the function 'calculator'"):
         make_agent(tokenizer, {"calc": Calculator({}, CALCULATOR)})
-    without = load_tokenizer(model_dir)
+    without = load_tokenizer(tool_chat_dir)
     without.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         make_agent(without, tools)  # type: ignore[arg-type]
@@ -251,7 +239,7 @@ def test_episodes_driven_from_many_threads_keep_their_own_answers(tokenizer) -> 
 
     def drive(prompt: int, sample: int) -> None:
         episode = agent.episode(prompt, sample)
-        future = episode.after_turn(turn(tokenizer, call("calculator", expression=problems[prompt, sample])))
+        future = episode.after_turn(policy_turn(tokenizer, call("calculator", expression=problems[prompt, sample])))
         assert future is not None
         results[prompt, sample] = tokenizer.decode(future.result(timeout=30).token_ids), episode.close()
 
@@ -285,7 +273,7 @@ def test_template_variables_reach_the_next_generation_prompt(tmp_path: Path) -> 
     config = MultiTurnConfig()
     tools = {"calculator": Calculator({}, CALCULATOR)}
     with ToolAgent(config, tokenizer, tools, [{}], template_variables={"enable_thinking": False}) as agent:
-        future = agent.episode(0, 0).after_turn(turn(tokenizer, first))
+        future = agent.episode(0, 0).after_turn(policy_turn(tokenizer, first))
         assert future is not None
         environment = future.result(timeout=10).token_ids
     conversation = [*USER, {"role": "assistant", "content": first}, {"role": "tool", "content": "42"}]
@@ -317,7 +305,7 @@ def test_close_counts_a_failing_or_hanging_reward_and_returns(tokenizer) -> None
     tools = {"fails": RewardFails({}, schema("fails")), "hangs": RewardHangs({}, schema("hangs"))}
     with make_agent(tokenizer, tools, tool_timeout_s=0.3) as agent:
         episode = agent.episode(0, 0)
-        future = episode.after_turn(turn(tokenizer, call("fails") + call("hangs")))
+        future = episode.after_turn(policy_turn(tokenizer, call("fails") + call("hangs")))
         assert future is not None and future.result(timeout=10)
         record = episode.close()
         RewardHangs.gate.set()

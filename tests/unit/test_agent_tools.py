@@ -168,9 +168,9 @@ def test_the_builtin_tools_files_build_their_tools_and_an_unknown_one_is_named()
     [
         ("Calculator", "tools[0].class_name: expected a dotted class path"),
         ("no_such_module.Calculator", "tools[0].class_name: cannot import module 'no_such_module'"),
-        ("verl.tools.gsm8k_tool.Gsm8kTool", "verl's own tools import verl, which is not installed here"),
+        ("verl.tools.gsm8k_tool.Gsm8kTool", "verl's own classes import verl, which is not installed here"),
         ("megatron_rlhf.agent.builtin_tools.Abacus", "has no class 'Abacus'"),
-        ("megatron_rlhf.agent.tools.ToolResponse", "lacks the tool methods"),
+        ("megatron_rlhf.agent.tools.ToolResponse", "lacks the methods"),
     ],
 )
 def test_a_bad_class_path_is_named_up_front(tmp_path: Path, class_name: str, says: str) -> None:

@@ -138,7 +138,7 @@ def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(
         ("trainer.save_freq=-1", "verl's -1 (never) is `save_every=0 save_final=false`"),
         ("actor_rollout_ref.rollout.multi_turn.enable=true", "here it is rollout.multi_turn.enable"),
         (
-            "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
+            "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true",
             "verl's actor_rollout_ref.rollout.multi_turn.*; it has no counterpart",
         ),
         ("trainer.made_up=1", "a verl key with no counterpart here"),

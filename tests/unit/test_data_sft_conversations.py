@@ -20,7 +20,6 @@ from megatron_rlhf.data import DataError, load_sft_dataset, load_tokenizer
 from megatron_rlhf.data.tokenizer import HFTokenizer
 from megatron_rlhf.tasks import arithmetic_tool as tool
 from megatron_rlhf.tasks.arithmetic import Problem
-from tests.helpers import make_chat_tokenizer
 
 CALCULATOR = {
     "type": "function",
@@ -37,9 +36,9 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_chat_tokenizer("qwen25_tools", tmp_path_factory.mktemp("qwen25_tools"))
+@pytest.fixture
+def model_dir(tool_chat_dir: Path) -> Path:
+    return tool_chat_dir
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -24,13 +24,21 @@ STOP = 2
 
 
 def _record(num_turns: int, tool_calls: int, errors: dict, seconds: float, rewards: dict) -> TrajectoryRecord:
+    """A tool-calling trajectory's record: ``num_turns`` alternate policy and tool turns."""
+    roles = ["assistant", "tool"] * (num_turns // 2)
     return TrajectoryRecord(
         num_turns=num_turns,
+        policy_turns=num_turns // 2,
+        user_turns=0,
+        turn_scores=[],
+        interaction_errors=0,
+        interaction_failure="",
         tool_calls=tool_calls,
         tool_errors=errors,
         tool_seconds=seconds,
         tool_rewards=rewards,
-        messages=[],
+        tool_call_rewards=[],
+        messages=[{"role": role, "content": ""} for role in roles[:-1]],
     )
 
 
@@ -186,8 +194,8 @@ def test_a_verl_reward_file_gets_the_whole_trajectory_num_turns_and_tool_rewards
     assert function.score(samples).scores == [4 + 1.0, 6.0, -1.0]
     seen = sys.modules[function.function.__module__].SEEN
     assert seen == [
-        ("10,11,20,21,22,12", {"index": 0, "num_turns": 4, "rollout_reward_scores": {"calc": 1.0}}),
-        ("10,20,21,13,23,14,14", {"index": 1, "num_turns": 6, "rollout_reward_scores": {}}),
+        ("10,11,20,21,22,12", {"index": 0, "num_turns": 4, "rollout_reward_scores": {"calc": 1.0}, "turn_scores": []}),
+        ("10,20,21,13,23,14,14", {"index": 1, "num_turns": 6, "rollout_reward_scores": {}, "turn_scores": []}),
         ("10,11", {"index": 0}),  # a single turn's extra_info is the row's
     ]
     assert extras[0]["extra_info"] == {"index": 0}
