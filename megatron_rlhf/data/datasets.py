@@ -17,7 +17,9 @@ string of one, as some datasets store it) or else the loader's ``tools`` (a tool
               template: loss_mask 1 on each assistant message from after its generation prompt
               through its stop token (``Tokenizer.stop_ids``), 0 on everything else (system, user
               and tool messages, the template's markup): the tokens a multi-turn rollout samples.
-  preference  chosen and rejected each as above, sharing the prompt.
+  preference  chosen and rejected each as above, sharing the prompt; or each a conversation (the
+              whole of it, or the continuation of a conversation prompt), masked as an SFT
+              conversation and ending at its last assistant message's stop token.
   prompt      [BOS] + prompt, for RL rollouts; ``extra_keys`` columns are kept verbatim (e.g. the
               reference answer a rule-based reward checks against); a row in verl's format (with
               a ``reward_model`` column) also gives ``data_source``, ``ground_truth`` and
@@ -466,10 +468,13 @@ class _Conversation(NamedTuple):
             raise _RowProblem(TEMPLATE_FAILED, self.key, str(exc)) from None
 
 
-def _conversation(rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions) -> _Conversation:
-    """Column ``key`` of ``rec`` as a conversation: a non-empty list of messages with a string
-    ``role``, with the tokenizer's chat template and the row's tools."""
-    messages = rec.data.get(key)
+def _conversation(
+    rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions, messages: Any = None
+) -> _Conversation:
+    """Column ``key`` of ``rec`` (or ``messages``, the conversation made of it) as a conversation: a
+    non-empty list of messages with a string ``role``, with the tokenizer's chat template and the
+    row's tools."""
+    messages = rec.data.get(key) if messages is None else messages
     where = f"{rec.file}: row {rec.row}: column '{key}' holds chat messages"
     if messages is None:
         raise _RowProblem(EMPTY, key, "is null")
@@ -508,12 +513,15 @@ def _message_ids(rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions
     return ids
 
 
-def _conversation_sequence(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> _Sequence:
+def _conversation_sequence(
+    ld: _Loader, rec: Record, key: str, chat: _ChatOptions, messages: list[Any] | None = None
+) -> _Sequence:
     """A conversation as one SFT sequence whose loss covers what the assistant says: each assistant
     message from after its generation prompt through its stop token, as a rollout samples it. The
     rest (system, user and tool messages, the template's markup around them and after a stop
-    token) is context. The text is tokenized turn by turn, as a multi-turn rollout assembles it."""
-    conversation = _conversation(rec, key, ld.tokenizer, chat)
+    token) is context. The text is tokenized turn by turn, as a multi-turn rollout assembles it.
+    ``messages``: the conversation, where it is not column ``key`` alone."""
+    conversation = _conversation(rec, key, ld.tokenizer, chat, messages)
     turns = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
     if not turns:
         raise _RowProblem(EMPTY, key, "has no assistant message: nothing to train on")
@@ -831,10 +839,36 @@ def _sft_row(
     return [(prompt + response, [0] * len(prompt) + [1] * len(response))], None
 
 
-def _preference_row(
-    ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, rejected_key: str
+def _preference_conversations(
+    ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, rejected_key: str, chat: _ChatOptions
 ) -> tuple[list[_Sequence], None]:
-    prompt = ld.with_bos(ld.field(rec, prompt_key))
+    """Chosen and rejected as conversations (TRL's conversational preference rows): each the whole
+    conversation, or the ``prompt_key`` conversation's continuation when the row has one. Each side
+    ends at its last assistant message's stop token, as a rollout's response does where the reward
+    model scores it."""
+    prompt = rec.data.get(prompt_key)
+    if prompt is not None and not isinstance(prompt, list):
+        raise _RowProblem(
+            WRONG_TYPE, prompt_key, f"must be a conversation too when '{chosen_key}' is one, got {_describe(prompt)}"
+        )
+    sequences: list[_Sequence] = []
+    for key in (chosen_key, rejected_key):
+        side = rec.data.get(key)
+        if not isinstance(side, list):
+            raise _RowProblem(WRONG_TYPE, key, f"must be a conversation as '{chosen_key}' is, got {_describe(side)}")
+        ids, mask = _conversation_sequence(ld, rec, key, chat, [*(prompt or []), *side])
+        assert mask is not None, "a conversation's sequence has its loss mask"
+        end = max(i for i, trained in enumerate(mask) if trained) + 1
+        sequences.append((ids[:end], mask[:end]))
+    return sequences, None
+
+
+def _preference_row(
+    ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, rejected_key: str, chat: _ChatOptions
+) -> tuple[list[_Sequence], None]:
+    if isinstance(rec.data.get(chosen_key), list):
+        return _preference_conversations(ld, rec, prompt_key, chosen_key, rejected_key, chat)
+    prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     chosen = _response(ld.field(rec, chosen_key), ld.eos)
     rejected = _response(ld.field(rec, rejected_key), ld.eos)
     for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
@@ -913,10 +947,21 @@ def load_preference_dataset(
     rejected_key: str = "rejected",
     append_eos: bool = True,
     add_bos: bool = False,
+    apply_chat_template: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tools_key: str = "tools",
     num_workers: int = 0,
 ) -> tuple[PreferenceDataset, DataReport]:
-    """Preference pairs for reward models / DPO; a row is over-long if either side is."""
-    row = functools.partial(_preference_row, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)
+    """Preference pairs for reward models / DPO; a row is over-long if either side is. Chosen and
+    rejected are texts after a prompt (text, or a conversation rendered with the generation
+    prompt), or conversations (TRL's conversational rows: whole, or after a conversation prompt),
+    each ending at its last assistant message's stop token. The chat arguments are
+    ``load_prompt_dataset``'s."""
+    chat = _chat_options(apply_chat_template, chat_template_kwargs, tools, tools_key)
+    row = functools.partial(
+        _preference_row, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key, chat=chat
+    )
     part = _Loader(
         paths,
         tokenizer,

@@ -1,10 +1,10 @@
 """``megatron-rlhf rm``: reward-model training on preference pairs (Bradley-Terry).
 
 The model is a ``*ForSequenceClassification`` (score head); the reward of a sequence is the score
-at its last real token (the EOS the data loader appends). The loss is -log sigmoid(r_chosen -
-r_rejected), mean over the pairs of the global batch. Validation reports preference accuracy
-(r_chosen > r_rejected; ties count as wrong), the mean loss and the mean margin over the whole
-validation set.
+at its last real token (the EOS the data loader appends, or a conversation's last stop token).
+The loss is -log sigmoid(r_chosen - r_rejected), mean over the pairs of the global batch.
+Validation reports preference accuracy (r_chosen > r_rejected; ties count as wrong), the mean loss
+and the mean margin over the whole validation set.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def _load(paths: list[str], tokenizer: Tokenizer, data: PreferenceDataConfig, wh
         chosen_key=data.chosen_key,
         rejected_key=data.rejected_key,
         add_bos=data.add_bos,
+        **data.chat_options(),
         num_workers=data.num_workers,
     )
     log(f"{what} data: {report.summary()}")

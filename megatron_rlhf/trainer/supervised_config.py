@@ -102,13 +102,14 @@ class SFTConfig(SupervisedConfig):
 
 
 @dataclasses.dataclass(kw_only=True)
-class PreferenceDataConfig(SupervisedDataConfig):
-    """Preference rows: a prompt, a chosen and a rejected response."""
+class PreferenceDataConfig(SupervisedDataConfig, ChatDataConfig):
+    """Preference rows: a prompt, a chosen and a rejected response; or chosen and rejected
+    conversations (TRL's conversational rows, after a conversation prompt or whole)."""
 
     chosen_key: str = "chosen"
-    """Column of the preferred response (or pre-tokenized ``<key>_ids``)."""
+    """Column of the preferred response: text, pre-tokenized ``<key>_ids``, or a conversation."""
     rejected_key: str = "rejected"
-    """Column of the dispreferred response (or pre-tokenized ``<key>_ids``)."""
+    """Column of the dispreferred response, in the chosen response's form."""
 
 
 @dataclasses.dataclass(kw_only=True)

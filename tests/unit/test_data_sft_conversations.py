@@ -1,8 +1,9 @@
-"""SFT on conversations (``data.messages_key``): the sequence is the one a multi-turn rollout of the same
-conversation builds (``ToolAgent``, driven by hand as the engine drives it) and its text is transformers'
-``apply_chat_template`` of the conversation; the loss covers exactly the tokens the policy sampled there.
-Hand-written masks for the built-in tool task's template and for a template with no stop token; every
-bad row names its file, row and column."""
+"""SFT and preference data on conversations. An SFT conversation (``data.messages_key``) is the sequence
+a multi-turn rollout of it builds (``ToolAgent``, driven by hand as the engine drives it), its text is
+transformers' ``apply_chat_template`` of it, and the loss covers exactly the tokens the policy sampled
+there. Hand-written masks for the built-in tool task's template and for a template with no stop token;
+conversational preference pairs end where the reward model scores a rollout; every bad row names its
+file, row and column."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from megatron_rlhf.agent.builtin_tools import Calculator
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.agent.loop import ToolAgent
-from megatron_rlhf.data import DataError, load_sft_dataset, load_tokenizer
+from megatron_rlhf.data import DataError, load_preference_dataset, load_sft_dataset, load_tokenizer
 from megatron_rlhf.data.tokenizer import HFTokenizer
 from megatron_rlhf.tasks import arithmetic_tool as tool
 from megatron_rlhf.tasks.arithmetic import Problem
@@ -219,3 +220,53 @@ def test_worker_processes_read_conversations_alike(model_dir, tmp_path) -> None:
     rows = [{"messages": CONVERSATION, "tools": [CALCULATOR]}, {"prompt": "Say hi.", "response": "hi"}] * 3
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     assert load(path, model_dir, num_workers=2) == load(path, model_dir)
+
+
+def load_pairs(path: Path, model_dir: Path, **kwargs: Any) -> list[tuple[tuple[list[int], list[int]], ...]]:
+    dataset, report = load_preference_dataset(path, load_tokenizer(model_dir), max_length=4096, **kwargs)
+    assert report.kept == len(dataset)
+    sides = lambda ex: tuple((s.input_ids.tolist(), s.loss_mask.int().tolist()) for s in (ex.chosen, ex.rejected))  # noqa: E731
+    return [sides(ex) for ex in dataset]
+
+
+def test_preference_conversations_end_where_the_reward_model_scores_a_rollout(model_dir, tmp_path) -> None:
+    """TRL's conversational preference rows, with the prompt inside each side or in its own column:
+    each side is the prompt as a rollout starts from it, then the assistant's answer through its stop
+    token, nothing after it (the reward model scores the last token)."""
+    tokenizer = load_tokenizer(model_dir)
+    user = [{"role": "user", "content": "Name a prime."}]
+    good, bad = {"role": "assistant", "content": "7"}, {"role": "assistant", "content": "8"}
+    rows = [
+        {"chosen": [*user, good], "rejected": [*user, bad]},
+        {"prompt": user, "chosen": [good], "rejected": [bad]},
+        {"prompt": user, "chosen": "7", "rejected": "8"},  # text answers to a conversation prompt
+    ]
+    implicit, explicit, text = load_pairs(write_jsonl(tmp_path / "prefs.jsonl", rows), model_dir)
+    prompt = tokenizer.encode(tokenizer.chat_template.render(user))
+    for answer, (ids, mask) in zip(("7", "8"), implicit, strict=True):
+        said = tokenizer.encode(answer + "<|im_end|>")
+        assert ids == prompt + said and mask == [0] * len(prompt) + [1] * len(said)
+    assert explicit == implicit
+    assert text == implicit  # the text answers get EOS, which is this tokenizer's <|im_end|>
+
+
+def test_bad_preference_conversations_name_the_column(model_dir, tmp_path) -> None:
+    user = [{"role": "user", "content": "Name a prime."}]
+    cases = [
+        (
+            {"chosen": [*user, {"role": "assistant", "content": "7"}], "rejected": "8"},
+            "rejected",
+            "must be a conversation",
+        ),
+        (
+            {"prompt": "Name a prime.", "chosen": [{"role": "assistant", "content": "7"}], "rejected": []},
+            "prompt",
+            "must be a conversation too",
+        ),
+        ({"chosen": user, "rejected": user}, "chosen", "has no assistant message"),
+    ]
+    for row, column, detail in cases:
+        path = write_jsonl(tmp_path / "bad.jsonl", [row])
+        with pytest.raises(DataError, match=re.escape(f"{path}: row 0: column '{column}'")) as err:
+            load_preference_dataset(path, load_tokenizer(model_dir), max_length=4096)
+        assert detail in str(err.value), err.value
