@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rlhf.agent.interactions import interactions_file_errors
+from megatron_rlhf.agent.interactions import load_interactions
 from megatron_rlhf.agent.parsers import PARSERS
-from megatron_rlhf.agent.tools import tools_file_errors
-from megatron_rlhf.config.fields import at_least, check_on_init
+from megatron_rlhf.agent.tools import load_tools
+from megatron_rlhf.config.fields import at_least, check_on_init, file_errors
 
 __all__ = ["MultiTurnConfig"]
 
@@ -58,5 +58,5 @@ class MultiTurnConfig:
                 "tool_config_path: multi-turn rollouts (enable=true) need the tools file, or an "
                 "interactions file (interaction_config_path)"
             )
-        errors += tools_file_errors("tool_config_path", self.tool_config_path)
-        return errors + interactions_file_errors("interaction_config_path", self.interaction_config_path)
+        errors += file_errors("tool_config_path", self.tool_config_path, load_tools)
+        return errors + file_errors("interaction_config_path", self.interaction_config_path, load_interactions)

@@ -9,8 +9,10 @@ changing its imports):
 * ``start_interaction(instance_id, **kwargs) -> str``: its state for one trajectory (``kwargs``: the
   prompt row's ``extra_info.interaction_kwargs``, e.g. the ground truth);
 * ``generate_response(instance_id, messages, **kwargs) -> (should_terminate_sequence, response, score,
-  metrics)``: ``messages`` is the conversation so far ({role, content}, the prompt's included),
-  ``response`` the user's reply, ``score`` this turn's reward (None: none), ``metrics`` a dict;
+  metrics)``: ``messages`` is the trajectory so far ({role, content}: the policy's turns, tool results
+  and earlier replies; not the prompt's messages, which verl includes: the prompt's facts come in
+  ``kwargs``), ``response`` the user's reply, ``score`` this turn's reward (None: none), ``metrics``
+  a dict;
 * ``finalize_interaction(instance_id, **kwargs)``: drops the state.
 
 The interactions file is verl's ``interaction_config_path`` YAML: ``interaction: [{name, class_name,
@@ -24,11 +26,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from megatron_rlhf.agent.tools import import_class
+from megatron_rlhf.data.chat_template import verl_file_entries
 
-__all__ = ["BaseInteraction", "interaction_of", "interactions_file_errors", "load_interactions"]
+__all__ = ["BaseInteraction", "interaction_of", "load_interactions"]
 
 
 class BaseInteraction:
@@ -55,28 +56,20 @@ _METHODS = ("start_interaction", "generate_response", "finalize_interaction")
 _BASE = "agent.interactions.BaseInteraction"
 
 
-def _entries(path: str) -> list[Any]:
-    try:
-        content = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read the interactions file: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    entries = content.get("interaction") if isinstance(content, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(
-            f"{path}: interaction: expected a top-level 'interaction' list of {{name, class_name, config}} "
-            f"(verl's interaction_config_path format), got {entries!r:.60}"
-        )
-    return entries
-
-
 def load_interactions(path: str) -> dict[str, Any]:
     """The interactions of an interactions file, built and keyed by name; ``ValueError`` names the
     file, the entry's field and what was expected. An entry without ``name`` is named after its
     class, less an ``Interaction`` suffix, in lower case (``Gsm8kInteraction``: ``gsm8k``)."""
     interactions: dict[str, Any] = {}
-    for i, entry in enumerate(_entries(path)):
+    entries = verl_file_entries(
+        Path(path),
+        "interaction",
+        "interactions",
+        "{name, class_name, config}",
+        "interaction_config_path",
+        nonempty=True,
+    )
+    for i, entry in enumerate(entries):
         where = f"{path}: interaction[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: expected a mapping {{name, class_name, config}}, got {entry!r:.60}")
@@ -94,17 +87,6 @@ def load_interactions(path: str) -> dict[str, Any]:
         except Exception as exc:  # the user's constructor
             raise ValueError(f"{where}: {entry['class_name']}(config) failed: {type(exc).__name__}: {exc}") from exc
     return interactions
-
-
-def interactions_file_errors(setting: str, path: str) -> list[str]:
-    """The up-front check of an interactions file (empty path: none): its entries, imported and built."""
-    if not path:
-        return []
-    try:
-        load_interactions(path)
-    except ValueError as exc:
-        return [f"{setting}: {exc}"]
-    return []
 
 
 def interaction_of(

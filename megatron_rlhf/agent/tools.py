@@ -24,7 +24,6 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rlhf.data import chat_template
 from megatron_rlhf.data.chat_template import load_tool_entries
 
 __all__ = [
@@ -36,7 +35,6 @@ __all__ = [
     "load_tools",
     "response_text",
     "tool_name",
-    "tools_file_errors",
 ]
 
 
@@ -142,11 +140,6 @@ def load_tools(path: str) -> dict[str, Any]:
                 f"{where}: {entry['class_name']}(config, tool_schema) failed: {type(exc).__name__}: {exc}"
             ) from exc
     return tools
-
-
-def tools_file_errors(setting: str, path: str) -> list[str]:
-    """The up-front check of the agent's tools file (empty path: none): schemas, class paths, building."""
-    return chat_template.tools_file_errors(setting, path, load_tools)
 
 
 # JSON Schema type -> the Python types json.loads gives for it (bool is no integer in JSON).

@@ -21,10 +21,22 @@ import inspect
 import itertools
 import textwrap
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 _LOADER_BUILDING = contextvars.ContextVar("loader_building", default=False)
+
+
+def file_errors(setting: str, path: str, load: Callable[[str], object]) -> list[str]:
+    """The up-front check of a setting that names a file (empty: none): reading it with ``load``,
+    whose ``ValueError`` (naming the file and what was expected) becomes the setting's error."""
+    if not path:
+        return []
+    try:
+        load(path)
+    except ValueError as exc:
+        return [f"{setting}: {exc}"]
+    return []
 
 
 def check_on_init(cfg: Any) -> None:

@@ -26,7 +26,7 @@ The rendered text is then tokenized with no special tokens added: the template w
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,8 +47,8 @@ __all__ = [
     "load_tool_schemas",
     "template_variable_errors",
     "tool_schema_problem",
-    "tools_file_errors",
     "tools_file_path",
+    "verl_file_entries",
 ]
 
 # The special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES), when set.
@@ -212,24 +212,34 @@ def tools_file_path(path: str | Path) -> Path:
     return Path(path)
 
 
+def verl_file_entries(
+    path: Path, key: str, noun: str, entry: str, setting: str, *, nonempty: bool = False
+) -> list[Any]:
+    """The top-level ``key`` list of one of verl's YAML files (its ``setting``: a tools or an
+    interactions file); ``ValueError`` names the file and says what was expected (``entry``: the
+    shape of one entry; ``nonempty``: at least one)."""
+    try:
+        content = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the {noun} file: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    entries = content.get(key) if isinstance(content, dict) else None
+    if not isinstance(entries, list) or (nonempty and not entries):
+        raise ValueError(
+            f"{path}: {key}: expected a top-level '{key}' list of {entry} (verl's {setting} format), "
+            f"got {entries!r:.60}"
+        )
+    return entries
+
+
 def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
     """The tools of a tools file in verl's ``tool_config_path`` format (YAML, ``tools: [{class_name,
     config, tool_schema}]``), in file order, each with a valid ``tool_schema``; ``ValueError`` names
     the file and the bad field. The other fields are checked by their reader (``agent/tools.py``).
     ``builtin:NAME`` is a tools file of this package (``BUILTIN_TOOLS_FILES``)."""
     path = tools_file_path(path)
-    try:
-        content = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read the tools file: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    tools = content.get("tools") if isinstance(content, dict) else None
-    if not isinstance(tools, list):
-        raise ValueError(
-            f"{path}: tools: expected a top-level 'tools' list of {{class_name, config, tool_schema}} "
-            f"(verl's tool_config_path format), got {tools!r:.60}"
-        )
+    tools = verl_file_entries(path, "tools", "tools", "{class_name, config, tool_schema}", "tool_config_path")
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or "tool_schema" not in tool:
             raise ValueError(
@@ -245,15 +255,3 @@ def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
 def load_tool_schemas(path: str | Path) -> list[dict[str, Any]]:
     """The ``tool_schema`` of each tool of a tools file (``load_tool_entries``), in file order."""
     return [tool["tool_schema"] for tool in load_tool_entries(path)]
-
-
-def tools_file_errors(setting: str, path: str, load: Callable[[str], object] = load_tool_schemas) -> list[str]:
-    """The up-front check of a tools-file setting (empty: no file): reading it with ``load``, by
-    default its schemas only (the agent's check builds the tools)."""
-    if not path:
-        return []
-    try:
-        load(path)
-    except ValueError as exc:
-        return [f"{setting}: {exc}"]
-    return []

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_rlhf.config.fields import at_least
-from megatron_rlhf.data.chat_template import load_tool_schemas, template_variable_errors, tools_file_errors
+from megatron_rlhf.config.fields import at_least, file_errors
+from megatron_rlhf.data.chat_template import load_tool_schemas, template_variable_errors
 from megatron_rlhf.data.datasets import OnProblem
 
 
@@ -57,7 +57,7 @@ class ChatDataConfig(DataFilesConfig):
         return (
             super().errors()
             + template_variable_errors("chat_template_kwargs", self.chat_template_kwargs)
-            + tools_file_errors("tools_file", self.tools_file)
+            + file_errors("tools_file", self.tools_file, load_tool_schemas)
         )
 
     def chat_options(self, tools_file: str | None = None) -> dict[str, Any]:

@@ -291,6 +291,11 @@ class PromptDataset(_Examples[PromptExample]):
         return PromptExample(self._seq.ids[self._seq.span(j)], dict(self._extras[j]))
 
     @property
+    def extras(self) -> Sequence[Mapping[str, Any]]:
+        """Every prompt's extras, in order, without building the examples (not to be modified)."""
+        return self._extras
+
+    @property
     def lengths(self) -> Tensor:
         return self._seq.lengths()
 

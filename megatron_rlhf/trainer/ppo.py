@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ from megatron_rlhf.algorithms.kl import (
     controller_kl,
 )
 from megatron_rlhf.algorithms.utils import last_valid, masked_mean
-from megatron_rlhf.data import PromptDataset, PromptExample, load_prompt_dataset
+from megatron_rlhf.data import PromptDataset, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import Tokenizer
@@ -237,7 +237,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     )
     # A tokenizer without a chat template, a tool unlike its schema, or a prompt's tools_kwargs or
     # interaction_kwargs that the files do not match fails here, not at some later step.
-    with tool_agent(run, [*prompts[:], *(validation[:] if validation is not None else [])]):
+    with tool_agent(run, [*prompts.extras, *(validation.extras if validation is not None else [])]):
         pass
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
@@ -502,8 +502,9 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
         if draws:
             generator = torch.Generator().manual_seed(seed)
             indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
-        with timer.phase("gen"), tool_agent(run, [run.prompts[i] for i in indices]) as agent:
-            prompts = [run.prompts[i].prompt_ids.tolist() for i in indices]
+        examples = [run.prompts[i] for i in indices]
+        with timer.phase("gen"), tool_agent(run, [p.extras for p in examples]) as agent:
+            prompts = [p.prompt_ids.tolist() for p in examples]
             params = dataclasses.replace(rollout.sampling, seed=seed)
             completions = run.generation.generate(prompts, params, timer, agent)
         with timer.phase("reward"):
@@ -537,15 +538,15 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
 
 
 @contextlib.contextmanager
-def tool_agent(run: PPORun, prompts: Sequence[PromptExample]) -> Iterator[ToolAgent | None]:
-    """The environment of multi-turn rollouts of ``prompts`` (each prompt's ``tools_kwargs`` from
-    its extras), its workers stopped on leaving; None for single-turn rollouts."""
+def tool_agent(run: PPORun, extras: Sequence[Mapping[str, Any]]) -> Iterator[ToolAgent | None]:
+    """The environment of multi-turn rollouts of the prompts whose ``extras`` these are (each
+    prompt's ``tools_kwargs`` and ``interaction_kwargs``), its workers stopped on leaving; None for
+    single-turn rollouts."""
     parts = run.agent_parts
     if parts is None:
         yield None
         return
     cfg = run.cfg
-    extras = [p.extras for p in prompts]
     with ToolAgent(
         cfg.rollout.multi_turn, run.tokenizer, parts.tools, extras, cfg.data.chat_template_kwargs, parts.interactions
     ) as agent:
@@ -685,7 +686,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor, torch.Tensor]:
         """Completions, their raw scores and whether each is correct, (prompts, n)."""
         params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
-        with tool_agent(run, prompts) as agent:
+        with tool_agent(run, extras) as agent:
             completions = run.generation.generate(ids, params, agent=agent)
         scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.texts)
         judged = scores.parts[ev.judged_by] if ev.judged_by else scores.raw

@@ -75,7 +75,7 @@ def trajectory_fields(
             "tool_errors": {kind: n for kind, n in record["tool_errors"].items() if n},
             "tool_rewards": dict(record["tool_rewards"]),
         }
-        if record["user_turns"] or record["turn_scores"] or record["interaction_errors"]:
+        if _had_interaction(record):
             row |= {key: record[key] for key in ("user_turns", "turn_scores", "interaction_errors")}
         if record["interaction_failure"]:
             row["interaction_failure"] = record["interaction_failure"]
@@ -117,8 +117,13 @@ def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     }
 
 
+def _had_interaction(record: TrajectoryRecord) -> bool:
+    """Whether an interaction replied to, scored or failed the trajectory."""
+    return bool(record["user_turns"] or record["turn_scores"] or record["interaction_errors"])
+
+
 def _interaction_metrics(records: Sequence[TrajectoryRecord]) -> dict[str, float]:
-    if not any(r["user_turns"] or r["turn_scores"] or r["interaction_errors"] for r in records):
+    if not any(_had_interaction(r) for r in records):
         return {}
     scores = [score for r in records for score in r["turn_scores"]]
     return {
