@@ -52,10 +52,11 @@ from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, refere
 from megatron_rlhf.trainer.supervised import SupervisedConfig, check_config
 from megatron_rlhf.training.optim import OptimConfig
 
-LOGIT_COPIES_TRAINING = 2
-"""(b, s, Vp/tp) tensors alive at once in a training pass: the output layer's logits and megatron's
-transposed copy at the end of the forward; in the backward, the saved logits and their gradient,
-then that gradient and its contiguous copy for the output layer's weight gradient."""
+LOGIT_COPIES_TRAINING = 1
+"""(b, s, Vp/tp) tensors alive at once in a training pass: the LM head's logits at the scored
+positions (ppo and sft run it there only, with no transposed copy). Their gradient is written over
+them (``token_logprobs_and_entropy``'s ``overwrite_logits``) and is already contiguous for the
+output layer's weight gradient. Counted at every position of the micro-batch, the prompts' too."""
 LOGIT_COPIES_FORWARD = 2
 """In a forward pass: the output layer's (s, b, Vp/tp) logits and megatron's (b, s, Vp/tp) copy."""
 SAMPLING_COPIES = 4

@@ -27,7 +27,10 @@ Why it is done this way:
   Both need only per-token statistics (max, log-sum-exp, sum p z) that every rank already holds
   after the forward, so the backward needs no collective: each rank gets the exact gradient of its
   own shard. To keep memory low, the backward recomputes p from the saved input logits instead of
-  saving a float32 (B, S, Vl) tensor.
+  saving a float32 (B, S, Vl) tensor. A caller whose logits serve this call alone
+  (``overwrite_logits``) lets the GPU kernel write the gradient over them: at a 1.5B model's
+  micro-batch of 16k tokens that tensor is about 3 GB, alive at the update's peak (the start of
+  the backward, every layer's activations still held).
 * Speed: on a GPU one Triton kernel reads the logits once for every statistic, with a running
   maximum (``logprobs_kernel.py``), and another writes the gradient. Elsewhere (CPU, float64) each
   pass over the vocabulary (max; the three sums; the gradient) is plain torch, fused by
@@ -135,6 +138,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         vocab_size: int,
         temperature: float,
         compute_entropy: bool,
+        overwrite_logits: bool,
     ) -> tuple[Tensor, Tensor | None]:
         tp_size, tp_rank = _tp_size_rank(tp_group)
         local_vocab = logits_shard.shape[-1]
@@ -165,18 +169,18 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         entropy = log_sum_exp - mean_z if compute_entropy else None
 
         ctx.save_for_backward(logits_shard, local_target, z_max, log_sum_exp, mean_z)
-        ctx.settings = (dtype, 1.0 / temperature, n_real, single_pass)
+        ctx.settings = (dtype, 1.0 / temperature, n_real, single_pass, overwrite_logits and single_pass)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(
         ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
-    ) -> tuple[Tensor | None, None, None, None, None, None]:
+    ) -> tuple[Tensor | None, None, None, None, None, None, None]:
         if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         logits_shard, local_target, z_max, log_sum_exp, mean_z = ctx.saved_tensors
-        dtype, inv_temperature, n_real, single_pass = ctx.settings
+        dtype, inv_temperature, n_real, single_pass, in_place = ctx.settings
         zeros = torch.zeros_like(log_sum_exp)
         grad_logprobs = zeros if grad_logprobs is None else grad_logprobs.to(dtype)
         grad_entropy = zeros if grad_entropy is None else grad_entropy.to(dtype)
@@ -191,7 +195,10 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
                 grad_entropy,
                 inv_temperature,
                 n_real,
+                in_place=in_place,
             )
+            if in_place:  # anything else that saved these logits now fails loudly instead of reading gradients
+                torch.autograd.graph.increment_version(logits_shard)
         else:
             grad_logits = _shard_grad(
                 logits_shard,
@@ -205,7 +212,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
                 inv_temperature,
                 n_real,
             )
-        return grad_logits, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None
 
 
 def token_logprobs_and_entropy(
@@ -216,6 +223,7 @@ def token_logprobs_and_entropy(
     vocab_size: int,
     temperature: float = 1.0,
     compute_entropy: bool = True,
+    overwrite_logits: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / T)[targets] and the entropy of softmax(logits / T), per token.
 
@@ -225,6 +233,9 @@ def token_logprobs_and_entropy(
     probability. Returns (logprobs (B, S), entropy (B, S) or None if not ``compute_entropy``), in
     float32 (float64 for float64 logits), differentiable w.r.t. ``logits_shard`` on every TP rank.
     Collective: every rank of ``tp_group`` must call it with the same targets and arguments.
+    ``overwrite_logits``: the backward may write the gradient over ``logits_shard`` (on a GPU; the
+    torch passes elsewhere allocate it), for logits that nothing else reads after it; autograd
+    then refuses any other backward that saved them. A leaf is never overwritten.
     """
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (logits are divided by it)")
@@ -242,5 +253,17 @@ def token_logprobs_and_entropy(
     if not 0 < vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded_vocab}] (shard width x tp size)")
     return _VocabParallelLogprobsEntropy.apply(
-        logits_shard, targets.long(), tp_group, int(vocab_size), float(temperature), bool(compute_entropy)
+        logits_shard,
+        targets.long(),
+        tp_group,
+        int(vocab_size),
+        float(temperature),
+        bool(compute_entropy),
+        overwrite_logits and not _of_a_leaf(logits_shard),
     )
+
+
+def _of_a_leaf(tensor: Tensor) -> bool:
+    """A leaf, or a view of one (whose data the caller owns)."""
+    base = tensor._base if tensor._base is not None else tensor
+    return base.grad_fn is None

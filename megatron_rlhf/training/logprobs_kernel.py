@@ -9,7 +9,8 @@ below the memory rate at a GRPO step's micro-batch (``docs/benchmarks.md``, "Ker
   m and, relative to it, sum e^(z - m) and sum e^(z - m) (z - m), rescaled as m grows; the target's
   z is one load. The caller turns these shard statistics into ``logprobs.py``'s (relative to the
   maximum over TP ranks), so both paths hand the same numbers to the same all-reduce and backward;
-* backward, one program per (token, block of columns) writes the gradient of its block.
+* backward, one program per (token, block of columns) writes the gradient of its block, into a new
+  tensor or over the logits themselves (``in_place``).
 
 z = logits * (1 / T) in float32, -inf on padding columns (index >= ``n_real``), as ``_scaled``.
 """
@@ -75,11 +76,19 @@ def shard_grad(
     grad_entropy: torch.Tensor,
     inv_temperature: float,
     n_real: int,
+    *,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """``logprobs._shard_grad``: d(sum g_logp * logp + g_H * H) / d logits, contiguous, in the
-    logits' dtype. The per-token arguments are (B, S) float32, relative to the maximum ``z_max``."""
+    """``logprobs._shard_grad``: d(sum g_logp * logp + g_H * H) / d logits, in the logits' dtype;
+    contiguous, or with ``in_place`` written over ``logits_shard`` itself (each program reads its
+    block of a row before it writes the block's gradient there, so no value is read after it is
+    overwritten). The per-token arguments are (B, S) float32, relative to the maximum ``z_max``."""
     batch, seq, vocab = logits_shard.shape
-    grad = torch.empty(batch, seq, vocab, dtype=logits_shard.dtype, device=logits_shard.device)
+    grad = (
+        logits_shard
+        if in_place
+        else torch.empty(batch, seq, vocab, dtype=logits_shard.dtype, device=logits_shard.device)
+    )
     per_token = [t.contiguous() for t in (local_target, z_max, log_sum_exp, mean_z, grad_logprobs, grad_entropy)]
     _grad_kernel[(batch * seq, triton.cdiv(vocab, GRAD_BLOCK))](
         logits_shard,
@@ -91,6 +100,8 @@ def shard_grad(
         inv_temperature,
         *per_token,
         grad,
+        grad.stride(0),
+        grad.stride(1),
         BLOCK=GRAD_BLOCK,
         num_warps=NUM_WARPS,
     )
@@ -160,6 +171,8 @@ if triton is not None:
         grad_logprobs_ptr: tl.tensor,
         grad_entropy_ptr: tl.tensor,
         grad_ptr: tl.tensor,
+        grad_stride_b: tl.tensor,
+        grad_stride_s: tl.tensor,
         BLOCK: tl.constexpr,
     ) -> None:
         token = tl.program_id(0)
@@ -171,5 +184,5 @@ if triton is not None:
         grad_logprob = tl.load(grad_logprobs_ptr + token)
         grad_z = -probs * (grad_logprob + tl.load(grad_entropy_ptr + token) * centred)
         grad_z += tl.where(columns == tl.load(target_ptr + token), grad_logprob, 0.0)
-        out = grad_ptr + token.to(tl.int64) * vocab + columns
-        tl.store(out, (grad_z * inv_temperature).to(grad_ptr.dtype.element_ty), mask=columns < vocab)
+        out_row = grad_ptr + (token // seq).to(tl.int64) * grad_stride_b + (token % seq).to(tl.int64) * grad_stride_s
+        tl.store(out_row + columns, (grad_z * inv_temperature).to(grad_ptr.dtype.element_ty), mask=columns < vocab)

@@ -49,7 +49,10 @@ def next_token_logprobs(
     if index.numel() == 0:  # nothing scored in this piece; still a function of the output (backward needs one)
         zeros = logits.sum().float() * 0 + torch.zeros(b, s - 1, device=logits.device)
         return zeros, zeros if with_entropy else None
-    logprobs, entropy = token_logprobs_and_entropy(logits, piece["logit_target"][None], **settings)
+    # the LM head's logits at the scored positions serve this call alone: their gradient may take their memory
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, piece["logit_target"][None], **settings, overwrite_logits=True
+    )
 
     def spread(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(b * s).index_put((index,), x[0]).view(b, s)[:, :-1]

@@ -81,3 +81,48 @@ def test_single_pass_kernels_at_a_full_vocabulary_on_a_sliced_view(dtype: torch.
     assert (full.grad.double() - leaf.grad).abs().max().item() <= rtol * leaf.grad.abs().max().item()
     assert full.grad[..., vocab_size:].abs().max().item() == 0.0
     assert full.grad[:, -1].abs().max().item() == 0.0  # the position no target reads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradient_written_over_the_logits_equals_one_of_its_own(dtype: torch.dtype) -> None:
+    """``overwrite_logits``, as the trainer's loss passes it for the LM head's logits: the hidden
+    states and the head's weight get the same gradients, bit for bit, as when the logits' gradient
+    is a tensor of its own; that gradient is the logits' memory; a backward that saved the logits
+    too is refused, not fed gradients; a leaf's logits are left alone."""
+    g = torch.Generator().manual_seed(2)
+    vocab_size, padded, hidden_size, positions = 151_665, 151_936, 64, 24
+    hidden0 = torch.randn(positions, hidden_size, generator=g).to("cuda", dtype)
+    weight0 = (torch.randn(padded, hidden_size, generator=g) / 8).to("cuda", dtype)
+    targets = torch.randint(0, vocab_size, (1, positions), generator=g).cuda()
+    w1, w2 = torch.randn(1, positions, generator=g).cuda(), torch.randn(1, positions, generator=g).cuda()
+
+    def gradients(overwrite: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        logits = (hidden @ weight.t())[:, None].transpose(0, 1)  # (1, k, Vp), as schedule._logits_at gives it
+        seen: list[torch.Tensor] = []
+        logits.register_hook(seen.append)
+        logp, entropy = token_logprobs_and_entropy(
+            logits, targets, tp_group=None, vocab_size=vocab_size, overwrite_logits=overwrite
+        )
+        ((w1 * logp).sum() + (w2 * entropy).sum()).backward()
+        return hidden.grad, weight.grad, seen[0].data_ptr() == logits.data_ptr()
+
+    hidden_grad, weight_grad, shared = gradients(overwrite=False)
+    assert not shared
+    hidden_over, weight_over, shared = gradients(overwrite=True)
+    assert shared
+    assert torch.equal(hidden_over, hidden_grad) and torch.equal(weight_over, weight_grad)
+
+    hidden = hidden0.clone().requires_grad_()
+    logits = (hidden @ weight0.t())[None]
+    squares = logits.square().float().sum()  # saves the logits; its node runs after the log-probs' one
+    logp, _ = token_logprobs_and_entropy(logits, targets, tp_group=None, vocab_size=vocab_size, overwrite_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (logp.sum() + squares).backward()
+
+    leaf = (hidden0 @ weight0.t())[None].requires_grad_()
+    before = leaf.detach().clone()
+    logp, _ = token_logprobs_and_entropy(leaf, targets, tp_group=None, vocab_size=vocab_size, overwrite_logits=True)
+    logp.sum().backward()
+    assert torch.equal(leaf.detach(), before) and leaf.grad.data_ptr() != leaf.data_ptr()

@@ -128,10 +128,11 @@ def test_hand_derived_parameters_and_activations() -> None:
     assert stage_parameters(arch, Layout(2, 1, 1), 256) == embedding + 4 * layer + 8 + embedding
     # pp=2: the first stage holds the embedding and 2 layers, the last 2 layers, the final norm and the head
     assert stage_parameters(arch, Layout(2, 2, 1), 256) == embedding + 2 * layer + 8
-    # training, per token and layer: 4h + (4q + 3kv + 3f) / tp = 32 + (32 + 12 + 48) / 2 = 78 elements; logits 2 x 128
-    assert activation_bytes(arch, Layout(2, 1, 1), 256, 10, 2, training=True) == 4 * 10 * 78 * 2 + 2 * 10 * 128 * 2
+    # training, per token and layer: 4h + (4q + 3kv + 3f) / tp = 32 + (32 + 12 + 48) / 2 = 78 elements; the
+    # logits once (their gradient is written over them), 128 columns per rank
+    assert activation_bytes(arch, Layout(2, 1, 1), 256, 10, 2, training=True) == 4 * 10 * 78 * 2 + 10 * 128 * 2
     assert activation_bytes(arch, Layout(2, 2, 1), 256, 10, 2, training=True) == max(
-        2 * 2 * 10 * 78 * 2, 2 * 10 * 78 * 2 + 2 * 10 * 128 * 2
+        2 * 2 * 10 * 78 * 2, 2 * 10 * 78 * 2 + 10 * 128 * 2
     )
     # forward: 2h + (q + 2kv + 3f) / tp = 16 + (8 + 8 + 48) / 2 = 48 elements, and 2 logits copies
     assert activation_bytes(arch, Layout(2, 1, 1), 256, 10, 2, training=False) == 10 * 48 * 2 + 2 * 10 * 128 * 2
