@@ -451,7 +451,7 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     def save() -> None:
         ends = record["step_end_s"]
-        steps = [b - a for a, b in zip([0.0, *ends], ends, strict=True)]
+        steps = [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)]  # each step from the last one's end
         record.update(
             step_s=steps,
             step1_s=steps[0] if steps else None,

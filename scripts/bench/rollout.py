@@ -17,6 +17,7 @@ sampled at T=1 with top-p P on the same engine: what nucleus sampling costs besi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -35,29 +36,35 @@ def generate_seconds(engine: Any, prompts: torch.Tensor, params: Any) -> float:
 
 
 def profile_decode(
-    engine_for: Callable[[bool], Any], prompts: list[list[int]], steps: int, out: Path | None
+    engine_for: Callable[[bool], Any], prompts: list[list[int]], steps: int, out: Path | None, top_p: float = 1.0
 ) -> dict[str, float]:
-    """Where a decode step's time goes, eager and with CUDA graphs: GPU kernel time per step by
-    kernel, and the share of wall time the GPU is busy (the rest is the host loop). Decode-only
-    figures are differences of two profiled runs, ``steps + 1`` and 1 new tokens (the prefill)."""
+    """Where a decode step's time goes, greedy eager and with CUDA graphs (and with ``top_p`` < 1,
+    nucleus sampling at T=1 with graphs too): GPU kernel time per step by kernel, and the share of
+    wall time the GPU is busy (the rest is the host loop). Decode-only figures are differences of
+    two profiled runs, ``steps + 1`` and 1 new tokens (the prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_rlhf.metrics.kernels import costliest, op_times, print_report
     from megatron_rlhf.rollout.sampling import SamplingParams
 
-    def kernel_times(engine: Any, new_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
-        params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    def kernel_times(engine: Any, new_tokens: int, nucleus: float) -> tuple[float, dict[str, tuple[float, int]]]:
+        params = SamplingParams(
+            temperature=0.0 if nucleus == 1 else 1.0, top_p=nucleus, max_new_tokens=new_tokens, ignore_eos=True
+        )
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = wall_seconds(lambda: engine.generate(prompts, params), CUDA)
         return wall, op_times(prof)  # device work only, not the ops launching it
 
     figures: dict[str, float] = {}
     lines = []
-    for label, graphs in (("eager", False), ("cuda_graphs", True)):
+    runs = [("eager", False, 1.0), ("cuda_graphs", True, 1.0)]
+    if top_p < 1:
+        runs.append((f"cuda_graphs_top_p_{top_p}", True, top_p))
+    for label, graphs, nucleus in runs:
         engine = engine_for(graphs)
         engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True))  # warm-up
-        wall_full, full = kernel_times(engine, steps + 1)
-        wall_prefill, prefill = kernel_times(engine, 1)
+        wall_full, full = kernel_times(engine, steps + 1, nucleus)
+        wall_prefill, prefill = kernel_times(engine, 1, nucleus)
         decode = {
             k: ((t - prefill.get(k, (0, 0))[0]) / steps, (n - prefill.get(k, (0, 0))[1]) / steps)
             for k, (t, n) in full.items()
@@ -122,7 +129,11 @@ def main() -> None:
     parser.add_argument(
         "--top-p", type=float, default=1.0, help="below 1: also decode sampled at T=1 with this top-p (CUDA graphs)"
     )
-    parser.add_argument("--profile", action="store_true", help="profile decode at the largest batch (torch.profiler)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile decode at the largest batch (torch.profiler; with --top-p, nucleus decode too)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -191,6 +202,8 @@ def main() -> None:
                 nucleus = SamplingParams(
                     temperature=1.0, top_p=args.top_p, max_new_tokens=args.new_tokens, ignore_eos=True
                 )
+                # untimed: the filtered kernel's first call compiles it
+                engine.generate(prompts.tolist(), dataclasses.replace(nucleus, max_new_tokens=2))
                 nucleus_s = generate_seconds(engine, prompts, nucleus)
                 figures[f"decode_tokens_per_s_top_p_{args.top_p}"] = (
                     batch * (args.new_tokens - 1) / (nucleus_s - prefill_s)
@@ -231,7 +244,7 @@ def main() -> None:
                 ),
             )
 
-        result["profile"] = profile_decode(engine_for, prompts, 32, args.out)
+        result["profile"] = profile_decode(engine_for, prompts, 32, args.out, args.top_p)
     hf = None  # free its weights before the training state below
     state = make_train_state(role, OptimConfig(lr=1e-6))
     ids = torch.randint(0, arch.vocab_size, (8, 512), generator=g)
