@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -87,12 +89,25 @@ def _merged_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def phase_report(prof: profile, top: int = 20) -> list[str]:
-    """Lines for each phase range in ``prof`` (outermost first in time order, sub-phases indented):
-    wall time, GPU busy time (the union of its kernels, copies and fills: the rest is the GPU
-    waiting on the host), launches, time by kind and the costliest kernels. A kernel belongs to the
-    range its GPU start falls in: each phase ends with a device synchronize, so its kernels cannot
-    spill into the next. In CPU mode the same for the CPU operators' self time."""
+@dataclasses.dataclass(frozen=True)
+class PhaseFigures:
+    """One phase range of a profiled region: ``busy_ms`` is the union of its GPU kernels, copies and
+    fills (in CPU mode, the sum of its operators' self time); the rest of ``wall_ms`` the device
+    waited on the host. ``depth`` counts the ranges it lies inside."""
+
+    name: str
+    depth: int
+    wall_ms: float
+    busy_ms: float
+    launches: int
+    by_kind_ms: dict[str, float]
+    top_kernels: dict[str, tuple[float, int]]  # kernel -> (microseconds, launches), the ``top`` costliest
+
+
+def phase_figures(prof: profile, top: int = 20) -> tuple[bool, list[PhaseFigures]]:
+    """(whether GPU kernels ran, each phase range in ``prof`` outermost first in time order). A
+    kernel belongs to the range its GPU start falls in: each phase ends with a device synchronize,
+    so its kernels cannot spill into the next."""
     events = prof.events()
     ranges = sorted(
         (
@@ -116,52 +131,74 @@ def phase_report(prof: profile, top: int = 20) -> list[str]:
         ]
     work.sort(key=lambda w: w[1])
     starts = [w[1] for w in work]
-    lines = [
-        f"{len(ranges)} phase ranges; "
-        + ("GPU kernels, copies and fills" if on_gpu else "CPU operators (no GPU kernels ran)")
-    ]
+    figures = []
     open_ends: list[float] = []
     for name, start, end in ranges:
         while open_ends and open_ends[-1] <= start:
             open_ends.pop()
-        indent = "  " * len(open_ends)
+        depth = len(open_ends)
         open_ends.append(end)
         inside = work[bisect.bisect_left(starts, start) : bisect.bisect_right(starts, end)]
-        wall_ms = (end - start) / 1e3
         spans = [(s, e) for _, s, e in inside]
-        busy_ms = (_merged_length(spans) if on_gpu else sum(e - s for s, e in spans)) / 1e3
+        busy_us = _merged_length(spans) if on_gpu else sum(e - s for s, e in spans)
         per_name: dict[str, tuple[float, int]] = {}
         for kernel, s, e in inside:
             us, n = per_name.get(kernel, (0.0, 0))
             per_name[kernel] = (us + e - s, n + 1)
-        what = "GPU busy" if on_gpu else "in operators"
-        lines.append(
-            f"{indent}{name}: {wall_ms:.1f} ms wall, {what} {busy_ms:.1f} ms "
-            f"({100 * busy_ms / max(wall_ms, 1e-9):.0f}%), "
-            f"{len(inside)} {'launches' if on_gpu else 'operator calls'}"
-        )
-        if per_name:
-            kinds = by_kind(per_name)
-            lines.append(
-                f"{indent}  by kind (ms): " + ", ".join(f"{kind} {us / 1e3:.1f}" for kind, us in kinds.items())
+        figures.append(
+            PhaseFigures(
+                name=name,
+                depth=depth,
+                wall_ms=(end - start) / 1e3,
+                busy_ms=busy_us / 1e3,
+                launches=len(inside),
+                by_kind_ms={kind: us / 1e3 for kind, us in by_kind(per_name).items()},
+                top_kernels=dict(sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]),
             )
-        lines += [f"{indent}  {line}" for line in costliest(per_name, top)]
+        )
+    return on_gpu, figures
+
+
+def phase_report(on_gpu: bool, figures: list[PhaseFigures]) -> list[str]:
+    """Lines for ``phase_figures``' ranges (sub-phases indented): wall time, busy time, launches,
+    time by kind and the costliest kernels."""
+    lines = [
+        f"{len(figures)} phase ranges; "
+        + ("GPU kernels, copies and fills" if on_gpu else "CPU operators (no GPU kernels ran)")
+    ]
+    what = "GPU busy" if on_gpu else "in operators"
+    for phase in figures:
+        indent = "  " * phase.depth
+        lines.append(
+            f"{indent}{phase.name}: {phase.wall_ms:.1f} ms wall, {what} {phase.busy_ms:.1f} ms "
+            f"({100 * phase.busy_ms / max(phase.wall_ms, 1e-9):.0f}%), "
+            f"{phase.launches} {'launches' if on_gpu else 'operator calls'}"
+        )
+        if phase.by_kind_ms:
+            lines.append(
+                f"{indent}  by kind (ms): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in phase.by_kind_ms.items())
+            )
+        lines += [f"{indent}  {line}" for line in costliest(phase.top_kernels, len(phase.top_kernels))]
     return lines
 
 
 @contextlib.contextmanager
 def profiled(stem: Path) -> Iterator[None]:
     """Profile the block (CPU, and CUDA when present, with shapes): ``STEM.txt`` gets
-    ``phase_report`` and ``STEM.trace.json.gz`` the trace (Perfetto, chrome://tracing)."""
+    ``phase_report``, ``STEM.json`` the same figures less the kernel lists (for benchmarks to read)
+    and ``STEM.trace.json.gz`` the trace (Perfetto, chrome://tracing)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(
         activities=activities, record_shapes=True, acc_events=True
     ) as prof:  # one cycle: acc_events only quiets a warning
         yield
-    lines = phase_report(prof)
+    on_gpu, figures = phase_figures(prof)
+    lines = phase_report(on_gpu, figures)
     stem.parent.mkdir(parents=True, exist_ok=True)
     text_file, trace_file = stem.with_name(stem.name + ".txt"), stem.with_name(stem.name + ".trace.json.gz")
     text_file.write_text("\n".join(lines) + "\n")
+    phases = [{k: v for k, v in dataclasses.asdict(p).items() if k != "top_kernels"} for p in figures]
+    stem.with_name(stem.name + ".json").write_text(json.dumps({"on_gpu": on_gpu, "phases": phases}, indent=1) + "\n")
     prof.export_chrome_trace(str(trace_file))
     log(
         "\n".join(

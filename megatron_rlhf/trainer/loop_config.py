@@ -73,8 +73,9 @@ class LoopConfig(RunConfig):
     written over; without it such a run is refused before anything is built."""
     profile_steps: list[int] = dataclasses.field(default_factory=list)
     """Steps to run under torch.profiler: each rank writes output_dir/profile/step_N[.rank_R].txt
-    (every phase's wall time, GPU busy time, launches, time by kind, costliest kernels) and
-    step_N[.rank_R].trace.json.gz (Perfetto). The profiler slows the step it watches."""
+    (every phase's wall time, GPU busy time, launches, time by kind, costliest kernels), the same
+    figures less the kernels as .json, and step_N[.rank_R].trace.json.gz (Perfetto). The profiler
+    slows the step it watches."""
     max_bad_steps: int = 3
     """After this many steps in a row whose update was skipped (non-finite loss or gradients), roll
     back to the newest checkpoint and redo the steps since with another data order; a second

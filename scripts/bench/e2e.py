@@ -39,6 +39,8 @@ reports them under ``trl.<config>.nonfinite``.
 
 ``--profile`` runs each run's last step under torch.profiler (``profile_steps``) and prints where
 each phase's time goes (GPU busy time, launches, costliest kernels); that step is not a steady one.
+Each steady phase less its busy time is its idle time, and the sum of the busy times against the
+floor is the ratio the step would reach with no idle time at all.
 
 Progress lines carry the elapsed time. ``--skip-trl`` / ``--skip-ours`` leave a part out. On a CPU the
 same script runs end to end on a tiny model (``--model builtin:tiny-llama --reward-model
@@ -266,9 +268,14 @@ def run_ours(args: argparse.Namespace, run: Run, prompts_file: Path, work: Path)
             if k.startswith(("memory/peak_allocated_gib/", "memory/peak_reserved_gib/"))
         },
     )
-    profile = out_dir / "profile" / f"step_{args.steps}.txt"
-    if profile.is_file():
-        result["profile"] = {"step": args.steps, "phases": profile.read_text()}
+    profile = out_dir / "profile" / f"step_{args.steps}"
+    if profile.with_suffix(".txt").is_file():
+        result["profile"] = {"step": args.steps, "phases": profile.with_suffix(".txt").read_text()}
+        busy: dict[str, float] = {}  # a phase may be timed in several ranges (reward: the rule wait, the model)
+        for phase in json.loads(profile.with_suffix(".json").read_text())["phases"]:
+            if phase["depth"] == 0:
+                busy[phase["name"]] = busy.get(phase["name"], 0.0) + phase["busy_ms"] / 1e3
+        result["profile"]["busy_s"] = busy
     return result
 
 
@@ -577,6 +584,20 @@ def report(result: dict[str, Any]) -> None:
                 f"  ours steady / floor: {entry['ours_over_floor']:.2f}; "
                 f"step 1 / steady: {entry['step1_over_steady']:.2f}"
             )
+        if "busy_s" in ours.get("profile", {}):
+            busy = ours["profile"]["busy_s"]
+            print(
+                "  device busy in the profiled step, and the rest of each steady phase (idle): "
+                + ", ".join(
+                    f"{p} {busy.get(p, 0.0):.3f} / {s - busy.get(p, 0.0):.3f}"
+                    for p, s in ours["phases_steady_s"].items()
+                )
+            )
+            if floor:
+                print(
+                    f"  with no idle time the step would be {entry['busy_s']:.3f} s, "
+                    f"{entry['busy_over_floor']:.2f}x its floor"
+                )
         if ours.get("profile"):
             print(
                 f"  profile of step {ours['profile']['step']} (not in the steady median):\n{ours['profile']['phases']}"
@@ -696,6 +717,9 @@ def main() -> None:
         entry["floor"] = run_floor(args, run, list(ours["phases_steady_s"]), result["device"])
         entry["ours_over_floor"] = ours["steady_step_s"] / entry["floor"]["step"]["step"]
         entry["step1_over_steady"] = ours["step1_s"] / ours["steady_step_s"]
+        if "busy_s" in ours.get("profile", {}):  # what no overlap of host and device work can go under
+            entry["busy_s"] = sum(ours["profile"]["busy_s"].get(p, 0.0) for p in ours["phases_steady_s"])
+            entry["busy_over_floor"] = entry["busy_s"] / entry["floor"]["step"]["step"]
     if "trl" in result:
         compare_with_trl(result)
     report(result)

@@ -94,7 +94,11 @@ def test_profile_steps_write_a_phase_report_and_a_trace_of_those_steps_only(worl
         output_dir=str(tmp_path), save_hf=False, save_final=False, loggers=["jsonl"], max_steps=2, profile_steps=[2]
     )
     run_loop(cfg, _CountingTask())
-    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step_2.trace.json.gz", "step_2.txt"]
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
+        "step_2.json",
+        "step_2.trace.json.gz",
+        "step_2.txt",
+    ]
     report = (tmp_path / "profile" / "step_2.txt").read_text().splitlines()
     assert report[0] == "2 phase ranges; CPU operators (no GPU kernels ran)"
     outer = next(i for i, line in enumerate(report) if line.startswith("work: "))
@@ -104,6 +108,11 @@ def test_profile_steps_write_a_phase_report_and_a_trace_of_those_steps_only(worl
     assert calls[0] > calls[1] > 0  # the inner range's operators are also the outer one's
     assert any("aten::mm" in line for line in report[outer:inner])  # the matmul ran in the outer range only
     assert not any("aten::mm" in line for line in report[inner:])
+    figures = json.loads((tmp_path / "profile" / "step_2.json").read_text())
+    assert not figures["on_gpu"]
+    assert [(p["name"], p["depth"]) for p in figures["phases"]] == [("work", 0), ("work/inner", 1)]
+    assert [p["launches"] for p in figures["phases"]] == calls  # the figures the text reports
+    assert all(0 < p["busy_ms"] <= p["wall_ms"] for p in figures["phases"])
     trace = json.loads(gzip.decompress((tmp_path / "profile" / "step_2.trace.json.gz").read_bytes()))
     assert {"phase/work", "phase/work/inner"} <= {event.get("name") for event in trace["traceEvents"]}
 
