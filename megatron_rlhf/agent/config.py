@@ -46,6 +46,12 @@ class MultiTurnConfig:
     def __post_init__(self) -> None:
         check_on_init(self)
 
+    @property
+    def interactions_read_prompts(self) -> bool:
+        """Whether the prompts' conversations must be kept (the loader's ``keep_raw_prompt``): an
+        interaction reads the whole conversation, the prompt's messages first, as in verl."""
+        return self.enable and bool(self.interaction_config_path)
+
     def errors(self) -> list[str]:
         errors = at_least(self, 0, "max_assistant_turns", "max_user_turns")
         errors += at_least(self, 1, "max_parallel_calls", "tool_workers")

@@ -9,10 +9,10 @@ changing its imports):
 * ``start_interaction(instance_id, **kwargs) -> str``: its state for one trajectory (``kwargs``: the
   prompt row's ``extra_info.interaction_kwargs``, e.g. the ground truth);
 * ``generate_response(instance_id, messages, **kwargs) -> (should_terminate_sequence, response, score,
-  metrics)``: ``messages`` is the trajectory so far ({role, content}: the policy's turns, tool results
-  and earlier replies; not the prompt's messages, which verl includes: the prompt's facts come in
-  ``kwargs``), ``response`` the user's reply, ``score`` this turn's reward (None: none), ``metrics``
-  a dict;
+  metrics)``: ``messages`` is the conversation so far ({role, content}), as verl hands it: the
+  prompt's messages (the loader keeps a conversation prompt's for such runs: ``RAW_PROMPT``), then
+  the policy's turns, tool results and earlier replies; ``response`` the user's reply, ``score``
+  this turn's reward (None: none), ``metrics`` a dict;
 * ``finalize_interaction(instance_id, **kwargs)``: drops the state.
 
 The interactions file is verl's ``interaction_config_path`` YAML: ``interaction: [{name, class_name,

@@ -25,6 +25,7 @@ from megatron_rlhf.agent.interactions import interaction_of, load_interactions
 from megatron_rlhf.agent.parsers import PARSERS, CallError, ParsedCall, ToolCall
 from megatron_rlhf.agent.tools import argument_problems, call_method, load_tools, response_text, tool_name
 from megatron_rlhf.data.chat_template import ChatTemplate, tool_schema_problem
+from megatron_rlhf.data.datasets import RAW_PROMPT
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.rollout.engine import EnvironmentTurn, ToolErrorKind, TrajectoryRecord
 
@@ -116,7 +117,9 @@ class ToolAgent:
     from its file), the thread pool that runs their calls, and each prompt's ``create_kwargs`` and
     interaction.
 
-    ``extra_infos``: each prompt's verl ``extra_info`` (None where a row has none), in prompt order.
+    ``extra_infos``: each prompt's extras (None where a row has none), in prompt order: verl's
+    ``tools_kwargs`` and ``interaction_kwargs``, and the conversation an interaction reads first
+    (``RAW_PROMPT``, where the loader kept it).
     ``template_variables``: the chat template's variables of the prompts (``data.chat_template_kwargs``).
     Call ``shutdown`` when done with it (or use it as a context manager).
     """
@@ -155,6 +158,9 @@ class ToolAgent:
         self.interaction_of = [
             interaction_of(extra, list(self.interactions), f"prompt {i}: extra_info")
             for i, extra in enumerate(extra_infos)
+        ]
+        self.prompt_messages: list[list[dict[str, Any]]] = [
+            list((extra or {}).get(RAW_PROMPT) or []) for extra in extra_infos
         ]
         self.pool = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="agent-tool")
 
@@ -249,8 +255,8 @@ class ToolEpisode:
                 if closed:  # closed while starting: close() has not seen this instance
                     call_method(interaction.finalize_interaction, started, **kwargs)
                     raise RuntimeError("the trajectory is closed")
-            with self._lock:
-                messages = [dict(message) for message in self.messages]
+            with self._lock:  # the whole conversation, as verl hands it: the prompt's messages first
+                messages = [dict(m) for m in (*self.agent.prompt_messages[self.prompt_index], *self.messages)]
             ends, response, score, _ = call_method(
                 interaction.generate_response, self._conversation, messages, **kwargs
             )

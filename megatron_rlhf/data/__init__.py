@@ -3,6 +3,7 @@
 from .batch import pack_batch
 from .chat_template import ChatTemplate, ChatTemplateError
 from .datasets import (
+    RAW_PROMPT,
     DataReport,
     OnProblem,
     PreferenceDataset,
@@ -27,6 +28,7 @@ from .tokenizer import (
 )
 
 __all__ = [
+    "RAW_PROMPT",
     "ByteTokenizer",
     "ChatTemplate",
     "ChatTemplateError",

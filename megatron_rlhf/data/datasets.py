@@ -79,6 +79,7 @@ from .records import DataError, Record, Span, data_files, read_records, read_spa
 from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer
 
 __all__ = [
+    "RAW_PROMPT",
     "DataReport",
     "OnProblem",
     "PreferenceDataset",
@@ -885,8 +886,13 @@ def _preference_row(
     ], None
 
 
+RAW_PROMPT = "raw_prompt"
+"""The extras key of a conversation prompt's messages when the loader keeps them (verl's name, as
+its ``data.return_raw_chat`` keeps them): an interaction reads the whole conversation."""
+
+
 def _prompt_row(
-    ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], chat: _ChatOptions
+    ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], chat: _ChatOptions, keep_raw_prompt: bool
 ) -> tuple[list[_Sequence], dict[str, Any]]:
     missing = [k for k in extra_keys if k not in rec.data]
     if missing:
@@ -896,7 +902,10 @@ def _prompt_row(
         )
     prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
-    return [(prompt, None)], {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
+    extras = {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
+    if keep_raw_prompt and isinstance(rec.data[prompt_key], list):  # _prompt_ids checked its messages
+        extras[RAW_PROMPT] = [{"role": m["role"], "content": m.get("content")} for m in rec.data[prompt_key]]
+    return [(prompt, None)], extras
 
 
 def load_sft_dataset(
@@ -998,9 +1007,12 @@ def load_prompt_dataset(
     tools: Sequence[Mapping[str, Any]] | None = None,
     tools_key: str = "tools",
     num_workers: int = 0,
+    keep_raw_prompt: bool = False,
 ) -> tuple[PromptDataset, DataReport]:
     """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row. A
     verl row's reward inputs join its extras (and win over extra columns of the same name).
+    ``keep_raw_prompt``: a conversation prompt's messages ({role, content}) join its extras as
+    ``RAW_PROMPT``, for multi-turn interactions.
 
     ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template, given
     ``chat_template_kwargs`` as more template variables (``enable_thinking``) and as ``tools`` a row's
@@ -1008,7 +1020,9 @@ def load_prompt_dataset(
     pre-tokenized prompts are never templated (they may be chat-formatted already), so these do not
     apply to them."""
     chat = _chat_options(apply_chat_template, chat_template_kwargs, tools, tools_key)
-    row = functools.partial(_prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys), chat=chat)
+    row = functools.partial(
+        _prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys), chat=chat, keep_raw_prompt=keep_raw_prompt
+    )
     part = _Loader(
         paths,
         tokenizer,

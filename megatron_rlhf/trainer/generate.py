@@ -117,7 +117,11 @@ def run_generate(
         raise ConfigError("; ".join(errors))
     engine, tokenizer = policy_engine(model, arch, tp=tp, dtype=dtype, engine_cfg=engine_cfg, env=env)
     dataset, report = load_prompt_dataset(
-        resolve_data_paths([input_path]), tokenizer, max_length=UNBOUNDED_PROMPT, tools=offered_tools(multi_turn)
+        resolve_data_paths([input_path]),
+        tokenizer,
+        max_length=UNBOUNDED_PROMPT,
+        tools=offered_tools(multi_turn),
+        keep_raw_prompt=multi_turn.interactions_read_prompts,
     )
     log(report.summary())
     start = time.perf_counter()

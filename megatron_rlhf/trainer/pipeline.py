@@ -111,6 +111,7 @@ def sample_and_judge(
         max_length=engine.cfg.max_seq_len,
         extra_keys=("prompt", "answer"),
         tools=offered_tools(multi_turn),
+        keep_raw_prompt=multi_turn is not None and multi_turn.interactions_read_prompts,
     )
     examples = dataset[: min(count, len(dataset))]
     completions = generate_trajectories(engine, tokenizer, examples, params, multi_turn)

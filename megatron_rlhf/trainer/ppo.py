@@ -160,6 +160,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
                 add_bos=data.add_bos,
                 **data.chat_options(tools_file),
                 num_workers=data.num_workers,
+                keep_raw_prompt=rollout.multi_turn.interactions_read_prompts,
             )
             log(f"{what}: {report.summary()}")
             return dataset

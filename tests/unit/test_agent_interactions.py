@@ -17,6 +17,7 @@ from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.agent.interactions import BaseInteraction, load_interactions
 from megatron_rlhf.agent.loop import AgentParts, ToolAgent
 from megatron_rlhf.config.fields import building_tree
+from megatron_rlhf.data.datasets import RAW_PROMPT
 from megatron_rlhf.data.tokenizer import HFTokenizer
 from megatron_rlhf.rollout.engine import EnvironmentTurn
 from megatron_rlhf.trainer.trajectories import trajectory_fields, trajectory_metrics
@@ -40,7 +41,7 @@ class Teacher(BaseInteraction):
         return f"conversation-{instance_id}"
 
     async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any):
-        self.calls.append(("reply", (instance_id, [m["role"] for m in messages])))
+        self.calls.append(("reply", (instance_id, [(m["role"], m["content"]) for m in messages])))
         right = str(kwargs["ground_truth"]) in messages[-1]["content"]
         return (True, "Correct!", 1.0, {}) if right else (False, "Try again.", 0.0, {})
 
@@ -79,7 +80,9 @@ def test_the_interaction_replies_as_the_user_then_ends_the_trajectory(tool_chat_
     from transformers import AutoTokenizer
 
     Teacher.calls = []
-    with make_agent(tokenizer, {"teacher": Teacher({"name": "teacher"})}) as agent:
+    # the prompt's conversation as the loader keeps it for interactions (verl's raw_prompt)
+    extras = [{"interaction_kwargs": {"name": "teacher", "ground_truth": 42}, RAW_PROMPT: USER}]
+    with make_agent(tokenizer, {"teacher": Teacher({"name": "teacher"})}, extras) as agent:
         episode = agent.episode(0, 0)
         future = episode.after_turn(policy_turn(tokenizer, "It is 41."))
         assert future is not None
@@ -99,12 +102,17 @@ def test_the_interaction_replies_as_the_user_then_ends_the_trajectory(tool_chat_
     assert record["num_turns"] == 4  # the prompt, two policy turns, one reply
     assert record["interaction_errors"] == 0 and record["tool_calls"] == 0
     assert [m["role"] for m in record["messages"]] == ["assistant", "user", "assistant", "user"]
-    # Started once with the prompt's interaction_kwargs, replied twice to the trajectory's messages, finalized.
+    # Started once with the prompt's interaction_kwargs, replied twice to the whole conversation (the
+    # prompt's messages first, as verl hands them), finalized.
     instance = Teacher.calls[1][1][0]
+    question = ("user", "What is 6 * 7?")
     assert Teacher.calls == [
         ("start", {"name": "teacher", "ground_truth": 42}),
-        ("reply", (instance, ["assistant"])),
-        ("reply", (instance, ["assistant", "user", "assistant"])),
+        ("reply", (instance, [question, ("assistant", "It is 41.")])),
+        (
+            "reply",
+            (instance, [question, ("assistant", "It is 41."), ("user", "Try again."), ("assistant", "It is 42.")]),
+        ),
         ("finalize", instance),
     ]
     assert instance.startswith("conversation-0-0-teacher-")

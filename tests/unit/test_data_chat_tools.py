@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.config.loader import ConfigError, config_errors, load_config
-from megatron_rlhf.data import DataError, load_prompt_dataset, load_tokenizer
+from megatron_rlhf.data import RAW_PROMPT, DataError, load_prompt_dataset, load_tokenizer
 from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 from tests.helpers import make_chat_tokenizer
@@ -206,6 +206,24 @@ def test_text_prompts_ignore_tools(model_dir, tmp_path) -> None:
         chat_template_kwargs={"enable_thinking": False},
     )
     assert ids == load_tokenizer(model_dir).encode("plain text")
+
+
+def test_conversations_are_kept_for_interactions_only_when_asked(model_dir, tmp_path) -> None:
+    """``keep_raw_prompt`` (multi-turn runs with interactions): a conversation prompt's messages join
+    its extras as verl's raw_prompt, {role, content} only; a text prompt has none to keep."""
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 6 * 7?", "name": "asker"},
+    ]
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"prompt": conversation}) + "\n" + json.dumps({"prompt": "plain text"}) + "\n")
+    tok = load_tokenizer(model_dir)
+    kept, _ = load_prompt_dataset(f, tok, max_length=4096, keep_raw_prompt=True)
+    assert kept[0].extras[RAW_PROMPT] == [{"role": m["role"], "content": m["content"]} for m in conversation]
+    assert RAW_PROMPT not in kept[1].extras
+    default, _ = load_prompt_dataset(f, tok, max_length=4096)
+    assert all(RAW_PROMPT not in example.extras for example in default)
+    assert [e.prompt_ids.tolist() for e in default] == [e.prompt_ids.tolist() for e in kept]
 
 
 def test_loader_argument_checks(model_dir, tmp_path) -> None:
