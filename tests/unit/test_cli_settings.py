@@ -171,7 +171,7 @@ def test_print_config_comments_each_key_with_its_docstring_indented_with_it(tmp_
     assert lines[top_p - 3 : top_p] == [
         "    # Keep the nucleus: the smallest set of most likely tokens whose probability reaches top_p",
         "    # (after top-k; always at least one token); 1 = off. Not free: on one H200 the 1.5B model",
-        "    # decoded 44k tokens/s at top_p=0.9 against 90k greedy, 256 slots (docs/benchmarks.md).",
+        "    # decoded 79k tokens/s at top_p=0.9 against 88k greedy, 256 slots (docs/benchmarks.md).",
     ]
     assert lines[lines.index("rollout:") - 1] == "# Generation's layout, sampling and engine (ppo's rollout.* keys)."
     assert all(len(line) <= WIDTH for line in lines if line.lstrip().startswith("#") and "(default" not in line)
