@@ -159,9 +159,7 @@ class ToolAgent:
             interaction_of(extra, list(self.interactions), f"prompt {i}: extra_info")
             for i, extra in enumerate(extra_infos)
         ]
-        self.prompt_messages: list[list[dict[str, Any]]] = [
-            list((extra or {}).get(RAW_PROMPT) or []) for extra in extra_infos
-        ]
+        self.extra_infos = extra_infos
         self.pool = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="agent-tool")
 
     def episode(self, prompt_index: int, sample_index: int) -> ToolEpisode:
@@ -255,8 +253,9 @@ class ToolEpisode:
                 if closed:  # closed while starting: close() has not seen this instance
                     call_method(interaction.finalize_interaction, started, **kwargs)
                     raise RuntimeError("the trajectory is closed")
+            prompt = (self.agent.extra_infos[self.prompt_index] or {}).get(RAW_PROMPT) or []
             with self._lock:  # the whole conversation, as verl hands it: the prompt's messages first
-                messages = [dict(m) for m in (*self.agent.prompt_messages[self.prompt_index], *self.messages)]
+                messages = [dict(m) for m in (*prompt, *self.messages)]
             ends, response, score, _ = call_method(
                 interaction.generate_response, self._conversation, messages, **kwargs
             )

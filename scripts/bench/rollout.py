@@ -47,12 +47,14 @@ def profile_decode(
     from megatron_rlhf.metrics.kernels import costliest, op_times, print_report
     from megatron_rlhf.rollout.sampling import SamplingParams
 
+    def params(nucleus: float, new_tokens: int) -> SamplingParams:
+        """Greedy, or sampled at T=1 within the ``nucleus`` (top-p < 1)."""
+        temperature = 0.0 if nucleus == 1 else 1.0
+        return SamplingParams(temperature=temperature, top_p=nucleus, max_new_tokens=new_tokens, ignore_eos=True)
+
     def kernel_times(engine: Any, new_tokens: int, nucleus: float) -> tuple[float, dict[str, tuple[float, int]]]:
-        params = SamplingParams(
-            temperature=0.0 if nucleus == 1 else 1.0, top_p=nucleus, max_new_tokens=new_tokens, ignore_eos=True
-        )
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = wall_seconds(lambda: engine.generate(prompts, params), CUDA)
+            wall = wall_seconds(lambda: engine.generate(prompts, params(nucleus, new_tokens)), CUDA)
         return wall, op_times(prof)  # device work only, not the ops launching it
 
     figures: dict[str, float] = {}
@@ -62,7 +64,7 @@ def profile_decode(
         runs.append((f"cuda_graphs_top_p_{top_p}", True, top_p))
     for label, graphs, nucleus in runs:
         engine = engine_for(graphs)
-        engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True))  # warm-up
+        engine.generate(prompts, params(nucleus, steps + 1))  # warm-up: graphs and the sampler's kernels compiled
         wall_full, full = kernel_times(engine, steps + 1, nucleus)
         wall_prefill, prefill = kernel_times(engine, 1, nucleus)
         decode = {
