@@ -66,8 +66,8 @@ def python_environment() -> str:
 def environment_report() -> str:
     """One line for a run's log saying what it ran on: package and git commit, the interpreter and
     its environment, torch, CUDA, megatron-core, whether apex and Transformer Engine are importable
-    (without them megatron falls back to torch kernels: slower, and other numerics), and torch's
-    intra-op threads."""
+    (without them megatron falls back to torch kernels: slower, and other numerics), whether
+    FlashInfer is (the engine's top-k/top-p draws use it), and torch's intra-op threads."""
     import megatron_rlhf
 
     def version(module: str) -> str:
@@ -89,7 +89,11 @@ def environment_report() -> str:
         commit = "unknown"
     present = {
         name: importlib.util.find_spec(module) is not None
-        for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))
+        for name, module in (
+            ("apex", "apex"),
+            ("transformer-engine", "transformer_engine"),
+            ("flashinfer", "flashinfer"),
+        )
     }
     return (
         f"megatron-rlhf {megatron_rlhf.__version__} (git {commit or 'unknown'}), {python_environment()}; "

@@ -639,7 +639,7 @@ class NativeEngine:
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row; every TP rank continues with rank 0's."""
-        tokens, logprobs = sample(logits, params, generator)
+        tokens, logprobs = sample(logits, params, generator, self.cfg.filtered_sampler)
         if self.tp_group.size() > 1:
             dist.broadcast(tokens, src=self.tp_src, group=self.tp_group)
             dist.broadcast(logprobs, src=self.tp_src, group=self.tp_group)

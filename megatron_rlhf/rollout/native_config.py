@@ -5,10 +5,18 @@ compiler nor megatron-core."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Sequence
 from typing import Literal
 
 from megatron_rlhf.config.fields import at_least, check_on_init
+
+FilteredSampler = Literal["auto", "flashinfer", "triton"]
+
+
+def flashinfer_installed() -> bool:
+    """Whether ``flashinfer`` is importable (found without importing it, or torch)."""
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -29,6 +37,11 @@ class NativeEngineConfig:
     """Decode graphs attend over the cache rounded up to a multiple of this many positions (one
     graph per multiple reached). On a GPU the Triton decode attention reads each slot's own prefix
     whatever the bucket, so there it only sets how many graphs are captured."""
+    filtered_sampler: FilteredSampler = "auto"
+    """Top-k/top-p draws on a GPU: FlashInfer's kernels (pip install flashinfer-python; faster, see
+    docs/benchmarks.md) or the project's Triton kernel. auto: FlashInfer where it is installed and
+    its kernels load (its JIT builds them with nvcc on first use), else Triton, saying why once.
+    Greedy and plain temperature sampling always use the Triton kernel; the CPU, torch."""
 
     def __post_init__(self) -> None:
         check_on_init(self)
@@ -38,4 +51,10 @@ class NativeEngineConfig:
         return self if self.eos_token_ids else dataclasses.replace(self, eos_token_ids=tuple(stop_ids))
 
     def errors(self) -> list[str]:
-        return at_least(self, 1, "max_batch_size", "graph_kv_bucket") + at_least(self, 2, "max_seq_len")
+        errors = at_least(self, 1, "max_batch_size", "graph_kv_bucket") + at_least(self, 2, "max_seq_len")
+        if self.filtered_sampler == "flashinfer" and not flashinfer_installed():
+            errors.append(
+                "filtered_sampler='flashinfer', but flashinfer is not importable here "
+                "(pip install flashinfer-python), or set it to 'auto' or 'triton'"
+            )
+        return errors

@@ -202,23 +202,16 @@ def peaked_logits(rows: int, vocab: int, peaks: int) -> tuple[torch.Tensor, torc
     return row.expand(rows, vocab).contiguous(), tokens
 
 
-def flashinfer_sampler(top_k: int, top_p: float, generator: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
-    """FlashInfer's sampling at temperature 1 with the engine's filters, from the kernels of its one
-    sampling module: unfiltered ``sampling_from_logits``; else top-k masks the logits
-    (``top_k_mask_logits``) and top-p draws from their softmax by rejection
-    (``top_p_sampling_from_probs``), what ``top_k_top_p_sampling_from_logits`` does too, except that
-    for k <= 256 it takes a radix top-k instead, whose JIT build (``cub_topk.cu``) alone took over
-    ten minutes of one core."""
+def flashinfer_sampler(params: SamplingParams, generator: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """FlashInfer's draw as the engine takes it: top-k/top-p through ``rollout/sampling_flashinfer.py``
+    (``filtered_sampler=flashinfer``: its kernels, the float32 softmax and log-prob around them);
+    unfiltered, where the engine keeps its Triton kernel, FlashInfer's ``sampling_from_logits``
+    (tokens only)."""
+    if params.top_k or params.top_p < 1:
+        return lambda logits: sample(logits, params, generator, "flashinfer")[0]
     from flashinfer import sampling
 
-    if not (top_k or top_p < 1):
-        return lambda logits: sampling.sampling_from_logits(logits, generator=generator)
-
-    def draw(logits: torch.Tensor) -> torch.Tensor:
-        masked = sampling.top_k_mask_logits(logits, top_k) if top_k else logits
-        return sampling.top_p_sampling_from_probs(torch.softmax(masked.float(), dim=-1), top_p, generator=generator)
-
-    return draw
+    return lambda logits: sampling.sampling_from_logits(logits, generator=generator)
 
 
 def total_variation(categories: torch.Tensor, exact: torch.Tensor) -> float:
@@ -240,10 +233,12 @@ def sampling_row(logits: torch.Tensor, top_k: int, top_p: float, peaks: torch.Te
     }
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
     engine = torch.Generator(device="cuda").manual_seed(1)
-    samplers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"engine": lambda x: sample(x, params, engine)[0]}
+    samplers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "engine": lambda x: sample(x, params, engine, "triton")[0]
+    }
     start = time.perf_counter()
     try:
-        samplers["flashinfer"] = flashinfer_sampler(top_k, top_p, torch.Generator(device="cuda").manual_seed(2))
+        samplers["flashinfer"] = flashinfer_sampler(params, torch.Generator(device="cuda").manual_seed(2))
         samplers["flashinfer"](logits)
         row["flashinfer_first_call_s"] = time.perf_counter() - start  # the first builds its sampling kernels
     except Exception as error:  # not installed, or its JIT build failed
@@ -257,9 +252,10 @@ def sampling_row(logits: torch.Tensor, top_k: int, top_p: float, peaks: torch.Te
 
 
 def sampling_variants(rows: int, vocab: int, draws: int) -> dict[str, dict[str, Any]]:
-    """The engine's sampler (``rollout.sampling.sample``: one Triton pass unfiltered, torch's sort with
-    top-k / top-p; it returns each token's log-prob over the full vocabulary too) against FlashInfer's
-    (rejection sampling, tokens only) at temperature 1, on bf16 and float32 (rows, vocab)
+    """The engine's Triton sampler (``rollout.sampling.sample`` with ``filtered_sampler=triton``: one
+    pass unfiltered, rejection from the mass above a pivot with top-k / top-p; it returns each token's
+    log-prob over the full vocabulary too) against FlashInfer's (``flashinfer_sampler``) at
+    temperature 1, on bf16 and float32 (rows, vocab)
     ``peaked_logits``: µs per call, eager (the engine samples outside its CUDA graphs), and whether
     both draw from the same filtered softmax (``sampling_row``)."""
     logits, peaks = peaked_logits(rows, vocab, peaks=32)

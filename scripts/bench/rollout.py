@@ -11,7 +11,8 @@ Fixed output length (EOS ignored), greedy, random prompts. For each batch size: 
 (weight bytes + KV bytes read per step) / measured copy bandwidth, averaged over the decode. Also
 the train<->generate switch of a training state (hybrid/memory.py) against its floor (bytes moved
 / measured pinned host<->device bandwidth). With ``--top-p P`` (< 1), also the CUDA-graph decode rate
-sampled at T=1 with top-p P on the same engine: what nucleus sampling costs beside greedy.
+sampled at T=1 with top-p P on the same engine: what nucleus sampling costs beside greedy, with the
+Triton kernel and, where FlashInfer is installed, with FlashInfer's (``rollout.engine.filtered_sampler``).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def main() -> None:
     from megatron_rlhf.hybrid.memory import TrainingMemory
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.rollout.native import NativeEngine
-    from megatron_rlhf.rollout.native_config import NativeEngineConfig
+    from megatron_rlhf.rollout.native_config import NativeEngineConfig, flashinfer_installed
     from megatron_rlhf.rollout.sampling import SamplingParams
     from megatron_rlhf.training.objectives import sft_loss
     from megatron_rlhf.training.optim import OptimConfig, make_train_state
@@ -175,6 +176,7 @@ def main() -> None:
         if args.skip_hf
         else AutoModelForCausalLM.from_pretrained(local_dir(args.model), dtype=torch.bfloat16).to(env.device).eval()
     )
+    filtered_samplers = ["triton"] + (["flashinfer"] if flashinfer_installed() else [])
     g = torch.Generator().manual_seed(0)
     for batch in args.batch_sizes:
         prompts = torch.randint(0, arch.vocab_size, (batch, args.prompt_len), generator=g)
@@ -200,14 +202,17 @@ def main() -> None:
             total_s = generate_seconds(engine, prompts, greedy)
             figures["prefill_tokens_per_s"] = batch * args.prompt_len / prefill_s
             figures[f"decode_tokens_per_s_{label}"] = batch * (args.new_tokens - 1) / (total_s - prefill_s)
-            if graphs and args.top_p < 1:  # what nucleus sampling costs a decode step, beside greedy's
+            # What nucleus sampling costs a decode step, beside greedy's, with each filtered sampler
+            # (rollout.engine.filtered_sampler) on the same engine and graphs.
+            for sampler in filtered_samplers if graphs and args.top_p < 1 else ():
+                engine.cfg = dataclasses.replace(engine.cfg, filtered_sampler=sampler)
                 nucleus = SamplingParams(
                     temperature=1.0, top_p=args.top_p, max_new_tokens=args.new_tokens, ignore_eos=True
                 )
-                # untimed: the filtered kernel's first call compiles it
+                # untimed: the filtered kernel's first call compiles or loads it
                 engine.generate(prompts.tolist(), dataclasses.replace(nucleus, max_new_tokens=2))
                 nucleus_s = generate_seconds(engine, prompts, nucleus)
-                figures[f"decode_tokens_per_s_top_p_{args.top_p}"] = (
+                figures[f"decode_tokens_per_s_top_p_{args.top_p}_{sampler}"] = (
                     batch * (args.new_tokens - 1) / (nucleus_s - prefill_s)
                 )
             engine.release()  # its KV cache and graphs would otherwise count in the switch's memory below

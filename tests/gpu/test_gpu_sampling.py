@@ -1,8 +1,9 @@
 """GPU tier: the sampler on a GPU against float64 and against the distribution it draws from.
 
 Greedy and unfiltered sampling go through one Triton kernel (``rollout/sampling_kernel.py``),
-top-k/top-p through another (rejection from the mass above a pivot); the torch path on the CPU is
-their reference for which tokens top-k/top-p keep."""
+top-k/top-p through another (rejection from the mass above a pivot) or, where FlashInfer is
+installed, through its rejection samplers (``rollout/sampling_flashinfer.py``): the top-k/top-p
+tests run on both. The torch path on the CPU is their reference for which tokens top-k/top-p keep."""
 
 from __future__ import annotations
 
@@ -12,9 +13,18 @@ import pytest
 import torch
 
 from megatron_rlhf.rollout import sampling_kernel
+from megatron_rlhf.rollout.native_config import flashinfer_installed
 from megatron_rlhf.rollout.sampling import SamplingParams, apply_top_k_top_p, sample
 
 pytestmark = pytest.mark.gpu
+
+FILTERED_SAMPLERS = [
+    "triton",
+    pytest.param(
+        "flashinfer", marks=pytest.mark.skipif(not flashinfer_installed(), reason="flashinfer is not installed")
+    ),
+]
+"""``rollout.engine.filtered_sampler`` values the top-k/top-p tests run with."""
 
 
 def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -22,14 +32,17 @@ def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return (4 * torch.randn(rows, vocab, generator=g)).to("cuda", torch.bfloat16)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize(
+    "temperature,top_p,sampler",
+    [(0.0, 1.0, "triton"), (1.0, 1.0, "triton"), (0.7, 1.0, "triton")] + [(0.7, 0.9, s) for s in FILTERED_SAMPLERS],
+)
 @pytest.mark.parametrize("vocab", [1000, 151_936])
-def test_sampled_logprobs_on_gpu_match_float64(temperature: float, top_p: float, vocab: int) -> None:
+def test_sampled_logprobs_on_gpu_match_float64(temperature: float, top_p: float, sampler: str, vocab: int) -> None:
     """bf16 logits, a vocabulary with a partial last block (1000) and Qwen's (151,936): each
     log-prob is log softmax(z)[token] in float64 over the whole vocabulary; greedy is the argmax."""
     logits = _logits(64, vocab)
     generator = torch.Generator(device="cuda").manual_seed(1)
-    tokens, logprobs = sample(logits, SamplingParams(temperature=temperature, top_p=top_p), generator)
+    tokens, logprobs = sample(logits, SamplingParams(temperature=temperature, top_p=top_p), generator, sampler)
     z = logits.double() / (temperature or 1.0)
     reference = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0]
     if temperature == 0.0:
@@ -96,19 +109,24 @@ def test_kernel_draws_across_chunks_and_blocks_of_a_full_vocabulary_follow_softm
     assert (logprobs.double().cpu() - reference).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("sampler", FILTERED_SAMPLERS)
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 0, 0.6), (1.0, 3, 1.0), (1.0, 4, 0.8), (1.3, 0, 0.3)]
+    "temperature,top_k,top_p",
+    [(1.0, 0, 0.9), (0.7, 0, 0.6), (1.0, 3, 1.0), (1.0, 4, 0.8), (1.3, 0, 0.3), (1.0, 1, 1.0), (1.0, 1, 0.8)],
 )
-def test_filtered_kernel_draws_follow_the_filtered_softmax(temperature: float, top_k: int, top_p: float) -> None:
+def test_filtered_kernel_draws_follow_the_filtered_softmax(
+    sampler: str, temperature: float, top_k: int, top_p: float
+) -> None:
     """200,000 rows of the same logits (a tie at the top, a -inf): the tokens top-k/top-p keep on
     the CPU (``apply_top_k_top_p``, the sorted reference) are the only ones drawn, each within 5
     standard errors of the renormalised softmax, Pearson's chi-square below its 0.999 quantile;
-    the log-probs are over the whole vocabulary; the same seed repeats the draw."""
+    the log-probs are over the whole vocabulary; the same seed repeats the draw. top_k=1 keeps both
+    tokens tied at the top."""
     values = torch.tensor([0.3, 2.0, -1.2, 0.9, 1.6, -0.5, 2.0, -float("inf")])
     rows = 200_000
     logits = values.expand(rows, -1).contiguous().cuda()
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    tokens, logprobs = sample(logits, params, torch.Generator(device="cuda").manual_seed(11))
+    tokens, logprobs = sample(logits, params, torch.Generator(device="cuda").manual_seed(11), sampler)
     kept = apply_top_k_top_p((values / temperature)[None], top_k, top_p)[0].double()
     expected = torch.softmax(kept, dim=0).tolist()
     counts = torch.bincount(tokens.cpu(), minlength=len(values)).tolist()
@@ -122,11 +140,12 @@ def test_filtered_kernel_draws_follow_the_filtered_softmax(temperature: float, t
     assert len(support) == 1 or chi2 < quantiles[len(support) - 1], (chi2, counts, expected)
     reference = torch.log_softmax(values.double() / temperature, dim=0)[tokens.cpu()]
     assert (logprobs.double().cpu() - reference).abs().max().item() < 1e-6
-    again, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(11))
+    again, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(11), sampler)
     assert torch.equal(tokens, again)
 
 
-def test_filtered_kernel_on_a_full_vocabulary_keeps_the_sorted_nucleus() -> None:
+@pytest.mark.parametrize("sampler", FILTERED_SAMPLERS)
+def test_filtered_kernel_on_a_full_vocabulary_keeps_the_sorted_nucleus(sampler: str) -> None:
     """Qwen's vocabulary, 64 rows of random bf16 logits, top-p 0.9 and top-k 50 + top-p 0.9: every
     token drawn lies in the set the sorted CPU reference keeps for its row. And rows whose nucleus
     is 24 hot tokens spread over every block (the rest 12 below them, one -inf block): 20,000
@@ -134,7 +153,7 @@ def test_filtered_kernel_on_a_full_vocabulary_keeps_the_sorted_nucleus() -> None
     logits = _logits(64, 151_936)
     for top_k, top_p in ((0, 0.9), (50, 0.9)):
         params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
-        tokens, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(2))
+        tokens, _ = sample(logits, params, torch.Generator(device="cuda").manual_seed(2), sampler)
         kept = apply_top_k_top_p(logits.float().cpu(), top_k, top_p)
         assert torch.isfinite(kept.gather(-1, tokens.cpu()[:, None])).all(), (top_k, top_p)
     vocab, rows = 151_936, 20_000
@@ -146,6 +165,7 @@ def test_filtered_kernel_on_a_full_vocabulary_keeps_the_sorted_nucleus() -> None
         values.cuda().expand(rows, -1),
         SamplingParams(temperature=1.0, top_p=0.9),
         torch.Generator(device="cuda").manual_seed(4),
+        sampler,
     )
     counts = torch.bincount(tokens.cpu(), minlength=vocab)
     assert counts[hot].sum().item() == rows  # the 24 hot tokens hold > 0.9 of the mass: the nucleus
@@ -153,7 +173,8 @@ def test_filtered_kernel_on_a_full_vocabulary_keeps_the_sorted_nucleus() -> None
     assert (counts[hot].double() / rows - p).abs().max().item() < 5 * math.sqrt(p * (1 - p) / rows)
 
 
-def test_filtered_kernel_returns_on_rows_of_nan_or_all_minus_inf() -> None:
+@pytest.mark.parametrize("sampler", FILTERED_SAMPLERS)
+def test_filtered_kernel_returns_on_rows_of_nan_or_all_minus_inf(sampler: str) -> None:
     """A row the kernel can never accept a draw from (all -inf, or NaN: a diverged model) ends after
     its bounded rounds with its first column and a non-finite log-prob, as the torch path does;
     before the bound, such a row kept the GPU in the kernel for good. A healthy row beside them is
@@ -163,7 +184,7 @@ def test_filtered_kernel_returns_on_rows_of_nan_or_all_minus_inf() -> None:
     logits[1] = float("nan")
     logits[2, 777] = 40.0
     tokens, logprobs = sample(
-        logits, SamplingParams(temperature=1.0, top_p=0.9), torch.Generator(device="cuda").manual_seed(0)
+        logits, SamplingParams(temperature=1.0, top_p=0.9), torch.Generator(device="cuda").manual_seed(0), sampler
     )
     assert tokens.tolist() == [0, 0, 777]
     assert not torch.isfinite(logprobs[:2]).any() and torch.isfinite(logprobs[2])

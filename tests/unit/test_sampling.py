@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from megatron_rlhf.rollout import sampling_flashinfer
+from megatron_rlhf.rollout.native_config import NativeEngineConfig, flashinfer_installed
 from megatron_rlhf.rollout.sampling import SamplingParams, apply_top_k_top_p, sample
 from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
 
@@ -169,3 +171,15 @@ def test_params_defaults_and_frozen() -> None:
         p.temperature = 0.5  # type: ignore[misc]
     with pytest.raises(TypeError):
         SamplingParams(1.0)  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.skipif(flashinfer_installed(), reason="the refusal where flashinfer is absent")
+def test_the_flashinfer_sampler_is_refused_up_front_where_flashinfer_is_absent() -> None:
+    """``rollout.engine.filtered_sampler=flashinfer`` fails when the config is built, not at the
+    first top-k/top-p draw; auto (the default) keeps the Triton kernel without a word."""
+    with pytest.raises(ValueError, match=r"filtered_sampler='flashinfer', but flashinfer is not importable"):
+        NativeEngineConfig(filtered_sampler="flashinfer")
+    with pytest.raises(ValueError, match=r"filtered_sampler"):
+        NativeEngineConfig(filtered_sampler="cuda")  # type: ignore[arg-type]
+    assert NativeEngineConfig().filtered_sampler == "auto"
+    assert not sampling_flashinfer.chosen("auto") and not sampling_flashinfer.chosen("triton")
