@@ -52,6 +52,7 @@ setup(
         ],
         "lint": ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML", "types-psutil", "types-tqdm"],
         "bench": ["trl==1.16.0", "datasets==4.8.5"],
+        "flashinfer": ["flashinfer-python==0.7.4"],  # the engine's top-k/top-p draws (rollout/sampling_flashinfer.py)
     },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:entry"]},
 )
