@@ -478,8 +478,8 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
 @pytest.mark.distributed
 def test_start_up_report_names_versions_layouts_and_the_resumed_step(damaged_resume: DamagedResume) -> None:
     """The report a run starts with, fresh and resumed: this package's version and git commit, the
-    interpreter and its environment, torch, CUDA, megatron-core, apex and Transformer Engine (looked
-    up here), torch's host threads, each checkpointed model's layout, and the checkpoint step a
+    interpreter and its environment, torch, CUDA, megatron-core, apex, Transformer Engine and
+    FlashInfer (looked up here), torch's host threads, each checkpointed model's layout, and the checkpoint step a
     resumed run continues from."""
     out, fresh, resumed = damaged_resume.out, damaged_resume.fresh, damaged_resume.resumed
     commit = subprocess.run(
@@ -487,14 +487,19 @@ def test_start_up_report_names_versions_layouts_and_the_resumed_step(damaged_res
     ).stdout.strip()
     present = {
         name: "present" if importlib.util.find_spec(module) else "absent"
-        for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))
+        for name, module in (
+            ("apex", "apex"),
+            ("transformer-engine", "transformer_engine"),
+            ("flashinfer", "flashinfer"),
+        )
     }
     package = f"megatron-rlhf {megatron_rlhf.__version__} (git {commit}), "
     interpreter = f"python {platform.python_version()} {sys.executable}, "  # the run's: tests launch with it
     versions = (
         f"; torch {torch.__version__}, "
         f"CUDA {torch.version.cuda or 'none'}, megatron-core {importlib.metadata.version('megatron-core')}, "
-        f"apex {present['apex']}, transformer-engine {present['transformer-engine']}"
+        f"apex {present['apex']}, transformer-engine {present['transformer-engine']}, "
+        f"flashinfer {present['flashinfer']}"
     )
     threads = re.compile(
         re.escape(package + interpreter)
