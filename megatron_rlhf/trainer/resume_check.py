@@ -149,6 +149,7 @@ RULES: dict[str, dict[str, str]] = {
             "eos_token_ids",
             "cuda_graphs",
             "graph_kv_bucket",
+            "filtered_sampler",
         )
     },
     "HybridConfig": {"offload": MAY_CHANGE},
