@@ -115,7 +115,9 @@ runuser -u munge -- munged --foreground --key-file="$TMP/munge/munge.key" --sock
 pids+=($!)
 
 # --- slurm.conf: two nodes on localhost, no accounting, quick scheduling ---
-port=$((20000 + RANDOM % 20000))
+# Below Linux's ephemeral ports (32768 and up), which any outgoing connection may hold: a draw in
+# that range once found slurmd's port taken ("Address already in use": the nodes never came up).
+port=$((20000 + RANDOM % 12000))
 cat > "$TMP/slurm.conf" <<CONF
 ClusterName=check
 SlurmctldHost=localhost
