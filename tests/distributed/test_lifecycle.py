@@ -479,8 +479,8 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
 def test_start_up_report_names_versions_layouts_and_the_resumed_step(damaged_resume: DamagedResume) -> None:
     """The report a run starts with, fresh and resumed: this package's version and git commit, the
     interpreter and its environment, torch, CUDA, megatron-core, apex, Transformer Engine and
-    FlashInfer (looked up here), torch's host threads, each checkpointed model's layout, and the checkpoint step a
-    resumed run continues from."""
+    FlashInfer (looked up here), torch's host threads, each checkpointed model's layout, and the
+    checkpoint step a resumed run continues from."""
     out, fresh, resumed = damaged_resume.out, damaged_resume.fresh, damaged_resume.resumed
     commit = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
