@@ -628,11 +628,12 @@ def warm_up(run: PPORun) -> None:
     computes is kept and no weight, optimizer state or random stream moves.
 
     Why: on a GPU the first step otherwise pays one-time costs several steady steps long: kernels
-    compiled, a decode graph captured for each KV-length bucket, cuBLAS and the caching allocator
-    growing to each phase's peak. The rollout has a step's size (the engine's slots, hence its
-    graphs, follow the number of sequences) and full-length responses, which reach every bucket the
-    run can use. The training passes take one full micro-batch and a short one: two shapes, so
-    that kernels compiled for one shape are recompiled for any shape here, not in step 1.
+    compiled or loaded, a decode graph captured for each KV-length bucket, cuBLAS and the caching
+    allocator growing to each phase's peak. The rollout has a step's size (the engine's slots, hence
+    its graphs, follow the number of sequences) and full-length responses, which reach every bucket
+    the run can use. The training passes and updates then run once per micro-batch shape of such a
+    step (``warm_up_rows``): cuDNN's attention builds a plan for each new shape (70-80 ms on an
+    H200), and kernels compiled for one shape are recompiled for any shape here, not in step 1.
     """
     cfg = run.cfg
     longest = cfg.longest_sequence
@@ -642,19 +643,39 @@ def warm_up(run: PPORun) -> None:
     params = dataclasses.replace(cfg.rollout.sampling, ignore_eos=True, seed=cfg.seed)
     completions = run.generation.generate([prompt] * cfg.prompts_per_step, params)
     world = dist.get_world_size()  # every model's data-parallel size divides it
-    per_rank = min(len(completions) // world, max(1, cfg.max_tokens_per_micro_batch // longest) + 2)
-    batch = rollout_batch(completions[: max(per_rank, 1) * world], run.tokenizer.pad_id)
-    if run.reward_model is not None:
-        run.scorer.reward_model_scores(batch)
-    passes = forward_passes(run, batch, PhaseTimer(run.device))  # timings not kept
-    zeros = torch.zeros(batch["response_mask"].shape)
-    actor_update = actor_update_inputs(run, batch, zeros, passes)
-    _warm_up_update(run, run.actor, actor_update.batch, actor_update.loss)
-    if run.critic is not None:
-        assert passes.values is not None
-        _warm_up_update(
-            run, run.critic, critic_update_inputs(batch, passes.values, zeros), critic_loss(cfg.algorithm.loss)
-        )
+    shapes = warm_up_rows(
+        pass_rows=len(completions) // world,
+        update_rows=(cfg.mini_batch_size or len(completions)) // world,
+        full_rows=max(1, cfg.max_tokens_per_micro_batch // longest),
+    )
+    for rows in shapes:
+        batch = rollout_batch(completions[: rows * world], run.tokenizer.pad_id)
+        if run.reward_model is not None:
+            run.scorer.reward_model_scores(batch)
+        passes = forward_passes(run, batch, PhaseTimer(run.device))  # timings not kept
+        zeros = torch.zeros(batch["response_mask"].shape)
+        actor_update = actor_update_inputs(run, batch, zeros, passes)
+        _warm_up_update(run, run.actor, actor_update.batch, actor_update.loss)
+        if run.critic is not None:
+            assert passes.values is not None
+            _warm_up_update(
+                run, run.critic, critic_update_inputs(batch, passes.values, zeros), critic_loss(cfg.algorithm.loss)
+            )
+
+
+def warm_up_rows(*, pass_rows: int, update_rows: int, full_rows: int) -> list[int]:
+    """The micro-batch sizes (rows per rank), largest first, that a step of full-length responses
+    cuts from the forward passes' ``pass_rows`` and an update's ``update_rows``: full micro-batches
+    of ``full_rows`` and the short remainders. Where that is one size, a micro-batch of 2 rows
+    stands for the other sizes of steps whose lengths vary (torch.compile specialises on 0 and 1)."""
+    sizes = set()
+    for rows in (pass_rows, update_rows):
+        sizes.add(min(rows, full_rows))
+        if rows > full_rows and rows % full_rows:
+            sizes.add(rows % full_rows)
+    if len(sizes) == 1 and max(sizes) > 2:
+        sizes.add(2)
+    return sorted(sizes, reverse=True)
 
 
 def _warm_up_update(run: PPORun, state: TrainState, batch: Batch, loss_fn: LossFn) -> None:

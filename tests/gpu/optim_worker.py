@@ -3,7 +3,9 @@
 Three optimizer steps on given gradients, checked against torch's single-tensor AdamW in float64
 over the same fp32 main parameters and gradients (weight decay per megatron's parameter groups);
 then a checkpoint after step 2, loaded into a fresh state, whose step 3 must equal the uninterrupted
-one's. Figures go to OUT/results.json.
+one's. Last, the warm-up's reads of the gradients (``warm_up_gradient_reads``) on an fp16 state,
+whose dynamic loss scaler counts each ``prepare_grads`` as a step without overflow: it must be left
+as it was. Figures go to OUT/results.json.
 """
 
 from __future__ import annotations
@@ -21,17 +23,18 @@ def main(session: WorkerSession) -> None:
     from megatron_rlhf.checkpoint.sources import ModelConfig, architecture_of, build_role
     from megatron_rlhf.checkpoint.train_state import load_train_state, save_train_state
     from megatron_rlhf.training.optim import OptimConfig, make_train_state, torch_optimizers
+    from megatron_rlhf.training.train import warm_up_gradient_reads
 
     env, out, results = session.env, session.out, session.results
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0)
 
-    def fresh_state():
+    def fresh_state(dtype: torch.dtype = torch.bfloat16):
         role = build_role(
             "actor",
             ModelConfig(path="builtin:tiny-llama"),
             architecture_of("builtin:tiny-llama"),
             world_size=1,
-            dtype=torch.bfloat16,
+            dtype=dtype,
             device=env.device,
         )
         return make_train_state(role, cfg)
@@ -45,11 +48,14 @@ def main(session: WorkerSession) -> None:
             found.append((model_param, group_settings["params"][order], group_settings["weight_decay"]))
         return found
 
-    def step(state, number: int) -> None:
+    def fill_grads(state, number: int) -> None:
         state.ddp_model.zero_grad_buffer()
         for index, (model_param, _, _) in enumerate(main_params(state)):
             g = torch.Generator(device=env.device).manual_seed(1000 * number + index)
             model_param.main_grad.copy_(torch.randn(model_param.shape, generator=g, device=env.device))
+
+    def step(state, number: int) -> None:
+        fill_grads(state, number)
         ok, _, _ = state.optimizer.step()
         assert ok
         state.scheduler.step(increment=1)
@@ -94,6 +100,17 @@ def main(session: WorkerSession) -> None:
     resumed_steps = [resumed_optimizer.state[p]["step"] for _, p, _ in main_params(resumed)]
     results["resumed_steps"] = sorted({s.item() for s in resumed_steps})
     results["resumed_steps_on_device"] = all(s.is_cuda for s in resumed_steps)
+
+    half = fresh_state(torch.float16)
+    (scaler,) = [inner.grad_scaler for inner in half.optimizer.chained_optimizers]
+
+    def scaler_state() -> list[float]:
+        return [scaler.scale.item(), scaler._growth_tracker, scaler._hysteresis_tracker]
+
+    before = scaler_state()
+    fill_grads(half, 1)
+    warm_up_gradient_reads(half)
+    results["fp16_scaler"] = [before, scaler_state()]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""GPU tier: the actor's Adam runs as torch's fused kernel, computes AdamW, and resumes exactly."""
+"""GPU tier: the actor's Adam runs as torch's fused kernel, computes AdamW, and resumes exactly; the
+warm-up's reads of the gradients leave an fp16 loss scaler as it was."""
 
 from __future__ import annotations
 
@@ -18,3 +19,6 @@ def test_fused_adam_matches_float64_adamw_and_resumes_bit_for_bit(tmp_path: Path
     assert results["max_error_vs_float64"] < 1e-5
     assert results["steps"] == [3.0] and results["steps_on_device"] and results["steps_unshared"]
     assert results["resumed_equal"] and results["resumed_steps"] == [3.0] and results["resumed_steps_on_device"]
+    # The warm-up's gradient reads left the fp16 loss scaler's scale and trackers as they were.
+    before, after = results["fp16_scaler"]
+    assert after == before

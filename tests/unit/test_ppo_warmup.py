@@ -54,3 +54,22 @@ def test_a_warmed_up_run_trains_exactly_as_one_without(world_of_one, tmp_path: P
     assert warm[1]["actor/grad_norm"] > 0
     for name, weight in warm_weights.items():
         assert torch.equal(weight, cold_weights[name]), name
+
+
+@pytest.mark.parametrize(
+    ("pass_rows", "update_rows", "expected"),
+    [
+        (64, 64, [42, 22]),  # the 1.5B bench at 64 sequences: a full micro-batch of 42 rows, then 22
+        (256, 256, [42, 4]),  # 6 x 42 + 4
+        (256, 32, [42, 32, 4]),  # mini-batches of 32 rows: one micro-batch each
+        (84, 84, [42, 2]),  # no remainder: 2 rows stand for the sizes of varied lengths
+        (8, 8, [8, 2]),  # one micro-batch per pass
+        (2, 2, [2]),
+    ],
+)
+def test_the_warm_up_runs_each_micro_batch_size_of_a_step(
+    pass_rows: int, update_rows: int, expected: list[int]
+) -> None:
+    from megatron_rlhf.trainer.ppo import warm_up_rows
+
+    assert warm_up_rows(pass_rows=pass_rows, update_rows=update_rows, full_rows=42) == expected
