@@ -11,7 +11,8 @@
 #             the host work of a step, a LoRA actor's merge for generation (in place vs into a copy), a multi-turn
 #             rollout vs single-turn generation of as many tokens
 #   kernels   scripts/bench/: the decode step's kernels, the SwiGLU kernel, the training step's log-prob kernels and
-#             attention against Liger-Kernel (where installed), SDPA's backends, varlen and FlexAttention
+#             attention against Liger-Kernel (where installed), SDPA's backends, varlen and FlexAttention, attention's
+#             first call on shapes not seen before, and a Triton GEMM with SwiGLU in its epilogue against cuBLAS
 #   pipeline  the GPU preset of `megatron-rlhf pipeline` (SFT -> RM -> GRPO and PPO), seed 1
 #   seeds     its RL stages again with seeds 2 and 3, from seed 1's SFT and reward model (after pipeline)
 #   tool      the tool task's GPU preset (pipeline-arith-tool-gpu: SFT -> multi-turn GRPO with a calculator -> test)

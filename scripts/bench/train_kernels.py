@@ -31,6 +31,19 @@ Parts (default all):
   s tokens counts 2 s^2 heads head_dim FLOPs forward, 2.5x that backward) and its fraction of the
   matmul peak measured in the same run, peak memory, and the max abs error of the output against
   float64. A variant that raises records the error.
+* ``new_shapes``: what a micro-batch shape costs the first time it is seen, as in a run whose
+  response lengths vary from step to step (each micro-batch's rows and width follow its
+  sequences). Causal attention forward + backward of the batch-of-rows layout, SDPA with torch's
+  choice of backend (what ``SDPAttention`` runs), cuDNN forced and flash forced, each on its own
+  ``--new-shapes`` (rows, width) shapes, drawn as a token budget of ``--sequences`` x
+  ``--seq-len`` cuts them: the first call's ms, the same shape's steady ms, and the difference.
+* ``epilogue``: the MLP's first GEMM and its SwiGLU (``--sequences`` x ``--seq-len`` tokens, the
+  hidden size into twice the FFN size), forward: cuBLAS then our SwiGLU kernel, against one Triton
+  GEMM that applies SwiGLU to its two accumulators before it stores (the output never written at
+  twice the width and read back), and each GEMM alone. Per row: ms, TFLOP/s against the matmul
+  peak measured in the same run, and the max abs error against float32 products of the same bf16
+  inputs. This is the fusion the step's floor assumes (elementwise work costs nothing): it pays
+  only where the Triton GEMM loses to cuBLAS by less than the SwiGLU pass costs.
 
 GPU only.
 """
@@ -38,6 +51,8 @@ GPU only.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -45,12 +60,19 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from common import KernelReport, forward_backward_ms, matmul_peak, write_report
+from common import KernelReport, cuda_ms_per_call, forward_backward_ms, matmul_peak, wall_seconds, write_report
 
 from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.models.architecture import Architecture, padded_vocab_size
+from megatron_rlhf.models.swiglu import swiglu_reference
 
-PARTS = ("logprobs", "liger", "attention")
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the epilogue part's Triton GEMM is then unavailable
+    triton = None
+
+PARTS = ("logprobs", "liger", "attention", "new_shapes", "epilogue")
 LIGER_CE = "liger fused linear cross-entropy, reduction='none'"
 LIGER_GRPO = "liger chunked GRPO loss, reference-free"
 WEIGHT_STD = 0.02
@@ -409,6 +431,163 @@ def attention(arch: Architecture, sequences: int, seq_len: int, peak: float, cal
     return result
 
 
+def _attention_step(backend: Any, leaves: list[torch.Tensor]) -> None:
+    """Causal GQA attention forward and backward on ``leaves`` (q, k, v), on ``backend`` (None: torch's choice)."""
+    from torch.nn.attention import sdpa_kernel
+
+    with contextlib.ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(sdpa_kernel(backend))
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
+def new_shape_cost(arch: Architecture, budget: int, longest: int, count: int) -> dict[str, Row]:
+    """Per backend, the mean ms of the first forward + backward on each of ``count`` shapes it has not
+    seen, the mean steady ms of those shapes, and their difference (a plan built, a kernel loaded)."""
+    from torch.nn.attention import SDPBackend
+
+    generator = torch.Generator().manual_seed(0)
+    backends: dict[str, SDPBackend | None] = {
+        "SDPA, torch's choice (SDPAttention)": None,
+        "sdpa CUDNN_ATTENTION": SDPBackend.CUDNN_ATTENTION,
+        "sdpa FLASH_ATTENTION": SDPBackend.FLASH_ATTENTION,
+    }
+    seen: set[tuple[int, int]] = {(1, longest)}
+    result: dict[str, Row] = {}
+    for name, backend in backends.items():
+        # the backend's one-time set-up (its library's handle, its first kernels) on a shape of its own
+        q = torch.randn(1, arch.num_attention_heads, longest, arch.head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (
+            torch.randn(1, arch.num_query_groups, longest, arch.head_dim, device="cuda", dtype=q.dtype) for _ in "kv"
+        )
+        _attention_step(backend, [t.requires_grad_() for t in (q, k, v)])
+        firsts, steadies = [], []
+        while len(firsts) < count:
+            width = int(torch.randint(longest // 3, longest + 1, (1,), generator=generator))
+            rows = int(torch.randint(1, budget // width + 1, (1,), generator=generator))
+            if (rows, width) in seen:  # every backend gets shapes no backend has run
+                continue
+            seen.add((rows, width))
+            q = torch.randn(rows, arch.num_attention_heads, width, arch.head_dim, device="cuda", dtype=torch.bfloat16)
+            k, v = (
+                torch.randn(rows, arch.num_query_groups, width, arch.head_dim, device="cuda", dtype=q.dtype)
+                for _ in "kv"
+            )
+
+            step = partial(_attention_step, backend, [t.requires_grad_() for t in (q, k, v)])
+            firsts.append(wall_seconds(step, torch.device("cuda")) * 1e3)
+            steadies.append(min(wall_seconds(step, torch.device("cuda")) for _ in range(3)) * 1e3)
+        first, steady = statistics.mean(firsts), statistics.mean(steadies)
+        result[name] = {
+            "shapes": count,
+            "first_call_ms": first,
+            "steady_ms": steady,
+            "first_call_excess_ms": first - steady,
+        }
+        show(name, result[name])
+    return result
+
+
+def _gemm_configs() -> list[Any]:
+    return [
+        triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
+        for bm, bn, stages, warps in (
+            (128, 256, 3, 8),
+            (128, 128, 4, 8),
+            (128, 128, 3, 4),
+            (256, 128, 3, 8),
+            (64, 256, 4, 4),
+            (64, 128, 4, 4),
+        )
+    ]
+
+
+if triton is not None:
+
+    @triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "SWIGLU"])
+    @triton.jit
+    def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        """out (M, N) = x (M, K) @ w[:N]^T; with SWIGLU, silu(x @ w[:N]^T) * (x @ w[N:2N]^T) from two
+        accumulators of the same tile. Row-major, N % BN == K % BK == 0."""
+        pid = tl.program_id(0)
+        blocks_m, blocks_n = tl.cdiv(M, BM), N // BN
+        per_group = GROUP_M * blocks_n  # tiles of GROUP_M block-rows, walked column by column (L2 reuse)
+        first_m = (pid // per_group) * GROUP_M
+        group_m = min(blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        depth = tl.arange(0, BK)
+        x_tile = x_ptr + rows[:, None] * K + depth[None, :]
+        gate_tile = w_ptr + cols[None, :] * K + depth[:, None]  # (BK, BN): w's rows, transposed
+        up_tile = gate_tile + N * K
+        gate = tl.zeros((BM, BN), dtype=tl.float32)
+        up = tl.zeros((BM, BN), dtype=tl.float32)
+        for _ in range(tl.cdiv(K, BK)):
+            a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
+            gate = tl.dot(a, tl.load(gate_tile), gate)
+            if SWIGLU:
+                up = tl.dot(a, tl.load(up_tile), up)
+                up_tile += BK
+            x_tile += BK
+            gate_tile += BK
+        result = gate * tl.sigmoid(gate) * up if SWIGLU else gate
+        tl.store(
+            out_ptr + rows[:, None] * N + cols[None, :], result.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M
+        )
+
+
+def triton_gemm(x: torch.Tensor, weight: torch.Tensor, *, swiglu: bool) -> torch.Tensor:
+    """``x @ weight.T`` (bf16), or with ``swiglu`` SwiGLU of it in the same kernel (half the width)."""
+    M, K = x.shape
+    N = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+
+    def grid(meta: dict[str, int]) -> tuple[int]:
+        return (triton.cdiv(M, meta["BM"]) * (N // meta["BN"]),)
+
+    _gemm_kernel[grid](x, weight, out, M, N, K, SWIGLU=swiglu)
+    return out
+
+
+def epilogue(arch: Architecture, tokens: int, peak: float, calls: int) -> dict[str, Row]:
+    """The MLP's first GEMM with and without SwiGLU, cuBLAS (+ our SwiGLU kernel) against Triton."""
+    from megatron_rlhf.models.swiglu import SwiGLU
+
+    hidden, ffn = arch.hidden_size, arch.ffn_hidden_size
+    if hidden % 64 or ffn % 256:
+        raise SystemExit(f"--parts epilogue needs hidden % 64 == 0 and ffn % 256 == 0, not {hidden}, {ffn}")
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2 * ffn, hidden, device="cuda", dtype=torch.bfloat16) * WEIGHT_STD
+    products = x.float() @ weight.float().t()
+    references = {"gemm": products, "swiglu": swiglu_reference(products)}
+    variants: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
+        "cuBLAS GEMM (torch.mm)": ("gemm", lambda: x @ weight.t()),
+        "cuBLAS GEMM, then our SwiGLU kernel": ("swiglu", lambda: SwiGLU.apply(x @ weight.t())),
+        "Triton GEMM": ("gemm", partial(triton_gemm, x, weight, swiglu=False)),
+        "Triton GEMM, SwiGLU applied before the store": ("swiglu", partial(triton_gemm, x, weight, swiglu=True)),
+    }
+    flops = 2 * tokens * hidden * 2 * ffn
+    print(f"MLP fc1 + SwiGLU, {tokens} x {hidden} into {2 * ffn}: {flops / 1e12:.4g} TFLOP")
+    result: dict[str, Row] = {}
+    for name, (kind, fn) in variants.items():
+        try:
+            out = fn()  # Triton's autotuning happens here
+            ms = cuda_ms_per_call(fn, calls=calls)
+            tflops = flops / ms / 1e9
+            row: Row = {"ms": ms, "TFLOPs": tflops, "of_matmul_peak": tflops * 1e12 / peak}
+            row["max_abs_err"] = (out.float() - references[kind]).abs().max().item()
+        except Exception as error:  # one variant fails, not the run
+            row = failure(error)
+        result[name] = row
+        show(name, row)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
@@ -420,6 +599,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=384, help="tokens per sequence (attention)")
     parser.add_argument("--check-tokens", type=int, default=1024, help="tokens whose log-probs are checked")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--new-shapes", type=int, default=12, help="unseen shapes per backend (new_shapes)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -452,6 +632,13 @@ def main() -> None:
         report.result["matmul_peak_TFLOPs"] = peak / 1e12
         print(f"matmul peak {peak / 1e12:.1f} TFLOP/s")
         report.result["attention"] = attention(arch, args.sequences, args.seq_len, peak, args.repeat)
+    if "new_shapes" in args.parts:
+        print(f"attention on shapes not seen before ({args.new_shapes} per backend), forward + backward:")
+        report.result["new_shapes"] = new_shape_cost(arch, args.sequences * args.seq_len, args.seq_len, args.new_shapes)
+    if "epilogue" in args.parts:
+        peak = report.result.get("matmul_peak_TFLOPs", 0) * 1e12 or matmul_peak(torch.device("cuda"))
+        report.result["matmul_peak_TFLOPs"] = peak / 1e12
+        report.result["epilogue"] = epilogue(arch, args.sequences * args.seq_len, peak, args.repeat)
     write_report(report.result, args.out, show=False)
 
 
