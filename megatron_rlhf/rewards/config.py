@@ -48,16 +48,27 @@ class ScoringConfig:
     runs longer ends the run with an error naming it, the sample and the line it is at, where a hung
     function would hang every rank (Python cannot stop it, so the run ends rather than skip the
     sample). Keep it well below dist_timeout_s: the other ranks wait that long for this rank's scores."""
+    workers: int = 0
+    """Processes per rank that run the rules and the custom function, each on a part of the rank's
+    share; 0: a thread of the trainer's process. A thread shares the interpreter lock with the
+    trainer's GPU launches, so pure-Python reward code overlaps the GPU passes only in workers, which
+    also spread it over cores. Each worker is a Python process with torch imported (about 0.3 GB of
+    host memory), started at set-up; the rules and the function must load by name in it
+    (``rewards/workers.py``)."""
 
     def errors(self) -> list[str]:
-        return [
-            f"weights.{name}={value} must be a finite number"
-            for name, value in self.weights.items()
-            if not math.isfinite(value)
-        ] + (
-            []
-            if 0 <= self.timeout_s < math.inf
-            else [f"timeout_s={self.timeout_s} must be >= 0 and finite (0: no limit)"]
+        return (
+            at_least(self, 0, "workers")
+            + [
+                f"weights.{name}={value} must be a finite number"
+                for name, value in self.weights.items()
+                if not math.isfinite(value)
+            ]
+            + (
+                []
+                if 0 <= self.timeout_s < math.inf
+                else [f"timeout_s={self.timeout_s} must be >= 0 and finite (0: no limit)"]
+            )
         )
 
     def parts(self) -> list[str]:

@@ -9,9 +9,9 @@ a part without a weight has weight 1. Rules and the custom function run on a 1/w
 samples per rank and are gathered; the reward model scores every row in its own layout.
 
 ``Scorer.start`` runs this rank's share of the rules and the function (decoding, then plain
-Python) on a host thread and returns at once, so that the trainer queues the reference and value
-passes on the GPU meanwhile; ``PendingScores.result()`` runs the reward model's pass and gathers
-the shares.
+Python) on a host thread, or split over worker processes (``scoring.workers``, ``workers.py``),
+and returns at once, so that the trainer queues the reference and value passes on the GPU
+meanwhile; ``PendingScores.result()`` runs the reward model's pass and gathers the shares.
 
 The prompt and response texts a rule or function reads are decoded with special tokens skipped, as
 verl decodes them for its reward functions (a ``<|im_start|>`` sampled mid-response is not in the
@@ -45,11 +45,13 @@ from megatron_rlhf.training.train import forward_all_rows
 
 from .calls import RewardCalls, RewardFunctionError, ScoringInterrupted, Watched, formatted
 from .config import CUSTOM_FUNCTION, REWARD_MODEL, ScoringConfig
-from .custom import CustomRewardFunction, CustomScores, metric_means
-from .rules import SCORE_DTYPE, RewardRule, Sample, rule_scores
+from .custom import CustomRewardFunction, metric_means
+from .rules import SCORE_DTYPE, RewardRule, Sample
+from .samples import Decoder, Share, decoded_samples, share_scores
+from .workers import ScoringWorkers, WorkerShare
 
-Share = tuple[dict[str, list[float]], CustomScores | None]
-"""A rank's rule and function scores of its samples, by part, and what the function returned."""
+PendingShare = Watched[Share] | WorkerShare
+"""A rank's share being scored: on the scorer's thread, or in its worker processes."""
 
 OVERLONG = "overlong_penalty"
 
@@ -107,13 +109,21 @@ class Scorer:
         max_tokens_per_micro_batch: int,
         pack_sequences: bool = True,
         interrupted: Callable[[], bool] | None = None,
+        texts: Decoder | None = None,
     ) -> None:
         """``interrupted``: a stop request, watched while this rank waits on reward code (its
-        share raises ``ScoringInterrupted`` on every rank when it turns true)."""
+        share raises ``ScoringInterrupted`` on every rank when it turns true). ``texts``: what
+        worker processes decode with (``reward_texts`` of the run's tokenizer); needed with
+        ``scoring.workers``, which start here when there are rules or a function to run."""
         self.cfg, self.rules, self.function, self.reward_model = cfg, rules, function, reward_model
         self.interrupted = interrupted
         self.stop_ids, self.max_new_tokens = set(stop_ids), max_new_tokens
         self.max_tokens_per_micro_batch, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
+        self.workers: ScoringWorkers | None = None
+        if cfg.workers and (rules or function is not None):
+            if texts is None:
+                raise ValueError("scoring.workers needs the run's decoder (Scorer's texts)")
+            self.workers = ScoringWorkers(cfg.workers, cfg, texts, sorted(self.stop_ids))
 
     def samples(
         self,
@@ -121,25 +131,8 @@ class Scorer:
         decode_batch: Callable[[list[list[int]]], list[str]],
         extras: Sequence[dict[str, Any]] | None = None,
     ) -> list[Sample]:
-        """The completions as rules read them (``extras[c.prompt_index]`` the prompt row's extra
-        columns, none if not given), decoded by one ``decode_batch`` call (a tokenizer's, skipping
-        special tokens: ``PPORun.texts``): each prompt once, not once per sample of it, and every
-        response without its final stop token."""
-        prompts = {c.prompt_index: c.prompt_ids for c in completions}
-        texts = decode_batch([*prompts.values(), *(c.text_ids(self.stop_ids) for c in completions)])
-        prompt_texts = dict(zip(prompts, texts[: len(prompts)], strict=True))
-        return [
-            Sample(
-                c.prompt_ids,
-                c.token_ids,
-                prompt_texts[c.prompt_index],
-                response,
-                c.finish_reason,
-                extras[c.prompt_index] if extras is not None else {},
-                c.trajectory,
-            )
-            for c, response in zip(completions, texts[len(prompts) :], strict=True)
-        ]
+        """``decoded_samples`` with this scorer's stop ids."""
+        return decoded_samples(completions, decode_batch, self.stop_ids, extras)
 
     def reward_model_scores(self, batch: Batch) -> torch.Tensor:
         """(rows,) the reward model's score of each row: its output at the row's last token."""
@@ -171,35 +164,31 @@ class Scorer:
         decode_batch: Callable[[list[list[int]]], list[str]],
     ) -> PendingScores:
         """``score``, begun: this rank's share of the rules and the custom function runs on a host
-        thread (``decode_batch`` must not be called elsewhere until ``result()``)."""
-        share = None
+        thread (``decode_batch`` must not be called elsewhere until ``result()``), or in the worker
+        processes (``scoring.workers``), which decode with the ``texts`` the scorer was given."""
+        share: PendingShare | None = None
         if self.rules or self.function is not None:
             rank, world = dist.get_rank(), dist.get_world_size()
-            calls = RewardCalls(self.cfg.timeout_s)
             rows = range(rank, len(completions), world)
-            share = Watched(
-                lambda: self._share_scores(completions[rank::world], rows, extras, decode_batch, calls), calls
-            )
+            if self.workers is not None:
+                share = self.workers.start(completions[rank::world], rows, extras)
+            else:
+                calls = RewardCalls(self.cfg.timeout_s)
+                rules, function, stop_ids = self.rules, self.function, self.stop_ids
+                share = Watched(
+                    lambda: share_scores(
+                        rules, function, completions[rank::world], rows, extras, decode_batch, stop_ids, calls
+                    ),
+                    calls,
+                )
         return PendingScores(self, batch, completions, share)
 
-    def _share_scores(
-        self,
-        completions: list[Completion],
-        rows: Sequence[int],
-        extras: list[dict[str, Any]],
-        decode_batch: Callable[[list[list[int]]], list[str]],
-        calls: RewardCalls,
-    ) -> Share:
-        """The rules' and the custom function's scores of ``completions`` (this rank's share, rows
-        ``rows`` of the rollout)."""
-        mine = self.samples(completions, decode_batch, extras)
-        local = rule_scores(self.rules, mine, calls, rows)
-        custom = self.function.score(mine, calls, rows) if self.function is not None else None
-        if custom is not None:
-            local[CUSTOM_FUNCTION] = custom.scores
-        return local, custom
+    def close(self) -> None:
+        """Stop the worker processes, if any."""
+        if self.workers is not None:
+            self.workers.close()
 
-    def _combine(self, batch: Batch, completions: list[Completion], share: Watched[Share] | None) -> Scores:
+    def _combine(self, batch: Batch, completions: list[Completion], share: PendingShare | None) -> Scores:
         parts: dict[str, torch.Tensor] = {}
         custom_metrics: dict[str, float] = {}
         if self.reward_model is not None:
@@ -245,7 +234,7 @@ class PendingScores:
     scorer: Scorer
     batch: Batch
     completions: list[Completion]
-    share: Watched[Share] | None  # this rank's rule and function scores, on a thread of their own
+    share: PendingShare | None  # this rank's rule and function scores, on a thread or in worker processes
 
     def result(self) -> Scores:
         """Runs the reward model's pass, waits for this rank's share and gathers every rank's.
@@ -253,7 +242,7 @@ class PendingScores:
         return self.scorer._combine(self.batch, self.completions, self.share)
 
 
-def _gather_shares(share: Watched[Share], interrupted: Callable[[], bool] | None) -> list[Share]:
+def _gather_shares(share: PendingShare, interrupted: Callable[[], bool] | None) -> list[Share]:
     """Every rank's share, in rank order. Collective: a rank whose share failed, or was interrupted
     by a stop request, still joins the gather (saying so), so that all ranks end the step together
     instead of some waiting for it there: an interruption on any rank raises ``ScoringInterrupted``

@@ -67,6 +67,7 @@ from megatron_rlhf.metrics.phases import PhaseTimer
 from megatron_rlhf.models.lora import adapted_weights, adapters_off
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
+from megatron_rlhf.rewards.samples import reward_texts
 from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
@@ -132,9 +133,8 @@ class PPORun:
     """The actor loss's ``kl_loss_coef`` is the config's times this (the health watch's recovery)."""
 
     def texts(self, rows: list[list[int]]) -> list[str]:
-        """Token rows as rewards, rules and samples.jsonl read them: special tokens skipped, as verl
-        decodes the prompts and responses its reward functions read."""
-        return self.tokenizer.decode_batch(rows, skip_special_tokens=True)
+        """Token rows as rewards, rules and samples.jsonl read them (``reward_texts``)."""
+        return reward_texts(self.tokenizer)(rows)
 
 
 def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = None) -> PPORun:
@@ -213,6 +213,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
         pack_sequences=cfg.pack_sequences,
         interrupted=stop_requested,
+        texts=reward_texts(tokenizer),
     )
     recompute, reason = old_logprob_pass(cfg)
     log(reason)
@@ -243,6 +244,9 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
             warm_up(run)
+    if scorer.workers is not None:  # started with the scorer: they have loaded meanwhile, or fail here
+        with timed(f"scoring workers ({cfg.scoring.workers} per rank) loading the reward code", env.device):
+            scorer.workers.wait_ready()
     return run
 
 
@@ -343,7 +347,10 @@ def run_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = None) 
     ``checked``: what ``check_ppo_config`` returned for this config and world size, when the caller
     ran it (else set-up runs it)."""
     run = set_up_ppo(cfg, env, checked)
-    return run_loop(cfg, PPOTask(run), run.claim)
+    try:
+        return run_loop(cfg, PPOTask(run), run.claim)
+    finally:
+        run.scorer.close()
 
 
 # --------------------------------------------------------------------------- the step

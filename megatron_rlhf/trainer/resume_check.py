@@ -158,6 +158,7 @@ RULES: dict[str, dict[str, str]] = {
         "rules": MAY_CHANGE,
         "weights": MAY_CHANGE,
         "timeout_s": MAY_CHANGE,
+        "workers": MAY_CHANGE,
     },
     "CustomFunctionConfig": {"path": MAY_CHANGE, "name": MAY_CHANGE},
     "OverlongConfig": {"buffer": MAY_CHANGE, "penalty": MAY_CHANGE},

@@ -1,5 +1,6 @@
 """torchrun worker (gloo, 2 ranks): a rollout's rule scores gathered over the ranks, when every
-share succeeds and when one rank's share fails (a rule raises there, or hangs past scoring.timeout_s).
+share succeeds and when one rank's share fails (a rule raises there, or hangs past scoring.timeout_s);
+and every share split again over two worker processes per rank (``scoring.workers``).
 
     scoring_worker.py OUT
 
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megatron_rlhf.data.tokenizer import ByteTokenizer
+from megatron_rlhf.rewards.samples import reward_texts
 from megatron_rlhf.rewards.scoring import Scorer, ScoringConfig
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.trainer.ppo import rollout_batch
@@ -72,6 +75,21 @@ def main(session: WorkerSession) -> None:
         except Exception as err:
             results[case] = {"error": type(err).__name__, "message": str(err)}
         results[case]["seconds"] = time.monotonic() - start
+    # Each rank's 3 rows go to its 2 workers as 1 + 2 rows; the rule by its import path, as workers load it.
+    scorer = Scorer(
+        ScoringConfig(rules=["scoring_worker:length"], workers=2),
+        {"scoring_worker:length": length},
+        None,
+        None,
+        stop_ids=(),
+        max_new_tokens=8,
+        max_tokens_per_micro_batch=64,
+        texts=reward_texts(ByteTokenizer(259)),
+    )
+    try:
+        results["ok_in_workers"] = {"scores": scorer.score(batch, completions, [{}] * 3, decode).raw.tolist()}
+    finally:
+        scorer.close()
     RELEASE.set()
     ranks: list[dict[str, dict]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(ranks, results)  # the collectives still line up after the failed cases

@@ -1,4 +1,5 @@
-"""Rule scores over 2 ranks (torchrun, gloo): gathered in row order, and a share that fails on one
+"""Rule scores over 2 ranks (torchrun, gloo): gathered in row order (on the scorer's thread and in
+worker processes), and a share that fails on one
 rank (a rule raising, or hanging past scoring.timeout_s) fails every rank with that rule's message
 instead of leaving the other rank waiting in the gather."""
 
@@ -18,6 +19,7 @@ def test_a_failed_share_fails_every_rank_with_its_message(tmp_path: Path) -> Non
     ranks = run_worker(WORKER, 2, tmp_path, timeout=300)["ranks"]
     for results in ranks:
         assert results["ok"]["scores"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # row i's response has i + 1 tokens
+        assert results["ok_in_workers"]["scores"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
     own, other = ranks[1]["raises_on_rank_1"], ranks[0]["raises_on_rank_1"]
     assert own["error"] == other["error"] == "RewardFunctionError"
