@@ -10,8 +10,16 @@ reward (decode every prompt and response with the model's tokenizer, apply ``low
 and a pass's micro-batches over the rollout (``micro_batches``: the packing plan, then the first
 piece laid out, as the GPU waits for it before a pass's first kernel). Best of ``--repeat`` runs
 each, milliseconds. Then what one full collection of the cyclic garbage collector costs on this
-process's heap, and after ``gc.freeze()`` (as the trainer's loop does before its first step). CPU
-only: no model is built.
+process's heap, and after ``gc.freeze()`` (as the trainer's loop does before its first step).
+
+Last, the rule scoring beside the launches of a GPU pass, which the trainer overlaps with it: the
+main thread queues small torch ops (a pass's kernel launches, each a few microseconds of host work)
+while the scorer scores the rollout, on its thread (``scoring.workers=0``) and in 1 and 2 worker
+processes, with ``lowercase_fraction`` and with ``python_heavy_rule`` (pure Python, as answer
+checkers are). Per mode: the main thread's op rate meanwhile against its rate alone, and the wall time
+of start, as many ops as the main thread does alone in the scoring's own time, and the result:
+one scoring time where the two overlap fully, two where they run one after the other. CPU only:
+no model is built.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import gc
 import random
 from collections.abc import Callable
+from typing import Any
 
 from common import sample_seconds, write_report
 
@@ -27,6 +36,77 @@ from common import sample_seconds, write_report
 def best_ms(fn: Callable[[], object], repeat: int) -> float:
     """The fastest of ``repeat`` calls, in milliseconds: the host work alone, without other processes' noise."""
     return 1e3 * min(sample_seconds(fn, repeat=repeat))
+
+
+def python_heavy_rule(sample: Any) -> float:
+    """A stand-in for answer checking in pure Python (verl's math rules normalise and parse the
+    response's text): twenty passes over the characters, about 0.3 ms for 256 characters."""
+    text = sample.response_text
+    found = sum(sum(1 for c in text if c.isalnum()) for _ in range(20))
+    return found / (20 * max(len(text), 1))
+
+
+def op_loop(ops: int) -> None:
+    """``ops`` small in-place torch ops on a 16-element tensor: host work per op, as a launch is."""
+    import torch
+
+    x = torch.zeros(16)
+    for _ in range(ops):
+        x.add_(1.0)
+
+
+def scoring_beside_launches(
+    cfg: Any, rules: dict[str, Any], tokenizer: Any, start: Callable[[Any], Any]
+) -> dict[str, dict[str, float]]:
+    """Per mode (the scorer's thread, 1 and 2 workers): the main thread's op rate while the rollout is
+    scored against alone, and the wall time of scoring with the ops the main thread does alone in the
+    scoring's own time queued meanwhile (``start(scorer)`` begins a scoring)."""
+    import dataclasses
+    import time
+
+    from megatron_rlhf.rewards.samples import reward_texts
+    from megatron_rlhf.rewards.scoring import Scorer
+
+    probe = 200_000
+    rate_alone = probe / min(sample_seconds(lambda: op_loop(probe), repeat=3))
+    found: dict[str, dict[str, float]] = {}
+    for workers in (0, 1, 2):
+        scorer = Scorer(
+            dataclasses.replace(cfg, workers=workers),
+            rules,
+            None,
+            None,
+            stop_ids=tokenizer.stop_ids,
+            max_new_tokens=0,
+            max_tokens_per_micro_batch=16384,
+            texts=reward_texts(tokenizer),
+        )
+        try:
+            start(scorer).result()  # the workers' start-up (imports) outside the timings
+            scoring_s = min(sample_seconds(lambda scorer=scorer: start(scorer).result(), repeat=3))
+            ops = int(rate_alone * scoring_s)
+
+            def overlapped(ops: int = ops, scorer: Any = scorer) -> tuple[float, float]:
+                began = time.perf_counter()
+                pending = start(scorer)
+                queued = time.perf_counter()
+                op_loop(ops)
+                looped = time.perf_counter()
+                pending.result()
+                return ops / (looped - queued), time.perf_counter() - began
+
+            runs = [overlapped() for _ in range(3)]
+            rate, wall = max(r for r, _ in runs), min(w for _, w in runs)
+        finally:
+            scorer.close()
+        name = f"workers={workers}" + (" (the scorer's thread)" if workers == 0 else "")
+        found[name] = {
+            "scoring_alone_ms": 1e3 * scoring_s,
+            "op_rate_meanwhile_of_alone": rate / rate_alone,
+            "scoring_with_ops_meanwhile_ms": 1e3 * wall,
+            "of_scoring_alone": wall / scoring_s,
+        }
+    return found
 
 
 def main() -> None:
@@ -46,6 +126,7 @@ def main() -> None:
     from megatron_rlhf.parallel.distributed import init_distributed
     from megatron_rlhf.parallel.layout import Layout, parallel_groups
     from megatron_rlhf.rewards.config import ScoringConfig, scoring_errors
+    from megatron_rlhf.rewards.samples import reward_texts
     from megatron_rlhf.rewards.scoring import Scorer
     from megatron_rlhf.rollout.engine import Completion
     from megatron_rlhf.rollout.native import _History
@@ -108,6 +189,16 @@ def main() -> None:
     gc.freeze()
     result["full_gc_after_freeze_ms"] = best_ms(gc.collect, 3)
     gc.unfreeze()
+    result["scoring_beside_launches"] = {}
+    for rule in ("lowercase_fraction", "host:python_heavy_rule"):
+        rule_cfg = ScoringConfig(rules=[rule])
+        _, rule_functions, _ = scoring_errors(rule_cfg)
+        result["scoring_beside_launches"][rule] = scoring_beside_launches(
+            rule_cfg,
+            rule_functions,
+            tokenizer,
+            lambda scorer: scorer.start(batch, completions, extras, reward_texts(tokenizer)),
+        )
     write_report(result, None)
 
 
