@@ -407,7 +407,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     completions, batch = rollout.completions, rollout.batch
     mask = batch["response_mask"]
 
-    # The rules score on a host thread while these passes run on the GPU (``Scorer.start``).
+    # The rules score on a host thread or in worker processes while these passes run (``Scorer.start``).
     passes = forward_passes(run, batch)
     ref_logprobs, old_logprobs, values = passes.ref_logprobs, passes.old_logprobs, passes.values
     with timer.phase("reward"):
