@@ -111,6 +111,8 @@ def main(session: WorkerSession) -> None:
     fill_grads(half, 1)
     warm_up_gradient_reads(half)
     results["fp16_scaler"] = [before, scaler_state()]
+    half.optimizer.prepare_grads()  # unrestored: the scaler counts a step without overflow
+    results["fp16_scaler_after_prepare_grads"] = scaler_state()
 
 
 if __name__ == "__main__":

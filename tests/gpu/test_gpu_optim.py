@@ -22,3 +22,4 @@ def test_fused_adam_matches_float64_adamw_and_resumes_bit_for_bit(tmp_path: Path
     # The warm-up's gradient reads left the fp16 loss scaler's scale and trackers as they were.
     before, after = results["fp16_scaler"]
     assert after == before
+    assert results["fp16_scaler_after_prepare_grads"][1] == before[1] + 1  # what the warm-up undid
