@@ -21,6 +21,7 @@ rules importable from the trainer's ``sys.path``, a function file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import multiprocessing
 import signal
@@ -29,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+from megatron_rlhf.rollout.engine import Completion
 
 from .calls import INTERRUPT_POLL_S, RewardCalls, RewardFunctionError, ScoringInterrupted, Watched, formatted
 from .config import ScoringConfig, scoring_errors
@@ -76,8 +79,12 @@ class ScoringWorkers:
     def processes(self) -> list[BaseProcess]:
         return [process for process, _ in self._workers]
 
-    def start(self, completions: Sequence[Any], rows: Sequence[int], extras: Sequence[dict[str, Any]]) -> WorkerShare:
-        """Send each worker a contiguous part of ``completions`` (rows ``rows`` of the rollout)."""
+    def start(
+        self, completions: Sequence[Completion], rows: Sequence[int], extras: Sequence[dict[str, Any]]
+    ) -> WorkerShare:
+        """Send each worker a contiguous part of ``completions`` (rows ``rows`` of the rollout),
+        without the per-token figures no reward reads (log-probs, the policy mask): a third of the
+        bytes, pickled on the trainer's thread."""
         if self._closed is not None:
             raise RuntimeError(f"the scoring workers were stopped ({self._closed})")
         self.wait_ready()
@@ -88,7 +95,8 @@ class ScoringWorkers:
             if low < high:
                 part = _Part(process, connection, list(rows[low:high]))
                 try:
-                    connection.send((list(completions[low:high]), list(rows[low:high]), list(extras)))
+                    lean = [dataclasses.replace(c, logprobs=[], policy_mask=None) for c in completions[low:high]]
+                    connection.send((lean, list(rows[low:high]), list(extras)))
                 except OSError:  # it ended since its last part
                     self.close(f"worker {process.name} ended")
                     raise part.died(f"before it was sent rows {rows[low]}..{rows[high - 1]} of the rollout") from None
