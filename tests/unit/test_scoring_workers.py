@@ -52,7 +52,8 @@ def slow(sample):
 FUNCTION = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     hit = ground_truth in solution_str
-    return {"score": 1.0 if hit else 0.0, "length": len(solution_str), "index": extra_info["index"]}
+    turns = extra_info.get("num_turns", 0) + sum(extra_info.get("rollout_reward_scores", {}).values())
+    return {"score": 1.0 if hit else 0.0, "length": len(solution_str), "index": extra_info["index"], "turns": turns}
 """
 
 RESPONSES = ["apple pie", "banana", "cherry tart", "damson", "elderberry wine", "fig", "grape"]
@@ -68,6 +69,24 @@ def reward_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "reward_fn.py"
 
 
+def _trajectory(i: int) -> dict:
+    """A multi-turn record (``TrajectoryRecord``) whose turns and tool reward the function reads."""
+    return {
+        "num_turns": 2 + i,
+        "policy_turns": 1,
+        "user_turns": 0,
+        "turn_scores": [],
+        "interaction_errors": 0,
+        "interaction_failure": "",
+        "tool_calls": 1,
+        "tool_errors": {},
+        "tool_seconds": 0.0,
+        "tool_rewards": {"calculator": 0.5 * i},
+        "tool_call_rewards": [],
+        "messages": [],
+    }
+
+
 def _rollout():
     from megatron_rlhf.data.tokenizer import ByteTokenizer
     from megatron_rlhf.rollout.engine import Completion
@@ -81,6 +100,7 @@ def _rollout():
             token_ids=[*tokenizer.encode(text), tokenizer.EOS],
             logprobs=[0.0] * (len(text) + 1),
             finish_reason="stop",
+            trajectory=_trajectory(i) if i % 2 else None,  # multi-turn records travel to the workers too
         )
         for i, text in enumerate(RESPONSES)
     ]
@@ -149,6 +169,8 @@ def test_workers_score_every_part_and_metric_as_the_thread_does(world_of_one, re
     # hand-derived: "apple pie" has 4 vowels of 9 characters; 4 of the 7 responses contain an "e"
     assert in_workers.parts["worker_rules:vowels"][0].item() == pytest.approx(4 / 9)
     assert in_workers.parts["custom_function"].tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    # rows 1, 3, 5 carry a trajectory: turns 2 + i plus the tool's reward 0.5 i; the others 0
+    assert in_workers.custom_metrics["turns"] == pytest.approx((3.5 + 6.5 + 9.5) / 7)
 
 
 def test_a_rule_that_raises_in_a_worker_fails_with_the_threads_message(world_of_one, reward_code: Path) -> None:
