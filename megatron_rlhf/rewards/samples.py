@@ -11,7 +11,7 @@ from typing import Any
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.rollout.engine import Completion
 
-from .calls import RewardCalls
+from .calls import RewardCalls, Watched
 from .config import CUSTOM_FUNCTION
 from .custom import CustomRewardFunction, CustomScores
 from .rules import RewardRule, Sample, rule_scores
@@ -71,3 +71,20 @@ def share_scores(
     if custom is not None:
         scores[CUSTOM_FUNCTION] = custom.scores
     return scores, custom
+
+
+def watched_share(
+    rules: Mapping[str, RewardRule],
+    function: CustomRewardFunction | None,
+    completions: Sequence[Completion],
+    rows: Sequence[int],
+    extras: Sequence[dict[str, Any]],
+    decode_batch: Decoder,
+    stop_ids: Collection[int],
+    timeout_s: float,
+) -> Watched[Share]:
+    """``share_scores`` begun on a thread of its own, its calls limited to ``timeout_s`` each: how
+    the scorer's thread and each worker process run a share."""
+    calls = RewardCalls(timeout_s)
+    job = functools.partial(share_scores, rules, function, completions, rows, extras, decode_batch, stop_ids, calls)
+    return Watched(job, calls)

@@ -43,11 +43,11 @@ from megatron_rlhf.training.objectives import values_output
 from megatron_rlhf.training.schedule import Batch
 from megatron_rlhf.training.train import forward_all_rows
 
-from .calls import RewardCalls, RewardFunctionError, ScoringInterrupted, Watched, formatted
+from .calls import RewardFunctionError, ScoringInterrupted, Watched, formatted
 from .config import CUSTOM_FUNCTION, REWARD_MODEL, ScoringConfig
 from .custom import CustomRewardFunction, metric_means
 from .rules import SCORE_DTYPE, RewardRule, Sample
-from .samples import Decoder, Share, decoded_samples, share_scores
+from .samples import Decoder, Share, decoded_samples, watched_share
 from .workers import ScoringWorkers, WorkerShare
 
 PendingShare = Watched[Share] | WorkerShare
@@ -173,13 +173,15 @@ class Scorer:
             if self.workers is not None:
                 share = self.workers.start(completions[rank::world], rows, extras)
             else:
-                calls = RewardCalls(self.cfg.timeout_s)
-                rules, function, stop_ids = self.rules, self.function, self.stop_ids
-                share = Watched(
-                    lambda: share_scores(
-                        rules, function, completions[rank::world], rows, extras, decode_batch, stop_ids, calls
-                    ),
-                    calls,
+                share = watched_share(
+                    self.rules,
+                    self.function,
+                    completions[rank::world],
+                    rows,
+                    extras,
+                    decode_batch,
+                    self.stop_ids,
+                    self.cfg.timeout_s,
                 )
         return PendingScores(self, batch, completions, share)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import multiprocessing
 import signal
 import threading
@@ -33,10 +32,10 @@ from typing import Any
 
 from megatron_rlhf.rollout.engine import Completion
 
-from .calls import INTERRUPT_POLL_S, RewardCalls, RewardFunctionError, ScoringInterrupted, Watched, formatted
+from .calls import INTERRUPT_POLL_S, RewardFunctionError, ScoringInterrupted, formatted
 from .config import ScoringConfig, scoring_errors
 from .custom import CustomScores
-from .samples import Decoder, Share, share_scores
+from .samples import Decoder, Share, watched_share
 
 
 class ScoringWorkers:
@@ -63,16 +62,12 @@ class ScoringWorkers:
         set-up pays the workers' start-up there, not in its first step."""
         if self._ready:
             return
-        for process, connection in self._workers:
-            part = _Part(process, connection, [])
-            try:
-                kind, value = connection.recv()
-            except (EOFError, OSError):
-                self.close(f"worker {process.name} ended at start-up")
-                raise part.died("while loading the reward code") from None
-            if kind == "error":
-                self.close(f"worker {process.name} could not load the reward code")
-                raise value
+        try:
+            for process, connection in self._workers:
+                _Part(process, connection, []).reply("while loading the reward code")
+        except BaseException as error:
+            self.close(f"a worker failed to start ({type(error).__name__})")
+            raise
         self._ready = True
 
     @property
@@ -140,6 +135,17 @@ class _Part:
     def __init__(self, process: BaseProcess, connection: Connection, rows: list[int]) -> None:
         self.process, self.connection, self.rows = process, connection, rows
 
+    def reply(self, doing: str | None = None) -> Any:
+        """The worker's next message's value; what it raised, raised here; ``died(doing)`` when it
+        ended without a message."""
+        try:
+            kind, value = self.connection.recv()
+        except (EOFError, OSError):  # closed, or reset by a worker that ended mid-reply
+            raise self.died(doing) from None
+        if kind == "error":
+            raise value
+        return value
+
     def died(self, doing: str | None = None) -> RewardFunctionError:
         """The error for a worker found ended ``doing`` (default: while scoring this part's rows)."""
         self.process.join(timeout=5)
@@ -172,15 +178,7 @@ class WorkerShare:
         while pending:
             for ready in wait(list(pending), timeout=INTERRUPT_POLL_S if interrupted is not None else None):
                 part_index = pending.pop(ready)  # type: ignore[call-overload]
-                part = self.parts[part_index]
-                try:
-                    reply: tuple[str, Any] = part.connection.recv()
-                except (EOFError, OSError):  # closed, or reset by a worker that ended mid-reply
-                    raise part.died() from None
-                kind, value = reply
-                if kind == "error":
-                    raise value
-                replies[part_index] = value
+                replies[part_index] = self.parts[part_index].reply()
             if pending and interrupted is not None and interrupted():
                 raise ScoringInterrupted("a stop was requested while reward code ran (it had not returned)")
         return _joined([replies[index] for index in range(len(self.parts))])
@@ -221,10 +219,8 @@ def _serve(connection: Connection, cfg: ScoringConfig, texts: Decoder, stop_ids:
         if task is None:
             return
         completions, rows, extras = task
-        calls = RewardCalls(cfg.timeout_s)
         try:
-            job = functools.partial(share_scores, rules, function, completions, rows, extras, texts, stop_ids, calls)
-            share = Watched(job, calls).result()
+            share = watched_share(rules, function, completions, rows, extras, texts, stop_ids, cfg.timeout_s).result()
         except BaseException as error:  # handed to the trainer; this worker's job thread may be stuck
             connection.send(("error", _sendable(error)))
             return

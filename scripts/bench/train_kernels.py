@@ -431,6 +431,15 @@ def attention(arch: Architecture, sequences: int, seq_len: int, peak: float, cal
     return result
 
 
+def _qkv_leaves(arch: Architecture, rows: int, width: int) -> list[torch.Tensor]:
+    """Random bf16 q, k, v (rows, heads or KV groups, width, head_dim) that take gradients."""
+    heads = (arch.num_attention_heads, arch.num_query_groups, arch.num_query_groups)
+    return [
+        torch.randn(rows, count, width, arch.head_dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        for count in heads
+    ]
+
+
 def _attention_step(backend: Any, leaves: list[torch.Tensor]) -> None:
     """Causal GQA attention forward and backward on ``leaves`` (q, k, v), on ``backend`` (None: torch's choice)."""
     from torch.nn.attention import sdpa_kernel
@@ -457,11 +466,7 @@ def new_shape_cost(arch: Architecture, budget: int, longest: int, count: int) ->
     result: dict[str, Row] = {}
     for name, backend in backends.items():
         # the backend's one-time set-up (its library's handle, its first kernels) on a shape of its own
-        q = torch.randn(1, arch.num_attention_heads, longest, arch.head_dim, device="cuda", dtype=torch.bfloat16)
-        k, v = (
-            torch.randn(1, arch.num_query_groups, longest, arch.head_dim, device="cuda", dtype=q.dtype) for _ in "kv"
-        )
-        _attention_step(backend, [t.requires_grad_() for t in (q, k, v)])
+        _attention_step(backend, _qkv_leaves(arch, 1, longest))
         firsts, steadies = [], []
         while len(firsts) < count:
             width = int(torch.randint(longest // 3, longest + 1, (1,), generator=generator))
@@ -469,13 +474,7 @@ def new_shape_cost(arch: Architecture, budget: int, longest: int, count: int) ->
             if (rows, width) in seen:  # every backend gets shapes no backend has run
                 continue
             seen.add((rows, width))
-            q = torch.randn(rows, arch.num_attention_heads, width, arch.head_dim, device="cuda", dtype=torch.bfloat16)
-            k, v = (
-                torch.randn(rows, arch.num_query_groups, width, arch.head_dim, device="cuda", dtype=q.dtype)
-                for _ in "kv"
-            )
-
-            step = partial(_attention_step, backend, [t.requires_grad_() for t in (q, k, v)])
+            step = partial(_attention_step, backend, _qkv_leaves(arch, rows, width))
             firsts.append(wall_seconds(step, torch.device("cuda")) * 1e3)
             steadies.append(min(wall_seconds(step, torch.device("cuda")) for _ in range(3)) * 1e3)
         first, steady = statistics.mean(firsts), statistics.mean(steadies)
