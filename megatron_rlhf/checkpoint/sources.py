@@ -9,6 +9,7 @@ model imports it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -70,13 +71,15 @@ class ModelsConfig(RunConfig):
     reward: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The reward model (read with scoring.use_reward_model=true)."""
 
-    def __post_init__(self) -> None:
-        for role in FOLLOW_ACTOR:
-            if not self.role(role).path:
-                self.role(role).path = self.actor.path
-
     def role(self, name: str) -> ModelConfig:
-        return getattr(self, name)
+        """The model of ``name``, a following role's empty path resolved to the actor's. The config
+        itself keeps the empty path, so that a saved config (``--print-config``, config.yaml) whose
+        actor.path is then changed still has the critic and reference follow it."""
+        model: ModelConfig = getattr(self, name)
+        if name in FOLLOW_ACTOR and not model.path:
+            model = copy.copy(model)  # not dataclasses.replace: its __post_init__ checks, and errors() report
+            model.path = self.actor.path
+        return model
 
 
 FOLLOW_ACTOR = ("critic", "reference")

@@ -236,7 +236,7 @@ class ChangedSetting:
     default: Any
     origin: str
     """``preset NAME``, a config file's path, ``command line``, or ``derived from other settings``
-    (the config set it, e.g. a critic that starts from ``actor.path``)."""
+    (no file or override named it: a value a dataclass of the schema sets itself)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -348,7 +348,7 @@ def reference_from_actor(cfg: PPOConfig) -> bool:
     return (
         cfg.actor.lora.enabled
         and cfg.reference.update == "none"
-        and cfg.reference.path == cfg.actor.path
+        and cfg.role("reference").path == cfg.actor.path
         and cfg.reference.lora.rank == 0
         and "reference" in models_used(cfg)
     )
@@ -378,7 +378,8 @@ def _reference_update_errors(cfg: PPOConfig, roles: list[str], archs: dict[str, 
     if differ:
         return [
             (
-                f"reference.path={ref.path!r} is not the architecture of actor.path={cfg.actor.path!r} "
+                f"reference.path={cfg.role('reference').path!r} is not the architecture of "
+                f"actor.path={cfg.actor.path!r} "
                 f"({', '.join(differ)}): reference.update={ref.update!r} copies the actor's weights into the reference"
             )
         ]

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from megatron_rlhf.checkpoint.sources import FOLLOW_ACTOR
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import Tokenizer
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
@@ -297,6 +298,10 @@ def review_resume(
     checkpoint's ``run_state`` records."""
     rules = leaf_rules(cfg)
     old, new = _flat(yaml.safe_load(old_yaml)), _flat(yaml.safe_load(new_yaml))
+    for settings in (old, new):  # the model each role used, whether its config named it or left it to the actor
+        for role in FOLLOW_ACTOR:
+            if settings.get(f"{role}.path") == "":
+                settings[f"{role}.path"] = settings["actor.path"]
     changed, refused = [], []
     for key in sorted(old.keys() | new.keys()):
         before, after = old.get(key, "(not set)"), new.get(key, "(not a setting now)")

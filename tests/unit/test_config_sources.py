@@ -11,6 +11,7 @@ import pytest
 
 from megatron_rlhf.cli import build_parser, main
 from megatron_rlhf.commands import TRAINERS
+from megatron_rlhf.config.annotated import annotated_yaml
 from megatron_rlhf.config.loader import COMMAND_LINE, ConfigError, load_config, load_config_with_sources, presets
 from megatron_rlhf.config.verl_names import VERL_NAMES, verl_key_hint
 from megatron_rlhf.docs import DOCS, PAGES, rendered
@@ -25,7 +26,6 @@ USER_RUNS = {
     "sft": ["model.path=/models/base", "data.train=[train.jsonl]", "optim.lr=2e-5"],
     "rm": ["model.path=/models/base", "data.train=[prefs.jsonl]"],
 }
-DERIVED = {"ppo": {"critic.path", "reference.path"}, "sft": set(), "rm": set()}
 
 
 @pytest.mark.parametrize("command", ["ppo", "sft", "rm", "plan"])
@@ -39,15 +39,28 @@ def test_a_users_run_differs_from_the_library_defaults_only_where_it_says(comman
     show up here with its own origin)."""
     cfg, sources = load_config_with_sources(None, USER_RUNS[command], schema=TRAINERS[command].trainer().schema)
     given = {item.split("=")[0] for item in USER_RUNS[command]}
-    assert {c.key for c in sources.changed} == given | DERIVED[command]
-    assert all(c.origin == COMMAND_LINE for c in sources.changed if c.key in given)
-    assert all(c.origin == "derived from other settings" for c in sources.changed if c.key in DERIVED[command])
+    assert {c.key for c in sources.changed} == given
+    assert all(c.origin == COMMAND_LINE for c in sources.changed)
     assert sources.report().startswith("settings: library defaults (no --config)")
     if command == "ppo":
         assert cfg.scoring.rules == [] and not cfg.scoring.use_reward_model
-        assert cfg.critic.path == cfg.reference.path == "/models/policy"
+        assert cfg.role("critic").path == cfg.role("reference").path == "/models/policy"
+        assert cfg.critic.path == cfg.reference.path == ""  # kept empty: a saved config still follows the actor
         assert cfg.actor_optim.lr == 1e-6 and cfg.algorithm.loss.kl_loss_coef == 0.0
         assert cfg.algorithm.loss.clip_low == cfg.algorithm.loss.clip_high == 0.2
+
+
+def test_a_saved_config_keeps_the_critic_and_reference_following_the_actor(tmp_path: Path) -> None:
+    """--print-config's YAML of a run whose critic and reference start from the actor, loaded again
+    with another actor.path: they start from the new one (a saved resolved path would not)."""
+    schema = TRAINERS["ppo"].trainer().schema
+    cfg, sources = load_config_with_sources(None, USER_RUNS["ppo"], schema=schema)
+    saved = tmp_path / "run.yaml"
+    saved.write_text(annotated_yaml(cfg, sources.report()))
+    moved = load_config(str(saved), ["actor.path=/models/policy-v2"], schema=schema)
+    assert moved.role("critic").path == moved.role("reference").path == "/models/policy-v2"
+    pinned = load_config(str(saved), ["actor.path=/models/policy-v2", "reference.path=/models/policy"], schema=schema)
+    assert pinned.role("reference").path == "/models/policy" and pinned.role("critic").path == "/models/policy-v2"
 
 
 @pytest.mark.parametrize("preset", presets())
@@ -59,7 +72,7 @@ def test_every_preset_is_named_and_is_the_origin_of_what_it_sets(preset: str) ->
     _, sources = load_config_with_sources(preset, [], schema=schema)
     assert sources.report().startswith(f"settings: built on preset {preset}")
     assert sources.changed
-    assert all(c.origin.startswith("preset ") or c.origin == "derived from other settings" for c in sources.changed)
+    assert all(c.origin.startswith("preset ") for c in sources.changed)
 
 
 def test_origins_follow_the_merge_order(tmp_path: Path) -> None:

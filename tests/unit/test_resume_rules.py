@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from megatron_rlhf.trainer.ppo_config import PPOConfig
-from megatron_rlhf.trainer.resume_check import RULES, leaf_rules
+from megatron_rlhf.trainer.resume_check import RULES, leaf_rules, review_resume
 from megatron_rlhf.trainer.rm import RMConfig
 from megatron_rlhf.trainer.run_lock import LOCK_FILE, STALE_AFTER_S, OutputDirLocked, acquire, release
 from megatron_rlhf.trainer.sft import SFTConfig
@@ -34,6 +34,22 @@ def test_every_config_key_has_exactly_one_resume_rule_and_every_rule_is_used() -
 def _holder(out: Path, **fields: object) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / LOCK_FILE).write_text(json.dumps(fields) + "\n")
+
+
+def test_a_critic_and_reference_left_to_the_actor_compare_as_the_actors_path() -> None:
+    """A checkpoint whose config.yaml wrote the paths out (as configs did before they stayed empty)
+    against a resumed config that leaves them to the actor: the same models, so no change; a moved
+    actor moves both."""
+    cfg = PPOConfig()
+    models = "actor: {path: /m/a}\ncritic: {path: %s}\nreference: {path: %s}\n"
+    written, left = models % ("/m/a", "/m/a"), models % ("''", "''")
+    assert review_resume(cfg, left, written, {}, {}, "").changed == []
+    moved = review_resume(cfg, left.replace("/m/a", "/m/b"), written, {}, {}, "").changed
+    assert [line.split(" (")[0] for line in moved] == [
+        "actor.path: '/m/a' -> '/m/b'",
+        "critic.path: '/m/a' -> '/m/b'",
+        "reference.path: '/m/a' -> '/m/b'",
+    ]
 
 
 def test_a_lock_of_a_live_process_is_refused_and_a_dead_ones_taken_over(tmp_path: Path) -> None:
