@@ -108,6 +108,11 @@ class Task(Protocol):
         ...
 
     @property
+    def batch_setting(self) -> str:
+        """The setting that gives ``batch_size`` (``prompts_per_step``), for messages."""
+        ...
+
+    @property
     def layouts(self) -> str:
         """Every model's layout (and where generation runs), for the start-up report."""
         ...
@@ -369,14 +374,20 @@ def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
         )
 
 
+def require_a_full_step(examples: int, batch_size: int, setting: str) -> None:
+    """The training set must fill one step's batch, which ``setting`` sets. The trainers check it as
+    soon as the data is read, before any model is built."""
+    if examples < batch_size:
+        raise ConfigError(
+            f"data.train has {examples} examples, fewer than one step's {setting}={batch_size}: not one full "
+            f"step. Set {setting} to at most {examples}, or give more data"
+        )
+
+
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
     """(steps per epoch, total steps)."""
+    require_a_full_step(task.num_examples, task.batch_size, task.batch_setting)
     per_epoch = num_steps(task.num_examples, task.batch_size, drop_last=True)
-    if per_epoch == 0:
-        raise ConfigError(
-            f"the training set has {task.num_examples} examples, fewer than one step's "
-            f"{task.batch_size} ({task.batch_description}): not one full step"
-        )
     total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * per_epoch
     return per_epoch, total
 
@@ -384,7 +395,16 @@ def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
 def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict[str, Any]:
     """Train for the configured steps (continuing a checkpoint when ``resume`` finds one), saving
     checkpoints; export, write ``result.json``; returns the summary. ``claim``: what
-    ``write_run_files`` returned (its lock is released at the end; None: no run files were written)."""
+    ``write_run_files`` returned (its lock is released at the end, whatever ends the run; None: no
+    run files were written)."""
+    try:
+        return _train_and_export(cfg, task, claim)
+    finally:
+        if claim is not None and claim.lock is not None:
+            run_lock.release(claim.lock)
+
+
+def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> dict[str, Any]:
     out_dir = Path(cfg.output_dir)
     per_epoch, total = plan_steps(cfg, task)
     left_over = task.num_examples - per_epoch * task.batch_size
@@ -397,6 +417,8 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
     log(f"layouts: {task.layouts}")
     state = LoopState(headline=task.headline[0])
     resumed_step = _resume(cfg, task, state)
+    if resumed_step is not None:
+        _check_length_after_resume(cfg, resumed_step, total)
     if "wandb" in cfg.loggers and is_rank0() and state.wandb_run_id is None:
         state.wandb_run_id = new_wandb_run_id()
     setup = SinkSetup(
@@ -446,32 +468,28 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
     steps.writer.pinned = pinned
     if (state.health.lr_scale, state.health.kl_scale) != (1.0, 1.0):
         task.recover(state.health.lr_scale, state.health.kl_scale)  # a resumed run after a rollback
-    try:
-        with StopSignals() as signals:
-            try:
-                steps.run(resumed_step, signals)
-            except RunStopped:
-                steps.writer.wait()  # the stop's checkpoint is complete before the process exits
-                mirror.wait()  # and uploaded
-                raise
-            finally:
-                sink.close()
-                gc.unfreeze()
-        summary = state.summary(total, per_epoch) | {"train_seconds": steps.train_seconds()}
-        # before the export: a failed export costs no step
-        if cfg.save_final and resumed_step != total and steps.last_saved != total:
-            steps.save(total)
-        steps.writer.wait()
-        if cfg.save_hf:
-            _export(cfg, task, out_dir, total if cfg.save_final or resumed_step == total else None)
-            summary["hf_dir"] = str(out_dir / "hf")
-        mirror.wait(required=True)  # the final checkpoint's upload ran beside the export
-        if is_rank0():
-            (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
-            _report_curves(out_dir, task)
-    finally:
-        if claim is not None and claim.lock is not None:
-            run_lock.release(claim.lock)
+    with StopSignals() as signals:
+        try:
+            steps.run(resumed_step, signals)
+        except RunStopped:
+            steps.writer.wait()  # the stop's checkpoint is complete before the process exits
+            mirror.wait()  # and uploaded
+            raise
+        finally:
+            sink.close()
+            gc.unfreeze()
+    summary = state.summary(total, per_epoch) | {"train_seconds": steps.train_seconds()}
+    # before the export: a failed export costs no step
+    if cfg.save_final and resumed_step != total and steps.last_saved != total:
+        steps.save(total)
+    steps.writer.wait()
+    if cfg.save_hf:
+        _export(cfg, task, out_dir, total if cfg.save_final or resumed_step == total else None)
+        summary["hf_dir"] = str(out_dir / "hf")
+    mirror.wait(required=True)  # the final checkpoint's upload ran beside the export
+    if is_rank0():
+        (out_dir / "result.json").write_text(strict_json(summary, indent=2) + "\n")
+        _report_curves(out_dir, task)
     label = task.headline[1]
     log(
         f"{task.name} done: {label} {state.first_headline:.4f} (step 1) -> {state.last_headline:.4f} "
@@ -836,6 +854,22 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
     state.restore(run_state)
     log(f"resumed from {ckpt} at step {run_state['step']}")
     return int(run_state["step"])
+
+
+def _check_length_after_resume(cfg: LoopConfig, resumed_step: int, total: int) -> None:
+    """A run resumed at its last step has nothing left to train: say so. One resumed past it would
+    save its final checkpoint under an earlier step than the weights it holds: refuse."""
+    length = f"max_steps={cfg.max_steps}" if cfg.max_steps > 0 else f"num_epochs={cfg.num_epochs} ({total} steps)"
+    if resumed_step > total:
+        raise ConfigError(
+            f"{length}, but the checkpoint resumed is at step {resumed_step}, past the run's end: give "
+            f"max_steps={resumed_step} or more to continue it, or start a new run (resume=never, or another output_dir)"
+        )
+    if resumed_step == total:
+        log(
+            f"the run is complete ({length}, resumed at step {resumed_step}): no step to train; the export "
+            "and result.json are written again. Raise max_steps to train on"
+        )
 
 
 def _evaluate(

@@ -71,7 +71,7 @@ from megatron_rlhf.rewards.samples import reward_texts
 from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
-from megatron_rlhf.trainer.loop import RunClaim, StepRows, run_loop
+from megatron_rlhf.trainer.loop import RunClaim, StepRows, require_a_full_step, run_loop
 from megatron_rlhf.trainer.ppo_config import (
     CheckedConfig,
     PPOConfig,
@@ -165,7 +165,9 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
             log(f"{what}: {report.summary()}")
             return dataset
 
-        return load(data.train, "prompts"), load(data.validation, "validation prompts") if data.validation else None
+        train = load(data.train, "prompts")
+        require_a_full_step(len(train), cfg.prompts_per_step, "prompts_per_step")
+        return train, load(data.validation, "validation prompts") if data.validation else None
 
     start, (prompts, validation) = start_run(
         cfg,
@@ -281,6 +283,10 @@ class PPOTask:
     @property
     def batch_description(self) -> str:
         return f"prompts, {self.batch_size} per step x {self.run.cfg.rollout.sampling.n} samples"
+
+    @property
+    def batch_setting(self) -> str:
+        return "prompts_per_step"
 
     @property
     def layouts(self) -> str:

@@ -104,6 +104,30 @@ def test_another_architecture_is_refused_before_anything_is_built(tmp_path: Path
 
 
 @pytest.mark.distributed
+def test_a_run_resumed_past_its_length_is_refused_and_a_finished_one_says_so(tmp_path: Path, saved: dict) -> None:
+    """Before: max_steps=1 on a run at step 2 saved the step-2 weights as checkpoints/step_1, pruned
+    it at once and left ``latest`` naming it; the same command again said only that it resumed."""
+    args, saved_run = saved["sft"]
+    out = _copy(saved_run, tmp_path)
+    refused = run_cli_here(*args, "max_steps=1", f"output_dir={out}", exit_code=2)
+    assert "max_steps=1, but the checkpoint resumed is at step 2, past the run's end" in refused.stderr
+    assert "max_steps=2 or more to continue it" in refused.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_2"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2" and not (out / LOCK_FILE).exists()
+    finished = run_cli_here(*args, "max_steps=2", f"output_dir={out}")
+    assert "the run is complete (max_steps=2, resumed at step 2): no step to train" in finished.stdout
+    assert max(r["step"] for r in _records(out)) == 2
+
+
+@pytest.mark.distributed
+def test_too_little_data_for_one_step_is_refused_before_a_model_is_built(tmp_path: Path, sft_train: Path) -> None:
+    refused = run_cli_here(*SFT, f"data.train=[{sft_train}]", "global_batch_size=128", f"output_dir={tmp_path / 'run'}",
+                           exit_code=2)  # fmt: skip
+    assert "data.train has 64 examples, fewer than one step's global_batch_size=128" in refused.stderr
+    assert "Set global_batch_size to at most 64" in refused.stderr and "build+load" not in refused.stdout
+
+
+@pytest.mark.distributed
 def test_a_second_run_on_a_busy_output_dir_is_refused_and_the_first_is_unharmed(
     tmp_path: Path, sft_train: Path
 ) -> None:
