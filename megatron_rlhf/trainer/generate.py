@@ -21,6 +21,7 @@ row shows of one (``turns``, ``num_turns``, ``tool_calls``, ``tool_errors``, ``t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -115,6 +116,13 @@ def run_generate(
         errors.append(f"model={model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
     if errors:
         raise ConfigError("; ".join(errors))
+    limit = arch.hf_config.get("max_position_embeddings")
+    if limit is not None and engine_cfg.max_seq_len > limit:
+        log(
+            f"rollout.engine.max_seq_len={engine_cfg.max_seq_len} is past the model's max_position_embeddings="
+            f"{limit}: a prompt and its completion stop at {limit} tokens (finish_reason length)"
+        )
+        engine_cfg = dataclasses.replace(engine_cfg, max_seq_len=limit)
     engine, tokenizer = policy_engine(model, arch, tp=tp, dtype=dtype, engine_cfg=engine_cfg, env=env)
     dataset, report = load_prompt_dataset(
         resolve_data_paths([input_path]),

@@ -71,6 +71,7 @@ from megatron_rlhf.rewards.samples import reward_texts
 from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
+from megatron_rlhf.trainer.health import warning_due
 from megatron_rlhf.trainer.loop import RunClaim, StepRows, require_a_full_step, run_loop
 from megatron_rlhf.trainer.ppo_config import (
     CheckedConfig,
@@ -131,6 +132,8 @@ class PPORun:
     their files; None: single-turn rollouts."""
     kl_scale: float = 1.0
     """The actor loss's ``kl_loss_coef`` is the config's times this (the health watch's recovery)."""
+    steps_without_signal: int = 0
+    """Steps in a row whose advantages were all 0 (``no_signal_notice``)."""
 
     def texts(self, rows: list[list[int]]) -> list[str]:
         """Token rows as rewards, rules and samples.jsonl read them (``reward_texts``)."""
@@ -491,7 +494,31 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     }
     if values is not None:
         metrics["values/mean"] = float(masked_mean(values, mask))
-    return metrics, sample_rows(run, completions[: cfg.samples_per_step], scores[: cfg.samples_per_step])
+    run.steps_without_signal = run.steps_without_signal + 1 if not bool(advantages.any()) else 0
+    if warning_due(run.steps_without_signal):
+        log(no_signal_notice(step, run.steps_without_signal, metrics["rollout/uniform_group_fraction"]))
+    shown = spread_over_prompts(len(completions), n, cfg.samples_per_step)
+    return metrics, sample_rows(run, [completions[row] for row in shown], scores[shown])
+
+
+def no_signal_notice(step: int, streak: int, uniform_share: float) -> str:
+    """What a step whose advantages are all 0 (``streak`` steps in a row) tells the user: the update
+    has nothing to learn from (with a group estimator: every prompt's samples scored alike)."""
+    repeated = f" ({streak} steps in a row; next notice at {2 * streak})" if streak > 1 else ""
+    return (
+        f"step {step}: every advantage is 0{repeated}, so the policy-gradient term is 0 and the actor learns "
+        f"nothing from this rollout (rollout/uniform_group_fraction {uniform_share:.2f}: the share of prompts "
+        "whose samples all got the same reward). Check in samples.jsonl that the reward function reads the "
+        "responses as meant; an easier task, a larger rollout.sampling.n or temperature, or "
+        "rollout.filter_groups=true give the groups a spread"
+    )
+
+
+def spread_over_prompts(rows: int, group_size: int, count: int) -> list[int]:
+    """The ``count`` rollout rows samples.jsonl shows: the first sample of each prompt, then the
+    second, ..., so that a few rows show a few prompts rather than one prompt's group (rows are
+    grouped by prompt, ``group_size`` each)."""
+    return sorted(range(rows), key=lambda row: (row % group_size, row))[:count]
 
 
 def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:

@@ -275,7 +275,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
         if limit is not None and longest > limit:
             errors.append(
                 f"data.max_prompt_length + rollout.sampling.max_new_tokens = {longest} exceeds the actor's "
-                f"max_position_embeddings={limit}"
+                f"max_position_embeddings={limit}: lower one of them"
             )
         vocab = archs["actor"].vocab_size
         errors += [

@@ -21,6 +21,11 @@ def half_uniform(sample: Sample) -> float:
     return sum(c.islower() for c in text) / len(text) if text else 0.0
 
 
+def constant(sample: Sample) -> float:
+    """The same score for every response: no group has a spread, so every GRPO advantage is 0."""
+    return 1.0
+
+
 def hostile_after(sample: Sample) -> float:
     """``lowercase_fraction``, until the run has logged ``HOSTILE_AFTER_STEPS`` training steps in
     ``HOSTILE_METRICS`` (its metrics.jsonl, a step counter that a rollback does not turn back); then,

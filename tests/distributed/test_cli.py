@@ -20,7 +20,7 @@ import torch
 
 from tests.distributed.test_ppo_verl import _verl_parquet
 from tests.distributed.test_sft_rm import _preference_rows, _write_jsonl
-from tests.helpers import PAD_ID, hf_classes, make_tiny_hf_model
+from tests.helpers import PAD_ID, hf_classes, make_chat_tokenizer, make_tiny_hf_model
 from tests.launch import run_cli, run_cli_here
 
 Check = Callable[[Path, subprocess.CompletedProcess], None]
@@ -412,6 +412,22 @@ def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
     assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows1)
     for a, b in zip(rows1, rows2, strict=True):
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < 1e-5
+
+
+def test_generate_stops_at_the_models_positions_and_says_so(tmp_path: Path) -> None:
+    """Before: 512 new tokens after the prompt on a model of 32 positions, with no word."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(make_chat_tokenizer("qwen2", tmp_path / "hf")))
+    make_tiny_hf_model("qwen2", False, tmp_path / "hf", vocab_size=vocab, pad_token_id=None, max_position_embeddings=32)
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [5, 6, 7, 8, 9]}\n')
+    proc = run_cli_here(
+        "generate", f"model={tmp_path / 'hf'}", f"input={tmp_path / 'p.jsonl'}", f"output={tmp_path / 'o.jsonl'}",
+        "rollout.sampling.ignore_eos=true", "rollout.sampling.max_new_tokens=100",
+    )  # fmt: skip
+    assert "max_seq_len=2048 is past the model's max_position_embeddings=32" in proc.stdout
+    (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert len(row["token_ids"]) == 32 - 5 and row["finish_reason"] == "length"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the advice is for a machine without a GPU")

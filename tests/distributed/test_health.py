@@ -12,9 +12,25 @@ import pytest
 
 from megatron_rlhf.data.builtin import BUILTIN_DATASETS
 from tests.distributed.test_ppo import _check_keys
-from tests.launch import run_cli
+from tests.launch import run_cli, run_cli_here
 
 HOSTILE_AFTER = 12
+
+
+@pytest.mark.distributed
+def test_a_reward_without_spread_is_named_at_steps_1_2_and_4_and_samples_show_several_prompts(tmp_path: Path) -> None:
+    """Before: 40 steps of reward 0.0000 and actor loss 0.0000, and no word of why; samples.jsonl
+    showed the first prompt's group only."""
+    out = tmp_path / "run"
+    proc = run_cli_here(
+        "ppo", "--config", "ppo-tiny", f"output_dir={out}", "max_steps=4", "samples_per_step=3", "save_hf=false",
+        "scoring.rules=[tests.distributed.reward_fixtures:constant]",
+    )  # fmt: skip
+    notices = [line for line in proc.stdout.splitlines() if ": every advantage is 0" in line]
+    assert [line.split("step ")[1].split(":")[0] for line in notices] == ["1", "2", "4"], notices
+    assert "(2 steps in a row; next notice at 4)" in notices[1] and "rollout/uniform_group_fraction 1.00" in notices[0]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["group"] for s in samples if s["step"] == 1] == [0, 1, 2]  # the first sample of three prompts
 
 
 @pytest.mark.distributed
