@@ -124,8 +124,9 @@ def _unknown_key_error(
     full_key: str, origin: str, schema: type, update: Any = None, override: str | None = None
 ) -> ConfigError:
     """Names ``full_key`` (the first unknown part of a key) and the key meant: for a key of
-    ``update`` under it that is verl's, this project's name for it; else the closest key in its
-    section; else a key of the same name in another section (``actor.lr`` -> ``actor_optim.lr``).
+    ``update`` under it that is verl's, this project's name for it; else a key of the same name in a
+    subsection of its section; else the closest key in its section; else a key of the same name in
+    another section (``actor.lr`` -> ``actor_optim.lr``).
     For the command line's ``override``, the setting to write."""
     given = _leaves(_plain(update)) if isinstance(update, DictConfig) else {}
     under = [k for k in given if k == full_key or k.startswith(full_key + ".")]
@@ -139,10 +140,15 @@ def _unknown_key_error(
     # A value is never meant for a section (actor.lr is not actor.lora, it is actor_optim.lr).
     alike = valid if given_key != full_key else [k for k in valid if not _is_section(f"{parent}.{k}", schema)]
     close = difflib.get_close_matches(leaf, alike, n=1)
-    if close:
+    same_name = _same_name_elsewhere(given_key, schema)
+    # A key that moved into a subsection (rollout.max_batch_size -> rollout.engine.max_batch_size).
+    below = [k for k in same_name if parent and k.startswith(parent + ".")]
+    if below:
+        meant = below + [k for k in same_name if k not in below]
+    elif close:
         meant = [(parent + "." if parent else "") + close[0] + given_key[len(full_key) :]]
     else:
-        meant = _same_name_elsewhere(given_key, schema)
+        meant = same_name
     hint = ""
     if meant:
         setting = f"{meant[0]}={override.partition('=')[2]}" if override is not None else f"'{meant[0]}'"

@@ -63,6 +63,8 @@ def test_a_list_without_brackets_in_a_file_is_named_with_the_file(tmp_path: Path
         ("lr=1e-6", "did you mean actor_optim.lr=1e-6? (or critic_optim.lr)"),
         ("critic.lr=2e-5", "did you mean critic_optim.lr=2e-5? (or actor_optim.lr)"),
         ("rollout.n=4", "did you mean rollout.sampling.n=4?"),
+        # the same name one level down beats a sibling that merely looks alike (max_sample_batches)
+        ("rollout.max_batch_size=8", "did you mean rollout.engine.max_batch_size=8?"),
         ("actor.pth=/models/x", "did you mean actor.path=/models/x?"),
     ],
 )
