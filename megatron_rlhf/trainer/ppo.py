@@ -805,18 +805,21 @@ def _decide_offload(
 def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor) -> list[dict[str, Any]]:
     """samples.jsonl rows: each prompt and response as the reward functions read them (special
     tokens skipped, no final stop token) and the reward it got; where skipping dropped special
-    tokens from a response, also ``raw_response``, its text with them (what the policy wrote, for
-    debugging; rows without such tokens stay small); with ``samples_token_ids``, ``response_ids``.
+    tokens, also ``raw_prompt`` (the prompt as the model read it: its chat template's tokens shown)
+    and ``raw_response`` (what the policy wrote), for debugging; rows without such tokens stay small;
+    with ``samples_token_ids``, ``response_ids``.
     A multi-turn row also shows its trajectory (``trajectory_fields``: its turns, with special
     tokens, in place of ``raw_response``)."""
     samples = run.scorer.samples(completions, run.texts)
     stop_ids = run.tokenizer.stop_ids
     raw = run.tokenizer.decode_batch([c.text_ids(stop_ids) for c in completions])
+    raw_prompts = run.tokenizer.decode_batch([c.prompt_ids for c in completions])
     trajectories = trajectory_fields(completions, run.tokenizer.decode_batch, stop_ids)
     return [
         {
             "group": c.prompt_index,
             "prompt": sample.prompt_text,
+            **({"raw_prompt": raw_prompt} if raw_prompt != sample.prompt_text else {}),
             "response": sample.response_text,
             **({"raw_response": text} if text != sample.response_text and not trajectory else {}),
             **({"response_ids": list(c.token_ids)} if run.cfg.samples_token_ids else {}),
@@ -824,7 +827,9 @@ def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor
             "reward": float(score),
             **trajectory,
         }
-        for c, sample, text, score, trajectory in zip(completions, samples, raw, scores, trajectories, strict=True)
+        for c, sample, text, raw_prompt, score, trajectory in zip(
+            completions, samples, raw, raw_prompts, scores, trajectories, strict=True
+        )
     ]
 
 

@@ -101,6 +101,10 @@ def test_verl_parquet_and_compute_score_file_run_unchanged(tmp_path: Path) -> No
     raw = [s for s in samples if "raw_response" in s]
     text = lambda t: t.replace("<|im_start|>", "").replace("<|endoftext|>", "").replace("\ufffd", "")  # noqa: E731
     assert raw and all(text(s["raw_response"]) == text(s["response"]) for s in raw)
+    # The prompt as the model read it: the chat template's tokens, which the reward functions' text drops.
+    no_specials = lambda t: text(t).replace("<|im_end|>", "")  # noqa: E731
+    assert all(s["raw_prompt"].startswith("<|im_start|>") for s in samples)
+    assert all(no_specials(s["raw_prompt"]) == s["prompt"] for s in samples)
     _check_keys(metrics)
     namespace: dict = {}
     exec(COMPUTE_SCORE, namespace)
