@@ -64,7 +64,6 @@ from megatron_rlhf.metrics.sinks import (
     new_wandb_run_id,
     strict_json,
 )
-from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rewards.calls import ScoringInterrupted
 from megatron_rlhf.trainer import run_lock
@@ -80,7 +79,7 @@ from megatron_rlhf.trainer.health import (
     watched_metric,
 )
 from megatron_rlhf.trainer.loop_config import LoopConfig
-from megatron_rlhf.trainer.resume_check import ResumeRefused, review_resume, tokenizer_fingerprint
+from megatron_rlhf.trainer.resume_check import ResumeRefused, RunFacts, review_resume, tokenizer_fingerprint
 from megatron_rlhf.trainer.stop import RunStopped, StopSignals
 from megatron_rlhf.training.optim import TrainState
 
@@ -185,13 +184,21 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "hf")
 @dataclasses.dataclass(frozen=True)
 class RunClaim:
     """What ``write_run_files`` established for a run in its output_dir, for ``run_loop``: the lock
-    (rank 0) and what each checkpoint records of the models and tokenizer (``resume_check``)."""
+    (rank 0), and the run's facts and tokenizer that each checkpoint records."""
 
     lock: Path | None
-    models: dict[str, Architecture]
-    """Role -> architecture of every model the run uses."""
+    facts: RunFacts
     tokenizer: str
     """``tokenizer_fingerprint`` of the run's tokenizer."""
+
+    def recorded(self) -> dict[str, Any]:
+        """What a checkpoint's run_state.json keeps of them."""
+        return {
+            "trainer": self.facts.trainer,
+            "examples": self.facts.examples,
+            "models": {role: arch.hf_config for role, arch in self.facts.models.items()},
+            "tokenizer": self.tokenizer,
+        }
 
 
 @dataclasses.dataclass
@@ -259,14 +266,13 @@ class LoopState:
         self.health = HealthState.from_json(loop.get("health"))
 
 
-def write_run_files(cfg: LoopConfig, out_dir: Path, models: dict[str, Architecture], tokenizer: Tokenizer) -> RunClaim:
+def write_run_files(cfg: LoopConfig, out_dir: Path, facts: RunFacts, tokenizer: Tokenizer) -> RunClaim:
     """Collective, before any model is built: take the output_dir's lock (``run_lock``); refuse an
     output_dir that holds another run's files and nothing to resume, and a resume whose config
     changes what a checkpoint cannot follow (``resume_check``), reporting what it does change;
     then write config.yaml. One decision, made by rank 0, so that no rank sees files another rank
-    has just written. ``models``: role -> architecture of every model the run uses. Returns the
-    run's claim, for ``run_loop``."""
-    claim = RunClaim(lock=None, models=models, tokenizer=tokenizer_fingerprint(tokenizer))
+    has just written. Returns the run's claim, for ``run_loop``."""
+    claim = RunClaim(lock=None, facts=facts, tokenizer=tokenizer_fingerprint(tokenizer))
     refusal: list[ConfigError | None] = [None]
     if is_rank0():
         try:
@@ -358,7 +364,7 @@ def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
     try:
         run_state = json.loads((ckpt / RUN_STATE_FILE).read_text())
         old_yaml = (ckpt / "config.yaml").read_text()
-        review = review_resume(cfg, to_yaml(cfg), old_yaml, run_state, claim.models, claim.tokenizer)
+        review = review_resume(cfg, to_yaml(cfg), old_yaml, run_state, claim.facts, claim.tokenizer)
     except (ValueError, yaml.YAMLError):  # an unverified checkpoint's bytes that do not parse
         return  # reported as unusable when it is loaded
     if review.changed:
@@ -456,14 +462,7 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
             checkpoints_root(out_dir), keep_last=cfg.keep_last, background=cfg.async_save, on_complete=mirror.start
         ),
         mirror=mirror,
-        recorded=(
-            {}
-            if claim is None
-            else {
-                "models": {role: arch.hf_config for role, arch in claim.models.items()},
-                "tokenizer": claim.tokenizer,
-            }
-        ),
+        recorded={} if claim is None else claim.recorded(),
     )
     steps.writer.pinned = pinned
     if (state.health.lr_scale, state.health.kl_scale) != (1.0, 1.0):

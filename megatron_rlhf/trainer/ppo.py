@@ -72,7 +72,7 @@ from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.trainer.health import warning_due
-from megatron_rlhf.trainer.loop import RunClaim, StepRows, require_a_full_step, run_loop
+from megatron_rlhf.trainer.loop import RunClaim, StepRows, run_loop
 from megatron_rlhf.trainer.ppo_config import (
     CheckedConfig,
     PPOConfig,
@@ -168,9 +168,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
             log(f"{what}: {report.summary()}")
             return dataset
 
-        train = load(data.train, "prompts")
-        require_a_full_step(len(train), cfg.prompts_per_step, "prompts_per_step")
-        return train, load(data.validation, "validation prompts") if data.validation else None
+        return load(data.train, "prompts"), load(data.validation, "validation prompts") if data.validation else None
 
     start, (prompts, validation) = start_run(
         cfg,
@@ -179,6 +177,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         models={role: RunModel(cfg.role(role), arch) for role, arch in archs.items()},
         tokenizer_of="actor",
         load_data=load_data,
+        batch_setting="prompts_per_step",
         details=f"advantages {cfg.algorithm.advantage_estimator}, ",
     )
     tokenizer = start.tokenizer

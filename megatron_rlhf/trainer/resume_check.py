@@ -277,6 +277,19 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What each checkpoint records of the run that wrote it, and a resume compares
+    (``resume_check.review_resume``)."""
+
+    trainer: str
+    """The command (ppo, sft, rm): a checkpoint continues only the trainer that wrote it."""
+    examples: int
+    """The training set's size: with another, a step is no longer the same data position."""
+    models: dict[str, Architecture]
+    """Role -> architecture of every model the run uses."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ResumeReview:
     """A resumed run's config against its checkpoint's: lines to report and changes refused."""
 
@@ -291,11 +304,20 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def review_resume(
-    cfg: Any, new_yaml: str, old_yaml: str, run_state: dict[str, Any], models: dict[str, Architecture], tokenizer: str
+    cfg: Any, new_yaml: str, old_yaml: str, run_state: dict[str, Any], facts: RunFacts, tokenizer: str
 ) -> ResumeReview:
-    """Compare the resolved config (``new_yaml``) with the checkpoint's (``old_yaml``), and the
-    models the run uses (role -> architecture) and its ``tokenizer`` fingerprint with the ones the
-    checkpoint's ``run_state`` records."""
+    """Compare the resolved config (``new_yaml``) with the checkpoint's (``old_yaml``), and the run's
+    facts (trainer, training set size, models) and ``tokenizer`` fingerprint with what the
+    checkpoint's ``run_state`` records (a checkpoint written before a fact was recorded is not
+    compared on it)."""
+    if run_state.get("trainer") not in (None, facts.trainer):
+        return ResumeReview(
+            [],
+            [
+                f"the checkpoint was written by '{run_state['trainer']}', this run is '{facts.trainer}': a checkpoint "
+                "continues the trainer that wrote it (start from its run's hf/ export instead)"
+            ],
+        )
     rules = leaf_rules(cfg)
     old, new = _flat(yaml.safe_load(old_yaml)), _flat(yaml.safe_load(new_yaml))
     for settings in (old, new):  # the model each role used, whether its config named it or left it to the actor
@@ -314,9 +336,14 @@ def review_resume(
             refused.append(f"{key}: {before!r} -> {after!r}")
         if rule == MODEL and "models" not in run_state:  # a checkpoint that records no architectures
             refused.append(f"{key}: {before!r} -> {after!r} (the checkpoint records no architectures to compare)")
+    if run_state.get("examples") not in (None, facts.examples):
+        refused.append(
+            f"the training data now has {facts.examples} examples, the checkpoint's run had "
+            f"{run_state['examples']} (same files, changed content?): a step is no longer the same data position"
+        )
     saved = run_state.get("models")
     if saved is not None:
-        refused += _model_changes(saved, models)
+        refused += _model_changes(saved, facts.models)
         if run_state.get("tokenizer") not in (None, tokenizer):
             refused.append("the tokenizer encodes text differently from the checkpoint's")
     return ResumeReview(changed, refused)

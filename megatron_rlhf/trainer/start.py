@@ -7,7 +7,7 @@ data: a run that fails on its data leaves none behind); then it builds its model
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from pathlib import Path
 
 import torch
@@ -20,7 +20,8 @@ from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.trainer.loop import LoopConfig, RunClaim, write_run_files
+from megatron_rlhf.trainer.loop import LoopConfig, RunClaim, require_a_full_step, write_run_files
+from megatron_rlhf.trainer.resume_check import RunFacts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +61,21 @@ class RunStart:
             )
 
 
-def start_run[Data](
+def start_run[Train: Sized, Validation](
     cfg: LoopConfig,
     env: DistEnv,
     *,
     name: str,
     models: dict[str, RunModel],
     tokenizer_of: str,
-    load_data: Callable[[Tokenizer], Data],
+    load_data: Callable[[Tokenizer], tuple[Train, Validation]],
+    batch_setting: str,
     details: str = "",
-) -> tuple[RunStart, Data]:
+) -> tuple[RunStart, tuple[Train, Validation]]:
     """Seed, log the run's line (``details`` before its models), read the tokenizer of the model
-    ``tokenizer_of``, ``load_data`` with it, and write the run's files (collective). Returns the
-    start and the data."""
+    ``tokenizer_of``, ``load_data`` with it (the training and validation sets), check that the
+    training set fills one step's batch (the config's ``batch_setting``), and write the run's files
+    (collective). Returns the start and the data."""
     seed_everything(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)
     log(
@@ -82,7 +85,8 @@ def start_run[Data](
     )
     source = models[tokenizer_of]
     tokenizer = resolve_tokenizer(local_dir(source.cfg.path), source.arch, source.cfg.path)
-    data = load_data(tokenizer)
+    train, validation = load_data(tokenizer)
+    require_a_full_step(len(train), getattr(cfg, batch_setting), batch_setting)
     archs = {role: model.arch for role, model in models.items()}
-    claim = write_run_files(cfg, Path(cfg.output_dir), archs, tokenizer)
-    return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), data
+    claim = write_run_files(cfg, Path(cfg.output_dir), RunFacts(name, len(train), archs), tokenizer)
+    return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), (train, validation)

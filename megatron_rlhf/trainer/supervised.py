@@ -22,7 +22,7 @@ from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
-from megatron_rlhf.trainer.loop import RunClaim, StepRows, require_a_full_step
+from megatron_rlhf.trainer.loop import RunClaim, StepRows
 from megatron_rlhf.trainer.start import RunModel, start_run
 from megatron_rlhf.trainer.supervised_config import SupervisedConfig, check_config
 from megatron_rlhf.training.optim import TrainState, make_train_state, set_learning_rate
@@ -86,14 +86,19 @@ def set_up_run(
 
     def load_data(tokenizer: Tokenizer) -> tuple[Any, Any | None]:
         train = load(resolve_data_paths(data.train), tokenizer, data, "train")
-        require_a_full_step(len(train), cfg.global_batch_size, "global_batch_size")
         validation = (
             load(resolve_data_paths(data.validation), tokenizer, data, "validation") if data.validation else None
         )
         return train, validation
 
     start, (train, validation) = start_run(
-        cfg, env, name=name, models={role: RunModel(cfg.model, arch)}, tokenizer_of=role, load_data=load_data
+        cfg,
+        env,
+        name=name,
+        models={role: RunModel(cfg.model, arch)},
+        tokenizer_of=role,
+        load_data=load_data,
+        batch_setting="global_batch_size",
     )
     model = start.build(role)
     state = make_train_state(model, cfg.optim)

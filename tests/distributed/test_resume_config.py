@@ -120,6 +120,25 @@ def test_a_run_resumed_past_its_length_is_refused_and_a_finished_one_says_so(tmp
 
 
 @pytest.mark.distributed
+def test_a_checkpoint_of_another_trainer_or_of_changed_data_is_refused(
+    tmp_path: Path, saved: dict, sft_train: Path
+) -> None:
+    """Before: ppo on an sft run's output_dir resumed its checkpoint as the actor's and exited 0;
+    a training file cut after a checkpoint resumed with another data order, unreported."""
+    out = _copy(saved["sft"][1], tmp_path)
+    refused = run_cli_here(*PPO, "max_steps=3", f"output_dir={out}", exit_code=2)
+    assert "the checkpoint was written by 'sft', this run is 'ppo'" in refused.stderr
+    assert "build+load" not in refused.stdout
+    data = tmp_path / "train.jsonl"
+    shutil.copy(sft_train, data)
+    own = [*SFT, f"data.train=[{data}]", f"output_dir={tmp_path / 'own'}"]
+    run_cli_here(*own, "max_steps=1")
+    data.write_text("".join(data.read_text().splitlines(keepends=True)[:48]))
+    refused = run_cli_here(*own, "max_steps=2", exit_code=2)
+    assert "the training data now has 48 examples, the checkpoint's run had 64" in refused.stderr
+
+
+@pytest.mark.distributed
 def test_too_little_data_for_one_step_is_refused_before_a_model_is_built(tmp_path: Path, sft_train: Path) -> None:
     refused = run_cli_here(*SFT, f"data.train=[{sft_train}]", "global_batch_size=128", f"output_dir={tmp_path / 'run'}",
                            exit_code=2)  # fmt: skip

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from megatron_rlhf.trainer.ppo_config import PPOConfig
-from megatron_rlhf.trainer.resume_check import RULES, leaf_rules, review_resume
+from megatron_rlhf.trainer.resume_check import RULES, RunFacts, leaf_rules, review_resume
 from megatron_rlhf.trainer.rm import RMConfig
 from megatron_rlhf.trainer.run_lock import LOCK_FILE, STALE_AFTER_S, OutputDirLocked, acquire, release
 from megatron_rlhf.trainer.sft import SFTConfig
@@ -43,13 +43,27 @@ def test_a_critic_and_reference_left_to_the_actor_compare_as_the_actors_path() -
     cfg = PPOConfig()
     models = "actor: {path: /m/a}\ncritic: {path: %s}\nreference: {path: %s}\n"
     written, left = models % ("/m/a", "/m/a"), models % ("''", "''")
-    assert review_resume(cfg, left, written, {}, {}, "").changed == []
-    moved = review_resume(cfg, left.replace("/m/a", "/m/b"), written, {}, {}, "").changed
+    facts = RunFacts("ppo", 40, {})
+    assert review_resume(cfg, left, written, {}, facts, "").changed == []
+    moved = review_resume(cfg, left.replace("/m/a", "/m/b"), written, {}, facts, "").changed
     assert [line.split(" (")[0] for line in moved] == [
         "actor.path: '/m/a' -> '/m/b'",
         "critic.path: '/m/a' -> '/m/b'",
         "reference.path: '/m/a' -> '/m/b'",
     ]
+
+
+def test_a_checkpoint_of_another_trainer_or_of_resized_data_is_refused() -> None:
+    """Before: ppo resumed an sft run's checkpoint (the same single model, so nothing differed that
+    was compared), and a training file cut from 40 to 20 rows changed the data order unseen."""
+    cfg, same = PPOConfig(), "seed: 1\n"
+    sft_state = {"trainer": "sft", "examples": 40}
+    (refusal,) = review_resume(cfg, same, same, sft_state, RunFacts("ppo", 40, {}), "").refused
+    assert refusal.startswith("the checkpoint was written by 'sft', this run is 'ppo'")
+    (refusal,) = review_resume(cfg, same, same, {"trainer": "ppo", "examples": 40}, RunFacts("ppo", 20, {}), "").refused
+    assert "the training data now has 20 examples, the checkpoint's run had 40" in refusal
+    # A checkpoint from before these were recorded is not compared on them.
+    assert review_resume(cfg, same, same, {}, RunFacts("ppo", 20, {}), "").refused == []
 
 
 def test_a_lock_of_a_live_process_is_refused_and_a_dead_ones_taken_over(tmp_path: Path) -> None:
