@@ -51,6 +51,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     manifest_problems,
     newest_checkpoint,
     remove_partial,
+    step_of,
 )
 from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
@@ -325,6 +326,15 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
             f"({', '.join(found)})"
         )
         return
+    root = checkpoints_root(out_dir)
+    damaged = sorted(p.name for p in root.iterdir() if step_of(p.name) is not None) if root.is_dir() else []
+    if damaged:  # no complete one (a complete one would be resumed): run_state.json missing
+        raise ConfigError(
+            f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and checkpoints "
+            f"that are incomplete ({', '.join(f'checkpoints/{name}' for name in damaged)}: no {RUN_STATE_FILE}), "
+            "so none can be resumed. overwrite=true would write over them: move them aside first if they matter, "
+            "or choose another output_dir"
+        )
     raise ConfigError(
         f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and no checkpoint "
         f"to resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another "

@@ -139,6 +139,17 @@ def test_a_checkpoint_of_another_trainer_or_of_changed_data_is_refused(
 
 
 @pytest.mark.distributed
+def test_an_incomplete_checkpoint_is_named_not_called_no_checkpoint(tmp_path: Path, saved: dict) -> None:
+    """Before: "no checkpoint to resume from: set overwrite=true", advice that writes over it."""
+    args, saved_run = saved["sft"]
+    out = _copy(saved_run, tmp_path)
+    (out / "checkpoints" / "step_2" / "run_state.json").unlink()
+    refused = run_cli_here(*args, "max_steps=3", f"output_dir={out}", exit_code=2)
+    assert "checkpoints that are incomplete (checkpoints/step_2: no run_state.json)" in refused.stderr
+    assert "move them aside first" in refused.stderr
+
+
+@pytest.mark.distributed
 def test_too_little_data_for_one_step_is_refused_before_a_model_is_built(tmp_path: Path, sft_train: Path) -> None:
     refused = run_cli_here(*SFT, f"data.train=[{sft_train}]", "global_batch_size=128", f"output_dir={tmp_path / 'run'}",
                            exit_code=2)  # fmt: skip
