@@ -23,6 +23,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -306,7 +307,14 @@ def load_config_with_sources[T](
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        update = OmegaConf.from_dotlist([item])
+        try:
+            update = OmegaConf.from_dotlist([item])
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(
+                f"override '{item}': its value is not valid YAML ({problem}); a list is [a, b], a mapping "
+                "{key: value}, and a value with spaces or brackets goes in quotes"
+            ) from None
         merged = _merge(merged, update, f"override '{item}'", schema, item)
         set_by.update(dict.fromkeys(_leaves(OmegaConf.to_container(update)), COMMAND_LINE))
     with building_tree():

@@ -73,6 +73,19 @@ def test_a_key_in_the_wrong_section_points_to_the_key_that_exists(override: str,
     assert meant in message, message
 
 
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("data.train=[train.jsonl", "did not find expected ',' or ']'"),
+        ("scoring.weights={a: 1", "did not find expected ',' or '}'"),
+    ],
+)
+def test_an_unclosed_bracket_on_the_command_line_names_the_override(override: str, problem: str) -> None:
+    """Before: a 15-frame traceback from yaml's parser, naming "<unicode string>"."""
+    message = _refused((override,))
+    assert message.startswith(f"override '{override}': its value is not valid YAML ({problem})"), message
+
+
 def test_a_key_in_the_wrong_section_of_a_file_names_the_key(tmp_path: Path) -> None:
     message = _refused(file=_yaml(tmp_path, "actor.lr", 1e-6))
     assert "unknown key 'actor.lr'; did you mean 'actor_optim.lr'? (or critic_optim.lr)" in message
