@@ -224,9 +224,11 @@ PPO_TINY_ROLLOUT = (
     "rollout.sampling.max_new_tokens=8",
     "samples_per_step=0",
     "max_tokens_per_micro_batch=64",
+    "data.max_prompt_length=56",
 )
 """ppo-tiny cut to 16 sequences of at most 8 new tokens a step, one optimizer step per rollout over
-micro-batches of 64 tokens: a few seconds a step on a CPU."""
+micro-batches of 64 tokens (prompts of at most 56 tokens, so that the longest sequence fits one):
+a few seconds a step on a CPU."""
 
 
 def response_logprobs(role, batch: dict[str, torch.Tensor], max_tokens_per_micro_batch: int) -> torch.Tensor:

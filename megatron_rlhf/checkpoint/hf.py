@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_rlhf.models.architecture import Architecture
@@ -77,10 +77,17 @@ class SafetensorsCheckpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.file_of = {name: self.dir / file for name, file in weight_map.items()}
         elif (self.dir / SINGLE_FILE).is_file():
-            with safe_open(self.dir / SINGLE_FILE, framework="pt") as handle:
+            with _opened(self.dir / SINGLE_FILE) as handle:
                 self.file_of = {name: self.dir / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
         else:
-            raise FileNotFoundError(f"{self.dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+            pickled = sorted(p.name for p in self.dir.glob("*.bin"))
+            hint = (
+                f" ({', '.join(pickled)}: PyTorch .bin weights, which are not read; save the model with "
+                "transformers' save_pretrained, which writes safetensors)"
+                if pickled
+                else ""
+            )
+            raise FileNotFoundError(f"{self.dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found{hint}")
         for path in set(self.file_of.values()):
             if not path.is_file():
                 raise CheckpointError(f"{index}: lists {path.name}, which does not exist")
@@ -97,7 +104,7 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
         path = self.file_of[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
+            self._handles[path] = _opened(path)
         return self._handles[path].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -108,6 +115,16 @@ class SafetensorsCheckpoint:
         if len(tensor_slice.get_shape()) == 1:
             return tensor_slice[rows]
         return tensor_slice[rows, cols]
+
+
+def _opened(path: Path) -> safe_open:
+    """``safe_open``, with a damaged file (cut short by a failed copy or download) named."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as err:
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({err}): truncated or damaged; copy or download it again"
+        ) from None
 
 
 def load_hf_weights(

@@ -132,7 +132,7 @@ def _unknown_key_error(
     given = _leaves(_plain(update)) if isinstance(update, DictConfig) else {}
     under = [k for k in given if k == full_key or k.startswith(full_key + ".")]
     for key in under:
-        verl_hint = verl_key_hint(key)
+        verl_hint = verl_key_hint(key, library_defaults(schema).keys())
         if verl_hint:
             return ConfigError(f"{origin}: unknown key '{key}': {verl_hint}")
     given_key = under[0] if under else full_key

@@ -13,6 +13,7 @@ a key ending in ``.*`` stands for its whole section.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,9 +436,17 @@ def _lookup(key: str) -> VerlName | None:
     return max(sections, key=lambda row: len(row.verl), default=None)
 
 
-def verl_key_hint(key: str) -> str | None:
-    """What to say about ``key`` when it is verl's (None: it is not)."""
+def verl_key_hint(key: str, known: Collection[str] | None = None) -> str | None:
+    """What to say about ``key`` when it is verl's (None: it is not). ``known``: the keys of the
+    command's config; a row whose keys here are not among them is another command's (the table is
+    ``ppo``'s), and says nothing."""
     row = _lookup(key)
+    if (
+        row is not None
+        and known is not None
+        and not all(k in known or any(x.startswith(k + ".") for x in known) for k in row.here)
+    ):
+        return None
     if row is None:
         if key.startswith(_VERL_SECTIONS):
             return "this is a verl key with no counterpart here (docs/migrating-from-verl.md lists verl's keys)"

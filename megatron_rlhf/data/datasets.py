@@ -312,9 +312,11 @@ class SkippedRow:
     row: int
     column: str
     detail: str
+    place: str
+    """``Record.place``: line N of a JSONL file, row N of a Parquet file."""
 
     def __str__(self) -> str:
-        return f"{self.file}: row {self.row}: column '{self.column}' {self.detail}"
+        return f"{self.file}: {self.place}: column '{self.column}' {self.detail}"
 
 
 @dataclasses.dataclass
@@ -384,7 +386,7 @@ def _field_ids(rec: Record, key: str, tokenizer: Tokenizer) -> list[int]:
     id_key = f"{key}_ids"
     if id_key not in rec.data:
         raise DataError(
-            f"{rec.file}: row {rec.row}: no column '{key}' (nor pre-tokenized '{id_key}'); "
+            f"{rec.file}: {rec.place}: no column '{key}' (nor pre-tokenized '{id_key}'); "
             f"columns present: {_columns(rec)}"
         )
     value = rec.data[id_key]
@@ -481,7 +483,7 @@ def _conversation(
     non-empty list of messages with a string ``role``, with the tokenizer's chat template and the
     row's tools."""
     messages = rec.data.get(key) if messages is None else messages
-    where = f"{rec.file}: row {rec.row}: column '{key}' holds chat messages"
+    where = f"{rec.file}: {rec.place}: column '{key}' holds chat messages"
     if messages is None:
         raise _RowProblem(EMPTY, key, "is null")
     if not isinstance(messages, list):
@@ -588,7 +590,7 @@ def _reward_inputs(rec: Record) -> dict[str, Any]:
         return {}
     if "data_source" not in data:
         raise DataError(
-            f"{rec.file}: row {rec.row}: has a 'reward_model' column but no 'data_source' (verl's "
+            f"{rec.file}: {rec.place}: has a 'reward_model' column but no 'data_source' (verl's "
             f"reward functions are called with both); columns present: {_columns(rec)}"
         )
     source, reward_model, extra_info = data["data_source"], data["reward_model"], data.get("extra_info")
@@ -791,10 +793,10 @@ class _Loader:
 
     def problem(self, report: DataReport, rec: Record, p: _RowProblem) -> None:
         """Raise ``p`` as a DataError or count it as a skip, per the loader's policy."""
-        where = SkippedRow(str(rec.file), rec.row, p.column, p.detail)
+        where = SkippedRow(str(rec.file), rec.row, p.column, p.detail, rec.place)
         if (self.on_overlong if p.reason == OVERLONG else self.on_invalid) == "error":
             option = "on_overlong" if p.reason == OVERLONG else "on_invalid"
-            raise DataError(f"{where} (pass {option}='skip' to skip and count such rows)")
+            raise DataError(f"{where} (set data.{option}=skip to skip and count such rows)")
         report._skip(p.reason, where)
 
     def field(self, rec: Record, key: str) -> list[int]:
@@ -836,7 +838,7 @@ def _sft_row(
         return [_conversation_sequence(ld, rec, messages_key, chat)], None
     if messages_key and not has_prompt:
         raise DataError(
-            f"{rec.file}: row {rec.row}: no column '{prompt_key}' (nor pre-tokenized '{prompt_key}_ids'), nor "
+            f"{rec.file}: {rec.place}: no column '{prompt_key}' (nor pre-tokenized '{prompt_key}_ids'), nor "
             f"a conversation in '{messages_key}'; columns present: {_columns(rec)}"
         )
     prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
@@ -892,13 +894,24 @@ its ``data.return_raw_chat`` keeps them): an interaction reads the whole convers
 
 
 def _prompt_row(
-    ld: _Loader, rec: Record, prompt_key: str, extra_keys: Sequence[str], chat: _ChatOptions, keep_raw_prompt: bool
+    ld: _Loader,
+    rec: Record,
+    prompt_key: str,
+    extra_keys: Sequence[str],
+    chat: _ChatOptions,
+    keep_raw_prompt: bool,
+    require_reward_inputs: bool,
 ) -> tuple[list[_Sequence], dict[str, Any]]:
     missing = [k for k in extra_keys if k not in rec.data]
     if missing:
         raise DataError(
-            f"{rec.file}: row {rec.row}: no column '{missing[0]}' (requested in extra_keys); "
+            f"{rec.file}: {rec.place}: no column '{missing[0]}' (requested in extra_keys); "
             f"columns present: {_columns(rec)}"
+        )
+    if require_reward_inputs and "reward_model" not in rec.data:
+        raise DataError(
+            f"{rec.file}: {rec.place}: no 'reward_model' column: scoring.custom_function is called with each "
+            f"row's data_source and reward_model.ground_truth (verl's format); columns present: {_columns(rec)}"
         )
     prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
@@ -1008,11 +1021,13 @@ def load_prompt_dataset(
     tools_key: str = "tools",
     num_workers: int = 0,
     keep_raw_prompt: bool = False,
+    require_reward_inputs: bool = False,
 ) -> tuple[PromptDataset, DataReport]:
     """RL prompts (``max_length`` bounds the prompt alone); ``extra_keys`` must be in every row. A
     verl row's reward inputs join its extras (and win over extra columns of the same name).
     ``keep_raw_prompt``: a conversation prompt's messages ({role, content}) join its extras as
-    ``RAW_PROMPT``, for multi-turn interactions.
+    ``RAW_PROMPT``, for multi-turn interactions. ``require_reward_inputs``: every row must carry
+    verl's reward inputs (a reward function is called with them), checked as the rows are read.
 
     ``apply_chat_template`` renders message-list prompts with the tokenizer's chat template, given
     ``chat_template_kwargs`` as more template variables (``enable_thinking``) and as ``tools`` a row's
@@ -1021,7 +1036,12 @@ def load_prompt_dataset(
     apply to them."""
     chat = _chat_options(apply_chat_template, chat_template_kwargs, tools, tools_key)
     row = functools.partial(
-        _prompt_row, prompt_key=prompt_key, extra_keys=tuple(extra_keys), chat=chat, keep_raw_prompt=keep_raw_prompt
+        _prompt_row,
+        prompt_key=prompt_key,
+        extra_keys=tuple(extra_keys),
+        chat=chat,
+        keep_raw_prompt=keep_raw_prompt,
+        require_reward_inputs=require_reward_inputs,
     )
     part = _Loader(
         paths,

@@ -42,11 +42,20 @@ class DataError(ValueError):
 
 
 class Record(NamedTuple):
-    """One row: the file it came from, its 0-based index in that file, its columns."""
+    """One row: the file it came from, its 0-based index in that file, its columns, and for JSONL its
+    1-based line (blank lines are no rows, so the two differ)."""
 
     file: Path
     row: int
     data: dict[str, Any]
+    line: int = 0
+    """JSONL: the line the row is on; 0 for Parquet."""
+
+    @property
+    def place(self) -> str:
+        """Where a message sends the reader: ``line N`` of a JSONL file (as an editor counts), ``row N``
+        of a Parquet file."""
+        return f"line {self.line}" if self.line else f"row {self.row}"
 
 
 class Span(NamedTuple):
@@ -128,7 +137,7 @@ def _read_jsonl(span: Span) -> Iterator[Record]:
                 raise DataError(f"{path}: line {line_no}: invalid JSON: {exc.msg} (column {exc.colno})") from None
             if not isinstance(data, dict):
                 raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(data).__name__}")
-            yield Record(path, row, data)
+            yield Record(path, row, data, line_no)
             row += 1
 
 

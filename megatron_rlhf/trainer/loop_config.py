@@ -92,12 +92,24 @@ class LoopConfig(RunConfig):
             + logger_errors("loggers", self.loggers, self.wandb)
             + self._resume_errors()
             + self._remote_errors()
-            + (
-                [f"profile_steps={self.profile_steps}: steps count from 1"]
-                if any(s < 1 for s in self.profile_steps)
-                else []
-            )
+            + self._profile_errors()
         )
+
+    def _profile_errors(self) -> list[str]:
+        if any(s < 1 for s in self.profile_steps):
+            return [f"profile_steps={self.profile_steps}: steps count from 1"]
+        past = [s for s in self.profile_steps if self.max_steps and s > self.max_steps]
+        return [f"profile_steps={self.profile_steps}: {past} come after max_steps={self.max_steps}"] if past else []
+
+    def length_errors(self, longest: int, longest_is: str) -> list[str]:
+        """A micro-batch holds at least one whole sequence: the budget must take the longest
+        (``longest_is`` names the settings that make it)."""
+        if self.max_tokens_per_micro_batch >= longest:
+            return []
+        return [
+            f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is below the longest sequence, "
+            f"{longest_is} = {longest} tokens, and a micro-batch holds at least one: raise it to {longest} or more"
+        ]
 
     def _resume_errors(self) -> list[str]:
         if self.resume in ("auto", "never") or Path(self.resume).is_dir():
@@ -141,3 +153,12 @@ class LoopConfig(RunConfig):
             return [first]
         older = [ckpt for ckpt in reversed(complete_checkpoints(checkpoints_root(self.output_dir))) if ckpt != first]
         return [first, *older]
+
+
+def eval_every_errors(eval_every: int, validation: list[str]) -> list[str]:
+    """``eval_every`` evaluates the validation set: without one it would do nothing, unseen."""
+    if eval_every and not validation:
+        return [
+            f"eval_every={eval_every} evaluates data.validation, which is empty: give validation files, or eval_every=0"
+        ]
+    return []

@@ -164,6 +164,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
                 **data.chat_options(tools_file),
                 num_workers=data.num_workers,
                 keep_raw_prompt=rollout.multi_turn.interactions_read_prompts,
+                require_reward_inputs=bool(cfg.scoring.custom_function.path),
             )
             log(f"{what}: {report.summary()}")
             return dataset

@@ -29,7 +29,7 @@ from megatron_rlhf.rewards.custom import CustomRewardFunction
 from megatron_rlhf.rewards.rules import RewardRule
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
-from megatron_rlhf.trainer.loop_config import LoopConfig
+from megatron_rlhf.trainer.loop_config import LoopConfig, eval_every_errors
 from megatron_rlhf.training.config import OptimConfig, PPOLossConfig
 
 
@@ -256,6 +256,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
         )
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.eval.figures, per_source=True)
+    errors += eval_every_errors(cfg.eval_every, data.validation)
     multi_turn = rollout.multi_turn
     if multi_turn.enable and data.tools_file and data.tools_file != multi_turn.tool_config_path:
         errors.append(
@@ -265,6 +266,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = cfg.longest_sequence
+    errors += cfg.length_errors(longest, "data.max_prompt_length + rollout.sampling.max_new_tokens")
     if rollout.engine.max_seq_len < longest:
         errors.append(
             f"rollout.engine.max_seq_len={rollout.engine.max_seq_len} is shorter than data.max_prompt_length "
@@ -283,6 +285,15 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             "all models must read the same token ids"
             for role, arch in archs.items()
             if arch.vocab_size != vocab
+        ]
+        errors += [
+            f"{key}={ids} holds ids outside the actor's vocabulary (vocab_size={vocab}): {outside} can never "
+            "be sampled, so they would never stop a response"
+            for key, ids in (
+                ("rollout.sampling.stop_token_ids", sampling.stop_token_ids),
+                ("rollout.engine.eos_token_ids", rollout.engine.eos_token_ids),
+            )
+            if (outside := [i for i in ids if not 0 <= i < vocab])
         ]
         errors += [
             f"{e} (generation layout of {cfg.actor.path})"

@@ -14,7 +14,7 @@ from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.config import ChatDataConfig, DataFilesConfig
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.layout import Layout
-from megatron_rlhf.trainer.loop_config import LoopConfig
+from megatron_rlhf.trainer.loop_config import LoopConfig, eval_every_errors
 from megatron_rlhf.training.config import OptimConfig
 
 
@@ -69,6 +69,8 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.VALIDATION_FIGURES)
+    errors += cfg.length_errors(data.max_length, "data.max_length")
+    errors += eval_every_errors(cfg.eval_every, data.validation)
     raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
     assert arch is not None
     return arch

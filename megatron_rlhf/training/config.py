@@ -41,6 +41,11 @@ class OptimConfig:
     def errors(self) -> list[str]:
         errors = at_least(self, 0, "warmup_steps", "clip_grad")
         errors += at_least(self, 1, "decay_steps")
+        if self.decay_style != "constant" and self.decay_steps <= self.warmup_steps:
+            errors.append(
+                f"decay_steps={self.decay_steps} must be above warmup_steps={self.warmup_steps}: the decay "
+                "counts from step 0, warm-up included"
+            )
         if not self.lr > 0:
             errors.append(f"lr={self.lr} must be > 0")
         elif not 0 <= self.min_lr <= self.lr:
@@ -86,6 +91,8 @@ class PPOLossConfig:
             "agg_mode", self.agg_mode
         )
         errors += at_least(self, 0, "clip_low", "clip_high", "entropy_coef", "kl_loss_coef")
+        if self.clip_low >= 1:
+            errors.append(f"clip_low={self.clip_low} must be < 1: the ratio's lower clip is 1 - clip_low, above 0")
         for name in ("dual_clip_c", "value_clip", "loss_scale_factor"):
             low = 1 if name == "dual_clip_c" else 0
             value = getattr(self, name)

@@ -193,6 +193,7 @@ ONE_STEP_PER_ROLLOUT = (
     "mini_batch_size=0",
     "rollout.sampling.max_new_tokens=8",
     "max_tokens_per_micro_batch=64",
+    "data.max_prompt_length=56",
 )
 
 

@@ -91,3 +91,19 @@ def test_index_listing_a_missing_shard(tmp_path: Path, world_of_one) -> None:
 
     with pytest.raises(CheckpointError, match=rf"lists {victim}, which does not exist"):
         _import(hf_dir)
+
+
+def test_a_truncated_weights_file_is_named(llama_dir: Path) -> None:
+    """Before: 13 frames ending in safetensors' "incomplete metadata", no file named."""
+    from megatron_rlhf.checkpoint.hf import CheckpointError
+
+    weights = llama_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{weights}: not a readable safetensors file .*truncated or damaged"):
+        _import(llama_dir)
+
+
+def test_pytorch_bin_weights_are_named_as_unread(llama_dir: Path) -> None:
+    (llama_dir / "model.safetensors").rename(llama_dir / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin: PyTorch \.bin weights, which are not read"):
+        _import(llama_dir)

@@ -120,6 +120,34 @@ def test_print_config_runs_the_checks_a_run_makes(tmp_path: Path, capsys: pytest
     assert "#   seed  " in out and "(default 1234; command line)" in out and "\nseed: 3\n" in out
 
 
+def test_a_clip_past_1_and_a_decay_inside_the_warm_up_are_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: clip_low=1.5 failed after the models were built, unnamed; decay_steps below
+    warmup_steps was quietly raised to warmup_steps + 1."""
+    settings = ["algorithm.loss.clip_low=1.5", "actor_optim.decay_style=cosine", "actor_optim.warmup_steps=500"]
+    settings += ["actor_optim.decay_steps=100", f"output_dir={tmp_path}", "--print-config"]
+    assert main(["ppo", "--config", "ppo-tiny", *settings]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.loss.clip_low=1.5 must be < 1" in err
+    assert "actor_optim.decay_steps=100 must be above warmup_steps=500" in err
+
+
+def test_settings_a_run_would_silently_ignore_are_refused_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a budget below one sequence was exceeded, eval_every without validation data and a
+    profiled step past the end did nothing, and a stop id past the vocabulary never stopped."""
+    settings = ["max_tokens_per_micro_batch=16", "eval_every=5", "max_steps=1", "profile_steps=[5]"]
+    settings += ["rollout.sampling.stop_token_ids=[99999]", f"output_dir={tmp_path}", "--print-config"]
+    assert main(["ppo", "--config", "ppo-tiny", *settings]) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens_per_micro_batch=16 is below the longest sequence" in err and "= 88 tokens" in err
+    assert "eval_every=5 evaluates data.validation, which is empty" in err
+    assert "profile_steps=[5]: [5] come after max_steps=1" in err
+    assert "rollout.sampling.stop_token_ids=(99999,) holds ids outside the actor's vocabulary" in err
+
+
 def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -161,6 +189,18 @@ def test_a_verl_key_is_answered_with_this_projects_key(override: str, expected: 
     with pytest.raises(ConfigError) as info:
         load_config(None, [override], schema=TRAINERS["ppo"].trainer().schema)
     assert f"unknown key '{override.split('=')[0]}'" in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "meant"),
+    [("data.max_prompt_length=64", "did you mean data.max_length=64?"), ("actor_rollout_ref.actor.optim.lr=1", "")],
+)
+def test_a_verl_ppo_key_given_to_sft_gets_no_ppo_answer(override: str, meant: str) -> None:
+    """Before: sft was told data.max_prompt_length is "here data.max_prompt_length" (a ppo key, as
+    is actor_optim.lr, which it was given for verl's actor optimizer)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override], schema=TRAINERS["sft"].trainer().schema)
+    assert "verl's" not in str(info.value) and meant in str(info.value)
 
 
 def _is_key(schema: type, dotted: str) -> bool:

@@ -127,13 +127,13 @@ def test_message_rows_need_the_setting_and_a_template(qwen2_dir, tmp_path):
     f = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "text"}, {"prompt": CONVERSATIONS[0]}])
     with pytest.raises(
         DataError,
-        match=re.escape(f"{f}: row 1: column 'prompt' holds chat messages but data.apply_chat_template is false"),
+        match=re.escape(f"{f}: line 2: column 'prompt' holds chat messages but data.apply_chat_template is false"),
     ):
         load_prompt_dataset(f, load_tokenizer(qwen2_dir), max_length=4096, apply_chat_template=False)
     with pytest.raises(
         DataError,
         match=re.escape(
-            f"{f}: row 1: column 'prompt' holds chat messages but "
+            f"{f}: line 2: column 'prompt' holds chat messages but "
             "ByteTokenizer(vocab_size=300) has no chat template (looked for "
             "chat_template.jinja, or 'chat_template' in tokenizer_config.json"
         ),
@@ -156,8 +156,8 @@ def test_bad_conversations_error_or_skip(llama3_dir, tmp_path):
     with pytest.raises(
         DataError,
         match=re.escape(
-            f"{f}: row 1: column 'prompt' the chat template ({llama3_dir / 'chat_template.jinja'}) failed: "
-            "TemplateError: Unknown role 'tool': expected system, user or assistant (pass on_invalid='skip'"
+            f"{f}: line 2: column 'prompt' the chat template ({llama3_dir / 'chat_template.jinja'}) failed: "
+            "TemplateError: Unknown role 'tool': expected system, user or assistant (set data.on_invalid=skip"
         ),
     ):
         load_prompt_dataset(f, tok, max_length=4096)

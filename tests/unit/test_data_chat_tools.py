@@ -192,7 +192,7 @@ def test_bad_row_tools_error_or_skip(value, detail, model_dir, tmp_path) -> None
     f = tmp_path / "chat.jsonl"
     f.write_text(json.dumps({"prompt": USER}) + "\n" + json.dumps({"prompt": USER, "tools": value}) + "\n")
     tok = load_tokenizer(model_dir)
-    with pytest.raises(DataError, match=re.escape(f"{f}: row 1: column 'tools' {detail} (pass on_invalid='skip'")):
+    with pytest.raises(DataError, match=re.escape(f"{f}: line 2: column 'tools' {detail} (set data.on_invalid=skip")):
         load_prompt_dataset(f, tok, max_length=4096)
     ds, report = load_prompt_dataset(f, tok, max_length=4096, on_invalid="skip")
     assert len(ds) == 1 and report.skipped == {"wrong_type": 1} and report.samples["wrong_type"][0].detail == detail

@@ -112,7 +112,7 @@ def test_missing_column_names_file_column_and_columns(tmp_path):
     f = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "answer": "b"}])
     with pytest.raises(
         DataError,
-        match=err(str(f), "row 0", "no column 'response'", "'response_ids'", "columns present: ['answer', 'prompt']"),
+        match=err(str(f), "line 1", "no column 'response'", "'response_ids'", "columns present: ['answer', 'prompt']"),
     ):
         load_sft_dataset(f, TOK, max_length=8)
     g = write_parquet(tmp_path / "p.parquet", [{"question": "a", "response": "b"}])
@@ -150,7 +150,7 @@ def test_missing_column_names_file_column_and_columns(tmp_path):
 def test_bad_values_error_or_skip(tmp_path, row, column, detail, reason):
     good = {"prompt": "p", "response": "r"}
     f = write_jsonl(tmp_path / "sft.jsonl", [good, good, row, good])
-    with pytest.raises(DataError, match=err(str(f), "row 2", f"column '{column}'", detail, "on_invalid='skip'")):
+    with pytest.raises(DataError, match=err(str(f), "line 3", f"column '{column}'", detail, "data.on_invalid=skip")):
         load_sft_dataset(f, TOK, max_length=8)
     ds, report = load_sft_dataset(f, TOK, max_length=8, on_invalid="skip")
     assert len(ds) == report.kept == 3 and report.rows == 4
@@ -168,12 +168,12 @@ def test_overlong_error_and_skip_counts(tmp_path):
         DataError,
         match=err(
             str(f),
-            "row 3",
+            "line 4",
             "column 'response'",
             "gives 7 tokens",
             "prompt 2 + response 5",
             "> data.max_length=6",
-            "on_overlong='skip'",
+            "data.on_overlong=skip",
         ),
     ):
         load_sft_dataset([f, g], TOK, max_length=6)
@@ -188,7 +188,7 @@ def test_overlong_error_and_skip_counts(tmp_path):
         ("b.parquet", 3),
     ]
     summary = report.summary()
-    assert "read 8 rows from 2 file(s): kept 3, skipped 5: overlong 5" in summary and "a.jsonl: row 3" in summary
+    assert "read 8 rows from 2 file(s): kept 3, skipped 5: overlong 5" in summary and "a.jsonl: line 4" in summary
     # Overlong and bad values are governed separately.
     h = write_jsonl(tmp_path / "c.jsonl", [rows[0], {"prompt": "ab", "response": None}, rows[7]])
     _, report = load_sft_dataset(h, TOK, max_length=6, on_overlong="skip", on_invalid="skip")
@@ -263,7 +263,7 @@ def test_preference_errors_and_overlong_side(tmp_path):
             {"prompt": "Q", "chosen": "a", "rejected": ""},
         ],
     )
-    with pytest.raises(DataError, match=err(str(f), "row 1", "column 'rejected'", "prompt 1 + rejected 9")):
+    with pytest.raises(DataError, match=err(str(f), "line 2", "column 'rejected'", "prompt 1 + rejected 9")):
         load_preference_dataset(f, TOK, max_length=6)
     ds, report = load_preference_dataset(f, TOK, max_length=6, on_overlong="skip", on_invalid="skip")
     assert len(ds) == 1 and report.skipped == {"overlong": 1, "empty": 1}
@@ -282,7 +282,7 @@ def test_prompt_dataset_with_extras(tmp_path):
     assert len(ds) == 1 and report.skipped == {"overlong": 1}
     assert ds[0].prompt_ids.tolist() == [1] + ids("1+1=")
     assert ds[0].extras == {"answer": "2"}
-    with pytest.raises(DataError, match=err(str(f), "row 0", "no column 'solution'", "extra_keys")):
+    with pytest.raises(DataError, match=err(str(f), "line 1", "no column 'solution'", "extra_keys")):
         load_prompt_dataset(f, TOK, max_length=5, extra_keys=["solution"])
 
 
@@ -292,11 +292,11 @@ def test_overlong_prompt_names_the_setting(tmp_path):
         DataError,
         match=err(
             str(f),
-            "row 1",
+            "line 2",
             "column 'prompt'",
             "gives 7 tokens (prompt 7)",
             "> data.max_prompt_length=5",
-            "on_overlong='skip'",
+            "data.on_overlong=skip",
         ),
     ):
         load_prompt_dataset(f, TOK, max_length=5, add_bos=True)
@@ -477,7 +477,7 @@ def test_verl_multiturn_fields_errors(tmp_path):
     ]
     f = write_jsonl(tmp_path / "bad.jsonl", [good, *({**good, "extra_info": e} for e in bad_extra_info)])
     with pytest.raises(
-        DataError, match=err(str(f), "row 1", "column 'extra_info' field 'tools_kwargs' must be an object")
+        DataError, match=err(str(f), "line 2", "column 'extra_info' field 'tools_kwargs' must be an object")
     ):
         load_prompt_dataset(f, TOK, max_length=8)
     ds, report = load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")
@@ -502,6 +502,17 @@ def test_rows_without_reward_model_carry_no_reward_inputs(tmp_path):
     assert ds[0].extras == {}
 
 
+def test_rows_a_reward_function_needs_are_checked_as_they_are_read(tmp_path):
+    """Before: a row without reward_model trained until its prompt was drawn (step 2 here, hours into
+    a real run), then failed naming no file or line and listing data_source as missing too."""
+    good = {"prompt": "p", "data_source": "mine", "reward_model": {"ground_truth": "7"}}
+    f = write_jsonl(tmp_path / "rl.jsonl", [good, good, {"prompt": "q", "data_source": "mine"}])
+    with pytest.raises(DataError, match=err(str(f), "line 3", "no 'reward_model' column: scoring.custom_function")):
+        load_prompt_dataset(f, TOK, max_length=8, require_reward_inputs=True)
+    ds, _ = load_prompt_dataset(f, TOK, max_length=8)  # rules alone need no reward inputs
+    assert len(ds) == 3 and ds[2].extras == {}
+
+
 def test_verl_reward_columns_errors(tmp_path):
     good = {"prompt": "p", "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "7"}}
     f = write_jsonl(tmp_path / "no_source.jsonl", [good, {"prompt": "p", "reward_model": {"ground_truth": "7"}}])
@@ -509,7 +520,7 @@ def test_verl_reward_columns_errors(tmp_path):
         DataError,
         match=err(
             str(f),
-            "row 1",
+            "line 2",
             "has a 'reward_model' column but no 'data_source'",
             "columns present: ['prompt', 'reward_model']",
         ),
@@ -522,7 +533,7 @@ def test_verl_reward_columns_errors(tmp_path):
         {**good, "extra_info": [1]},
     ]
     g = write_jsonl(tmp_path / "bad.jsonl", [good, *bad])
-    with pytest.raises(DataError, match=err(str(g), "row 1", "column 'data_source' must be a string, got int")):
+    with pytest.raises(DataError, match=err(str(g), "line 2", "column 'data_source' must be a string, got int")):
         load_prompt_dataset(g, TOK, max_length=8)
     ds, report = load_prompt_dataset(g, TOK, max_length=8, on_invalid="skip")
     assert len(ds) == 1 and report.skipped == {"wrong_type": 4}

@@ -30,7 +30,7 @@ ROWS = [{"prompt": "héllo", "response": "wörld", "n": 1}, {"prompt": "a", "res
 def test_jsonl_rows_with_file_and_index(tmp_path):
     f = write_jsonl(tmp_path / "a.jsonl", ROWS)
     f.write_text(f.read_text(encoding="utf-8") + "\n   \n", encoding="utf-8")  # trailing blank lines are no rows
-    assert list(read_records(f)) == [Record(f, 0, ROWS[0]), Record(f, 1, ROWS[1])]
+    assert list(read_records(f)) == [Record(f, 0, ROWS[0], 1), Record(f, 1, ROWS[1], 2)]
 
 
 def test_parquet_rows_match_jsonl(tmp_path):

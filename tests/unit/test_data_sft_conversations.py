@@ -162,7 +162,7 @@ def test_conversation_and_prompt_response_rows_mix(model_dir, tmp_path) -> None:
     assert prompt_ids == rendered + tokenizer.encode("It is 561741.") + [tokenizer.eos_id]
     assert prompt_mask == [0] * len(rendered) + [1] * (len(prompt_ids) - len(rendered))
     # messages_key="" reads no conversation column: the row without a prompt is then an error.
-    with pytest.raises(DataError, match=r"row 0: no column 'prompt' \(nor pre-tokenized 'prompt_ids'\)"):
+    with pytest.raises(DataError, match=r"line 1: no column 'prompt' \(nor pre-tokenized 'prompt_ids'\)"):
         load(write_jsonl(tmp_path / "only_chat.jsonl", [{"messages": CONVERSATION}]), model_dir, messages_key="")
 
 
@@ -183,9 +183,9 @@ BAD_ROWS = [
 @pytest.mark.parametrize("row,reason,detail", BAD_ROWS)
 def test_bad_conversations_error_naming_the_row_or_are_skipped(row, reason, detail, model_dir, tmp_path) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, row])
-    with pytest.raises(DataError, match=re.escape(f"{path}: row 1: column 'messages'")) as err:
+    with pytest.raises(DataError, match=re.escape(f"{path}: line 2: column 'messages'")) as err:
         load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096)
-    assert detail in str(err.value) and "on_invalid='skip'" in str(err.value)
+    assert detail in str(err.value) and "data.on_invalid=skip" in str(err.value)
     dataset, report = load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096, on_invalid="skip")
     assert len(dataset) == 1 and report.skipped == {reason: 1}
 
@@ -209,7 +209,7 @@ def test_bad_settings_and_templates_are_named(model_dir, tmp_path) -> None:
         load_sft_dataset(path, load_tokenizer(rewriter), max_length=4096)
     with pytest.raises(
         DataError,
-        match=r"none\.jsonl: row 0: no column 'prompt' .*, nor a conversation in 'messages'; columns present: \['text",
+        match=r"none\.jsonl: line 1: no column 'prompt' .*, nor a conversation in 'messages'; columns present: \['text",
     ):
         load_sft_dataset(
             write_jsonl(tmp_path / "none.jsonl", [{"text": "x"}]), load_tokenizer(model_dir), max_length=64
@@ -267,6 +267,6 @@ def test_bad_preference_conversations_name_the_column(model_dir, tmp_path) -> No
     ]
     for row, column, detail in cases:
         path = write_jsonl(tmp_path / "bad.jsonl", [row])
-        with pytest.raises(DataError, match=re.escape(f"{path}: row 0: column '{column}'")) as err:
+        with pytest.raises(DataError, match=re.escape(f"{path}: line 1: column '{column}'")) as err:
             load_preference_dataset(path, load_tokenizer(model_dir), max_length=4096)
         assert detail in str(err.value), err.value

@@ -159,10 +159,10 @@ def missing_column_late(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "case, on_invalid, expected",
     [
-        (bad_row_late, "error", "a.jsonl: row 50: column 'response' is null (pass on_invalid='skip'"),
-        (overlong_before_bad_json, "error", "a.jsonl: row 10: column 'response' gives 32 tokens"),
+        (bad_row_late, "error", "a.jsonl: line 51: column 'response' is null (set data.on_invalid=skip"),
+        (overlong_before_bad_json, "error", "a.jsonl: line 11: column 'response' gives 32 tokens"),
         (bad_json_after_skips, "skip", "a.jsonl: line 61: expected a JSON object, got list"),
-        (missing_column_late, "skip", "a.jsonl: row 40: no column 'response'"),
+        (missing_column_late, "skip", "a.jsonl: line 41: no column 'response'"),
     ],
 )
 def test_the_first_error_in_row_order_is_raised_with_the_same_message(tmp_path, case, on_invalid, expected):

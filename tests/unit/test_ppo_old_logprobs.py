@@ -22,9 +22,11 @@ TINY = (
     "samples_per_step=0",
     "algorithm.loss.entropy_coef=0.01",
     "max_tokens_per_micro_batch=64",
+    "data.max_prompt_length=56",
 )
 """ppo-tiny (GRPO, a KL loss to the reference) on 16 sequences, one optimizer step per rollout made
-of several micro-batches (64 tokens each), so that rows are recorded from more than one."""
+of several micro-batches (64 tokens each, prompts of at most 56), so that rows are recorded from
+more than one."""
 
 
 def _config(*overrides: str) -> PPOConfig:

@@ -165,7 +165,7 @@ def test_sample_rows_show_each_trajectory_turn_by_turn() -> None:
         "finish_reason": "length",
         "reward": 0.5,
     }
-    assert len(decoded) == 2  # the raw responses, then every turn of every row in one call
+    assert len(decoded) == 3  # the raw responses, the raw prompts, then every turn of every row in one call
     assert trajectory_fields([SINGLE_TURN], decode_batch, [STOP]) == [{}]
 
 
