@@ -122,12 +122,12 @@ def model_dir(path: str, setting: str = "model path") -> Path:
         if cached is not None:
             return cached
         raise FileNotFoundError(
-            f"model path '{path}' is not a directory; it looks like a Hugging Face hub id, and it is not in "
-            f"the local cache ({hf_hub_cache()}). Download it with `hf download {path}` (this path then finds "
-            f"it in the cache), or `hf download {path} --local-dir DIR` and set {setting}=DIR"
+            f"model path '{path}': no such directory ({local.absolute()}); as a Hugging Face hub id it is not in "
+            f"the local cache ({hf_hub_cache()}) either. Download it with `hf download {path}` (this path then "
+            f"finds it in the cache), or `hf download {path} --local-dir DIR` and set {setting}=DIR"
         )
     raise FileNotFoundError(
-        f"model path '{path}' is not a directory (expected an HF model dir, "
+        f"model path '{path}' is not a directory ({local.absolute()}; expected an HF model dir, "
         f"a megatron-rlhf checkpoint, a Hugging Face hub id in the local cache, or builtin:NAME)"
     )
 

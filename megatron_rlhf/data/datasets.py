@@ -102,6 +102,7 @@ EMPTY = "empty"
 WRONG_TYPE = "wrong_type"
 BAD_TOKEN = "token_out_of_range"
 TEMPLATE_FAILED = "chat_template_failed"
+IDENTICAL_PAIR = "identical_pair"
 MAX_SAMPLES = 5  # skipped rows remembered per reason
 
 
@@ -875,17 +876,25 @@ def _preference_row(
     ld: _Loader, rec: Record, prompt_key: str, chosen_key: str, rejected_key: str, chat: _ChatOptions
 ) -> tuple[list[_Sequence], None]:
     if isinstance(rec.data.get(chosen_key), list):
-        return _preference_conversations(ld, rec, prompt_key, chosen_key, rejected_key, chat)
-    prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
-    chosen = _response(ld.field(rec, chosen_key), ld.eos)
-    rejected = _response(ld.field(rec, rejected_key), ld.eos)
-    for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
-        ld.check_length(len(prompt) + len(resp), key, f"prompt {len(prompt)} + {key} {len(resp)}")
-    prompt_mask = [0] * len(prompt)
-    return [
-        (prompt + chosen, prompt_mask + [1] * len(chosen)),
-        (prompt + rejected, prompt_mask + [1] * len(rejected)),
-    ], None
+        pair, _ = _preference_conversations(ld, rec, prompt_key, chosen_key, rejected_key, chat)
+    else:
+        prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
+        chosen = _response(ld.field(rec, chosen_key), ld.eos)
+        rejected = _response(ld.field(rec, rejected_key), ld.eos)
+        for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
+            ld.check_length(len(prompt) + len(resp), key, f"prompt {len(prompt)} + {key} {len(resp)}")
+        prompt_mask = [0] * len(prompt)
+        pair = [
+            (prompt + chosen, prompt_mask + [1] * len(chosen)),
+            (prompt + rejected, prompt_mask + [1] * len(rejected)),
+        ]
+    if pair[0][0] == pair[1][0]:
+        raise _RowProblem(
+            IDENTICAL_PAIR,
+            rejected_key,
+            f"is the same as '{chosen_key}': the pair teaches nothing and counts as wrong in validation accuracy",
+        )
+    return pair, None
 
 
 RAW_PROMPT = "raw_prompt"

@@ -177,7 +177,14 @@ def load_architecture(model_dir: str | Path) -> Architecture:
     """Read ``model_dir/config.json``; errors name the file."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json here; expected an HF model directory")
+        run = Path(model_dir)
+        hint = (
+            f"; {run} is a run's output_dir: its trained model is {run / 'hf'}, its checkpoints are under "
+            f"{run / 'checkpoints'}"
+            if (run / "hf" / "config.json").is_file() or (run / "checkpoints").is_dir()
+            else ""
+        )
+        raise FileNotFoundError(f"{path}: no config.json here; expected an HF model directory{hint}")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as err:

@@ -178,6 +178,9 @@ class Task(Protocol):
         ...
 
 
+STEP_TIME = "timing_s/step"
+"""The whole step's wall time, every trainer's (its phases, ``timing_s/<phase>``, sum to about it)."""
+
 RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "hf")
 """What a run leaves in its output_dir (besides checkpoints/)."""
 
@@ -425,7 +428,7 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
     per_epoch, total = plan_steps(cfg, task)
     left_over = task.num_examples - per_epoch * task.batch_size
     log(
-        f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} steps per epoch"
+        f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} step{'s' * (per_epoch != 1)} per epoch"
         + (f" ({left_over} examples of each epoch's shuffle left for later epochs)" if left_over else "")
         + f"; {total} steps ({total / per_epoch:.2f} epochs)"
     )
@@ -593,11 +596,13 @@ class _Steps:
         while step < total:
             step += 1
             epoch, indices = _batch(cfg, task, self.per_epoch, step, state.reseeded)
+            started = time.perf_counter()
             try:
                 with _profiled(cfg, step):
                     metrics, rows = task.step(step, epoch, indices)
             except ScoringInterrupted as interrupted:
                 self._stop_mid_step(step - 1, bad_steps, signals, interrupted)
+            metrics[STEP_TIME] = time.perf_counter() - started
             health, fired = step_signals(cfg.health, metrics)
             self.sink.write("train", step, {"epoch": epoch, **metrics, **health})
             for name, file_rows in rows.items():

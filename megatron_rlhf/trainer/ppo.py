@@ -72,7 +72,7 @@ from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.trainer.health import warning_due
-from megatron_rlhf.trainer.loop import RunClaim, StepRows, run_loop
+from megatron_rlhf.trainer.loop import STEP_TIME, RunClaim, StepRows, run_loop
 from megatron_rlhf.trainer.ppo_config import (
     CheckedConfig,
     PPOConfig,
@@ -937,10 +937,14 @@ def _progress_line(m: dict[str, float]) -> str:
     ]
     if "critic/vf_loss" in m:
         parts.append(f"critic loss {m['critic/vf_loss']:.4f}")
-    if m["kl/per_sequence"]:
+    if m["kl/per_sequence"] or m["kl/coef"] or "actor/kl_loss_coef" in m:  # a KL term (0 at step 1)
         parts.append(f"kl {m['kl/per_sequence']:.4f}")
     # The step's phases in the order they ran (the generation's own sub-phases, timing_s/gen/..., left out).
-    phases = [key.removeprefix("timing_s/") for key in m if key.startswith("timing_s/") and key.count("/") == 1]
-    parts.append("time " + " ".join(f"{p} {m[f'timing_s/{p}']:.2f}s" for p in phases))
+    phases = [
+        key.removeprefix("timing_s/")
+        for key in m
+        if key.startswith("timing_s/") and key.count("/") == 1 and key != STEP_TIME
+    ]
+    parts.append(f"step {m[STEP_TIME]:.2f}s: " + " ".join(f"{p} {m[f'timing_s/{p}']:.2f}s" for p in phases))
     parts.append(f"{m['perf/gen_tokens_per_s']:,.0f} gen tok/s")
     return " | ".join(parts)

@@ -246,7 +246,13 @@ def test_metric_keys_follow_the_documented_scheme(ppo_one_process: tuple[Path, s
     for record in records:  # one micro-batch per optimizer step: the parts add up to the actor's objective exactly
         parts = record["actor/pg_loss"] - 0.01 * record["actor/entropy"] + 0.001 * record["actor/kl_loss"]
         assert record["actor/loss"] == pytest.approx(parts, rel=1e-5, abs=1e-7)
-    assert "| time gen " in proc.stdout and " update_critic " in proc.stdout  # the progress line reads the phase times
+    # The progress line shows the step's time, then each phase's.
+    assert re.search(r"\| step [0-9.]+s: gen [0-9.]+s ", proc.stdout) and " update_critic " in proc.stdout
+    assert all(
+        r["timing_s/step"]
+        >= sum(v for k, v in r.items() if re.fullmatch(r"timing_s/[a-z_]+", k) and k != "timing_s/step")
+        for r in records
+    )
 
 
 @pytest.mark.distributed

@@ -162,13 +162,21 @@ def test_a_hub_id_missing_from_the_cache_gets_the_download_command(
         "ppo", "--config", "ppo-tiny", "actor.path=Qwen/Qwen2.5-0.5B-Instruct", f"output_dir={out}", exit_code=2
     )
     message = (
-        "actor.path='Qwen/Qwen2.5-0.5B-Instruct': model path 'Qwen/Qwen2.5-0.5B-Instruct' is not a directory; "
-        f"it looks like a Hugging Face hub id, and it is not in the local cache ({tmp_path / 'empty-hub'}). "
+        "actor.path='Qwen/Qwen2.5-0.5B-Instruct': model path 'Qwen/Qwen2.5-0.5B-Instruct': no such directory "
+        f"({tmp_path / 'Qwen/Qwen2.5-0.5B-Instruct'}); as a Hugging Face hub id it is not in the local cache "
+        f"({tmp_path / 'empty-hub'}) either. "
         "Download it with `hf download Qwen/Qwen2.5-0.5B-Instruct` (this path then finds it in the cache), "
         "or `hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR` and set actor.path=DIR"
     )
     assert message in proc.stderr
-    assert proc.stderr.count("looks like a Hugging Face hub id") == 1, proc.stderr  # not again for the critic
+    assert proc.stderr.count("as a Hugging Face hub id") == 1, proc.stderr  # not again for the critic
+
+
+def test_a_runs_output_dir_given_as_a_model_points_to_its_export(tmp_path: Path) -> None:
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "config.json").write_text("{}")
+    proc = run_cli_here("ppo", "--config", "ppo-tiny", f"actor.path={tmp_path / 'run'}", exit_code=2)
+    assert f"is a run's output_dir: its trained model is {tmp_path / 'run' / 'hf'}" in proc.stderr
 
 
 def test_convert_reads_a_hub_id_from_the_local_cache(tmp_path: Path) -> None:

@@ -275,6 +275,16 @@ def test_preference_errors_and_overlong_side(tmp_path):
     assert ds[0].chosen.input_ids.tolist() == ids("Q") + ids("a") + [2]
 
 
+def test_a_pair_whose_sides_are_the_same_is_an_invalid_row(tmp_path):
+    """Before: accepted, a pair with no gradient that validation counted as a wrong answer."""
+    rows = [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"prompt": "Q", "chosen": "a", "rejected": "a"}]
+    f = write_jsonl(tmp_path / "pref.jsonl", rows)
+    with pytest.raises(DataError, match=err(str(f), "line 2", "column 'rejected' is the same as 'chosen'")):
+        load_preference_dataset(f, TOK, max_length=6)
+    ds, report = load_preference_dataset(f, TOK, max_length=6, on_invalid="skip")
+    assert len(ds) == 1 and report.skipped == {"identical_pair": 1}
+
+
 def test_prompt_dataset_with_extras(tmp_path):
     rows = [{"prompt": "1+1=", "answer": "2", "id": 7}, {"prompt": "toolong", "answer": "x", "id": 8}]
     f = write_jsonl(tmp_path / "rl.jsonl", rows)
