@@ -6,8 +6,10 @@ Input rows hold ``prompt`` (text, tokenized with the model's tokenizer, or a lis
 rendered with its chat template) or ``prompt_ids``. Under torchrun the world is split into
 generation groups of ``--tp`` ranks; each data-parallel group takes every dp-th prompt, and rank 0
 writes all completions in prompt order. Output rows:
-``prompt_index``, ``sample_index``, ``token_ids`` (every generated token, a final stop token
-included), ``text``, ``logprobs``, ``finish_reason`` and ``prompt_tokens_dropped``.
+``prompt_index``, ``prompt`` (the prompt as the model read it, special tokens skipped),
+``sample_index``, ``token_ids`` (every generated token, a final stop token included), ``text``,
+``logprobs``, ``finish_reason`` and ``prompt_tokens_dropped``; a verl row's ``data_source`` and
+``ground_truth`` too, so that the completions can be scored offline as in training.
 
 ``text`` is the response as the trainers' reward functions read it: decoded with special tokens
 skipped and without its final stop token, as vLLM's output text and verl's reward input are (not
@@ -97,6 +99,10 @@ def generate_trajectories(
         return generate_data_parallel(engine, ids, params, on_finished, agent=agent)
 
 
+VERL_ROW = ("data_source", "ground_truth")
+"""What a verl row's completions carry over to the output, for scoring them offline."""
+
+
 def run_generate(
     *,
     model: str,
@@ -140,13 +146,17 @@ def run_generate(
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)
         trajectories = trajectory_fields(rows, tokenizer.decode_batch, tokenizer.stop_ids)
+        prompts = tokenizer.decode_batch([c.prompt_ids for c in rows], skip_special_tokens=True)
+        extras = dataset.extras
         Path(output_path).parent.mkdir(parents=True, exist_ok=True)
         with open(output_path, "w", encoding="utf-8") as out:
-            for c, trajectory in zip(rows, trajectories, strict=True):
+            for c, prompt, trajectory in zip(rows, prompts, trajectories, strict=True):
                 out.write(
                     json.dumps(
                         {
                             "prompt_index": c.prompt_index,
+                            "prompt": prompt,
+                            **{k: extras[c.prompt_index][k] for k in VERL_ROW if k in extras[c.prompt_index]},
                             "sample_index": c.sample_index,
                             "token_ids": c.token_ids,
                             "text": tokenizer.decode(c.text_ids(tokenizer.stop_ids), skip_special_tokens=True),

@@ -93,3 +93,7 @@ def test_the_readme_commands_run(tmp_path: Path) -> None:
     assert len(_records(tmp_path / "runs" / "ppo-tiny" / "metrics.jsonl")) == steps  # the demo from my-run.yaml
     answers = _records(tmp_path / "answers.jsonl")
     assert sorted(a["prompt_index"] for a in answers) == list(range(len(prompts)))
+    for answer in answers:  # what scoring them offline needs: the prompt, and the row's reward inputs
+        row = prompts[answer["prompt_index"]]
+        assert row["prompt"][-1]["content"] in answer["prompt"] and answer["data_source"] == row["data_source"]
+        assert answer["ground_truth"] == row["reward_model"]["ground_truth"]

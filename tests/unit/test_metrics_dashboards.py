@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,8 @@ def test_samples_go_to_wandb_as_a_table_and_a_run_id_continues(tmp_path: Path, m
         sinks.write_rows("samples", [{**row, "step": step} for row in ROWS])
         sinks.close()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert [run.name.rsplit("-", 1)[1] for run in runs] == ["h4test01", "h4test01"]
+    # offline-run-<time>-<run id>, and a "-1" after it when both started in the same second
+    assert [re.fullmatch(r"offline-run-\d{8}_\d{6}-(\w+)(-\d+)?", run.name)[1] for run in runs] == ["h4test01"] * 2
     for run, step in zip(runs, (2, 3), strict=True):
         (table_file,) = (run / "files" / "media" / "table").glob(f"samples_{step}_*.table.json")
         table = json.loads(table_file.read_text())
