@@ -20,8 +20,11 @@ command -v pkill >/dev/null || echo "$(hostname): no pkill (procps): a stop sign
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
     -m megatron_rlhf "$@" ) &
 agent=$!
-# torchrun's children are its workers.
-trap 'echo "$(hostname): USR1 to the trainer processes"; pkill -USR1 -P "$agent" || true' USR2
+# torchrun's children are its workers. USR1 sent to the job step itself (scancel --signal=USR1 without
+# -b) is forwarded the same way: untrapped, it would end this shell, and with it the step, while the
+# trainers save. Where the workers got it directly too (proctrack/cgroup), the two copies arrive at
+# once and count as one request (trainer/stop.py).
+trap 'echo "$(hostname): USR1 to the trainer processes"; pkill -USR1 -P "$agent" || true' USR1 USR2
 
 # A trapped signal interrupts `wait`: wait again until torchrun has really ended.
 rc=0

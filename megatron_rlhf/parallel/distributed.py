@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import random
 import socket
+import sys
+from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
@@ -35,15 +38,38 @@ class DistEnv:
         return self.device.type == "cpu"
 
 
+NVIDIA_DEVICE = Path("/dev/nvidia0")
+"""The first NVIDIA GPU's device file: present when the machine has one and its driver is loaded."""
+
+
 def resolve_device(requested: str) -> str:
-    """'auto' picks cuda when a GPU is visible, else cpu; 'cuda' without a GPU is an error."""
+    """'auto' picks cuda when a GPU is visible, else cpu (warning once when the machine has a GPU
+    torch cannot use); 'cuda' without a GPU is an error."""
     if requested not in DEVICES:
         raise ValueError(f"device={requested!r} is not valid; expected one of {list(DEVICES)}")
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")  # hidden on purpose
+        if NVIDIA_DEVICE.exists() and not hidden:
+            _warn_unusable_gpu()
+        return "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda was requested but no CUDA device is visible; use device=cpu")
     return requested
+
+
+@functools.cache
+def _warn_unusable_gpu() -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: device=auto: this machine has an NVIDIA GPU ({NVIDIA_DEVICE}) that torch {torch.__version__} "
+            f"(CUDA {torch.version.cuda}) cannot use, so the run goes to the CPU, far slower. Usually the driver is "
+            "older than that CUDA needs (nvidia-smi shows its version): update it or install a torch built for it. "
+            "device=cpu runs on the CPU without this warning; device=cuda makes it an error.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _free_port() -> int:

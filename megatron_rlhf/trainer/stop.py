@@ -1,6 +1,8 @@
 """Stopping a run early. On request: a scheduler's SIGTERM (or SIGUSR1 sent ahead of a preemption) and
 Ctrl-C (SIGINT) end the run at the next step boundary, after a checkpoint, so that the same command
-started again continues where it stopped. A second signal ends the process at once.
+started again continues where it stopped. A second signal ends the process at once, unless it comes
+within ``SAME_REQUEST_S`` of the first: one request delivered twice (Slurm signals every process of
+a job step, and torchrun forwards the same signal to its workers).
 
 Signals reach ranks at different times (or only one rank): at every step boundary the ranks agree
 (one small all-reduce) so that all of them stop after the same step. A step that waits on reward
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from types import FrameType
 from typing import Any
 
@@ -19,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.metrics.log import log
+
+SAME_REQUEST_S = 1.0
+"""A second signal this soon after the first is the same request, delivered by another route."""
 
 EXIT_CODES = {signal.SIGTERM: 0, signal.SIGUSR1: 0, signal.SIGINT: 130}
 """The exit code of a run stopped by each signal after its checkpoint (130: interrupted, as shells report Ctrl-C)."""
@@ -42,6 +48,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.code: int | None = None
+        self._first_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -58,9 +65,11 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         if self.code is not None:
+            if time.monotonic() - self._first_at < SAME_REQUEST_S:
+                return
             log(f"{sig.name} again: exiting now, without a checkpoint")
             os._exit(128 + signum)
-        self.code = EXIT_CODES[sig]
+        self.code, self._first_at = EXIT_CODES[sig], time.monotonic()
         log(f"{sig.name} received: saving a checkpoint after this step, then exiting ({sig.name} again: exit now)")
 
     def agreed(self) -> int | None:
