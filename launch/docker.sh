@@ -46,7 +46,11 @@ case "${1:-}" in
     run_flags
     # The checkout is mounted over the image's copy (the editable install points there), so
     # local edits run without a rebuild. PYTHON=python: never the host .venv that comes with it.
-    exec "$DOCKER" run "${flags[@]}" -v "$ROOT:$WORKDIR" -w "$WORKDIR" -e PYTHON=python \
+    # As the host user, so that runs/ and caches written into the checkout stay theirs (HOME in
+    # /tmp: the image has no home for that user; its caches are the container's).
+    user=()
+    [[ "$(id -u)" == 0 ]] || user=(--user "$(id -u):$(id -g)" -e HOME=/tmp)
+    exec "$DOCKER" run "${flags[@]}" "${user[@]}" -v "$ROOT:$WORKDIR" -w "$WORKDIR" -e PYTHON=python \
       "$IMAGE" launch/torchrun.sh "$@"
     ;;
   health)
