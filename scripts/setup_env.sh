@@ -25,6 +25,11 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup_env: creating .venv with $py"
   "$py" -m venv .venv
 fi
+if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  echo "setup_env: .venv has Python $(.venv/bin/python -V 2>&1 | cut -d' ' -f2); megatron-core needs >= 3.12:" \
+       "delete .venv and run this again with Python 3.12 (PYTHON=/path/to/python3.12)" >&2
+  exit 1
+fi
 
 # The stamp's name says which setup.py and constraints it installed; its lines, which extras.
 stamp=".venv/.megatron-rlhf-$(cat setup.py constraints-ci.txt | sha256sum | cut -c1-16)"
