@@ -64,5 +64,8 @@ class MultiTurnConfig:
                 "tool_config_path: multi-turn rollouts (enable=true) need the tools file, or an "
                 "interactions file (interaction_config_path)"
             )
+        given = [name for name in ("tool_config_path", "interaction_config_path") if getattr(self, name)]
+        if given and not self.enable:
+            errors.append(f"{' and '.join(given)} given, but enable=false: rollouts are single-turn; set enable=true")
         errors += file_errors("tool_config_path", self.tool_config_path, load_tools)
         return errors + file_errors("interaction_config_path", self.interaction_config_path, load_interactions)

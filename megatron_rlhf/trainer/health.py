@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 from megatron_rlhf.config.fields import at_least
@@ -48,6 +48,17 @@ SIGNALS: tuple[Signal, ...] = (
     "slow",
     "jitter",
 )
+
+SIGNAL_SETTINGS: dict[Signal, str] = {
+    "entropy_collapse": "min_entropy",
+    "length_collapse": "min_response_length",
+    "length_blowup": "max_response_length",
+    "uniform_groups": "max_uniform_group_fraction",
+    "kl_blowup": "max_kl",
+    "slow": "max_phase_s",
+    "jitter": "max_phase_std_s",
+}
+"""Each signal's setting: its threshold (0 or empty: off)."""
 
 ENTROPY_METRIC = "actor/entropy"
 LENGTH_METRIC = "response_length/mean"
@@ -142,17 +153,23 @@ class HealthConfig:
         return errors
 
     def signal_enabled(self, signal: Signal) -> bool:
-        return bool(
-            {
-                "entropy_collapse": self.min_entropy,
-                "length_collapse": self.min_response_length,
-                "length_blowup": self.max_response_length,
-                "uniform_groups": self.max_uniform_group_fraction,
-                "kl_blowup": self.max_kl,
-                "slow": self.max_phase_s,
-                "jitter": self.max_phase_std_s,
-            }[signal]
-        )
+        return bool(getattr(self, SIGNAL_SETTINGS[signal]))
+
+    def reach_errors(self, reported: Collection[Signal], phases: Collection[str]) -> list[str]:
+        """What a run could never act on: a signal set whose figure it does not report (``reported``:
+        the signals it can fire), and a phase it does not time (``phases``, each with a
+        ``timing_s/<phase>/std``; ``step``, every trainer's whole step, has no std)."""
+        errors = [
+            f"health.{SIGNAL_SETTINGS[s]}={getattr(self, SIGNAL_SETTINGS[s])}: this run never reports the figure the "
+            f"{s} signal reads, so it could never fire"
+            for s in SIGNALS
+            if s not in ("slow", "jitter") and self.signal_enabled(s) and s not in reported
+        ]
+        for name, allowed in (("max_phase_s", [*phases, "step"]), ("max_phase_std_s", list(phases))):
+            unknown = [phase for phase in getattr(self, name) if phase not in allowed]
+            if unknown:
+                errors.append(f"health.{name}: {unknown} are not phases of this run; they are {allowed}")
+        return errors
 
     def validation_errors(
         self, validation: list[str], eval_every: int, figures: Sequence[str], *, per_source: bool = False

@@ -286,6 +286,8 @@ def write_run_files(cfg: LoopConfig, out_dir: Path, facts: RunFacts, tokenizer: 
             _check_resume(cfg, claim)
         except ConfigError as err:
             refusal[0] = err
+        except Exception as err:  # reaches the other ranks too, which would wait in the broadcast until the timeout
+            refusal[0] = ConfigError(f"output_dir={cfg.output_dir!r}: setting up the run's files failed: {err!r}")
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         if claim.lock is not None:
@@ -314,6 +316,11 @@ def _fetch_remote(cfg: LoopConfig, out_dir: Path) -> None:
         raise ConfigError(str(err)) from err
     except OSError as err:  # the storage failed while the checkpoint was downloaded
         raise ConfigError(f"remote_dir={cfg.remote_dir!r}: downloading its newest checkpoint failed: {err!r}") from err
+    except Exception as err:  # the storage library's own errors, e.g. botocore's NoCredentialsError
+        raise ConfigError(
+            f"remote_dir={cfg.remote_dir!r}: {type(err).__name__}: {err} (credentials and endpoint come from the "
+            "environment, e.g. AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for s3://)"
+        ) from err
 
 
 def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:

@@ -129,6 +129,11 @@ class LoopConfig(RunConfig):
                 f"remote_dir={self.remote_dir!r} must be a URL with a protocol and a path: s3://bucket/prefix, "
                 "gs://bucket/prefix, hdfs://namenode:8020/path or file:///shared/path"
             ]
+        if protocol == "file" and not rest.startswith("/"):
+            return [
+                f"remote_dir={self.remote_dir!r}: a file:// URL takes an absolute path, file:///shared/path (this "
+                "one would be relative to each node's working directory, which a requeued job may not see)"
+            ]
         return []
 
     def resume_from(self) -> Path | None:

@@ -55,6 +55,7 @@ from megatron_rlhf.algorithms.kl import (
     controller_kl,
 )
 from megatron_rlhf.algorithms.utils import last_valid, masked_mean
+from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import PromptDataset, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
@@ -182,6 +183,12 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         details=f"advantages {cfg.algorithm.advantage_estimator}, ",
     )
     tokenizer = start.tokenizer
+    _check_val_metric_source(cfg, validation)
+    # A tokenizer without a chat template, a tool unlike its schema, or a prompt's tools_kwargs or
+    # interaction_kwargs that the files do not match fails here, before any model is built.
+    agent_parts = AgentParts.load(rollout.multi_turn) if rollout.multi_turn.enable else None
+    with tool_agent(cfg, tokenizer, agent_parts, [*prompts.extras, *(validation.extras if validation else [])]):
+        pass
     actor = make_train_state(start.build("actor"), cfg.actor_optim)
     critic = make_train_state(start.build("critic"), cfg.critic_optim) if "critic" in archs else None
     reference = updater = None
@@ -240,12 +247,8 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         old_logprob_pass=recompute,
         claim=start.claim,
         timer=PhaseTimer(env.device),
-        agent_parts=AgentParts.load(rollout.multi_turn) if rollout.multi_turn.enable else None,
+        agent_parts=agent_parts,
     )
-    # A tokenizer without a chat template, a tool unlike its schema, or a prompt's tools_kwargs or
-    # interaction_kwargs that the files do not match fails here, not at some later step.
-    with tool_agent(run, [*prompts.extras, *(validation.extras if validation is not None else [])]):
-        pass
     if cfg.warmup == "always" or (cfg.warmup == "auto" and env.device.type == "cuda"):
         with timed("warm-up (one step's kernels, decode graphs and memory, nothing kept)", env.device):
             warm_up(run)
@@ -544,7 +547,7 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
             generator = torch.Generator().manual_seed(seed)
             indices = torch.randperm(len(run.prompts), generator=generator)[:wanted].tolist()
         examples = [run.prompts[i] for i in indices]
-        with timer.phase("gen"), tool_agent(run, [p.extras for p in examples]) as agent:
+        with timer.phase("gen"), tool_agent(cfg, run.tokenizer, run.agent_parts, [p.extras for p in examples]) as agent:
             prompts = [p.prompt_ids.tolist() for p in examples]
             params = dataclasses.replace(rollout.sampling, seed=seed)
             completions = run.generation.generate(prompts, params, timer, agent)
@@ -579,17 +582,17 @@ def sample_rollout(run: PPORun, step: int, indices: list[int]) -> Rollout:
 
 
 @contextlib.contextmanager
-def tool_agent(run: PPORun, extras: Sequence[Mapping[str, Any]]) -> Iterator[ToolAgent | None]:
+def tool_agent(
+    cfg: PPOConfig, tokenizer: Tokenizer, parts: AgentParts | None, extras: Sequence[Mapping[str, Any]]
+) -> Iterator[ToolAgent | None]:
     """The environment of multi-turn rollouts of the prompts whose ``extras`` these are (each
     prompt's ``tools_kwargs`` and ``interaction_kwargs``), its workers stopped on leaving; None for
-    single-turn rollouts."""
-    parts = run.agent_parts
+    single-turn rollouts (``parts`` None)."""
     if parts is None:
         yield None
         return
-    cfg = run.cfg
     with ToolAgent(
-        cfg.rollout.multi_turn, run.tokenizer, parts.tools, extras, cfg.data.chat_template_kwargs, parts.interactions
+        cfg.rollout.multi_turn, tokenizer, parts.tools, extras, cfg.data.chat_template_kwargs, parts.interactions
     ) as agent:
         yield agent
 
@@ -748,7 +751,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor, torch.Tensor]:
         """Completions, their raw scores and whether each is correct, (prompts, n)."""
         params = dataclasses.replace(cfg.rollout.sampling, temperature=temperature, n=n, seed=cfg.seed)
-        with tool_agent(run, extras) as agent:
+        with tool_agent(run.cfg, run.tokenizer, run.agent_parts, extras) as agent:
             completions = run.generation.generate(ids, params, agent=agent)
         scores = run.scorer.score(rollout_batch(completions, run.tokenizer.pad_id), completions, extras, run.texts)
         judged = scores.parts[ev.judged_by] if ev.judged_by else scores.raw
@@ -767,6 +770,21 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
             out |= {f"{snake_case(source)}/{name}": float(v[rows].mean()) for name, v in figures.items()}
     out |= trajectory_metrics(greedy)
     return out, {"samples": sample_rows(run, greedy[: ev.samples], greedy_raw[: ev.samples, 0])}
+
+
+def _check_val_metric_source(cfg: PPOConfig, validation: PromptDataset | None) -> None:
+    """A ``health.val_metric`` of one data source (``<data_source>/<figure>``) must name a source the
+    validation prompts have: checked once they are read, not at the first evaluation."""
+    source = cfg.health.val_metric.rpartition("/")[0]
+    if not (cfg.health.val_patience and source):
+        return
+    extras = validation.extras if validation is not None else []
+    sources = sorted({snake_case(str(e["data_source"])) for e in extras if e.get("data_source")})
+    if source not in sources:
+        have = f"they have {sources}" if sources else "they carry none, so only the figures without a prefix exist"
+        raise ConfigError(
+            f"health.val_metric={cfg.health.val_metric!r}: no validation prompt has the data_source {source!r}; {have}"
+        )
 
 
 # --------------------------------------------------------------------------- step helpers

@@ -29,6 +29,7 @@ from megatron_rlhf.rewards.custom import CustomRewardFunction
 from megatron_rlhf.rewards.rules import RewardRule
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.trainer.health import SIGNALS, Signal
 from megatron_rlhf.trainer.loop_config import LoopConfig, eval_every_errors
 from megatron_rlhf.training.config import OptimConfig, PPOLossConfig
 
@@ -256,6 +257,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
         )
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.eval.figures, per_source=True)
+    errors += cfg.health.reach_errors(*_watched(cfg, roles))
     errors += eval_every_errors(cfg.eval_every, data.validation)
     multi_turn = rollout.multi_turn
     if multi_turn.enable and data.tools_file and data.tools_file != multi_turn.tool_config_path:
@@ -303,6 +305,18 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             errors += _batch_errors(cfg, world_size, roles)
     raise_if_errors(errors)
     return CheckedConfig(archs, rules, function)
+
+
+def _watched(cfg: PPOConfig, roles: list[str]) -> tuple[list[Signal], list[str]]:
+    """The health signals a step of this run can fire (no KL without a reference), and its phases
+    (``ppo_step``'s, those of the models and passes it has)."""
+    signals = [s for s in SIGNALS if s != "kl_blowup" or "reference" in roles]
+    phases = ["gen", "reward", "adv", "update_actor"]
+    phases += ["ref"] if "reference" in roles else []
+    phases += ["old_log_prob"] if old_logprob_pass(cfg)[0] else []
+    phases += ["values", "update_critic"] if "critic" in roles else []
+    phases += ["update_ref"] if cfg.reference.update != "none" else []
+    return signals, phases
 
 
 def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str]:

@@ -69,6 +69,7 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
         errors.append("data.train is empty: give the training files, e.g. data.train=[path/to/train.jsonl]")
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.VALIDATION_FIGURES)
+    errors += cfg.health.reach_errors((), ())  # a supervised step times only itself, and reports no RL signal
     errors += cfg.length_errors(data.max_length, "data.max_length")
     errors += eval_every_errors(cfg.eval_every, data.validation)
     raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_ppo import _check_keys, _lowercase_fraction
-from tests.launch import run_cli
+from tests.launch import run_cli, run_cli_here
 
 
 @pytest.mark.distributed
@@ -55,3 +55,24 @@ def test_validation_figures_match_the_samples_and_run_at_the_asked_steps(tmp_pat
         assert v["alpha/greedy_reward"] == pytest.approx(sum(rewards[:3]) / 3, abs=1e-6)
         assert v["beta/greedy_accuracy"] == pytest.approx(sum(r >= 0.5 for r in rewards[3:]) / 3)
         assert 0.0 <= v["sampled_reward"] <= 1.0 and 0.0 <= v["pass_at_3"] <= 1.0
+
+
+@pytest.mark.distributed
+def test_a_watched_figure_of_a_data_source_the_validation_lacks_is_refused_before_the_models(tmp_path: Path) -> None:
+    """Before: accepted up front (only its figure part was checked), then a KeyError traceback at the
+    first evaluation."""
+    train, prompts = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"Tell {i}:", "data_source": "a"}) + "\n" for i in range(16)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}:", "data_source": s}) + "\n" for i, s in enumerate("ab"))
+    )
+    refused = run_cli_here(
+        "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'run'}", f"data.train=[{train}]",
+        f"data.validation=[{prompts}]", "data.extra_keys=[data_source]", "eval_every=1", "health.val_patience=2",
+        "health.val_metric=c/greedy_accuracy", exit_code=2,
+    )  # fmt: skip
+    expected = (
+        "health.val_metric='c/greedy_accuracy': no validation prompt has the data_source 'c'; they have ['a', 'b']"
+    )
+    assert expected in refused.stderr
+    assert "build+load" not in refused.stdout

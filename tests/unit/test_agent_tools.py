@@ -176,14 +176,14 @@ def test_the_builtin_tools_files_build_their_tools_and_an_unknown_one_is_named()
 def test_a_bad_class_path_is_named_up_front(tmp_path: Path, class_name: str, says: str) -> None:
     path = tmp_path / "tools.yaml"
     path.write_text(TOOLS_YAML.format(class_name=class_name))
-    (error,) = config_errors(tool_config_path=str(path))
+    (error,) = config_errors(enable=True, tool_config_path=str(path))
     assert error.startswith(f"tool_config_path: {path}: ") and says in error, error
 
 
 def test_a_bad_schema_and_bad_settings_are_named_up_front(tmp_path: Path) -> None:
     path = tmp_path / "tools.yaml"
     path.write_text(TOOLS_YAML.format(class_name="x.Y").replace("name: calculator", "name: 7"))
-    errors = config_errors(tool_config_path=str(path), format="json", max_parallel_calls=0)
+    errors = config_errors(enable=True, tool_config_path=str(path), format="json", max_parallel_calls=0)
     assert errors[0] == "max_parallel_calls=0 must be >= 1"
     assert errors[1].startswith("format='json' must be one of ['hermes']")
     assert errors[2] == (
@@ -191,6 +191,8 @@ def test_a_bad_schema_and_bad_settings_are_named_up_front(tmp_path: Path) -> Non
         "(a non-empty string), got 7"
     )
     assert MultiTurnConfig(enable=False).errors() == []
+    (ignored,) = config_errors(tool_config_path="builtin:calculator")  # before: accepted, and never used
+    assert ignored == "tool_config_path given, but enable=false: rollouts are single-turn; set enable=true"
     with pytest.raises(ValueError, match="tool_config_path: multi-turn rollouts"):
         MultiTurnConfig(enable=True)
 

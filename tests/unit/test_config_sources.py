@@ -148,6 +148,24 @@ def test_settings_a_run_would_silently_ignore_are_refused_together(
     assert "rollout.sampling.stop_token_ids=(99999,) holds ids outside the actor's vocabulary" in err
 
 
+def test_a_health_watch_that_could_never_fire_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a misspelled phase, a KL limit without a reference, and sft given an RL signal were
+    accepted, and the watch never acted on them."""
+    ppo = ["ppo", "--config", "ppo-tiny", f"output_dir={tmp_path}", "--print-config"]
+    assert main([*ppo, "health.max_phase_s={genn: 1, step: 9}", "health.roll_back_on=[slow]"]) == 2
+    assert (
+        "health.max_phase_s: ['genn'] are not phases of this run; they are ['gen', 'reward'" in capsys.readouterr().err
+    )
+    assert main([*ppo, "health.max_kl=5", "algorithm.loss.kl_loss_coef=0"]) == 2  # ppo-tiny's only KL term
+    assert "health.max_kl=5.0: this run never reports the figure the kl_blowup signal reads" in capsys.readouterr().err
+    assert main([*ppo, "health.max_phase_s={step: 9, gen: 5}", "health.max_phase_std_s={update_actor: 1}"]) == 0
+    sft = ["sft", "--config", "sft-tiny", "data.train=[builtin:arithmetic-sft]", f"output_dir={tmp_path}"]
+    assert main([*sft, "health.min_entropy=1", "health.max_phase_std_s={step: 1}", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "health.min_entropy=1.0: this run never reports" in err
+    assert "health.max_phase_std_s: ['step'] are not phases of this run; they are []" in err
+
+
 def test_a_run_refuses_a_bad_config_before_torch_distributed_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

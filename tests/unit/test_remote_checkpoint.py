@@ -207,6 +207,15 @@ def test_remote_dir_must_be_a_url(bad: str) -> None:
     assert not [e for e in LoopConfig(remote_dir="s3://bucket/prefix/").errors() if "remote_dir" in e]
 
 
+def test_a_file_url_with_a_relative_path_is_refused() -> None:
+    """Before: file://relative/path was each node's own ./relative/path, out of a requeued job's reach."""
+    from megatron_rlhf.trainer.loop_config import LoopConfig
+
+    (error,) = [e for e in LoopConfig(remote_dir="file://relative/path").errors() if "remote_dir" in e]
+    assert error.startswith("remote_dir='file://relative/path': a file:// URL takes an absolute path")
+    assert not [e for e in LoopConfig(remote_dir="file:///shared/ckpts").errors() if "remote_dir" in e]
+
+
 def test_the_mirror_uploads_in_the_background_and_reports_a_failure(
     world_of_one, s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
 ) -> None:
@@ -246,3 +255,24 @@ def test_a_resumed_checkpoint_missing_remotely_is_uploaded(
     mirror.catch_up(step_4, None)  # the remote's latest names it already: nothing to do
     mirror.wait(required=True)
     assert "uploading it" not in capsys.readouterr().out
+
+
+def test_a_storage_librarys_own_error_is_a_config_error_naming_remote_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: botocore's NoCredentialsError (no OSError) escaped on rank 0 alone, before the
+    broadcast that tells the other ranks, which then waited until the collective timeout."""
+    from megatron_rlhf.config.loader import ConfigError
+    from megatron_rlhf.trainer import loop
+    from megatron_rlhf.trainer.loop_config import LoopConfig
+
+    class NoCredentialsError(Exception):  # botocore's has this name and no OSError base
+        pass
+
+    def no_credentials(self: object) -> None:
+        raise NoCredentialsError("Unable to locate credentials")
+
+    monkeypatch.setattr(loop.RemoteDir, "check_writable", no_credentials)
+    cfg = LoopConfig(remote_dir="s3://bucket/run", output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"remote_dir='s3://bucket/run': NoCredentialsError: Unable to locate"):
+        loop._fetch_remote(cfg, tmp_path)
