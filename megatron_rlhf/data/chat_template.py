@@ -190,6 +190,35 @@ def tool_schema_problem(schema: Any, where: str) -> str | None:
     if not isinstance(function.get("name"), str) or not function["name"]:
         got = f"{function.get('name')!r:.60}"
         return f"{where}.function.name: expected the function's name (a non-empty string), got {got}"
+    if schema.get("type", "function") != "function":
+        return f"{where}.type: expected 'function' (or no type), got {schema['type']!r:.60}"
+    return _parameters_problem(function.get("parameters"), f"{where}.function.parameters")
+
+
+JSON_SCHEMA_TYPES = ("string", "integer", "number", "boolean", "array", "object", "null")
+
+
+def _parameters_problem(parameters: Any, where: str) -> str | None:
+    """What makes a function's ``parameters`` no JSON Schema of an object whose ``required``
+    arguments are among its ``properties`` (None: fine, or absent): the calls the model makes are
+    checked against it, so a slip here would refuse every call, mid-run."""
+    if parameters is None:
+        return None
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        return f"{where}: expected a JSON Schema {{type: object, properties, required}}, got {parameters!r:.60}"
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict):
+        return f"{where}.properties: expected a mapping of argument name -> schema, got {properties!r:.60}"
+    for name, spec in properties.items():
+        kinds = spec.get("type") if isinstance(spec, dict) else None
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if not isinstance(spec, dict) or (kinds is not None and not set(kinds) <= set(JSON_SCHEMA_TYPES)):
+            expected = f"a schema whose type is one of {list(JSON_SCHEMA_TYPES)}"
+            return f"{where}.properties.{name}: expected {expected}, got {spec!r:.60}"
+    required = parameters.get("required", [])
+    unknown = [r for r in required if r not in properties] if isinstance(required, list) else required
+    if unknown:
+        return f"{where}.required: {unknown!r:.60} are not among its properties {list(properties)}"
     return None
 
 

@@ -180,6 +180,26 @@ def test_a_bad_class_path_is_named_up_front(tmp_path: Path, class_name: str, say
     assert error.startswith(f"tool_config_path: {path}: ") and says in error, error
 
 
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (("type: function", "type: functon"), "tools[0].tool_schema.type: expected 'function' (or no type), got 'functon'"),
+        (("required: [expression]", "required: [expresion]"), "parameters.required: ['expresion'] are not among its properties ['expression']"),
+        (("expression: {type: string}", "expression: {type: str}"), "parameters.properties.expression: expected a schema whose type is one of"),
+    ],
+)  # fmt: skip
+def test_a_tool_schema_that_would_refuse_every_call_is_named_up_front(
+    tmp_path: Path, edit: tuple[str, str], says: str
+) -> None:
+    """Before: accepted, and mid-run every correct call was refused against the slip."""
+    path = tmp_path / "tools.yaml"
+    text = TOOLS_YAML.format(class_name="megatron_rlhf.agent.builtin_tools.Calculator")
+    assert edit[0] in text
+    path.write_text(text.replace(*edit))
+    (error,) = config_errors(enable=True, tool_config_path=str(path))
+    assert error.startswith(f"tool_config_path: {path}: ") and says in error, error
+
+
 def test_a_bad_schema_and_bad_settings_are_named_up_front(tmp_path: Path) -> None:
     path = tmp_path / "tools.yaml"
     path.write_text(TOOLS_YAML.format(class_name="x.Y").replace("name: calculator", "name: 7"))
