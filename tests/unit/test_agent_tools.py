@@ -183,11 +183,17 @@ def test_a_bad_class_path_is_named_up_front(tmp_path: Path, class_name: str, say
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
-        (("type: function", "type: functon"), "tools[0].tool_schema.type: expected 'function' (or no type), got 'functon'"),
-        (("required: [expression]", "required: [expresion]"), "parameters.required: ['expresion'] are not among its properties ['expression']"),
-        (("expression: {type: string}", "expression: {type: str}"), "parameters.properties.expression: expected a schema whose type is one of"),
+        (("type: function", "type: functon"), "tool_schema.type: expected 'function' (or no type), got 'functon'"),
+        (
+            ("required: [expression]", "required: [expresion]"),
+            "parameters.required: ['expresion'] are not among its properties ['expression']",
+        ),
+        (
+            ("expression: {type: string}", "expression: {type: str}"),
+            "parameters.properties.expression: expected a schema whose type is one of",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_tool_schema_that_would_refuse_every_call_is_named_up_front(
     tmp_path: Path, edit: tuple[str, str], says: str
 ) -> None:
