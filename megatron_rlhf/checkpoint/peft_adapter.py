@@ -160,7 +160,7 @@ def adapter_errors(setting: str, lora: LoraConfig, arch: Architecture) -> list[s
     if not isinstance(config, dict):
         return [f"{config_file}: expected a JSON object, found {type(config).__name__}"]
     errors = _feature_errors(config_file, config) + _setting_errors(setting, config_file, config, lora)
-    return errors or _tensor_errors(weights_file, lora, arch)
+    return errors or [f"{where}: {problem}" for problem in _tensor_errors(weights_file, lora, arch)]
 
 
 def _feature_errors(config_file: Path, config: dict[str, Any]) -> list[str]:
@@ -232,11 +232,15 @@ def _tensor_errors(weights_file: Path, lora: LoraConfig, arch: Architecture) -> 
     base = (
         f"for r={lora.rank} on a {arch.hf_class_name} of {arch.num_layers} layers (an adapter of another base model?)"
     )
-    errors = [
-        f"{weights_file}: tensor {name!r} has shape {list(found[name])}, expected {list(shape)} {base}"
-        for name, shape in expected.items()
-        if name in found and found[name] != shape
-    ]
+    wrong = [name for name, shape in expected.items() if name in found and found[name] != shape]
+    errors = (
+        [
+            f"{weights_file}: {len(wrong)} tensor(s) of another shape, e.g. {wrong[0]!r} has "
+            f"{list(found[wrong[0]])}, expected {list(expected[wrong[0]])} {base}"
+        ]
+        if wrong
+        else []
+    )
     missing = [name for name in expected if name not in found]
     if missing:
         errors.append(

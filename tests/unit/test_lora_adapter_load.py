@@ -130,7 +130,8 @@ LAYER0_Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
         (
             {},
             lambda t: t | {LAYER0_Q_A: torch.zeros(RANK, 32)},
-            f"tensor '{LAYER0_Q_A}' has shape [4, 32], expected [4, 64] for r=4 on a LlamaForCausalLM of 4 layers",
+            f"1 tensor(s) of another shape, e.g. '{LAYER0_Q_A}' has [4, 32], expected [4, 64] for r=4 on a "
+            "LlamaForCausalLM of 4 layers",
         ),
         (
             {},
