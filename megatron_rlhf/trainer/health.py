@@ -60,6 +60,17 @@ SIGNAL_SETTINGS: dict[Signal, str] = {
 }
 """Each signal's setting: its threshold (0 or empty: off)."""
 
+_NO_FIGURE: dict[Signal, str] = {
+    "entropy_collapse": "no policy entropy: only RL steps report it",
+    "length_collapse": "no sampled responses: only RL steps have them",
+    "length_blowup": "no sampled responses: only RL steps have them",
+    "uniform_groups": "no groups: only RL steps with rollout.sampling.n > 1 have them",
+    "kl_blowup": "no KL: it needs a reference, which a KL penalty or KL loss brings",
+    "slow": "",
+    "jitter": "",
+}
+"""Why a run may have no figure for a signal (``reach_errors``)."""
+
 ENTROPY_METRIC = "actor/entropy"
 LENGTH_METRIC = "response_length/mean"
 UNIFORM_METRIC = "rollout/uniform_group_fraction"
@@ -160,8 +171,8 @@ class HealthConfig:
         the signals it can fire), and a phase it does not time (``phases``, each with a
         ``timing_s/<phase>/std``; ``step``, every trainer's whole step, has no std)."""
         errors = [
-            f"health.{SIGNAL_SETTINGS[s]}={getattr(self, SIGNAL_SETTINGS[s])}: this run never reports the figure the "
-            f"{s} signal reads, so it could never fire"
+            f"health.{SIGNAL_SETTINGS[s]}={getattr(self, SIGNAL_SETTINGS[s])}: this run has no figure the {s} "
+            f"signal could act on ({_NO_FIGURE[s]})"
             for s in SIGNALS
             if s not in ("slow", "jitter") and self.signal_enabled(s) and s not in reported
         ]

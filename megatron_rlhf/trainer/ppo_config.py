@@ -258,6 +258,12 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
     errors += data_path_errors("data.train", data.train) + data_path_errors("data.validation", data.validation)
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.eval.figures, per_source=True)
     errors += cfg.health.reach_errors(*_watched(cfg, roles))
+    errors += _length_watch_errors(cfg)
+    if "critic" not in roles and cfg.critic.lora.rank > 0:
+        errors.append(
+            f"critic.lora.rank={cfg.critic.lora.rank}: this run builds no critic "
+            f"(algorithm.advantage_estimator={algo.advantage_estimator!r}); remove the critic's LoRA settings"
+        )
     errors += eval_every_errors(cfg.eval_every, data.validation)
     multi_turn = rollout.multi_turn
     if multi_turn.enable and data.tools_file and data.tools_file != multi_turn.tool_config_path:
@@ -308,15 +314,37 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
 
 
 def _watched(cfg: PPOConfig, roles: list[str]) -> tuple[list[Signal], list[str]]:
-    """The health signals a step of this run can fire (no KL without a reference), and its phases
-    (``ppo_step``'s, those of the models and passes it has)."""
-    signals = [s for s in SIGNALS if s != "kl_blowup" or "reference" in roles]
+    """The health signals a step of this run can fire, and its phases (``ppo_step``'s, those of the
+    models and passes it has). No KL without a reference, and no uniform groups of one sample."""
+    signals = [
+        s
+        for s in SIGNALS
+        if (s != "kl_blowup" or "reference" in roles) and (s != "uniform_groups" or cfg.rollout.sampling.n > 1)
+    ]
     phases = ["gen", "reward", "adv", "update_actor"]
     phases += ["ref"] if "reference" in roles else []
     phases += ["old_log_prob"] if old_logprob_pass(cfg)[0] else []
     phases += ["values", "update_critic"] if "critic" in roles else []
     phases += ["update_ref"] if cfg.reference.update != "none" else []
     return signals, phases
+
+
+def _length_watch_errors(cfg: PPOConfig) -> list[str]:
+    """Response-length signals that every step would fire, or none could: a response is at most
+    ``rollout.sampling.max_new_tokens`` long."""
+    longest, health = cfg.rollout.sampling.max_new_tokens, cfg.health
+    errors = []
+    if health.min_response_length >= longest:
+        errors.append(
+            f"health.min_response_length={health.min_response_length} is not below rollout.sampling.max_new_tokens="
+            f"{longest}: every step would fire length_collapse"
+        )
+    if health.max_response_length >= longest:
+        errors.append(
+            f"health.max_response_length={health.max_response_length} is not below rollout.sampling.max_new_tokens="
+            f"{longest}: length_blowup could never fire"
+        )
+    return errors
 
 
 def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str]:

@@ -157,12 +157,22 @@ def test_a_health_watch_that_could_never_fire_is_refused(tmp_path: Path, capsys:
         "health.max_phase_s: ['genn'] are not phases of this run; they are ['gen', 'reward'" in capsys.readouterr().err
     )
     assert main([*ppo, "health.max_kl=5", "algorithm.loss.kl_loss_coef=0"]) == 2  # ppo-tiny's only KL term
-    assert "health.max_kl=5.0: this run never reports the figure the kl_blowup signal reads" in capsys.readouterr().err
+    assert (
+        "health.max_kl=5.0: this run has no figure the kl_blowup signal could act on (no KL" in capsys.readouterr().err
+    )
     assert main([*ppo, "health.max_phase_s={step: 9, gen: 5}", "health.max_phase_std_s={update_actor: 1}"]) == 0
+    # ppo-tiny samples at most 24 tokens, 4 per prompt
+    lengths = ["health.min_response_length=30", "health.max_response_length=100", "critic.lora.rank=8"]
+    assert main([*ppo, *lengths, "health.max_uniform_group_fraction=0.5", "rollout.sampling.n=1"]) == 2
+    err = capsys.readouterr().err
+    assert "health.min_response_length=30.0 is not below rollout.sampling.max_new_tokens=24: every step" in err
+    assert "health.max_response_length=100.0 is not below rollout.sampling.max_new_tokens=24: length_blowup" in err
+    assert "health.max_uniform_group_fraction=0.5: this run has no figure the uniform_groups signal" in err
+    assert "critic.lora.rank=8: this run builds no critic (algorithm.advantage_estimator='grpo')" in err
     sft = ["sft", "--config", "sft-tiny", "data.train=[builtin:arithmetic-sft]", f"output_dir={tmp_path}"]
     assert main([*sft, "health.min_entropy=1", "health.max_phase_std_s={step: 1}", "--print-config"]) == 2
     err = capsys.readouterr().err
-    assert "health.min_entropy=1.0: this run never reports" in err
+    assert "health.min_entropy=1.0: this run has no figure the entropy_collapse signal could act on" in err
     assert "health.max_phase_std_s: ['step'] are not phases of this run; they are []" in err
 
 
