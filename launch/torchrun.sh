@@ -72,7 +72,7 @@ while [[ $# -gt 0 ]]; do
     *) break ;;
   esac
 done
-[[ $# -gt 0 ]] || die "missing SUBCOMMAND (ppo, sft, rm, generate, smoke, convert, config, ...)"
+[[ $# -gt 0 ]] || die "missing SUBCOMMAND (ppo, sft, rm, pipeline, generate, plan, convert, smoke)"
 
 if [[ -z "$NPROC" ]]; then
   NPROC="$(count_gpus)"

@@ -176,9 +176,11 @@ class PythonTool(BaseTool):
             if key in self.SETTINGS and not (isinstance(value, (int, float)) and value > 0)
         ]
         if unknown or bad:
+            problems = ([f"unknown keys {unknown}"] if unknown else []) + (
+                [f"not positive numbers {bad}"] if bad else []
+            )
             raise ValueError(
-                f"PythonTool config: unknown keys {unknown}, not positive numbers {bad}; "
-                f"the keys and their defaults are {dict(self.SETTINGS)}"
+                f"PythonTool config: {', '.join(problems)}; the keys and their defaults are {dict(self.SETTINGS)}"
             )
         self.limits = {**self.SETTINGS, **self.config}
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.agent.tools import import_class
-from megatron_rlhf.data.chat_template import verl_file_entries
+from megatron_rlhf.data.chat_template import check_entry_fields, verl_file_entries
 
 __all__ = ["BaseInteraction", "interaction_of", "load_interactions"]
 
@@ -65,7 +65,7 @@ def load_interactions(path: str) -> dict[str, Any]:
         Path(path),
         "interaction",
         "interactions",
-        "{name, class_name, config}",
+        ("name", "class_name", "config"),
         "interaction_config_path",
         nonempty=True,
     )
@@ -73,6 +73,7 @@ def load_interactions(path: str) -> dict[str, Any]:
         where = f"{path}: interaction[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: expected a mapping {{name, class_name, config}}, got {entry!r:.60}")
+        check_entry_fields(where, entry, ("name", "class_name", "config"))
         cls = import_class(entry.get("class_name"), f"{where}.class_name", _METHODS, _BASE)
         config = entry.get("config") or {}
         if not isinstance(config, dict):

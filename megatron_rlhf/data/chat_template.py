@@ -25,6 +25,7 @@ The rendered text is then tokenized with no special tokens added: the template w
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -43,6 +44,7 @@ __all__ = [
     "SPECIAL_TOKEN_VARIABLES",
     "ChatTemplate",
     "ChatTemplateError",
+    "check_entry_fields",
     "load_tool_entries",
     "load_tool_schemas",
     "template_variable_errors",
@@ -242,11 +244,12 @@ def tools_file_path(path: str | Path) -> Path:
 
 
 def verl_file_entries(
-    path: Path, key: str, noun: str, entry: str, setting: str, *, nonempty: bool = False
+    path: Path, key: str, noun: str, fields: tuple[str, ...], setting: str, *, nonempty: bool = False
 ) -> list[Any]:
     """The top-level ``key`` list of one of verl's YAML files (its ``setting``: a tools or an
-    interactions file); ``ValueError`` names the file and says what was expected (``entry``: the
-    shape of one entry; ``nonempty``: at least one)."""
+    interactions file); ``ValueError`` names the file and says what was expected (``fields``: those
+    of one entry, any other is refused as a slip; ``nonempty``: at least one)."""
+    entry = "{" + ", ".join(fields) + "}"
     try:
         content = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -262,13 +265,24 @@ def verl_file_entries(
     return entries
 
 
+def check_entry_fields(where: str, item: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """A ``ValueError`` for a field of one entry of a verl file (at ``where``) that is none of
+    ``fields``: a slip that would otherwise be dropped unseen (``confg:``)."""
+    unknown = sorted(set(item) - set(fields))
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), fields, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{where}: unknown field(s) {unknown}, expected {{{', '.join(fields)}}}{hint}")
+
+
 def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
     """The tools of a tools file in verl's ``tool_config_path`` format (YAML, ``tools: [{class_name,
     config, tool_schema}]``), in file order, each with a valid ``tool_schema``; ``ValueError`` names
     the file and the bad field. The other fields are checked by their reader (``agent/tools.py``).
     ``builtin:NAME`` is a tools file of this package (``BUILTIN_TOOLS_FILES``)."""
     path = tools_file_path(path)
-    tools = verl_file_entries(path, "tools", "tools", "{class_name, config, tool_schema}", "tool_config_path")
+    fields = ("class_name", "config", "tool_schema")
+    tools = verl_file_entries(path, "tools", "tools", fields, "tool_config_path")
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or "tool_schema" not in tool:
             raise ValueError(
@@ -278,6 +292,7 @@ def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
         problem = tool_schema_problem(tool["tool_schema"], f"tools[{i}].tool_schema")
         if problem is not None:
             raise ValueError(f"{path}: {problem}")
+        check_entry_fields(f"{path}: tools[{i}]", tool, fields)
     return tools
 
 

@@ -222,6 +222,10 @@ BAD_FILES = {
         "  - {name: a, class_name: tests.unit.test_agent_interactions.Broken}\n"
     ): "interaction[1].name: 'a' names an earlier interaction too",
     "interaction: [\n": "not valid YAML",
+    # before: a misspelled field was dropped, and the interaction ran without its config
+    "interaction:\n  - class_name: tests.unit.test_agent_interactions.Teacher\n    cofig: {strict: true}\n": (
+        "interaction[0]: unknown field(s) ['cofig'], expected {name, class_name, config}; did you mean 'config'?"
+    ),
 }
 
 

@@ -76,6 +76,8 @@ def test_bad_settings_are_named() -> None:
     says = r"PythonTool config: unknown keys \['cpu_s'\], not positive numbers \['memory_mb'\]"
     with pytest.raises(ValueError, match=says):
         PythonTool({"cpu_s": 1, "memory_mb": 0}, SCHEMA)
+    with pytest.raises(ValueError, match=r"PythonTool config: not positive numbers \['memory_mb'\]; the keys"):
+        PythonTool({"memory_mb": 0}, SCHEMA)  # before: "unknown keys [], not positive numbers ..."
 
 
 def test_the_runs_environment_variables_stay_out(monkeypatch: pytest.MonkeyPatch) -> None:

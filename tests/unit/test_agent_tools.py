@@ -206,6 +206,17 @@ def test_a_tool_schema_that_would_refuse_every_call_is_named_up_front(
     assert error.startswith(f"tool_config_path: {path}: ") and says in error, error
 
 
+def test_a_misspelled_field_of_a_tools_file_is_named(tmp_path: Path) -> None:
+    """Before: dropped, and the tool was built without its config."""
+    path = tmp_path / "tools.yaml"
+    path.write_text(TOOLS_YAML.format(class_name="x.Y").replace("config: {}", "confg: {}"))
+    (error,) = config_errors(enable=True, tool_config_path=str(path))
+    assert error == (
+        f"tool_config_path: {path}: tools[0]: unknown field(s) ['confg'], expected {{class_name, config, "
+        "tool_schema}; did you mean 'config'?"
+    )
+
+
 def test_a_bad_schema_and_bad_settings_are_named_up_front(tmp_path: Path) -> None:
     path = tmp_path / "tools.yaml"
     path.write_text(TOOLS_YAML.format(class_name="x.Y").replace("name: calculator", "name: 7"))
