@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_rlhf.config.fields import check_on_init
 
@@ -100,6 +100,17 @@ class LoraConfig:
             errors.append(f"rank={self.rank} must be >= 0 (0: no adapters)")
         if self.adapter_path and self.rank == 0:
             errors.append(f"adapter_path={self.adapter_path!r} is set with rank=0: set rank to the adapter's r")
+        defaults = LoraConfig.__dataclass_fields__
+        adapter_settings = [
+            f"{name}={getattr(self, name)!r}"
+            for name in ("alpha", "dropout", "target_modules")
+            if getattr(self, name) != _default(defaults[name])
+        ]
+        if adapter_settings and self.rank == 0:
+            errors.append(
+                f"{', '.join(adapter_settings)} set with rank=0, which trains the full model without adapters: "
+                "set rank > 0 for LoRA, or leave these unset"
+            )
         if not self.alpha > 0:
             errors.append(f"alpha={self.alpha} must be > 0")
         if not 0.0 <= self.dropout < 1.0:
@@ -113,3 +124,8 @@ class LoraConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 errors.append(f"target_modules: {name!r} is not a known module; expected names from {known}{hint}")
         return errors
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    """A dataclass field's default value, made by its factory where it has one."""
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default

@@ -169,6 +169,10 @@ def test_an_adapter_directory_that_is_not_one_is_refused(peft_adapter: tuple[Pat
     assert adapter_errors("actor.lora", _lora(adapter_dir), arch) == []
     with pytest.raises(ValueError, match="adapter_path='x' is set with rank=0: set rank to the adapter's r"):
         LoraConfig(adapter_path="x")
+    # Before: accepted, and the run trained the full model (LoRA off) where adapters were meant.
+    with pytest.raises(ValueError, match=r"alpha=32.0, target_modules=\['q_proj'\] set with rank=0, which trains"):
+        LoraConfig(alpha=32.0, target_modules=["q_proj"])
+    assert LoraConfig(rank=8, alpha=32.0, target_modules=["q_proj"]).errors() == []
 
 
 def test_ppo_names_the_actors_keys_at_start_up(peft_adapter: tuple[Path, Path]) -> None:
