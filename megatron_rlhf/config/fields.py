@@ -39,6 +39,11 @@ def file_errors(setting: str, path: str, load: Callable[[str], object]) -> list[
     return []
 
 
+def field_default(field: dataclasses.Field[Any]) -> Any:
+    """A dataclass field's default value, made by its factory where it has one."""
+    return field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+
+
 def check_on_init(cfg: Any) -> None:
     """For ``__post_init__``: a dataclass built in code raises ``ValueError`` with its
     ``choice_errors`` and ``errors()`` at once; inside the loader (``building_tree``) nothing is

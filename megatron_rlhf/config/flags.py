@@ -17,7 +17,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rlhf.config.fields import field_docs, literal_choices
+from megatron_rlhf.config.fields import field_default, field_docs, literal_choices
 
 FLAG_ALIASES: dict[str, dict[str, str]] = {
     "generate": {
@@ -79,8 +79,7 @@ def schema_field(schema: type, key: str) -> SchemaField:
     field = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if field is None:
         raise KeyError(key)
-    default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
-    return SchemaField(typing.get_type_hints(cls)[name], field_docs(cls).get(name, ""), default)
+    return SchemaField(typing.get_type_hints(cls)[name], field_docs(cls).get(name, ""), field_default(field))
 
 
 def dotlist_value(value: object) -> str:

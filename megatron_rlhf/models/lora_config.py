@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from megatron_rlhf.config.fields import check_on_init
+from megatron_rlhf.config.fields import check_on_init, field_default
 
 if TYPE_CHECKING:
     from megatron_rlhf.models.architecture import Architecture
@@ -104,7 +104,7 @@ class LoraConfig:
         adapter_settings = [
             f"{name}={getattr(self, name)!r}"
             for name in ("alpha", "dropout", "target_modules")
-            if getattr(self, name) != _default(defaults[name])
+            if getattr(self, name) != field_default(defaults[name])
         ]
         if adapter_settings and self.rank == 0:
             errors.append(
@@ -124,8 +124,3 @@ class LoraConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 errors.append(f"target_modules: {name!r} is not a known module; expected names from {known}{hint}")
         return errors
-
-
-def _default(field: dataclasses.Field[Any]) -> Any:
-    """A dataclass field's default value, made by its factory where it has one."""
-    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
