@@ -108,11 +108,6 @@ class Task(Protocol):
         ...
 
     @property
-    def batch_setting(self) -> str:
-        """The setting that gives ``batch_size`` (``prompts_per_step``), for messages."""
-        ...
-
-    @property
     def layouts(self) -> str:
         """Every model's layout (and where generation runs), for the start-up report."""
         ...
@@ -400,20 +395,10 @@ def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
         )
 
 
-def require_a_full_step(examples: int, batch_size: int, setting: str) -> None:
-    """The training set must fill one step's batch, which ``setting`` sets. The trainers check it as
-    soon as the data is read, before any model is built."""
-    if examples < batch_size:
-        raise ConfigError(
-            f"data.train has {examples} examples, fewer than one step's {setting}={batch_size}: not one full "
-            f"step. Set {setting} to at most {examples}, or give more data"
-        )
-
-
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
     """(steps per epoch, total steps)."""
-    require_a_full_step(task.num_examples, task.batch_size, task.batch_setting)
     per_epoch = num_steps(task.num_examples, task.batch_size, drop_last=True)
+    assert per_epoch > 0, "start_run refuses a training set smaller than one step's batch"
     total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * per_epoch
     return per_epoch, total
 

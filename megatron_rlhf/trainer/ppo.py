@@ -291,10 +291,6 @@ class PPOTask:
         return f"prompts, {self.batch_size} per step x {self.run.cfg.rollout.sampling.n} samples"
 
     @property
-    def batch_setting(self) -> str:
-        return "prompts_per_step"
-
-    @property
     def layouts(self) -> str:
         run = self.run
         models = {

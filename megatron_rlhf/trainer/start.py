@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, shown_path
+from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.metrics.log import log, timed
@@ -20,7 +21,7 @@ from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
-from megatron_rlhf.trainer.loop import LoopConfig, RunClaim, require_a_full_step, write_run_files
+from megatron_rlhf.trainer.loop import LoopConfig, RunClaim, write_run_files
 from megatron_rlhf.trainer.resume_check import RunFacts
 
 
@@ -86,7 +87,17 @@ def start_run[Train: Sized, Validation](
     source = models[tokenizer_of]
     tokenizer = resolve_tokenizer(local_dir(source.cfg.path), source.arch, source.cfg.path)
     train, validation = load_data(tokenizer)
-    require_a_full_step(len(train), getattr(cfg, batch_setting), batch_setting)
+    _require_a_full_step(len(train), getattr(cfg, batch_setting), batch_setting)
     archs = {role: model.arch for role, model in models.items()}
     claim = write_run_files(cfg, Path(cfg.output_dir), RunFacts(name, len(train), archs), tokenizer)
     return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), (train, validation)
+
+
+def _require_a_full_step(examples: int, batch_size: int, setting: str) -> None:
+    """The training set must fill one step's batch, which ``setting`` sets: checked as soon as the
+    data is read, before any model is built."""
+    if examples < batch_size:
+        raise ConfigError(
+            f"data.train has {examples} examples, fewer than one step's {setting}={batch_size}: not one full "
+            f"step. Set {setting} to at most {examples}, or give more data"
+        )

@@ -148,10 +148,6 @@ class SupervisedTask:
         return f"training examples, global batch {self.batch_size} ({self.batch_size // dp} per DP rank x {dp})"
 
     @property
-    def batch_setting(self) -> str:
-        return "global_batch_size"
-
-    @property
     def layouts(self) -> str:
         return f"{self.run.role.role} {self.run.role.groups.layout}"
 

@@ -22,7 +22,6 @@ class _Task:
     num_examples = 64
     batch_size = 2
     batch_description = "numbers, 2 per step"
-    batch_setting = "batch_size"
     layouts = "none"
     headline = ("value", "value")
     eval_every = 1

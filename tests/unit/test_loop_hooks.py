@@ -30,7 +30,6 @@ class _CountingTask:
     num_examples = 4
     batch_size = 2
     batch_description = "numbers, 2 per step"
-    batch_setting = "batch_size"
     layouts = "none"
     headline = ("value", "value")
     evaluate = None
