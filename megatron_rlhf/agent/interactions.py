@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.agent.tools import import_class
-from megatron_rlhf.data.chat_template import check_entry_fields, verl_file_entries
+from megatron_rlhf.data.chat_template import check_entry_fields, entry_shape, verl_file_entries
 
 __all__ = ["BaseInteraction", "interaction_of", "load_interactions"]
 
@@ -56,6 +56,10 @@ _METHODS = ("start_interaction", "generate_response", "finalize_interaction")
 _BASE = "agent.interactions.BaseInteraction"
 
 
+FIELDS = ("name", "class_name", "config")
+"""The fields of an interactions file's entry (verl's)."""
+
+
 def load_interactions(path: str) -> dict[str, Any]:
     """The interactions of an interactions file, built and keyed by name; ``ValueError`` names the
     file, the entry's field and what was expected. An entry without ``name`` is named after its
@@ -65,15 +69,15 @@ def load_interactions(path: str) -> dict[str, Any]:
         Path(path),
         "interaction",
         "interactions",
-        ("name", "class_name", "config"),
+        FIELDS,
         "interaction_config_path",
         nonempty=True,
     )
     for i, entry in enumerate(entries):
         where = f"{path}: interaction[{i}]"
         if not isinstance(entry, dict):
-            raise ValueError(f"{where}: expected a mapping {{name, class_name, config}}, got {entry!r:.60}")
-        check_entry_fields(where, entry, ("name", "class_name", "config"))
+            raise ValueError(f"{where}: expected a mapping {entry_shape(FIELDS)}, got {entry!r:.60}")
+        check_entry_fields(where, entry, FIELDS)
         cls = import_class(entry.get("class_name"), f"{where}.class_name", _METHODS, _BASE)
         config = entry.get("config") or {}
         if not isinstance(config, dict):

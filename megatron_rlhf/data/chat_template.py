@@ -45,6 +45,7 @@ __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
     "check_entry_fields",
+    "entry_shape",
     "load_tool_entries",
     "load_tool_schemas",
     "template_variable_errors",
@@ -249,7 +250,7 @@ def verl_file_entries(
     """The top-level ``key`` list of one of verl's YAML files (its ``setting``: a tools or an
     interactions file); ``ValueError`` names the file and says what was expected (``fields``: those
     of one entry, any other is refused as a slip; ``nonempty``: at least one)."""
-    entry = "{" + ", ".join(fields) + "}"
+    entry = entry_shape(fields)
     try:
         content = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -265,6 +266,11 @@ def verl_file_entries(
     return entries
 
 
+def entry_shape(fields: tuple[str, ...]) -> str:
+    """How one entry of a verl file looks, for messages: ``{name, class_name, config}``."""
+    return "{" + ", ".join(fields) + "}"
+
+
 def check_entry_fields(where: str, item: dict[str, Any], fields: tuple[str, ...]) -> None:
     """A ``ValueError`` for a field of one entry of a verl file (at ``where``) that is none of
     ``fields``: a slip that would otherwise be dropped unseen (``confg:``)."""
@@ -272,7 +278,7 @@ def check_entry_fields(where: str, item: dict[str, Any], fields: tuple[str, ...]
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), fields, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{where}: unknown field(s) {unknown}, expected {{{', '.join(fields)}}}{hint}")
+        raise ValueError(f"{where}: unknown field(s) {unknown}, expected {entry_shape(fields)}{hint}")
 
 
 def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
