@@ -99,10 +99,10 @@ class HealthConfig:
     3, exporting the best evaluation's model as hf/ (not the last one)."""
     lr_factor: float = 0.5
     """Each rollback multiplies every trained model's learning rate (its schedule's peak and floor)
-    by this."""
+    by this, in (0, 1]."""
     kl_coef_factor: float = 2.0
     """Each rollback multiplies the KL coefficients (the reward penalty's and the actor loss's
-    kl_loss_coef; an adaptive controller restarts from its coef times the factors) by this."""
+    kl_loss_coef; an adaptive controller restarts from its coef times the factors) by this, >= 1."""
     min_entropy: float = 0.0
     """Entropy collapse: the policy's mean token entropy (actor/entropy, nats) below this. 0: off."""
     min_response_length: float = 0.0
@@ -140,11 +140,16 @@ class HealthConfig:
             "max_uniform_group_fraction",
             "max_kl",
         ) + at_least(self, 1, "signal_steps")
-        errors += [
-            f"{name}={getattr(self, name)} must be > 0"
-            for name in ("lr_factor", "kl_coef_factor")
-            if not getattr(self, name) > 0
-        ]
+        # A rollback answers instability: it may keep the learning rate or the KL weight, never
+        # raise the one or lower the other.
+        if not 0 < self.lr_factor <= 1:
+            errors.append(
+                f"lr_factor={self.lr_factor} must be in (0, 1]: a rollback lowers the learning rate or keeps it"
+            )
+        if not self.kl_coef_factor >= 1:
+            errors.append(
+                f"kl_coef_factor={self.kl_coef_factor} must be >= 1: a rollback raises the KL weight or keeps it"
+            )
         if self.max_uniform_group_fraction > 1:
             errors.append(f"max_uniform_group_fraction={self.max_uniform_group_fraction} must be <= 1 (a share)")
         if 0 < self.max_response_length <= self.min_response_length:

@@ -27,6 +27,7 @@ def test_settings_are_checked_up_front() -> None:
     bad = HealthConfig(
         val_patience=-1,
         lr_factor=0.0,
+        kl_coef_factor=0.5,
         max_uniform_group_fraction=1.5,
         min_response_length=10,
         max_response_length=5,
@@ -37,7 +38,12 @@ def test_settings_are_checked_up_front() -> None:
     errors = config_errors(LoopConfig(health=bad))
     assert "health.val_patience=-1 must be >= 0" in errors
     assert "health.signal_steps=0 must be >= 1" in errors
-    assert "health.lr_factor=0.0 must be > 0" in errors
+    assert any(e.startswith("health.lr_factor=0.0 must be in (0, 1]") for e in errors)
+    assert any(e.startswith("health.kl_coef_factor=0.5 must be >= 1") for e in errors)
+    # A factor that would raise the learning rate after instability is refused too.
+    raised = config_errors(LoopConfig(health=HealthConfig(lr_factor=2.0)))
+    assert any(e.startswith("health.lr_factor=2.0 must be in (0, 1]") for e in raised)
+    assert config_errors(LoopConfig(health=HealthConfig(lr_factor=1.0, kl_coef_factor=1.0))) == []
     assert "health.max_uniform_group_fraction=1.5 must be <= 1 (a share)" in errors
     assert "health.max_response_length=5 must be above min_response_length=10" in errors
     assert "health.max_phase_s.gen=0.0 must be > 0" in errors
