@@ -30,13 +30,12 @@ COPY . .
 # NVLink multicast off (NCCL NVLS and torch symmetric-memory multicast).
 ENV NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-# Health: one line of versions (megatron-rlhf, torch, CUDA, megatron-core, apex / Transformer Engine
-# present or not), then the four built-in tiny models built and run on CPU (about 20 s, no GPU or
-# download needed). Run it by hand with `launch/docker.sh health`. Kept in the image only by the docker
-# image format (`podman build --format docker`); OCI images drop it.
+# Health: the versions line every run logs, after importing megatron-core (a second or two; it fails
+# where the install cannot run). Cheap on purpose: it runs every 30 minutes beside training. The fuller
+# check, the four built-in tiny models built and run on CPU (about 20 s), is `launch/docker.sh health`.
+# Kept in the image only by the docker image format (`podman build --format docker`); OCI images drop it.
 # Shell form on purpose: `|| exit 1` maps any failure to the one status docker reads as unhealthy.
 # hadolint ignore=DL3025
-HEALTHCHECK --interval=30m --timeout=5m --retries=1 \
-  CMD megatron-rlhf smoke device=cpu output_dir=/tmp/megatron-rlhf-health || exit 1
+HEALTHCHECK --interval=30m --timeout=2m --retries=1 CMD megatron-rlhf --version || exit 1
 
 CMD ["launch/torchrun.sh", "ppo", "--config", "ppo-tiny"]

@@ -2,7 +2,7 @@
 # Build and run the megatron-rlhf image.
 #   launch/docker.sh build [BUILD_ARGS...]    e.g. --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:26.05-py3
 #   launch/docker.sh run [--nproc N] SUBCOMMAND [ARGS...]   runs launch/torchrun.sh inside the image
-#   launch/docker.sh health                   the image's HEALTHCHECK: versions, then a CPU smoke run
+#   launch/docker.sh health                   versions (the image's HEALTHCHECK), then a CPU smoke run
 # Env: IMAGE (default megatron-rlhf:latest), DOCKER (default docker; podman works), GPUS (default all;
 # empty: no --gpus, CPU only), SHM_SIZE (e.g. 64g: --shm-size instead of --ipc=host, where host IPC
 # is not allowed), MOUNTS (comma-separated HOST:CONTAINER[:ro] volumes, e.g. /models:/models:ro),

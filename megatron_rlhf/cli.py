@@ -40,6 +40,26 @@ REMOVED = {
 """Commands that no longer exist, and what to run instead."""
 
 
+class _PrintVersions(argparse.Action):
+    """``--version``: the line every run logs first (package and commit, Python, torch, CUDA,
+    megatron-core, the optional kernels), after importing megatron-core, so that it fails (status 1)
+    where the install cannot run; the image's HEALTHCHECK is this."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from megatron_rlhf.metrics.log import environment_report
+
+        quiet_console()
+        print(environment_report())
+        try:
+            import megatron.core  # noqa: F401
+        except Exception as error:  # any failure to import is the news here, not only ImportError
+            parser.exit(1, f"megatron-rlhf: error: megatron-core cannot be imported: {error!r}\n")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rlhf",
@@ -47,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "takes key=value settings, builds on a preset or YAML file (--config) and prints its resolved settings "
         "(--print-config): megatron-rlhf COMMAND --help lists them.",
     )
+    parser.add_argument("--version", action=_PrintVersions, help="print the versions this install runs on, and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for name, command in COMMANDS.items():
         sub = commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION, allow_abbrev=False)

@@ -85,9 +85,12 @@ stage "launch/docker.sh build (Dockerfile on $BASE, docker format: keeps HEALTHC
 "$ROOT/launch/docker.sh" build --format docker --network none \
   -v "$WORK/wheels:/wheels:ro" --build-arg BASE_IMAGE="$BASE" >"$WORK/build.log" 2>&1 \
   || { tail -30 "$WORK/build.log"; exit 1; }
-podman image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE" | grep -q "megatron-rlhf smoke" \
-  || { echo "docker_check: the image has no HEALTHCHECK" >&2; exit 1; }
+healthcheck="$(podman image inspect --format '{{index .Config.Healthcheck.Test 1}}' "$IMAGE" 2>/dev/null)"
+[[ $healthcheck == *"megatron-rlhf --version"* ]] || { echo "docker_check: the image has no HEALTHCHECK" >&2; exit 1; }
 echo "  image $(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1 / 1e9}')"
+
+stage "the image's HEALTHCHECK command, run once: $healthcheck"
+podman run --rm --no-healthcheck "$IMAGE" sh -c "$healthcheck" || { echo "docker_check: HEALTHCHECK failed" >&2; exit 1; }
 
 stage "launch/docker.sh health (versions + CPU smoke run)"
 health="$("$ROOT/launch/docker.sh" health 2>&1)" || { echo "$health" | tail -30; exit 1; }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import typing
 from pathlib import Path
 
@@ -110,6 +111,23 @@ def test_the_config_command_is_gone_and_says_what_replaces_it() -> None:
     ]
     listed = run_cli_here("--help").stdout
     assert "\n    config " not in listed and "\n    generate " in listed
+
+
+def test_version_prints_the_run_logs_environment_line_and_fails_where_megatron_core_cannot_import(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0
+    line = capsys.readouterr().out
+    assert line.startswith("megatron-rlhf ") and f"torch {torch.__version__}, CUDA " in line
+    monkeypatch.setitem(sys.modules, "megatron.core", None)  # what a broken install's import meets
+    with pytest.raises(SystemExit) as broken:
+        build_parser().parse_args(["--version"])
+    assert broken.value.code == 1
+    assert "megatron-core cannot be imported" in capsys.readouterr().err
 
 
 def test_required_generate_settings_are_named(tmp_path: Path) -> None:
