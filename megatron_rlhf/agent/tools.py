@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_rlhf.config.fields import did_you_mean
 from megatron_rlhf.data.chat_template import load_tool_entries
 
 __all__ = [
@@ -110,7 +111,10 @@ def import_class(class_name: Any, where: str, methods: tuple[str, ...], base: st
         raise ValueError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}") from exc
     cls = getattr(module, attribute, None)
     if not isinstance(cls, type):
-        raise ValueError(f"{where}: module {module_name!r} has no class {attribute!r}")
+        classes = sorted(name for name, value in vars(module).items() if isinstance(value, type))
+        raise ValueError(
+            f"{where}: module {module_name!r} has no class {attribute!r}{did_you_mean(attribute, classes)}"
+        )
     missing = [name for name in methods if not callable(getattr(cls, name, None))]
     if missing:
         raise ValueError(f"{where}: class {class_name} lacks the methods {missing} (see megatron_rlhf.{base})")

@@ -73,11 +73,15 @@ def literal_choices(kind: object) -> tuple[object, ...] | None:
     return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
 
 
+def did_you_mean(value: object, choices: Sequence[object]) -> str:
+    """``; did you mean 'X'?`` for the choice closest to ``value``, or nothing when none is close."""
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def not_a_choice(key: str, value: object, choices: Sequence[object]) -> str:
     """``key=value must be one of [...]``, and the closest choice when one is close."""
-    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{key}={value!r} must be one of {list(choices)}{hint}"
+    return f"{key}={value!r} must be one of {list(choices)}{did_you_mean(value, choices)}"
 
 
 @functools.cache

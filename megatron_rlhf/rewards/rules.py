@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron_rlhf.algorithms.registry import Registry
+from megatron_rlhf.config.fields import did_you_mean
 from megatron_rlhf.rollout.engine import TrajectoryRecord
 from megatron_rlhf.tasks.arithmetic import Verdict, judge
 
@@ -112,7 +113,11 @@ def resolve_rule(name: str) -> RewardRule:
         raise ValueError(f"reward rule {name!r}: importing module {module_name!r} failed:\n{formatted(err)}") from err
     rule = getattr(module, attribute, None)
     if not callable(rule):
-        raise ValueError(f"reward rule {name!r}: module {module_name!r} has no callable {attribute!r}")
+        functions = [key for key, value in vars(module).items() if callable(value) and not isinstance(value, type)]
+        raise ValueError(
+            f"reward rule {name!r}: module {module_name!r} has no callable {attribute!r}"
+            f"{did_you_mean(attribute, functions)}"
+        )
     try:
         signature = inspect.signature(rule)
     except (TypeError, ValueError):  # some builtins have none: nothing to check

@@ -170,6 +170,7 @@ def test_the_builtin_tools_files_build_their_tools_and_an_unknown_one_is_named()
         ("no_such_module.Calculator", "tools[0].class_name: cannot import module 'no_such_module'"),
         ("verl.tools.gsm8k_tool.Gsm8kTool", "verl's own classes import verl, which is not installed here"),
         ("megatron_rlhf.agent.builtin_tools.Abacus", "has no class 'Abacus'"),
+        ("megatron_rlhf.agent.builtin_tools.Calculater", "has no class 'Calculater'; did you mean 'Calculator'?"),
         ("megatron_rlhf.agent.tools.ToolResponse", "lacks the methods"),
     ],
 )

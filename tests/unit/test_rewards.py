@@ -90,7 +90,8 @@ def test_rule_by_import_path(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         ("lowercase_fractoin", r"Unknown reward rule 'lowercase_fractoin'.*Did you mean 'lowercase_fraction'"),
         ("no_such_module_xyz:f", r"cannot import module 'no_such_module_xyz'"),
-        ("math:no_such_function", r"module 'math' has no callable 'no_such_function'"),
+        ("math:no_such_function", r"module 'math' has no callable 'no_such_function'$"),
+        ("math:sqr", r"module 'math' has no callable 'sqr'; did you mean 'sqrt'\?"),
     ],
 )
 def test_bad_rule_names(name: str, message: str) -> None:
