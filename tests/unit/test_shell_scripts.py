@@ -74,3 +74,37 @@ def test_the_launcher_runs_the_active_environments_python(tmp_path: Path, given:
     )
     chosen = proc.stdout.split()[0]
     assert chosen == (expected if expected.startswith("/") else str(pythons[expected]))
+
+
+@pytest.mark.parametrize(
+    ("launcher_args", "env", "network"),
+    [
+        (["--nproc", "2"], {}, None),
+        (["--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "node1:29500"], {}, "host"),
+        (["--nnodes=2", "--rdzv-endpoint=node1:29500"], {}, "host"),
+        (["--nnodes", "2", "--rdzv-endpoint", "node1:29500"], {"NETWORK": "my-overlay"}, "my-overlay"),
+        (["--nnodes", "2", "--rdzv-endpoint", "node1:29500"], {"NETWORK": ""}, None),
+    ],
+    ids=["one-node", "nnodes", "nnodes=", "NETWORK-given", "NETWORK-empty"],
+)
+def test_docker_run_uses_the_host_network_for_several_nodes(
+    tmp_path: Path, launcher_args: list[str], env: dict[str, str], network: str | None
+) -> None:
+    """The container's own network would hide a node from the others' rendezvous and NCCL."""
+    docker = tmp_path / "docker"  # stands in for the docker binary: prints the arguments it was given
+    docker.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    docker.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch/docker.sh"), "run", *launcher_args, "smoke", "device=cpu"],
+        env={**os.environ, "DOCKER": str(docker), **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    argv = proc.stdout.splitlines()
+    handed_on = ["launch/torchrun.sh", *launcher_args, "smoke", "device=cpu"]
+    assert argv[0] == "run" and argv[-len(handed_on) :] == handed_on
+    if network is None:
+        assert "--network" not in argv
+    else:
+        assert argv[argv.index("--network") + 1] == network
