@@ -21,6 +21,8 @@ re-running the pipeline resumes each stage from its checkpoints (a finished stag
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -131,16 +133,65 @@ def _policy(model: str, engine_cfg: NativeEngineConfig, dtype: str, env: DistEnv
     return policy_engine(model, architecture_of(model), tp=1, dtype=dtype, engine_cfg=engine_cfg, env=env)
 
 
+def _file_digests(paths: list[Path]) -> dict[str, str]:
+    """sha256 of each file of ``paths`` (a folder: of each file under it)."""
+    files = sorted(f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    digests = {}
+    for file in files:
+        with file.open("rb") as handle:
+            digests[str(file)] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return digests
+
+
+def pairs_inputs(cfg: PairsConfig, dtype: str, seed: int, prompt_files: list[str]) -> dict[str, Any]:
+    """What the pairs are made from: the stage's settings (its output_dir aside), the dtype and seed,
+    and the digests of the policy's files and of ``prompt_files`` (the prompt settings resolved).
+    Equal inputs make equal pairs."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "output_dir"}
+    policy = [Path(cfg.policy)] if Path(cfg.policy).exists() else []  # else a built-in name, in settings
+    files = _file_digests(policy + [Path(p) for p in prompt_files])
+    inputs = {"settings": settings, "dtype": dtype, "seed": seed, "files": files}
+    return json.loads(json.dumps(inputs, default=str))  # as it reads back from summary.json
+
+
+def written_pairs(out: Path, inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of pairs already written to ``out`` from ``inputs``, or None. summary.json is
+    written after both pair files, so a stage stopped midway is made again."""
+    try:
+        written = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if written.pop("made_from", None) != inputs or not all((out / f"{s}.jsonl").is_file() for s in _SPLITS):
+        return None
+    return written
+
+
+_SPLITS = ("train", "validation")
+
+
 def make_pairs(cfg: PairsConfig, dtype: str, seed: int, env: DistEnv) -> dict[str, Any]:
     """The ``pairs`` stage: write the reward model's train and validation pairs; returns counts
-    and the sampled policy's verdict rates."""
+    and the sampled policy's verdict rates. Pairs written before from the same inputs are kept: a
+    re-run pipeline resumes its rm stage on the data it started with (on a GPU, sampling again
+    need not give the same pairs)."""
+    out = Path(cfg.output_dir)
+    prompt_files = resolve_data_paths([*cfg.train_prompts, *cfg.validation_prompts])  # collective
+    inputs = pairs_inputs(cfg, dtype, seed, prompt_files) if is_rank0() else None
+    box = [written_pairs(out, inputs) if inputs is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        log(f"pairs: {out} holds the pairs of this policy, prompts and settings: kept (remove it to sample again)")
+        return box[0]
+    if is_rank0():  # the old summary would vouch for the files being rewritten
+        (out / "summary.json").unlink(missing_ok=True)
     seed_everything(seed)
     summary: dict[str, Any] = {}
-    out = Path(cfg.output_dir)
     engine, tokenizer = _policy(cfg.policy, cfg.engine, dtype, env)
-    for split, paths, count in (
-        ("train", cfg.train_prompts, cfg.num_train_prompts),
-        ("validation", cfg.validation_prompts, cfg.num_validation_prompts),
+    for split, paths, count in zip(
+        _SPLITS,
+        (cfg.train_prompts, cfg.validation_prompts),
+        (cfg.num_train_prompts, cfg.num_validation_prompts),
+        strict=True,
     ):
         prompts, responses, verdicts = sample_and_judge(engine, tokenizer, paths, count, cfg.sampling)
         rows = preference_pairs(prompts, responses, verdicts, seed=seed, pairs_per_prompt=cfg.pairs_per_prompt)
@@ -154,7 +205,7 @@ def make_pairs(cfg: PairsConfig, dtype: str, seed: int, env: DistEnv) -> dict[st
         summary[f"{split}_pairs"] = len(rows)
         summary[f"{split}_policy"] = verdict_rates(verdicts)
     if is_rank0():
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "summary.json").write_text(json.dumps({**summary, "made_from": inputs}, indent=2) + "\n")
     dist.barrier()
     log(
         f"pairs: {summary['train_pairs']} train and {summary['validation_pairs']} validation pairs -> {out}; "

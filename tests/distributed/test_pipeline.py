@@ -133,6 +133,18 @@ def _file_digests(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.distributed
+def test_a_rerun_keeps_the_pairs_its_reward_model_trained_on(pipeline_run: tuple[Path, str]) -> None:
+    """Sampling again on a GPU need not give the same pairs; the rm stage's resume would then meet
+    other data. A re-run pipeline keeps the pairs made from the same policy, prompts and settings."""
+    out = pipeline_run[0]
+    pairs_before, rm_metrics = _file_digests(out / "pairs"), (out / "rm" / "metrics.jsonl").read_text()
+    log = _pipeline(out, *CI_STAGE_STEPS, "stages=[sft,pairs,rm]", timeout=300)
+    assert f"pairs: {out / 'pairs'} holds the pairs of this policy, prompts and settings: kept" in log, log[-3000:]
+    assert _file_digests(out / "pairs") == pairs_before
+    assert (out / "rm" / "metrics.jsonl").read_text() == rm_metrics  # complete: not trained again
+
+
+@pytest.mark.distributed
 def test_lora_grpo_from_the_sft_model_raises_held_out_accuracy(pipeline_run: tuple[Path, str], tmp_path: Path) -> None:
     sft = pipeline_run[0] / "sft"
     base_before = _file_digests(sft / "hf")
