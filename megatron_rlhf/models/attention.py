@@ -19,8 +19,10 @@ of ng (heads and query groups of this TP rank); output (sq, b, np * hn).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Protocol, cast
+from collections.abc import Iterator
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -62,6 +65,47 @@ def packed_rows_mask(cu_seqlens: torch.Tensor, rows: int, width: int) -> torch.T
     sequence = torch.searchsorted(cu_seqlens, tokens, right=True).view(rows, width)
     causal = torch.ones(width, width, dtype=torch.bool, device=cu_seqlens.device).tril()
     return ~((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
+
+
+class _AttentionPlans:
+    """The SDPA calls (shapes, dtype, causal, GQA) that ran while the start-up warm-up planned them."""
+
+    planning: ClassVar[bool] = False
+    calls: ClassVar[set[tuple[object, ...]]] = set()
+
+
+@contextlib.contextmanager
+def planning_attention() -> Iterator[None]:
+    """The start-up warm-up's scope: SDPA calls in it take torch's choice of kernel, and their shapes
+    keep that kernel for the rest of the run; outside it, a shape it never ran takes flash attention.
+
+    Why: torch's choice on Hopper is cuDNN, which builds a plan the first time it meets a shape, about
+    300 ms on an H200 (133 ms when forced), where flash attention's first call costs 3 ms; once
+    planned, cuDNN is faster (0.39 against 0.71 ms forward + backward at 43 x 384, docs/benchmarks.md,
+    Kernels). The warm-up runs the shapes of a step of full-length responses, which recur at every
+    such step; a run whose lengths vary meets new shapes at most steps, each of which would pay for
+    a plan it may never use again."""
+    _AttentionPlans.planning = True
+    try:
+        yield
+    finally:
+        _AttentionPlans.planning = False
+
+
+def _kernel_choice(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, dropout_p: float, is_causal: bool, gqa: bool
+) -> contextlib.AbstractContextManager[object]:
+    """Torch's choice of SDPA kernel for q, k (b, heads, s, hn) where the warm-up planned the call or
+    flash cannot take it; else torch's choice without cuDNN (flash first): see ``planning_attention``."""
+    if mask is not None or not _flash_varlen_usable(q, dropout_p):
+        return contextlib.nullcontext()
+    call = (tuple(q.shape), tuple(k.shape), q.dtype, is_causal, gqa)
+    if _AttentionPlans.planning:
+        _AttentionPlans.calls.add(call)
+        return contextlib.nullcontext()
+    if call in _AttentionPlans.calls:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _flash_varlen_usable(query: torch.Tensor, dropout_p: float) -> bool:
@@ -138,16 +182,17 @@ class SDPAttention(MegatronModule):
             # back to the math kernel (the whole score matrix in memory). Repeat K/V heads instead.
             k, v = (t.repeat_interleave(num_heads // t.shape[1], dim=1) for t in (k, v))
             gqa = False
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=self.softmax_scale,
-            enable_gqa=gqa,
-        )
+        with _kernel_choice(q, k, mask, dropout_p, is_causal, gqa):
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
         return out.permute(2, 0, 1, 3).reshape(sq, batch, num_heads * head_dim)
 
     def _packed_flash(

@@ -65,6 +65,7 @@ from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimi
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
 from megatron_rlhf.metrics.log import log, snake_case, timed
 from megatron_rlhf.metrics.phases import PhaseTimer
+from megatron_rlhf.models.attention import planning_attention
 from megatron_rlhf.models.lora import adapted_weights, adapters_off
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.parallel.distributed import DistEnv
@@ -671,9 +672,16 @@ def warm_up(run: PPORun) -> None:
     allocator growing to each phase's peak. The rollout has a step's size (the engine's slots, hence
     its graphs, follow the number of sequences) and full-length responses, which reach every bucket
     the run can use. The training passes and updates then run once per micro-batch shape of such a
-    step (``warm_up_rows``): cuDNN's attention builds a plan for each new shape (70-80 ms on an
-    H200), and kernels compiled for one shape are recompiled for any shape here, not in step 1.
+    step (``warm_up_rows``): cuDNN's attention builds a plan for each new shape (70-300 ms on an
+    H200; shapes it never ran take flash attention later, ``planning_attention``), and kernels
+    compiled for one shape are recompiled for any shape here, not in step 1.
     """
+    with planning_attention():
+        _warm_up_phases(run)
+
+
+def _warm_up_phases(run: PPORun) -> None:
+    """A rollout of full-length responses, then the passes and updates of each of its micro-batch sizes."""
     cfg = run.cfg
     longest = cfg.longest_sequence
     prompt_length = min(cfg.data.max_prompt_length, longest - 1)

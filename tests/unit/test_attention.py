@@ -469,3 +469,49 @@ def test_split_qkv_reads_megatrons_per_group_layout() -> None:
             )
         assert torch.equal(key[:, :, group], mixed[:, :, base + per_group * hn : base + (per_group + 1) * hn])
         assert torch.equal(value[:, :, group], mixed[:, :, base + (per_group + 1) * hn : base + (per_group + 2) * hn])
+
+
+def _sdpa_node(out: torch.Tensor) -> str:
+    """The name of the SDPA autograd node behind ``out``: which kernel ran (its backward runs the same)."""
+    seen, frontier = set(), [out.grad_fn]
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "ScaledDotProduct" in node.name():
+            return node.name()
+        frontier.extend(next_node for next_node, _ in node.next_functions)
+    raise AssertionError("no SDPA node behind the output")
+
+
+@pytest.mark.gpu
+def test_shapes_the_warm_up_did_not_plan_take_flash_attention() -> None:
+    """Torch's choice (cuDNN on Hopper: a plan per new shape) keeps the shapes the warm-up ran; any other
+    shape takes flash attention, with the result of torch's choice to bf16 rounding."""
+    from megatron_rlhf.models.attention import planning_attention
+
+    config = make_config()
+    config.num_attention_heads, config.num_query_groups, config.kv_channels = 12, 2, 128
+    module = SDPAttention(config, 1, AttnMaskType.causal, "self").train().cuda()
+
+    def attend(s: int, batch: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        leaves = [t.to("cuda", torch.bfloat16).requires_grad_() for t in inputs(s, s, batch, 12, 2, 128, seed=s)]
+        out = module(*leaves, None)
+        q, k, v = (t.detach().permute(1, 2, 0, 3) for t in leaves)
+        torch_choice = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return _sdpa_node(out), out.detach(), torch_choice.permute(2, 0, 1, 3).reshape(out.shape)
+
+    q, k, _ = inputs(96, 96, 3, 12, 2, 128)
+    direct = torch.nn.functional.scaled_dot_product_attention(
+        *(t.to("cuda", torch.bfloat16).permute(1, 2, 0, 3).requires_grad_() for t in (q, k, k)),
+        is_causal=True,
+        enable_gqa=True,
+    )
+    with planning_attention():
+        attend(96, 3)
+    planned, _, _ = attend(96, 3)
+    assert planned == _sdpa_node(direct), planned  # torch's own choice for a planned shape
+    unplanned, out, torch_choice = attend(80, 5)
+    assert "Flash" in unplanned, unplanned
+    torch.testing.assert_close(out, torch_choice, rtol=2e-2, atol=2e-2)
