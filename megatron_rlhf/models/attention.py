@@ -84,7 +84,7 @@ def planning_attention() -> Iterator[None]:
     planned, cuDNN is faster (0.39 against 0.71 ms forward + backward at 43 x 384, docs/benchmarks.md,
     Kernels). The warm-up runs the shapes of a step of full-length responses, which recur at every
     such step; a run whose lengths vary meets new shapes at most steps, each of which would pay for
-    a plan it may never use again."""
+    a plan it may never use again. Until a warm-up has planned, every call takes torch's choice."""
     _AttentionPlans.planning = True
     try:
         yield
@@ -95,9 +95,12 @@ def planning_attention() -> Iterator[None]:
 def _kernel_choice(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, dropout_p: float, is_causal: bool, gqa: bool
 ) -> contextlib.AbstractContextManager[object]:
-    """Torch's choice of SDPA kernel for q, k (b, heads, s, hn) where the warm-up planned the call or
-    flash cannot take it; else torch's choice without cuDNN (flash first): see ``planning_attention``."""
-    if mask is not None or not _flash_varlen_usable(q, dropout_p):
+    """Torch's choice of SDPA kernel for q, k (b, heads, s, hn) where the warm-up planned the call, where
+    flash cannot take it, and in a process no warm-up planned in (``generate``, a run with
+    warmup=never: every call as torch chooses); else torch's choice without cuDNN (flash first): see
+    ``planning_attention``."""
+    planned_any = _AttentionPlans.planning or _AttentionPlans.calls
+    if not planned_any or mask is not None or not _flash_varlen_usable(q, dropout_p):
         return contextlib.nullcontext()
     call = (tuple(q.shape), tuple(k.shape), q.dtype, is_causal, gqa)
     if _AttentionPlans.planning:

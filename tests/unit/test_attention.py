@@ -486,32 +486,31 @@ def _sdpa_node(out: torch.Tensor) -> str:
 
 
 @pytest.mark.gpu
-def test_shapes_the_warm_up_did_not_plan_take_flash_attention() -> None:
-    """Torch's choice (cuDNN on Hopper: a plan per new shape) keeps the shapes the warm-up ran; any other
-    shape takes flash attention, with the result of torch's choice to bf16 rounding."""
-    from megatron_rlhf.models.attention import planning_attention
+def test_shapes_the_warm_up_did_not_plan_take_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch's choice (cuDNN on Hopper: a plan per new shape) keeps the shapes the warm-up ran; once it
+    has run, any other shape takes flash attention, with the result of torch's choice to bf16
+    rounding. Before any warm-up, every shape takes torch's choice."""
+    from megatron_rlhf.models.attention import _AttentionPlans, planning_attention
 
+    monkeypatch.setattr(_AttentionPlans, "calls", set())  # a process no warm-up has planned in
     config = make_config()
     config.num_attention_heads, config.num_query_groups, config.kv_channels = 12, 2, 128
     module = SDPAttention(config, 1, AttnMaskType.causal, "self").train().cuda()
 
-    def attend(s: int, batch: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+    def attend(s: int, batch: int) -> tuple[str, str, torch.Tensor, torch.Tensor]:
+        """The kernel (autograd node) SDPAttention ran and the one torch chooses itself, and both outputs."""
         leaves = [t.to("cuda", torch.bfloat16).requires_grad_() for t in inputs(s, s, batch, 12, 2, 128, seed=s)]
         out = module(*leaves, None)
-        q, k, v = (t.detach().permute(1, 2, 0, 3) for t in leaves)
-        torch_choice = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return _sdpa_node(out), out.detach(), torch_choice.permute(2, 0, 1, 3).reshape(out.shape)
+        q, k, v = (t.detach().permute(1, 2, 0, 3).requires_grad_() for t in leaves)
+        choice = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return _sdpa_node(out), _sdpa_node(choice), out.detach(), choice.detach().permute(2, 0, 1, 3).reshape(out.shape)
 
-    q, k, _ = inputs(96, 96, 3, 12, 2, 128)
-    direct = torch.nn.functional.scaled_dot_product_attention(
-        *(t.to("cuda", torch.bfloat16).permute(1, 2, 0, 3).requires_grad_() for t in (q, k, k)),
-        is_causal=True,
-        enable_gqa=True,
-    )
+    ran, chosen, _, _ = attend(80, 5)
+    assert ran == chosen, (ran, chosen)
     with planning_attention():
         attend(96, 3)
-    planned, _, _ = attend(96, 3)
-    assert planned == _sdpa_node(direct), planned  # torch's own choice for a planned shape
-    unplanned, out, torch_choice = attend(80, 5)
-    assert "Flash" in unplanned, unplanned
+    ran, chosen, _, _ = attend(96, 3)
+    assert ran == chosen, (ran, chosen)
+    ran, chosen, out, torch_choice = attend(80, 5)
+    assert "Flash" in ran, (ran, chosen)
     torch.testing.assert_close(out, torch_choice, rtol=2e-2, atol=2e-2)
