@@ -504,13 +504,51 @@ def _conversation(
     if not messages:
         raise _RowProblem(EMPTY, key, "is an empty list of messages")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _RowProblem(
-                WRONG_TYPE,
-                key,
-                f"message {i} must be an object with a string 'role' (and its 'content'), got {message!r:.80}",
-            )
-    return _Conversation(key, messages, template, _row_tools(rec, chat), chat.variables)
+        _check_message(key, i, message)
+    conversation = _Conversation(key, messages, template, _row_tools(rec, chat), chat.variables)
+    unusual = [
+        (i, m) for i, m in enumerate(messages) if m["role"] not in _TEMPLATE_ROLES and isinstance(m.get("content"), str)
+    ]
+    if unusual:
+        text = conversation.render(len(messages), add_generation_prompt=False)
+        for i, message in unusual:
+            if message["content"].strip() and message["content"].strip() not in text:
+                raise _RowProblem(
+                    TEMPLATE_FAILED,
+                    key,
+                    f"message {i} has role {message['role']!r}, which the chat template leaves out of its text: "
+                    f"roles templates write are {list(_TEMPLATE_ROLES)} (ShareGPT's human and gpt are user and "
+                    "assistant)",
+                )
+    return conversation
+
+
+_TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
+"""The roles chat templates write; a message of another role is checked to appear in the text."""
+
+
+def _check_message(key: str, i: int, message: Any) -> None:
+    """Message ``i`` of column ``key``: an object with a string role, and content (a string or a list
+    of parts; empty or null only beside tool calls): a misnamed text key would render as an empty
+    message."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise _RowProblem(
+            WRONG_TYPE, key, f"message {i} must be an object with a string 'role' and 'content', got {message!r:.80}"
+        )
+    content, role = message.get("content"), message["role"]
+    if message.get("tool_calls") and content in (None, ""):
+        return
+    if not isinstance(content, (str, list)):  # a list: content parts ({type: text, text: ...})
+        text_keys = [k for k in ("text", "value") if isinstance(message.get(k), str)]
+        hint = f" (its text is under {text_keys[0]!r}: name it 'content')" if text_keys else ""
+        raise _RowProblem(
+            WRONG_TYPE,
+            key,
+            f"message {i} ({role}) must have a string 'content'{hint}, got "
+            + ("none" if content is None else _describe(content)),
+        )
+    if role in ("user", "assistant") and not content:
+        raise _RowProblem(EMPTY, key, f"message {i} ({role}) has empty content")
 
 
 def _message_ids(rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions) -> list[int]:
@@ -924,9 +962,23 @@ def _prompt_row(
         )
     prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
+    null = [k for k in extra_keys if rec.data[k] is None]
+    if null:
+        raise _RowProblem(EMPTY, null[0], "is null (requested in extra_keys: the reward rules read it)")
     extras = {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
-    if keep_raw_prompt and isinstance(rec.data[prompt_key], list):  # _prompt_ids checked its messages
-        extras[RAW_PROMPT] = [{"role": m["role"], "content": m.get("content")} for m in rec.data[prompt_key]]
+    truth = extras.get("ground_truth")
+    if require_reward_inputs and (truth is None or (isinstance(truth, str) and not truth.strip())):
+        raise _RowProblem(
+            EMPTY, "reward_model", f"has ground_truth {truth!r}: scoring.custom_function would score against it"
+        )
+    if keep_raw_prompt:
+        if prompt_key not in rec.data:
+            raise DataError(
+                f"{rec.file}: {rec.place}: the interactions read each row's prompt messages "
+                f"(interactions_read_prompts), but the row has no column '{prompt_key}' (only its pre-tokenized ids)"
+            )
+        if isinstance(rec.data[prompt_key], list):  # _prompt_ids checked its messages
+            extras[RAW_PROMPT] = [{"role": m["role"], "content": m.get("content")} for m in rec.data[prompt_key]]
     return [(prompt, None)], extras
 
 

@@ -123,7 +123,8 @@ def _read_jsonl(span: Span) -> Iterator[Record]:
                 return
             pos += len(raw)
             try:
-                line = raw.decode("utf-8")
+                # utf-8-sig on the file's first line: the byte-order mark Excel and Notepad write
+                line = raw.decode("utf-8-sig" if pos == len(raw) else "utf-8")
             except UnicodeDecodeError as exc:
                 raise DataError(
                     f"{path}: line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start} "
@@ -135,6 +136,14 @@ def _read_jsonl(span: Span) -> Iterator[Record]:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}: line {line_no}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+            if "\\ud" in line.lower():  # an escaped UTF-16 surrogate: a lone half has no UTF-8 form
+                try:
+                    json.dumps(data, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise DataError(
+                        f"{path}: line {line_no}: a lone UTF-16 surrogate {exc.object[exc.start]!r} (half of a "
+                        "character such as an emoji, cut by whatever wrote the file): its text cannot be tokenized"
+                    ) from None
             if not isinstance(data, dict):
                 raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(data).__name__}")
             yield Record(path, row, data, line_no)

@@ -170,8 +170,8 @@ def test_bad_conversations_error_or_skip(llama3_dir, tmp_path):
     ds, report = load_prompt_dataset(f, tok, max_length=4096, on_invalid="skip")
     assert len(ds) == 1 and report.skipped == {"chat_template_failed": 1, "empty": 1, "wrong_type": 2}
     assert [s.detail for s in report.samples["wrong_type"]] == [
-        "message 0 must be an object with a string 'role' (and its 'content'), got 'hi'",
-        "message 0 must be an object with a string 'role' (and its 'content'), got {'content': 'no role'}",
+        "message 0 must be an object with a string 'role' and 'content', got 'hi'",
+        "message 0 must be an object with a string 'role' and 'content', got {'content': 'no role'}",
     ]
     assert report.samples["empty"][0].detail == "is an empty list of messages"
 
@@ -205,3 +205,28 @@ def test_template_pickles_as_its_text(llama3_dir):
     copy = pickle.loads(pickle.dumps(tok))
     assert copy.chat_template is not tok.chat_template and copy.chat_template.source == tok.chat_template.source
     assert [copy.chat_template.render(c) for c in CONVERSATIONS] == [tok.chat_template.render(c) for c in CONVERSATIONS]
+
+
+def test_messages_a_template_would_render_empty_or_leave_out_are_invalid(tmp_path):
+    """Qwen2-style templates leave out roles they do not know (ShareGPT's human) and render a message
+    without 'content' as empty: the row trained on without its text."""
+    model_dir = make_chat_tokenizer("qwen25_tools", tmp_path / "qwen")
+    call = {"type": "function", "function": {"name": "calc", "arguments": {"x": 1}}}
+    rows = [
+        {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
+        {"prompt": [{"role": "human", "content": "What is 2+2?"}]},
+        {"prompt": [{"role": "user", "text": "What is 2+2?"}]},
+        {"prompt": [{"role": "user", "content": ""}]},
+        {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]},
+    ]
+    f = write_jsonl(tmp_path / "chat.jsonl", rows)
+    tok = load_tokenizer(model_dir)
+    with pytest.raises(
+        DataError, match=re.escape("line 2: column 'prompt' message 0 has role 'human', which the chat")
+    ):
+        load_prompt_dataset(f, tok, max_length=4096)
+    ds, report = load_prompt_dataset(f, tok, max_length=4096, on_invalid="skip")
+    assert len(ds) == 2 and report.skipped == {"chat_template_failed": 1, "wrong_type": 1, "empty": 1}
+    assert [s.detail for s in report.samples["wrong_type"]] == [
+        "message 0 (user) must have a string 'content' (its text is under 'text': name it 'content'), got none"
+    ]

@@ -523,6 +523,35 @@ def test_rows_a_reward_function_needs_are_checked_as_they_are_read(tmp_path):
     assert len(ds) == 3 and ds[2].extras == {}
 
 
+def test_null_reward_inputs_are_invalid_rows(tmp_path):
+    """A null ground_truth (verl's merged parquet schemas write one) reached the reward function as
+    None, and a null extra_keys column a rule as the string 'None'."""
+    good = {"prompt": "p", "data_source": "s", "reward_model": {"ground_truth": "7"}, "answer": "7"}
+    rows = [good, {**good, "reward_model": {"ground_truth": None}}, {**good, "answer": None}]
+    f = write_jsonl(tmp_path / "rl.jsonl", rows)
+    with pytest.raises(DataError, match=err(str(f), "line 2", "column 'reward_model' has ground_truth None")):
+        load_prompt_dataset(f, TOK, max_length=8, require_reward_inputs=True)
+    with pytest.raises(DataError, match=err(str(f), "line 3", "column 'answer' is null (requested in extra_keys")):
+        load_prompt_dataset(f, TOK, max_length=8, extra_keys=("answer",))
+    ds, report = load_prompt_dataset(
+        f, TOK, max_length=8, extra_keys=("answer",), require_reward_inputs=True, on_invalid="skip"
+    )
+    assert len(ds) == 1 and report.skipped == {"empty": 2}
+
+
+def test_a_byte_order_mark_is_read_past_and_a_lone_surrogate_is_named(tmp_path):
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n{"prompt": "b"}\n')
+    ds, _ = load_prompt_dataset(f, TOK, max_length=8)
+    assert [e.prompt_ids.tolist() for e in ds] == [[ord("a") + 3], [ord("b") + 3]]
+    g = tmp_path / "half.jsonl"
+    g.write_text('{"prompt": "ok"}\n{"prompt": "bad \\ud83d emoji"}\n{"prompt": "\\ud83d\\ude00"}\n')
+    with pytest.raises(DataError, match=err(str(g), "line 2", "a lone UTF-16 surrogate '\\ud83d'")):
+        load_prompt_dataset(g, TOK, max_length=16)
+    g.write_text('{"prompt": "ok"}\n{"prompt": "\\ud83d\\ude00"}\n')  # an escaped pair is one emoji
+    assert len(load_prompt_dataset(g, TOK, max_length=16)[0]) == 2
+
+
 def test_verl_reward_columns_errors(tmp_path):
     good = {"prompt": "p", "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "7"}}
     f = write_jsonl(tmp_path / "no_source.jsonl", [good, {"prompt": "p", "reward_model": {"ground_truth": "7"}}])
