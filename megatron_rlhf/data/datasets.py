@@ -623,10 +623,12 @@ def _prompt_ids(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> list[
 def _reward_inputs(rec: Record) -> dict[str, Any]:
     """verl's reward inputs of a row, named as its ``compute_score`` takes them: ``data_source``,
     ``ground_truth`` (from the ``reward_model`` struct) and ``extra_info`` (absent or null: {}), as
-    verl's ``examples/data_preprocess`` scripts write them. Rows without ``reward_model`` have none."""
+    verl's ``examples/data_preprocess`` scripts write them. Rows without ``reward_model`` keep their
+    ``data_source`` alone (validation figures are split by it)."""
     data = rec.data
     if "reward_model" not in data:
-        return {}
+        source = data.get("data_source")
+        return {"data_source": source} if isinstance(source, str) and source else {}
     if "data_source" not in data:
         raise DataError(
             f"{rec.file}: {rec.place}: has a 'reward_model' column but no 'data_source' (verl's "

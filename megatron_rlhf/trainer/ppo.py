@@ -184,7 +184,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         details=f"advantages {cfg.algorithm.advantage_estimator}, ",
     )
     tokenizer = start.tokenizer
-    _check_val_metric_source(cfg, validation)
+    _check_validation_sources(cfg, validation)
     # A tokenizer without a chat template, a tool unlike its schema, or a prompt's tools_kwargs or
     # interaction_kwargs that the files do not match fails here, before any model is built.
     agent_parts = AgentParts.load(rollout.multi_turn) if rollout.multi_turn.enable else None
@@ -750,7 +750,7 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     assert prompts is not None
     ids = [p.prompt_ids.tolist() for p in prompts]
     extras = [p.extras for p in prompts]
-    sources = [str(e.get("data_source", "")) for e in extras]
+    sources = source_prefixes(extras)
 
     def scored(temperature: float, n: int) -> tuple[list[Completion], torch.Tensor, torch.Tensor]:
         """Completions, their raw scores and whether each is correct, (prompts, n)."""
@@ -771,19 +771,43 @@ def validate(run: PPORun) -> tuple[dict[str, float], StepRows]:
     if any(sources):
         for source in sorted(set(sources)):
             rows = torch.tensor([s == source for s in sources])
-            out |= {f"{snake_case(source)}/{name}": float(v[rows].mean()) for name, v in figures.items()}
+            out |= {f"{source}/{name}": float(v[rows].mean()) for name, v in figures.items()}
     out |= trajectory_metrics(greedy)
     return out, {"samples": sample_rows(run, greedy[: ev.samples], greedy_raw[: ev.samples, 0])}
 
 
-def _check_val_metric_source(cfg: PPOConfig, validation: PromptDataset | None) -> None:
-    """A ``health.val_metric`` of one data source (``<data_source>/<figure>``) must name a source the
-    validation prompts have: checked once they are read, not at the first evaluation."""
+NO_SOURCE = "unknown"
+"""The metric prefix of validation rows without a data_source, among rows with one (verl's name)."""
+
+
+def source_prefixes(extras: list[dict[str, Any]]) -> list[str]:
+    """Each validation row's metric prefix: its data_source as a metric key part; all empty when no
+    row has one."""
+    sources = [str(e.get("data_source") or "") for e in extras]
+    if not any(sources):
+        return sources
+    return [snake_case(source) or NO_SOURCE for source in sources]
+
+
+def _check_validation_sources(cfg: PPOConfig, validation: PromptDataset | None) -> None:
+    """Checked once the validation prompts are read, not at the first evaluation: data sources that
+    would share a metric prefix (``Math`` and ``math``), and a ``health.val_metric`` of one data source
+    (``<data_source>/<figure>``) that none of them has."""
+    extras = validation.extras if validation is not None else []
+    by_prefix: dict[str, set[str]] = {}
+    for prefix, e in zip(source_prefixes(extras), extras, strict=True):
+        by_prefix.setdefault(prefix, set()).add(str(e.get("data_source") or ""))
+    shared = {prefix: sorted(names) for prefix, names in by_prefix.items() if len(names) > 1}
+    if shared:
+        prefix, names = next(iter(shared.items()))
+        raise ConfigError(
+            f"data.validation: the data sources {names} would log their figures under one name, "
+            f"'{prefix}/...' (metric names are lowercase, other characters '_'): rename one of them"
+        )
     source = cfg.health.val_metric.rpartition("/")[0]
     if not (cfg.health.val_patience and source):
         return
-    extras = validation.extras if validation is not None else []
-    sources = sorted({snake_case(str(e["data_source"])) for e in extras if e.get("data_source")})
+    sources = sorted(prefix for prefix in by_prefix if prefix)
     if source not in sources:
         have = f"they have {sources}" if sources else "they carry none, so only the figures without a prefix exist"
         raise ConfigError(

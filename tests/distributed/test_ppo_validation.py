@@ -76,3 +76,19 @@ def test_a_watched_figure_of_a_data_source_the_validation_lacks_is_refused_befor
     )
     assert expected in refused.stderr
     assert "build+load" not in refused.stdout
+
+
+@pytest.mark.distributed
+def test_data_sources_that_would_share_their_figures_names_are_refused(tmp_path: Path) -> None:
+    """Before: 'Math' and 'math' logged under one name, math/..., the later overwriting the earlier."""
+    train, prompts = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"Tell {i}:"}) + "\n" for i in range(16)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}:", "data_source": s}) + "\n" for i, s in enumerate(["Math", "math"]))
+    )
+    refused = run_cli_here(
+        "ppo", "--config", "ppo-tiny", f"output_dir={tmp_path / 'run'}", f"data.train=[{train}]",
+        f"data.validation=[{prompts}]", "eval_every=1", exit_code=2,
+    )  # fmt: skip
+    assert "data.validation: the data sources ['Math', 'math'] would log their figures under one name" in refused.stderr
+    assert "build+load" not in refused.stdout

@@ -506,10 +506,11 @@ def test_verl_multiturn_fields_errors(tmp_path):
     ]
 
 
-def test_rows_without_reward_model_carry_no_reward_inputs(tmp_path):
+def test_rows_without_reward_model_carry_their_data_source_alone(tmp_path):
+    """The data source splits the validation figures, whatever scores the rows."""
     f = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": "p", "data_source": "mine", "extra_info": {"a": 1}}])
     ds, _ = load_prompt_dataset(f, TOK, max_length=8)
-    assert ds[0].extras == {}
+    assert ds[0].extras == {"data_source": "mine"}
 
 
 def test_rows_a_reward_function_needs_are_checked_as_they_are_read(tmp_path):
@@ -520,7 +521,7 @@ def test_rows_a_reward_function_needs_are_checked_as_they_are_read(tmp_path):
     with pytest.raises(DataError, match=err(str(f), "line 3", "no 'reward_model' column: scoring.custom_function")):
         load_prompt_dataset(f, TOK, max_length=8, require_reward_inputs=True)
     ds, _ = load_prompt_dataset(f, TOK, max_length=8)  # rules alone need no reward inputs
-    assert len(ds) == 3 and ds[2].extras == {}
+    assert len(ds) == 3 and ds[2].extras == {"data_source": "mine"}
 
 
 def test_null_reward_inputs_are_invalid_rows(tmp_path):

@@ -340,3 +340,11 @@ def test_a_generation_tp_error_names_only_rollout_tp() -> None:
     """Generation has no pipeline setting: the world-size rule names rollout.tp alone (no rollout.pp)."""
     text = _errors(2, "rollout.tp=3")
     assert "rollout.tp=3 must divide the world size 2" in text and "rollout.pp" not in text
+
+
+def test_validation_rows_without_a_data_source_beside_rows_with_one_are_unknown() -> None:
+    """Before: their figures were logged as '/greedy_accuracy'."""
+    from megatron_rlhf.trainer.ppo import source_prefixes
+
+    assert source_prefixes([{"data_source": "GSM 8k"}, {}, {"data_source": None}]) == ["gsm_8k", "unknown", "unknown"]
+    assert source_prefixes([{}, {"ground_truth": 1}]) == ["", ""]  # no row has one: no per-source figures
