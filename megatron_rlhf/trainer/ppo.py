@@ -780,7 +780,7 @@ NO_SOURCE = "unknown"
 """The metric prefix of validation rows without a data_source, among rows with one (verl's name)."""
 
 
-def source_prefixes(extras: list[dict[str, Any]]) -> list[str]:
+def source_prefixes(extras: Sequence[Mapping[str, Any]]) -> list[str]:
     """Each validation row's metric prefix: its data_source as a metric key part; all empty when no
     row has one."""
     sources = [str(e.get("data_source") or "") for e in extras]
