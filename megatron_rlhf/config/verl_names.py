@@ -68,9 +68,9 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         ("data.seed", "seed", "one seed for the run"),
         (
             "data.reward_fn_key",
-            "data.extra_keys",
-            "named top-level columns are handed to reward rules in "
-            "`Sample.extras`; verl rows' `data_source`, `reward_model.ground_truth` and `extra_info` are always kept",
+            (),
+            "verl reads the reward function's `data_source` argument from this column; here it is always the "
+            "`data_source` column (rename yours to it). Other columns a reward rule reads: `data.extra_keys`",
         ),
         (
             "data.return_raw_chat",

@@ -763,7 +763,7 @@ class _Loader:
         if append_eos and tokenizer.eos_id is None:
             raise ValueError(f"{tokenizer!r} has no eos_id; pass append_eos=False to train without EOS")
         if add_bos and tokenizer.bos_id is None:
-            raise ValueError(f"{tokenizer!r} has no bos_id; pass add_bos=False")
+            raise ValueError(f"data.add_bos=true but {tokenizer!r} has no BOS token: set data.add_bos=false")
         self.files: list[Path] = data_files(paths)
         self.tokenizer, self.max_length, self.length_setting = tokenizer, max_length, length_setting
         self.on_overlong, self.on_invalid, self.num_workers = on_overlong, on_invalid, num_workers
