@@ -11,6 +11,7 @@ from megatron_rlhf.commands.config_args import add_config_args, print_config, un
 from megatron_rlhf.config.flags import add_flag_aliases
 from megatron_rlhf.config.loader import config_errors, load_config_with_sources, raise_if_errors
 from megatron_rlhf.config.run import DeviceConfig
+from megatron_rlhf.data.config import PromptRowsConfig
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 
@@ -51,6 +52,9 @@ class GenerateConfig(DeviceConfig):
     """Required: the prompts, a .jsonl or .parquet file or a built-in set such as builtin:arithmetic-test."""
     output: str = ""
     """Required: the .jsonl file the completions are written to."""
+    data: PromptRowsConfig = dataclasses.field(default_factory=PromptRowsConfig)
+    """How the input's rows are read and rendered (ppo's data.* keys that apply here): render prompts
+    as the run being sampled was trained on them (e.g. data.chat_template_kwargs={enable_thinking: false})."""
     rollout: GenerateRolloutConfig = dataclasses.field(default_factory=GenerateRolloutConfig)
     """Generation's layout, sampling and engine (ppo's rollout.* keys)."""
 
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         model=cfg.model,
         input_path=cfg.input,
         output_path=cfg.output,
+        data=cfg.data,
         tp=cfg.rollout.tp,
         device=cfg.device,
         dtype=cfg.dtype,

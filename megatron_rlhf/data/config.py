@@ -13,15 +13,21 @@ from megatron_rlhf.data.datasets import OnProblem
 
 
 @dataclasses.dataclass(kw_only=True)
-class DataFilesConfig:
+class TrainFilesConfig:
     train: list[str] = dataclasses.field(default_factory=list)
     """Training data: .jsonl / .parquet files or directories of them (e.g. data.train=[a.jsonl])."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RowsConfig:
+    """How a data file's rows are read: every command that reads prompts or examples (``generate``
+    too)."""
+
     prompt_key: str = "prompt"
     """Column of the prompt text (or pre-tokenized ``<key>_ids``)."""
-    on_overlong: OnProblem = "error"
-    """error: stop naming the file and row; skip: drop such rows and count them in the data report."""
     on_invalid: OnProblem = "error"
-    """The same for rows with a bad value (null, empty, wrong type, token id out of range)."""
+    """error: stop naming the file, row and column; skip: drop rows with a bad value (null, empty, wrong
+    type, token id out of range) and count them in the data report."""
     add_bos: bool = False
     """Prepend the tokenizer's BOS id to every sequence (for text that does not already hold it)."""
     num_workers: int = 0
@@ -34,8 +40,14 @@ class DataFilesConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class ChatDataConfig(DataFilesConfig):
-    """Data whose rows may be conversations (lists of {role, content} messages): how the model's chat
+class DataFilesConfig(RowsConfig, TrainFilesConfig):
+    on_overlong: OnProblem = "error"
+    """The same as on_invalid for rows longer than the trainer's length limit."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ChatOptionsConfig:
+    """Rows that may be conversations (lists of {role, content} messages): how the model's chat
     template renders them."""
 
     apply_chat_template: bool = True
@@ -53,11 +65,9 @@ class ChatDataConfig(DataFilesConfig):
     one): where present and not null they replace tools_file's for that row, not add to them; "": no
     such column."""
 
-    def errors(self) -> list[str]:
-        return (
-            super().errors()
-            + template_variable_errors("chat_template_kwargs", self.chat_template_kwargs)
-            + file_errors("tools_file", self.tools_file, load_tool_schemas)
+    def chat_errors(self) -> list[str]:
+        return template_variable_errors("chat_template_kwargs", self.chat_template_kwargs) + file_errors(
+            "tools_file", self.tools_file, load_tool_schemas
         )
 
     def chat_options(self, tools_file: str | None = None) -> dict[str, Any]:
@@ -69,3 +79,19 @@ class ChatDataConfig(DataFilesConfig):
             "tools": load_tool_schemas(path) if path else None,
             "tools_key": self.tools_key,
         }
+
+
+@dataclasses.dataclass(kw_only=True)
+class ChatDataConfig(ChatOptionsConfig, DataFilesConfig):
+    """Training data whose rows may be conversations."""
+
+    def errors(self) -> list[str]:
+        return DataFilesConfig.errors(self) + self.chat_errors()
+
+
+@dataclasses.dataclass(kw_only=True)
+class PromptRowsConfig(ChatOptionsConfig, RowsConfig):
+    """The prompts of a file read as the RL trainers read theirs (``generate``)."""
+
+    def errors(self) -> list[str]:
+        return RowsConfig.errors(self) + self.chat_errors()

@@ -39,6 +39,7 @@ from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.chat_template import load_tool_schemas
+from megatron_rlhf.data.config import ChatOptionsConfig, PromptRowsConfig
 from megatron_rlhf.data.datasets import PromptExample
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
@@ -70,6 +71,12 @@ def policy_engine(
     )
     tokenizer = resolve_tokenizer(local_dir(model), arch, model)
     return NativeEngine(role, engine_cfg.with_eos_of(tokenizer.stop_ids)), tokenizer
+
+
+def prompt_tools_file(data: ChatOptionsConfig, multi_turn: MultiTurnConfig) -> str:
+    """The tools file prompts are rendered with: ``data.tools_file``, else the multi-turn agent's (the
+    tools it runs)."""
+    return data.tools_file or (multi_turn.tool_config_path if multi_turn.enable else "")
 
 
 def offered_tools(multi_turn: MultiTurnConfig | None) -> list[dict] | None:
@@ -108,6 +115,7 @@ def run_generate(
     model: str,
     input_path: str,
     output_path: str,
+    data: PromptRowsConfig,
     tp: int,
     device: str,
     dtype: str,
@@ -134,7 +142,11 @@ def run_generate(
         resolve_data_paths([input_path]),
         tokenizer,
         max_length=UNBOUNDED_PROMPT,
-        tools=offered_tools(multi_turn),
+        on_invalid=data.on_invalid,
+        prompt_key=data.prompt_key,
+        add_bos=data.add_bos,
+        **data.chat_options(prompt_tools_file(data, multi_turn)),
+        num_workers=data.num_workers,
         keep_raw_prompt=multi_turn.interactions_read_prompts,
     )
     log(report.summary())

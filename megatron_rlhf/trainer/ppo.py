@@ -73,6 +73,7 @@ from megatron_rlhf.rewards.samples import reward_texts
 from megatron_rlhf.rewards.scoring import PendingScores, Scorer, Scores
 from megatron_rlhf.rollout.engine import Completion, RolloutEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
+from megatron_rlhf.trainer.generate import prompt_tools_file
 from megatron_rlhf.trainer.health import warning_due
 from megatron_rlhf.trainer.loop import STEP_TIME, RunClaim, StepRows, run_loop
 from megatron_rlhf.trainer.ppo_config import (
@@ -149,8 +150,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     if checked is None:
         checked = check_ppo_config(cfg, env.world_size)
     archs, data, rollout = checked.archs, cfg.data, cfg.rollout
-    # The prompts offer the model the tools the agent runs, unless data.tools_file names (the same) file.
-    tools_file = data.tools_file or (rollout.multi_turn.tool_config_path if rollout.multi_turn.enable else "")
+    tools_file = prompt_tools_file(data, rollout.multi_turn)
 
     def load_data(tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
         def load(paths: list[str], what: str) -> PromptDataset:

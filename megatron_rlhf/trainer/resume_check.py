@@ -96,20 +96,15 @@ RULES: dict[str, dict[str, str]] = {
     },
     "WandbConfig": {"project": MAY_CHANGE, "name": MAY_CHANGE, "mode": MAY_CHANGE},
     # What the examples are and how many: the step is the data position.
-    "DataFilesConfig": {
-        "train": FIXED,
-        "prompt_key": FIXED,
-        "on_overlong": FIXED,
-        "on_invalid": FIXED,
-        "add_bos": FIXED,
-        "num_workers": MAY_CHANGE,
-    },
+    "TrainFilesConfig": {"train": FIXED},
+    "RowsConfig": {"prompt_key": FIXED, "on_invalid": FIXED, "add_bos": FIXED, "num_workers": MAY_CHANGE},
+    "DataFilesConfig": {"on_overlong": FIXED},
     "PromptDataConfig": {
         "validation": MAY_CHANGE,
         "extra_keys": MAY_CHANGE,
         "max_prompt_length": FIXED,
     },
-    "ChatDataConfig": {
+    "ChatOptionsConfig": {
         "apply_chat_template": FIXED,
         "chat_template_kwargs": FIXED,
         "tools_file": FIXED,

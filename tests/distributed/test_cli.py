@@ -414,6 +414,25 @@ def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < 1e-5
 
 
+def test_generate_reads_its_input_with_the_data_settings(tmp_path: Path) -> None:
+    """Before: no data.* keys, so another prompt column, skipping bad rows or a chat template's
+    variables (a run trained with enable_thinking=false) could not be set."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Hello world"}\n{"prompt": "abc"}\n')
+    (tmp_path / "q.jsonl").write_text('{"question": "Hello world"}\n{"question": ""}\n{"question": "abc"}\n')
+    common = ["model=builtin:tiny-llama", "rollout.sampling.max_new_tokens=4", "rollout.sampling.temperature=0"]
+    run_cli_here("generate", *common, f"input={tmp_path / 'p.jsonl'}", f"output={tmp_path / 'p_out.jsonl'}")
+    proc = run_cli_here(
+        "generate", *common, f"input={tmp_path / 'q.jsonl'}", f"output={tmp_path / 'q_out.jsonl'}",
+        "data.prompt_key=question", "data.on_invalid=skip",
+    )  # fmt: skip
+    assert "skipped 1: empty 1" in proc.stdout, proc.stdout
+    rows = [
+        [json.loads(line)["token_ids"] for line in (tmp_path / f).read_text().splitlines()]
+        for f in ("p_out.jsonl", "q_out.jsonl")
+    ]
+    assert rows[0] == rows[1]
+
+
 def test_generate_stops_at_the_models_positions_and_says_so(tmp_path: Path) -> None:
     """Before: 512 new tokens after the prompt on a model of 32 positions, with no word."""
     from transformers import AutoTokenizer

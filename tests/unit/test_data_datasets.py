@@ -228,7 +228,7 @@ def test_loader_argument_checks(tmp_path):
 
     with pytest.raises(ValueError, match="has no eos_id; pass append_eos=False"):
         load_sft_dataset(f, NoSpecials(), max_length=8)
-    with pytest.raises(ValueError, match="data.add_bos=true but .* has no BOS token: set data.add_bos=false"):
+    with pytest.raises(ValueError, match=r"data\.add_bos=true but .* has no BOS token: set data\.add_bos=false"):
         load_sft_dataset(f, NoSpecials(), max_length=8, append_eos=False, add_bos=True)
     assert len(load_sft_dataset(f, NoSpecials(), max_length=8, append_eos=False)[0]) == 1
 
