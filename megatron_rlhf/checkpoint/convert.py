@@ -46,6 +46,7 @@ DIRECTIONS = ("hf-to-mcore", "mcore-to-hf")
 def convert(direction: str, source: str, output: str, *, tp: int, pp: int, device: str = "auto") -> None:
     if direction not in DIRECTIONS:
         raise ValueError(f"convert direction {direction!r} must be one of {list(DIRECTIONS)}")
+    _check_output(Path(source), Path(output))
     trained = direction == "mcore-to-hf" and (Path(source) / STATE_FILE).is_file()
     if direction == "hf-to-mcore":
         source = str(model_dir(source, setting="source"))  # a hub id: its snapshot in the local HF cache
@@ -85,6 +86,19 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
             save_hf_checkpoint(model, arch, groups, output, side_files_from=source)
     log(f"wrote {output} ({arch.hf_class_name}, layout {groups.layout})")
     dist.barrier()
+
+
+def _check_output(source: Path, output: Path) -> None:
+    """``output`` must be a new or empty directory: weight files beside an older model's would be
+    read with or instead of the converted ones (an HF loader takes model.safetensors before an
+    index of shards), and the source must stay as it is."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output {output} is a file; give the directory to write the converted model to")
+    if output.resolve() == source.resolve() or (output.exists() and any(output.iterdir())):
+        raise ValueError(
+            f"output {output} is {'the source' if output.resolve() == source.resolve() else 'not empty'}: "
+            "give a new directory (a converted model's files beside another model's would mix the two)"
+        )
 
 
 def _trained_architecture(model_dir: Path) -> Architecture:

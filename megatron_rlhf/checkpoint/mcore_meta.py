@@ -22,7 +22,16 @@ def is_mcore_checkpoint(path: str | Path) -> bool:
 
 def read_architecture(ckpt_dir: str | Path) -> Architecture:
     meta_path = Path(ckpt_dir) / META_FILE
-    meta = json.loads(meta_path.read_text())
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"{ckpt_dir}: no {META_FILE} here, so not a megatron-rlhf model checkpoint (what `convert "
+            "hf-to-mcore` writes), nor a run checkpoint's model (CHECKPOINT/models/NAME, e.g. "
+            "runs/x/checkpoints/step_10/models/actor); an HF model directory needs no conversion to be read"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{meta_path}: not valid JSON ({err})") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{meta_path}: format_version={meta.get('format_version')} is not supported "

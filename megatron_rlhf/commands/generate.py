@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.commands.config_args import add_config_args, print_config, unset_errors
@@ -59,7 +60,18 @@ class GenerateConfig(DeviceConfig):
     """Generation's layout, sampling and engine (ppo's rollout.* keys)."""
 
     def errors(self) -> list[str]:
-        return unset_errors(self, "model", "input", "output")
+        return unset_errors(self, "model", "input", "output") + self._output_errors()
+
+    def _output_errors(self) -> list[str]:
+        """Checked before the model loads: the output is written only once every completion is made."""
+        if not self.output:
+            return []
+        output = Path(self.output)
+        if self.input and output.resolve() == Path(self.input).resolve():
+            return [f"output={self.output} is the input: the completions would replace the prompts"]
+        if output.is_dir():
+            return [f"output={self.output} is a directory; give the .jsonl file to write"]
+        return []
 
 
 def schema() -> type:

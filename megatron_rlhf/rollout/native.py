@@ -803,6 +803,11 @@ def _decode_layers(
     return add_rms_norm(hidden, delta, final.weight, final.eps)[1]
 
 
+GROUP_SEED_STRIDE = 2**31 - 1
+"""Seed offset between data-parallel generation groups (a prime, far from the trainer's per-step and
+per-draw offsets)."""
+
+
 def generate_data_parallel(
     engine: NativeEngine,
     prompts: Sequence[Sequence[int]],
@@ -820,7 +825,9 @@ def generate_data_parallel(
         return engine.generate([list(p) for p in prompts], params, on_finished, agent)
     mine = list(range(dp_rank, len(prompts), dp))
     local_agent = _PromptsOf(agent, mine) if agent is not None else None
-    completions = engine.generate([list(prompts[i]) for i in mine], params, on_finished, local_agent)
+    # Each group draws from its own stream: with one seed, the groups' i-th slots drew the same numbers.
+    group_params = dataclasses.replace(params, seed=params.seed + dp_rank * GROUP_SEED_STRIDE)
+    completions = engine.generate([list(prompts[i]) for i in mine], group_params, on_finished, local_agent)
     for completion in completions:
         completion.prompt_index = mine[completion.prompt_index]
     gathered: list = [None] * dist.get_world_size()

@@ -137,6 +137,8 @@ def run_generate(
             f"{limit}: a prompt and its completion stop at {limit} tokens (finish_reason length)"
         )
         engine_cfg = dataclasses.replace(engine_cfg, max_seq_len=limit)
+    if Path(output_path).exists():
+        log(f"output={output_path} exists: it is replaced once the completions are made")
     engine, tokenizer = policy_engine(model, arch, tp=tp, dtype=dtype, engine_cfg=engine_cfg, env=env)
     dataset, report = load_prompt_dataset(
         resolve_data_paths([input_path]),

@@ -166,6 +166,34 @@ CASES: list[CliCase] = [
         builds_models=False,
     ),
     CliCase(
+        "convert_into_a_non_empty_directory",
+        "convert refuses an output holding files: another model's weights beside the converted ones would mix",
+        ("convert", "hf-to-mcore", "{tmp}/hf", "{tmp}/hf"),
+        exit_code=2,
+        prepare=lambda tmp: make_tiny_hf_model("llama", False, tmp / "hf"),
+        stderr_has=("output {tmp}/hf is the source: give a new directory",),
+        builds_models=False,
+    ),
+    CliCase(
+        "convert_an_hf_directory_as_a_checkpoint",
+        "mcore-to-hf names what it expected of its source",
+        ("convert", "mcore-to-hf", "{tmp}/hf", "{tmp}/out"),
+        exit_code=2,
+        prepare=lambda tmp: make_tiny_hf_model("llama", False, tmp / "hf"),
+        stderr_has=("{tmp}/hf: no megatron_rlhf.json here, so not a megatron-rlhf model checkpoint",),
+        absent=("out",),
+        builds_models=False,
+    ),
+    CliCase(
+        "generate_over_its_input",
+        "generate refuses to write its completions over its prompts",
+        ("generate", "model=builtin:tiny-llama", "input={tmp}/p.jsonl", "output={tmp}/p.jsonl"),
+        exit_code=2,
+        files={"p.jsonl": '{"prompt": "hi"}\n'},
+        stderr_has=("output={tmp}/p.jsonl is the input: the completions would replace the prompts",),
+        builds_models=False,
+    ),
+    CliCase(
         "generate_missing_column",
         "generate names the file and the column a prompt row lacks",
         ("generate", "model=builtin:tiny-llama", "input={tmp}/bad.jsonl", "output={tmp}/o.jsonl"),
@@ -412,6 +440,20 @@ def test_generate_command_same_tokens_at_tp1_and_tp2(tmp_path: Path) -> None:
     assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows1)
     for a, b in zip(rows1, rows2, strict=True):
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) < 1e-5
+
+
+@pytest.mark.distributed
+def test_generate_data_parallel_groups_sample_independently(tmp_path: Path) -> None:
+    """Before: every group seeded its sampler alike, so the same prompt on two groups got the same
+    completion (and different prompts correlated draws)."""
+    prompts = tmp_path / "same.jsonl"
+    prompts.write_text('{"prompt": "same prompt"}\n' * 4)
+    run_cli(
+        "generate", "model=builtin:tiny-llama", f"input={prompts}", f"output={tmp_path / 'o.jsonl'}",
+        "rollout.sampling.max_new_tokens=8", "rollout.sampling.ignore_eos=true", nproc=2,
+    )  # fmt: skip
+    rows = [json.loads(line)["token_ids"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and len({tuple(r) for r in rows}) == 4, rows  # prompts 0, 2 on one group; 1, 3 on the other
 
 
 def test_generate_reads_its_input_with_the_data_settings(tmp_path: Path) -> None:
