@@ -111,6 +111,24 @@ def newest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def remove_beyond(root: Path, step: int) -> list[Path]:
+    """Rank 0: delete the complete checkpoints of steps after ``step``, those of a run that this one
+    replaces (a fresh start: ``step`` 0) or continues from an earlier point (a resume from an older
+    checkpoint, a rollback): left, they would be pruned in place of the new ones, and a resume
+    would take the newest of them. ``latest`` then names ``step_<step>``, or nothing."""
+    beyond = [path for path in complete_checkpoints(root) if int(path.name.removeprefix("step_")) > step]
+    for path in beyond:
+        shutil.rmtree(path)
+    pointer = root / LATEST_FILE
+    if beyond and pointer.is_file():
+        kept = root / f"step_{step}"
+        if is_complete(kept):
+            write_atomically(pointer, kept.name + "\n")
+        else:
+            pointer.unlink()
+    return beyond
+
+
 def remove_partial(root: Path) -> list[Path]:
     """Rank 0: delete ``.tmp`` leftovers of interrupted saves; returns what it deleted."""
     if not root.is_dir():

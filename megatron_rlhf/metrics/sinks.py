@@ -154,7 +154,10 @@ class JsonlSink(Sink):
             for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
             if line.endswith("\n") and json.loads(line)["step"] <= self.resumed_step
         ]
-        path.write_text("".join(kept), encoding="utf-8")
+        # Through a new file and a rename: a kill meanwhile leaves the whole history, never part of it.
+        rewritten = path.with_name(f".{path.name}.resumed")
+        rewritten.write_text("".join(kept), encoding="utf-8")
+        os.replace(rewritten, path)
         return path.open("a", encoding="utf-8")
 
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:

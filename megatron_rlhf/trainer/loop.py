@@ -49,6 +49,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     is_complete,
     load_run_checkpoint,
     manifest_problems,
+    remove_beyond,
     newest_checkpoint,
     remove_partial,
     step_of,
@@ -669,6 +670,7 @@ class _Steps:
         if any(first == good + 1 for first, _ in reseeded):
             raise RunStopped(f"{what}, again after a rollback to {ckpt} with another data order: stopping", 3)
         self.state.reseeded = [*reseeded, [good + 1, step]]
+        _remove_beyond(checkpoints_root(cfg.output_dir), good, "beyond the checkpoint rolled back to")
         self.sink.write("rollback", step, {"to_step": good})
         log(f"{what}: rolled back to {ckpt}; redoing steps {good + 1}-{step} with another data order")
         return good
@@ -754,6 +756,7 @@ class _Steps:
         reseeded = self.state.reseeded
         good = self._load(best)  # which applies the recovery
         self.state.reseeded = [*reseeded, [good + 1, step]]
+        _remove_beyond(root, good, "beyond the checkpoint rolled back to")
         self.sink.write(
             "rollback",
             step,
@@ -837,6 +840,7 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
     candidates = cfg.resume_candidates()
     if not candidates:
         log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
+        _remove_beyond(root, 0, "another run's (overwrite=true)")
         return None
     older = candidates[1:]
     for ckpt in candidates:
@@ -859,7 +863,15 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
     task.load_state_dict(run_state["task"])
     state.restore(run_state)
     log(f"resumed from {ckpt} at step {run_state['step']}")
+    _remove_beyond(root, int(run_state["step"]), "beyond the step this run continues from")
     return int(run_state["step"])
+
+
+def _remove_beyond(root: Path, step: int, why: str) -> None:
+    """Rank 0: ``remove_beyond``, each removal logged."""
+    if is_rank0():
+        for path in remove_beyond(root, step):
+            log(f"removed {path}: {why}")
 
 
 def _check_length_after_resume(cfg: LoopConfig, resumed_step: int, total: int) -> None:

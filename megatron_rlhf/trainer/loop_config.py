@@ -93,7 +93,24 @@ class LoopConfig(RunConfig):
             + self._resume_errors()
             + self._remote_errors()
             + self._profile_errors()
+            + self._rollback_errors()
         )
+
+    def _rollback_errors(self) -> list[str]:
+        """A health rollback goes back to the best evaluation's checkpoint (pruning keeps it), else to
+        the newest one from before the signal's ``signal_steps`` in a row: keep_last must reach back
+        that far, or that checkpoint is pruned by the time the signal acts."""
+        health = self.health
+        if not health.roll_back_on or self.save_every == 0 or self.keep_last == 0:
+            return []
+        needed = -(-health.signal_steps // self.save_every) + 1
+        if self.keep_last >= needed:
+            return []
+        return [
+            f"keep_last={self.keep_last} keeps {self.keep_last} checkpoints, {self.save_every} steps apart "
+            f"(save_every), and health.roll_back_on={health.roll_back_on} goes back past health.signal_steps="
+            f"{health.signal_steps} steps in a row: set keep_last >= {needed} (0 keeps all)"
+        ]
 
     def _profile_errors(self) -> list[str]:
         if any(s < 1 for s in self.profile_steps):

@@ -185,3 +185,17 @@ def test_ppos_and_sfts_checks_name_an_unknown_val_metric_before_the_run(tmp_path
     )
     with pytest.raises(ConfigError, match=r"they are \['nll', 'perplexity', 'tokens', 'examples'\]"):
         check_config(sft, 1, score_head=False)
+
+
+def test_a_rollback_that_pruning_would_leave_without_a_checkpoint_is_refused_up_front() -> None:
+    """Before: save_every=1 and keep_last=2 pruned the checkpoint from before a 3-step signal, and
+    the watch stopped the run (exit 3) where it was to roll back."""
+    health = HealthConfig(max_kl=1.0, signal_steps=3, roll_back_on=["kl_blowup"])
+    errors = config_errors(LoopConfig(save_every=1, keep_last=2, health=health))
+    assert any("set keep_last >= 4 (0 keeps all)" in e for e in errors), errors
+    for enough in (
+        LoopConfig(save_every=1, keep_last=4, health=health),
+        LoopConfig(save_every=2, keep_last=3, health=health),
+    ):
+        assert config_errors(enough) == []
+    assert config_errors(LoopConfig(save_every=1, keep_last=0, health=health)) == []

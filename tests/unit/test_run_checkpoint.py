@@ -276,3 +276,21 @@ def test_keep_last_prunes_older_checkpoints_and_zero_keeps_all(
     for step in (1, 2, 3):
         writer.save(step, train_states={}, weights={}, run_state={}, config_yaml="")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == kept
+
+
+def test_remove_beyond_deletes_the_later_steps_and_points_latest_back(tmp_path: Path) -> None:
+    """A run resumed from an older checkpoint (or rolled back, or started over with overwrite=true)
+    leaves no later checkpoint of the run it replaces: pruning took the new ones in their place,
+    and a crash's resume took the newest of the old."""
+    from megatron_rlhf.checkpoint.run_checkpoint import LATEST_FILE, RUN_STATE_FILE, newest_checkpoint, remove_beyond
+
+    for step in (2, 4, 6):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / RUN_STATE_FILE).write_text("{}")
+    (tmp_path / "step_8.tmp").mkdir()  # not complete: remove_partial's
+    (tmp_path / LATEST_FILE).write_text("step_6\n")
+    assert remove_beyond(tmp_path, 2) == [tmp_path / "step_4", tmp_path / "step_6"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_2", "step_8.tmp"]
+    assert (tmp_path / LATEST_FILE).read_text() == "step_2\n" and newest_checkpoint(tmp_path) == tmp_path / "step_2"
+    assert remove_beyond(tmp_path, 0) == [tmp_path / "step_2"]  # a fresh start
+    assert not (tmp_path / LATEST_FILE).exists() and newest_checkpoint(tmp_path) is None
