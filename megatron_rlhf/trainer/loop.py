@@ -49,8 +49,8 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     is_complete,
     load_run_checkpoint,
     manifest_problems,
-    remove_beyond,
     newest_checkpoint,
+    remove_beyond,
     remove_partial,
     step_of,
 )
