@@ -25,6 +25,7 @@ exit code. One launch for both parts saves a second start-up of 8 processes (imp
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def main(session: WorkerSession) -> None:
     from megatron_rlhf.hybrid.engine import HybridEngine
     from megatron_rlhf.metrics.phases import PhaseTimer
     from megatron_rlhf.parallel.layout import Layout
-    from megatron_rlhf.rollout.native import NativeEngine
+    from megatron_rlhf.rollout.native import GROUP_SEED_STRIDE, NativeEngine
     from megatron_rlhf.rollout.native_config import NativeEngineConfig
     from megatron_rlhf.rollout.sampling import SamplingParams
     from megatron_rlhf.training.objectives import sft_loss
@@ -120,10 +121,12 @@ def main(session: WorkerSession) -> None:
         results[f"{name}/phases"] = list(timer.step_metrics())
         compare(f"{name}/greedy", completions, tp1.generate(prompts, greedy))
 
-        # Sampling: this rank's generation-DP share, in one engine call on the TP1 model.
+        # Sampling: this rank's generation-DP share, in one engine call on the TP1 model, with the seed
+        # of this rank's generation group (each group draws from its own stream).
         completions = hybrid.generate(prompts, sampled)
         share = list(range(generation.groups.dp_rank, len(prompts), generation.groups.layout.dp))
-        expected = tp1.generate([prompts[i] for i in share], sampled)
+        group_seed = sampled.seed + generation.groups.dp_rank * GROUP_SEED_STRIDE
+        expected = tp1.generate([prompts[i] for i in share], dataclasses.replace(sampled, seed=group_seed))
         for completion in expected:
             completion.prompt_index = share[completion.prompt_index]
         compare(f"{name}/sampled", [c for c in completions if c.prompt_index in share], expected)
