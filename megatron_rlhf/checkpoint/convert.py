@@ -94,10 +94,11 @@ def _check_output(source: Path, output: Path) -> None:
     index of shards), and the source must stay as it is."""
     if output.exists() and not output.is_dir():
         raise ValueError(f"output {output} is a file; give the directory to write the converted model to")
-    if output.resolve() == source.resolve() or (output.exists() and any(output.iterdir())):
+    same = output.resolve() == source.resolve()
+    if same or (output.exists() and any(output.iterdir())):
         raise ValueError(
-            f"output {output} is {'the source' if output.resolve() == source.resolve() else 'not empty'}: "
-            "give a new directory (a converted model's files beside another model's would mix the two)"
+            f"output {output} is {'the source' if same else 'not empty'}: give a new directory (a converted "
+            "model's files beside another model's would mix the two)"
         )
 
 

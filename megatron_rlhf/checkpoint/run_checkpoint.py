@@ -344,7 +344,7 @@ def _write_manifest(ckpt: Path) -> None:
     them as it wrote them; that ``integrity.json`` is hashed here)."""
     dist_manifests = [rel for rel in files_under(ckpt) if Path(rel).name == INTEGRITY_FNAME]
     covered = _listed_in(ckpt, dist_manifests)
-    files = {rel: _sha256(ckpt / rel) for rel in files_under(ckpt) if rel not in covered}
+    files = {rel: file_sha256(ckpt / rel) for rel in files_under(ckpt) if rel not in covered}
     write_bytes(ckpt / MANIFEST_FILE, (json.dumps({"algorithm": "sha256", "files": files}, indent=2) + "\n").encode())
 
 
@@ -394,7 +394,7 @@ def copy_problems(ckpt: Path) -> list[str] | None:
             path = folder / name
             if not path.is_file():
                 problems.append(f"{path}: missing (listed in {ckpt / rel})")
-            elif _sha256(path) != expected:
+            elif file_sha256(path) != expected:
                 problems.append(f"{path}: changed since the save (listed in {ckpt / rel})")
     return problems
 
@@ -410,7 +410,7 @@ def _manifest_problems(ckpt: Path) -> list[str]:
         path = ckpt / rel
         if not path.is_file():
             problems.append(f"{path}: missing (listed in {MANIFEST_FILE})")
-        elif (actual := _sha256(path)) != expected:
+        elif (actual := file_sha256(path)) != expected:
             problems.append(f"{path}: changed since the save (SHA-256 {actual[:16]}..., expected {expected[:16]}...)")
     if problems:  # the dist directories' integrity.json are trusted only once they are unchanged
         return problems
@@ -442,7 +442,8 @@ def _listed_in(ckpt: Path, dist_manifests: list[str]) -> set[str]:
     return listed
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex, read a MiB at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):

@@ -25,7 +25,6 @@ The rendered text is then tokenized with no special tokens added: the template w
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -38,6 +37,8 @@ import jinja2.nodes
 import jinja2.parser
 import yaml
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from megatron_rlhf.config.fields import did_you_mean
 
 __all__ = [
     "RESERVED_VARIABLES",
@@ -276,9 +277,9 @@ def check_entry_fields(where: str, item: dict[str, Any], fields: tuple[str, ...]
     ``fields``: a slip that would otherwise be dropped unseen (``confg:``)."""
     unknown = sorted(set(item) - set(fields))
     if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), fields, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{where}: unknown field(s) {unknown}, expected {entry_shape(fields)}{hint}")
+        raise ValueError(
+            f"{where}: unknown field(s) {unknown}, expected {entry_shape(fields)}{did_you_mean(unknown[0], fields)}"
+        )
 
 
 def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:

@@ -8,10 +8,9 @@ megatron's fused linears.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import TYPE_CHECKING
 
-from megatron_rlhf.config.fields import check_on_init, field_default
+from megatron_rlhf.config.fields import check_on_init, did_you_mean, field_default
 
 if TYPE_CHECKING:
     from megatron_rlhf.models.architecture import Architecture
@@ -120,7 +119,8 @@ class LoraConfig:
             errors.append(f"target_modules is empty: name at least one of {known}")
         for name in self.target_modules:
             if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                errors.append(f"target_modules: {name!r} is not a known module; expected names from {known}{hint}")
+                errors.append(
+                    f"target_modules: {name!r} is not a known module; expected names from {known}"
+                    f"{did_you_mean(name, known)}"
+                )
         return errors

@@ -22,7 +22,6 @@ re-running the pipeline resumes each stage from its checkpoints (a finished stag
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rlhf.agent.config import MultiTurnConfig
+from megatron_rlhf.checkpoint.run_checkpoint import file_sha256, files_under
 from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
@@ -135,12 +135,8 @@ def _policy(model: str, engine_cfg: NativeEngineConfig, dtype: str, env: DistEnv
 
 def _file_digests(paths: list[Path]) -> dict[str, str]:
     """sha256 of each file of ``paths`` (a folder: of each file under it)."""
-    files = sorted(f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
-    digests = {}
-    for file in files:
-        with file.open("rb") as handle:
-            digests[str(file)] = hashlib.file_digest(handle, "sha256").hexdigest()
-    return digests
+    files = [file for p in paths for file in ([p] if p.is_file() else [p / rel for rel in files_under(p)])]
+    return {str(file): file_sha256(file) for file in files}
 
 
 def pairs_inputs(cfg: PairsConfig, dtype: str, seed: int, prompt_files: list[str]) -> dict[str, Any]:

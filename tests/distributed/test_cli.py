@@ -79,6 +79,13 @@ def _error_names_the_exiting_function(tmp: Path, proc: subprocess.CompletedProce
 
 BUILT = "build+load"
 """What a run prints once it has built its models."""
+
+
+def _hf_dir(tmp: Path) -> None:
+    """A tiny HF Llama at ``tmp/hf``, for the convert cases."""
+    make_tiny_hf_model("llama", False, tmp / "hf")
+
+
 ROW_FOR_EVERY_TRAINER = '{"prompt": "a", "response": "b", "chosen": "b", "rejected": "c"}\n'
 VERL_PPO = (
     "ppo",
@@ -160,7 +167,7 @@ CASES: list[CliCase] = [
         "convert refuses a TP that divides neither head count, and writes nothing",
         ("convert", "hf-to-mcore", "{tmp}/hf", "{tmp}/ckpt", "tp=3"),
         exit_code=2,
-        prepare=lambda tmp: make_tiny_hf_model("llama", False, tmp / "hf"),
+        prepare=_hf_dir,
         stderr_has=("tp=3 must divide num_attention_heads=4", "tp=3 must divide num_key_value_heads=2"),
         absent=("ckpt",),
         builds_models=False,
@@ -170,7 +177,7 @@ CASES: list[CliCase] = [
         "convert refuses an output holding files: another model's weights beside the converted ones would mix",
         ("convert", "hf-to-mcore", "{tmp}/hf", "{tmp}/hf"),
         exit_code=2,
-        prepare=lambda tmp: make_tiny_hf_model("llama", False, tmp / "hf"),
+        prepare=_hf_dir,
         stderr_has=("output {tmp}/hf is the source: give a new directory",),
         builds_models=False,
     ),
@@ -179,7 +186,7 @@ CASES: list[CliCase] = [
         "mcore-to-hf names what it expected of its source",
         ("convert", "mcore-to-hf", "{tmp}/hf", "{tmp}/out"),
         exit_code=2,
-        prepare=lambda tmp: make_tiny_hf_model("llama", False, tmp / "hf"),
+        prepare=_hf_dir,
         stderr_has=("{tmp}/hf: no megatron_rlhf.json here, so not a megatron-rlhf model checkpoint",),
         absent=("out",),
         builds_models=False,
