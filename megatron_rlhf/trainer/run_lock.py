@@ -4,7 +4,9 @@ Two runs writing one output_dir corrupt each other (the second resumes from the 
 checkpoint; both append to metrics.jsonl). The lock file is created by a hard link of a written
 file (atomic, never empty), so of two runs started together exactly one gets it. A lock whose
 holder is a dead process on this host is taken over (with a message); one held by a live process
-is refused with ``OutputDirLocked``. Under torchrun only rank 0 takes it (``loop.write_run_files``).
+is refused with ``OutputDirLocked``. Runs that take over one stale lock together take turns (a
+``run.lock.takeover`` file, made the same way), and each deletes it only if it still names the
+holder it judged: exactly one of them gets it. Under torchrun only rank 0 takes it (``loop.write_run_files``).
 The holder deletes it at the end of the run and at exit (an error, a stop signal); a killed run
 leaves it behind, and the next run on the same host takes it over. Process ids are compared with
 their start time, so a reused pid is not taken for the holder.
@@ -37,6 +39,8 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 """Another host's lock not refreshed for this long is taken over (ten heartbeats: clocks of a
 shared file system's hosts may differ by some seconds)."""
+TAKEOVER_WAIT_S = 10.0
+"""How long a run waits while another takes over a stale lock (which takes microseconds)."""
 _heartbeats: dict[Path, threading.Event] = {}
 """Lock file -> the event that stops its holder's heartbeat (this process's locks)."""
 
@@ -69,7 +73,8 @@ def acquire(out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_FILE
     me = _me()
-    for _ in range(2):  # a stale lock: taken over once
+    deadline = time.monotonic() + TAKEOVER_WAIT_S
+    while True:
         if _create(path, me):
             atexit.register(release, path)
             _start_heartbeat(path)
@@ -79,36 +84,66 @@ def acquire(out_dir: Path) -> Path:
             continue  # deleted by its holder meanwhile
         if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
             return path
-        if holder.get("host") != me["host"]:
-            quiet = _seconds_since_refreshed(path)
-            if quiet is None:
-                continue  # deleted by its holder meanwhile
-            if quiet < STALE_AFTER_S:
-                raise OutputDirLocked(
-                    f"output_dir={str(out_dir)!r} is in use by a run on host {holder.get('host')} (pid "
-                    f"{holder.get('pid')}, started {holder.get('started')}): {path}, refreshed {quiet:.0f} s ago. Its "
-                    f"process cannot be checked from {me['host']}; a lock not refreshed for {STALE_AFTER_S:.0f} s is "
-                    f"taken over, or, if you are sure that run has ended, delete {path} and start again"
-                )
-            log(
-                f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')}, "
-                f"has not refreshed it "
-                f"for {quiet:.0f} s (a run refreshes its lock every {HEARTBEAT_S:.0f} s)"
-            )
-            path.unlink(missing_ok=True)
-            continue
-        if _alive(holder):
+        stale = _why_stale(path, out_dir, holder, me)
+        if stale is None:
+            continue  # deleted by its holder meanwhile
+        if _take_over(path, holder, me):
+            log(f"taking over {path}: {stale}")
+        elif time.monotonic() > deadline:
             raise OutputDirLocked(
-                f"output_dir={str(out_dir)!r} is in use by another run: pid {holder['pid']} on {holder['host']}, "
-                f"started "
-                f"{holder.get('started')} ({path}); wait for it to end, stop it, or choose another output_dir"
+                f"output_dir={str(out_dir)!r}: another run has been taking over the stale {path} for "
+                f"{TAKEOVER_WAIT_S:.0f} s; start again"
             )
-        log(
-            f"taking over {path}: its holder, pid {holder.get('pid')} on {holder.get('host')} (started "
-            f"{holder.get('started')}), is no longer running"
+        else:
+            time.sleep(0.05)  # another run is taking it over: its lock is judged next
+
+
+def _why_stale(path: Path, out_dir: Path, holder: dict[str, Any], me: dict[str, object]) -> str | None:
+    """Why ``holder``'s lock may be taken over; raises ``OutputDirLocked`` while it may not (a live
+    process of this host, another host's lock refreshed lately). None: the file went meanwhile."""
+    if holder.get("host") != me["host"]:
+        quiet = _seconds_since_refreshed(path)
+        if quiet is None:
+            return None
+        if quiet < STALE_AFTER_S:
+            raise OutputDirLocked(
+                f"output_dir={str(out_dir)!r} is in use by a run on host {holder.get('host')} (pid "
+                f"{holder.get('pid')}, started {holder.get('started')}): {path}, refreshed {quiet:.0f} s ago. Its "
+                f"process cannot be checked from {me['host']}; a lock not refreshed for {STALE_AFTER_S:.0f} s is "
+                f"taken over, or, if you are sure that run has ended, delete {path} and start again"
+            )
+        return (
+            f"its holder, pid {holder.get('pid')} on {holder.get('host')}, has not refreshed it for {quiet:.0f} s "
+            f"(a run refreshes its lock every {HEARTBEAT_S:.0f} s)"
         )
-        path.unlink(missing_ok=True)
-    raise OutputDirLocked(f"output_dir={str(out_dir)!r}: another run took {path} while this one took over a stale lock")
+    if _alive(holder):
+        raise OutputDirLocked(
+            f"output_dir={str(out_dir)!r} is in use by another run: pid {holder['pid']} on {holder['host']}, "
+            f"started {holder.get('started')} ({path}); wait for it to end, stop it, or choose another output_dir"
+        )
+    return (
+        f"its holder, pid {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')}), is no "
+        "longer running"
+    )
+
+
+def _take_over(path: Path, stale: dict[str, Any], me: dict[str, object]) -> bool:
+    """Delete the lock file judged stale, if it still names ``stale``; True if it is gone. Runs that
+    take over one stale lock together take turns (``run.lock.takeover``, made like the lock):
+    without them, a slower one deleted the lock a faster one had just made, and both held it."""
+    turn = path.with_name(f"{path.name}.takeover")
+    if not _create(turn, me):
+        held_for = _seconds_since_refreshed(turn)
+        if held_for is not None and held_for > TAKEOVER_WAIT_S:  # its taker died in the microseconds it holds it
+            turn.unlink(missing_ok=True)
+        return False
+    try:
+        now = _read(path)
+        if now == stale:
+            path.unlink()
+        return now is None or now == stale
+    finally:
+        turn.unlink(missing_ok=True)
 
 
 def _create(path: Path, holder: dict[str, object]) -> bool:

@@ -115,3 +115,35 @@ def test_the_holder_refreshes_its_lock(tmp_path: Path, monkeypatch: pytest.Monke
     assert time.time() - lock.stat().st_mtime < 5
     release(lock)
     assert not lock.exists()
+
+
+def _take_over_when_released(out: Path, start: object, done: object, results: object) -> None:
+    start.wait()  # type: ignore[attr-defined]
+    try:
+        acquire(out)
+        results.put("held")  # type: ignore[attr-defined]
+    except OutputDirLocked:
+        results.put("refused")  # type: ignore[attr-defined]
+    done.wait()  # type: ignore[attr-defined]  # holding it until every process has tried
+
+
+def test_of_processes_taking_over_one_stale_lock_together_exactly_one_holds_it(tmp_path: Path) -> None:
+    """Before: each read the dead holder, deleted the lock file and made its own, and a slower one
+    deleted a faster one's fresh lock: two holders (2 of 15 tries of a pair)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    processes = 6
+    for round_ in range(8):
+        out = tmp_path / f"round_{round_}"
+        _holder(out, host=socket.gethostname(), pid=os.getpid(), process_started=1.0, started="long ago")
+        start, done, results = context.Barrier(processes), context.Barrier(processes), context.Queue()
+        workers = [
+            context.Process(target=_take_over_when_released, args=(out, start, done, results)) for _ in range(processes)
+        ]
+        for worker in workers:
+            worker.start()
+        outcomes = sorted(results.get(timeout=60) for _ in workers)
+        for worker in workers:
+            worker.join(timeout=60)
+        assert outcomes == ["held"] + ["refused"] * (processes - 1), f"round {round_}: {outcomes}"
