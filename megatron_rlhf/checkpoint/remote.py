@@ -10,17 +10,24 @@ Layout under ``remote_dir`` (``s3://bucket/prefix`` and ``s3://bucket/prefix/`` 
 Upload (rank 0, in a background thread: ``RemoteMirror``), after each local checkpoint is complete:
 leftovers of an interrupted upload are deleted; every file goes to ``step_N.tmp/``,
 ``run_state.json`` and ``manifest.json`` last; the directory is renamed to ``step_N`` (a rename on a
-file system; on an object store, which has none, a server-side copy of each object, then the
-``.tmp`` objects are deleted); ``latest`` is written (one PUT, atomic on an object store; written
-beside and renamed on a file system); then all but the newest ``keep_last`` complete checkpoints
-are deleted. Only the steps up to the one ``latest`` names count as complete: a crash at any point
-leaves the previous remote checkpoint in use (a half-copied ``step_N`` beyond ``latest`` is ignored,
-then deleted by the next upload).
+file system; on an object store, which has none, a server-side copy of each object, those two last,
+then the ``.tmp`` objects are deleted); ``latest`` is written (one PUT, atomic on an object store;
+written beside and renamed on a file system); then the step directories after ``step_N`` (another
+branch of the run: it continues from an earlier step) and all but the newest ``keep_last`` complete
+checkpoints are deleted. Only the steps up to the one ``latest`` names count as complete: a crash
+at any point leaves the previous remote checkpoint in use.
 
-Download (``resume=auto`` with no local checkpoint): the newest complete remote checkpoint is copied
-to ``checkpoints/step_N.tmp``, checked against its manifest and the shards' ``integrity.json`` (a
-changed or missing file: the previous remote one is tried), renamed to ``step_N`` and named by the
-local ``latest``; the run then resumes from it as from any local checkpoint.
+Going back (a resume from an older checkpoint, a rollback, a fresh start with overwrite=true): as
+locally, the later checkpoints go at once, ``latest`` first (``RemoteDir.remove_beyond``).
+
+Download (``resume=auto``): when the remote is further along than the newest local checkpoint (there
+is none, or it is a stale copy: fewer rollbacks behind it, or an earlier step), the newest complete
+remote checkpoint is copied to ``checkpoints/step_N.tmp``, checked against its manifest and the
+shards' ``integrity.json`` (a changed or missing file: the previous remote one is tried), renamed
+to ``step_N`` and named by the local ``latest``; the run then resumes from it as from any local
+checkpoint. A run refuses to start where it would delete remote checkpoints it cannot account for:
+newer ones all unusable with no local one to continue, whole ones that ``latest`` does not name, a
+``latest`` that names no step, and, with resume=never, any without overwrite=true.
 
 fsspec (and the package of a protocol: s3fs for ``s3://``, gcsfs for ``gs://``) is imported only
 when a run uses ``remote_dir``. Credentials and endpoints come from the environment the way each
@@ -102,24 +109,35 @@ class RemoteDir:
             raise RemoteStorageError(f"remote_dir={self.url!r} cannot be written: {err!r}") from err
 
     def latest(self) -> int | None:
-        """The step ``latest`` names (None: no upload completed)."""
+        """The step ``latest`` names (None: no upload completed). ``RemoteStorageError`` when it
+        holds anything but ``step_N``: which checkpoints are complete is then unknown."""
         try:
-            text = self.fs.cat_file(self.path(LATEST_FILE)).decode().strip()
+            text = self.fs.cat_file(self.path(LATEST_FILE)).decode(errors="replace").strip()
         except FileNotFoundError:
             return None
-        return int(text.removeprefix("step_")) if text.startswith("step_") else None
+        step = step_of(text)
+        if step is None:
+            raise RemoteStorageError(
+                f"{self.url}/{LATEST_FILE} holds {text[:60]!r}, expected 'step_N' (the checkpoint uploaded "
+                f"last): write the newest complete step_N into it, or remove it"
+            )
+        return step
 
     def complete_steps(self) -> list[int]:
         """The complete remote checkpoints' steps, oldest first: those up to the one ``latest``
         names that hold ``run_state.json`` (a copy beyond it may be partial)."""
         latest = self.latest()
-        if latest is None:
-            return []
-        steps = []
-        for step, name in self._step_dirs():
-            if step <= latest and self.fs.exists(self.path(name, RUN_STATE_FILE)):
-                steps.append(step)
-        return sorted(steps)
+        return [] if latest is None else [step for step in self.held_steps() if step <= latest]
+
+    def held_steps(self) -> list[int]:
+        """The steps of every ``step_N`` directory holding ``run_state.json``, oldest first, whatever
+        ``latest`` says: each holds a whole checkpoint's files (they are uploaded, and copied to
+        their name, before it), complete unless an upload stopped between that copy and ``latest``."""
+        return sorted(step for step, name in self._step_dirs() if self.fs.exists(self.path(name, RUN_STATE_FILE)))
+
+    def lineage(self, step: int) -> tuple[int, int]:
+        """``lineage`` of the remote ``step_N``."""
+        return lineage(json.loads(self.fs.cat_file(self.path(f"step_{step}", RUN_STATE_FILE))), f"step_{step}")
 
     def _entries(self) -> list[str]:
         """The names directly under the root (none before the first upload)."""
@@ -134,8 +152,7 @@ class RemoteDir:
 
     def _remove_partial(self) -> None:
         """Leftovers of interrupted uploads: ``*.tmp`` entries, and step directories beyond ``latest``
-        (a copy interrupted before ``latest`` named it, or a step that a run resumed from an older
-        checkpoint redoes)."""
+        (a copy interrupted before ``latest`` named it)."""
         latest = self.latest()
         for name in self._entries():
             step = step_of(name)
@@ -144,6 +161,22 @@ class RemoteDir:
                 self.fs.rm(self.path(name), recursive=True)
                 why = "an interrupted upload" if name.endswith(".tmp") else f"beyond latest (step_{latest})"
                 log(f"removed {self.url}/{name}: {why}")
+
+    def remove_beyond(self, step: int) -> list[str]:
+        """The remote side of ``run_checkpoint.remove_beyond``, for a run that continues from
+        ``step`` (a resume from an older checkpoint, a rollback; 0: a fresh start): ``latest`` first
+        names the newest checkpoint up to ``step`` (or goes, with none), then the step directories
+        after it are deleted, so that a job requeued meanwhile does not download one of them.
+        Returns their names."""
+        kept = [held for held in self.held_steps() if held <= step]
+        if kept:
+            self._write_latest(f"step_{kept[-1]}")
+        removed = [name for held, name in self._step_dirs() if held > step]
+        for name in removed:
+            self.fs.rm(self.path(name), recursive=True)
+        if not kept and self.fs.exists(self.path(LATEST_FILE)):
+            self.fs.rm_file(self.path(LATEST_FILE))
+        return removed
 
     def upload(self, ckpt: Path, keep_last: int, pinned: str | None = None) -> None:
         """Copies the complete local checkpoint ``ckpt`` (``.../step_N``) to ``step_N`` through
@@ -162,10 +195,15 @@ class RemoteDir:
             self.fs.rm(final, recursive=True)
         if not self.object_store:
             self.fs.mv(tmp, final)  # one rename (a file system, HDFS)
-        else:
-            self.fs.copy([f"{tmp}/{rel}" for rel in rels], [f"{final}/{rel}" for rel in rels])
+        else:  # run_state.json last (a copy of many objects runs them concurrently)
+            for group in (bulk, last):
+                self.fs.copy([f"{tmp}/{rel}" for rel in group], [f"{final}/{rel}" for rel in group])
             self.fs.rm(tmp, recursive=True)
         self._write_latest(name)
+        for later, later_name in self._step_dirs():  # not this run's: it continues from an earlier step
+            if later > step:
+                self.fs.rm(self.path(later_name), recursive=True)
+                log(f"removed {self.url}/{later_name}: beyond {name}, which this run continues from")
         if keep_last:
             for old in self.complete_steps()[:-keep_last]:
                 if f"step_{old}" != pinned:
@@ -186,12 +224,50 @@ class RemoteDir:
             self.fs.pipe_file(self.path(f"{LATEST_FILE}.tmp"), f"{name}\n".encode())
             self.fs.mv(self.path(f"{LATEST_FILE}.tmp"), self.path(LATEST_FILE))
 
-    def download_newest(self, root: Path) -> Path | None:
-        """Copies the newest complete remote checkpoint whose files match its manifest to
-        ``root/step_N`` and points the local ``latest`` at it; None when the remote holds none.
+    def fetch_newer(self, root: Path, local: Path | None) -> Path | None:
+        """Rank 0, at the start of a ``resume=auto`` run: downloads the newest usable remote
+        checkpoint to ``root`` when the remote is further along than ``local`` (the newest local
+        checkpoint; None: none), which is then a stale copy, e.g. on a node that a requeued job left
+        and came back to. Returns it; None leaves the local one (or a fresh start). Further along:
+        a later ``lineage``. Raises ``RemoteStorageError`` rather than start a run that would delete
+        remote checkpoints it cannot tell are stale: newer ones all unusable with no local one, or
+        ones with every file that ``latest`` does not name."""
+        ours = None
+        if local is not None:
+            try:
+                ours = lineage(json.loads((local / RUN_STATE_FILE).read_text()), local.name)
+            except ValueError as err:  # unusable: the resume would fall back past it
+                log(f"{local / RUN_STATE_FILE} does not parse ({err}); comparing {self.url} with no local checkpoint")
+        latest = self.latest()
+        unnamed = [
+            step for step in self.held_steps() if (latest is None or step > latest) and (ours is None or step > ours[1])
+        ]
+        if unnamed:
+            raise RemoteStorageError(
+                f"remote_dir={self.url!r} holds {_names(unnamed)} with its run_state.json, newer than what its "
+                f"{LATEST_FILE} names ({f'step_{latest}' if latest is not None else 'no latest file'}): an upload "
+                f"stopped before writing {LATEST_FILE}, or a removal stopped half-way. A run would delete "
+                f"{'it' if len(unnamed) == 1 else 'them'}: write the step_N to resume into {self.url}/{LATEST_FILE} "
+                "(its files are checked against its manifest as it downloads), or delete what is not wanted"
+            )
+        newer = [step for step in self.complete_steps() if ours is None or self.lineage(step) > ours]
+        got = self.download_newest(root, newer)
+        if got is None and newer:
+            if local is None:
+                raise RemoteStorageError(
+                    f"remote_dir={self.url!r} holds {_names(newer)}, none usable (each reason is logged above), "
+                    "and output_dir holds no checkpoint: a fresh run would delete them. Repair them or move them "
+                    "aside, or start over with resume=never overwrite=true"
+                )
+            log(f"warning: {self.url}'s checkpoints newer than {local} are unusable; continuing from {local}")
+        return got
+
+    def download_newest(self, root: Path, steps: list[int]) -> Path | None:
+        """Copies the newest of the complete remote checkpoints ``steps`` whose files match its
+        manifest to ``root/step_N`` and points the local ``latest`` at it; None when none does.
         The health watch's best checkpoint, which that one names and a rollback goes back to,
         comes with it."""
-        for step in reversed(self.complete_steps()):
+        for step in reversed(steps):
             final = self.download(step, root)
             if final is None:
                 continue
@@ -232,6 +308,17 @@ class RemoteDir:
             f"{time.perf_counter() - started:.1f} s): no local checkpoint to resume"
         )
         return final
+
+
+def lineage(run_state: dict[str, Any], name: str) -> tuple[int, int]:
+    """How far along a run a checkpoint is, for comparing copies of one run in two places: the
+    rollbacks behind it (each redoes steps on another branch, so a checkpoint after more of them is
+    the later one whatever its step), then its step."""
+    return len(run_state.get("loop", {}).get("reseeded", [])), int(name.removeprefix("step_"))
+
+
+def _names(steps: list[int]) -> str:
+    return ", ".join(f"step_{step}" for step in steps)
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
@@ -287,17 +374,37 @@ class RemoteMirror:
 
     def catch_up(self, ckpt: Path, pinned: str | None) -> None:
         """Rank 0, after a resume from the local ``ckpt``: upload it unless the remote ``latest``
-        names it already (remote_dir added to a run, or a final upload that failed)."""
+        names a copy of it already (remote_dir added to a run, a final upload that failed, or the
+        same step on the branch a rollback left)."""
+        if self.remote is None:
+            return
+        name = ckpt.name
+        try:
+            held = (
+                self.remote.latest() == step_of(name)
+                and self.remote.fs.cat_file(self.remote.path(name, MANIFEST_FILE))
+                == (ckpt / MANIFEST_FILE).read_bytes()
+            )
+        except (OSError, RemoteStorageError) as err:
+            log(f"warning: reading {self.remote.url}'s {name} failed ({err!r}); {name} is uploaded anew")
+            held = False
+        if not held:
+            log(f"{self.remote.url} does not hold {name}, the checkpoint resumed: uploading it")
+            self.start(ckpt, pinned)
+
+    def remove_beyond(self, step: int, why: str) -> None:
+        """Rank 0: ``RemoteDir.remove_beyond``, each removal logged with ``why``. A failure is a
+        warning: the next upload removes them."""
         if self.remote is None:
             return
         try:
-            behind = self.remote.latest() != int(ckpt.name.removeprefix("step_"))
-        except OSError as err:
-            log(f"warning: reading {self.remote.url}/{LATEST_FILE} failed ({err!r}); {ckpt.name} is uploaded anew")
-            behind = True
-        if behind:
-            log(f"{self.remote.url} does not hold {ckpt.name}, the checkpoint resumed: uploading it")
-            self.start(ckpt, pinned)
+            for name in self.remote.remove_beyond(step):
+                log(f"removed {self.remote.url}/{name}: {why}")
+        except Exception as err:
+            log(
+                f"warning: removing {self.remote.url}'s checkpoints after step {step} failed ({err!r}); a job that "
+                "resumes from remote_dir alone before the next upload may continue from one of them"
+            )
 
     def _upload(self, ckpt: Path, pinned: str | None) -> None:
         assert self.remote is not None

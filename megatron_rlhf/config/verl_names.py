@@ -386,7 +386,7 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
             "trainer.default_hdfs_dir",
             "remote_dir",
             "any fsspec URL (`s3://`, `gs://`, `hdfs://`, `file://`); a trailing slash changes nothing, and a run "
-            "whose output_dir holds no checkpoint resumes from it",
+            "whose output_dir holds no checkpoint, or an older one, resumes from it",
         ),
         ("trainer.project_name", "wandb.project"),
         ("trainer.experiment_name", "wandb.name"),

@@ -296,18 +296,30 @@ def write_run_files(cfg: LoopConfig, out_dir: Path, facts: RunFacts, tokenizer: 
 
 def _fetch_remote(cfg: LoopConfig, out_dir: Path) -> None:
     """Rank 0, with ``remote_dir``: check that it can be written (``ConfigError`` naming why not);
-    with resume=auto and no local checkpoint, download the newest complete remote one into
-    ``output_dir/checkpoints`` (a job requeued onto a node that does not see the first one's disk).
-    Like every checkpoint, it is read by every rank: output_dir is shared by the nodes of a run."""
+    with resume=auto, download the newest complete remote checkpoint into ``output_dir/checkpoints``
+    when the local one is older or missing (a job requeued onto a node that does not see the first
+    one's disk, or back onto one holding a stale copy: ``RemoteDir.fetch_newer``). Like every
+    checkpoint, it is read by every rank: output_dir is shared by the nodes of a run. resume=never
+    replaces remote checkpoints only with overwrite=true, as it does output_dir's."""
     if not cfg.remote_dir:
         return
     try:
         remote = RemoteDir(cfg.remote_dir)
         remote.check_writable()
-        if cfg.resume == "auto" and cfg.resume_from() is None:
-            root = checkpoints_root(out_dir)
-            if remote.download_newest(root) is None:
+        if cfg.resume == "auto":
+            local = cfg.resume_from()
+            if remote.fetch_newer(checkpoints_root(out_dir), local) is None and local is None:
                 log(f"no checkpoint under output_dir or remote_dir={cfg.remote_dir!r}")
+        elif cfg.resume == "never" and not cfg.overwrite and (held := remote.held_steps()):
+            raise ConfigError(
+                f"remote_dir={cfg.remote_dir!r} holds another run's checkpoints "
+                f"({', '.join(f'step_{step}' for step in held)}), which resume=never would replace: set "
+                "overwrite=true to replace them, or choose another remote_dir"
+            )
+        elif cfg.resume not in ("auto", "never"):
+            remote.latest()  # one that names no checkpoint is refused now, not at the first upload
+    except ConfigError:
+        raise
     except RemoteStorageError as err:
         raise ConfigError(str(err)) from err
     except OSError as err:  # the storage failed while the checkpoint was downloaded
@@ -428,7 +440,8 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
     log(environment_report())
     log(f"layouts: {task.layouts}")
     state = LoopState(headline=task.headline[0])
-    resumed_step = _resume(cfg, task, state)
+    mirror = RemoteMirror(cfg.remote_dir, cfg.keep_last)
+    resumed_step = _resume(cfg, task, state, mirror)
     if resumed_step is not None:
         _check_length_after_resume(cfg, resumed_step, total)
     if "wandb" in cfg.loggers and is_rank0() and state.wandb_run_id is None:
@@ -453,7 +466,6 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
     gc.freeze()
     # The health watch's best evaluation: the checkpoint a rollback goes back to, which pruning keeps.
     pinned = f"step_{state.health.best_step}" if state.health.best_step >= 0 else None
-    mirror = RemoteMirror(cfg.remote_dir, cfg.keep_last)
     resumed_ckpt = checkpoints_root(out_dir) / f"step_{resumed_step}"
     if resumed_step is not None and is_rank0() and is_complete(resumed_ckpt):  # not another run's (resume=PATH)
         mirror.catch_up(resumed_ckpt, pinned)
@@ -658,6 +670,7 @@ class _Steps:
             f"gradients (max_bad_steps={cfg.max_bad_steps})"
         )
         self.writer.wait()  # a checkpoint still being written is older than these steps: the one to go back to
+        self.mirror.wait()  # its upload too, before the remote's later checkpoints go
         ckpt = newest_checkpoint(checkpoints_root(cfg.output_dir))
         if ckpt is None:
             raise RunStopped(
@@ -670,7 +683,7 @@ class _Steps:
         if any(first == good + 1 for first, _ in reseeded):
             raise RunStopped(f"{what}, again after a rollback to {ckpt} with another data order: stopping", 3)
         self.state.reseeded = [*reseeded, [good + 1, step]]
-        _remove_beyond(checkpoints_root(cfg.output_dir), good, "beyond the checkpoint rolled back to")
+        _remove_beyond(checkpoints_root(cfg.output_dir), good, "beyond the checkpoint rolled back to", self.mirror)
         self.sink.write("rollback", step, {"to_step": good})
         log(f"{what}: rolled back to {ckpt}; redoing steps {good + 1}-{step} with another data order")
         return good
@@ -739,6 +752,7 @@ class _Steps:
         spent, exports the best checkpoint's model and raises ``RunStopped`` (exit 3)."""
         cfg, health = self.cfg, self.state.health
         self.writer.wait()
+        self.mirror.wait()
         root = checkpoints_root(cfg.output_dir)
         best = root / f"step_{health.best_step}" if health.best_step >= 0 else None
         if best is None or not (best / RUN_STATE_FILE).is_file():
@@ -756,7 +770,7 @@ class _Steps:
         reseeded = self.state.reseeded
         good = self._load(best)  # which applies the recovery
         self.state.reseeded = [*reseeded, [good + 1, step]]
-        _remove_beyond(root, good, "beyond the checkpoint rolled back to")
+        _remove_beyond(root, good, "beyond the checkpoint rolled back to", self.mirror)
         self.sink.write(
             "rollback",
             step,
@@ -828,9 +842,10 @@ def _batch(cfg: LoopConfig, task: Task, per_epoch: int, step: int, reseeded: lis
     return epoch, _epoch_order(task.num_examples, task.batch_size, seed, epoch)[position]
 
 
-def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
+def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror) -> int | None:
     """Load the checkpoint ``cfg.resume`` names into the task and the loop's state;
-    returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first. With
+    returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first, and the
+    checkpoints after the step it continues from (here and on ``mirror``'s remote_dir). With
     resume=auto an unusable newest checkpoint (changed bytes, missing files) is reported and the
     previous complete one is used."""
     root = checkpoints_root(cfg.output_dir)
@@ -840,7 +855,8 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
     candidates = cfg.resume_candidates()
     if not candidates:
         log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
-        _remove_beyond(root, 0, "another run's (overwrite=true)")
+        why = "another run's (overwrite=true)" if cfg.overwrite else "an earlier attempt's, never completed"
+        _remove_beyond(root, 0, why, mirror)
         return None
     older = candidates[1:]
     for ckpt in candidates:
@@ -863,15 +879,16 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState) -> int | None:
     task.load_state_dict(run_state["task"])
     state.restore(run_state)
     log(f"resumed from {ckpt} at step {run_state['step']}")
-    _remove_beyond(root, int(run_state["step"]), "beyond the step this run continues from")
+    _remove_beyond(root, int(run_state["step"]), "beyond the step this run continues from", mirror)
     return int(run_state["step"])
 
 
-def _remove_beyond(root: Path, step: int, why: str) -> None:
-    """Rank 0: ``remove_beyond``, each removal logged."""
+def _remove_beyond(root: Path, step: int, why: str, mirror: RemoteMirror) -> None:
+    """Rank 0: ``remove_beyond`` here and on remote_dir, each removal logged."""
     if is_rank0():
         for path in remove_beyond(root, step):
             log(f"removed {path}: {why}")
+        mirror.remove_beyond(step, why)
 
 
 def _check_length_after_resume(cfg: LoopConfig, resumed_step: int, total: int) -> None:

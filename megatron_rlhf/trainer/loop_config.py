@@ -59,8 +59,8 @@ class LoopConfig(RunConfig):
     gs://bucket/prefix, hdfs://namenode:8020/path (untested here), file:///shared/path; a trailing
     slash changes nothing). Each complete checkpoint is uploaded to remote_dir/step_N in the
     background (through step_N.tmp, remote_dir/latest written last), keep_last applies there too,
-    and with resume=auto a run whose output_dir holds no checkpoint downloads the newest complete
-    one and resumes from it (a requeued job on another node). Checked at start-up by writing a
+    and with resume=auto a run whose output_dir holds no checkpoint, or an older one, downloads the
+    newest complete one and resumes from it (a requeued job on another node). Checked at start-up by writing a
     probe file. Needs fsspec and the protocol's package (pip install 'megatron-rlhf[remote]':
     s3fs); credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)."""
     trust_unverified_checkpoint: bool = False

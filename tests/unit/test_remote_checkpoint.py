@@ -89,7 +89,7 @@ def test_keep_last_applies_remotely_and_the_newest_downloads_verified(
     for ckpt in _steps(saved[0], tmp_path / "local", 2, 4, 6):
         remote.upload(ckpt, keep_last=2)
     assert remote.complete_steps() == [4, 6] and remote.latest() == 6
-    got = remote.download_newest(tmp_path / "fresh" / "checkpoints")
+    got = remote.download_newest(tmp_path / "fresh" / "checkpoints", remote.complete_steps())
     assert got == tmp_path / "fresh" / "checkpoints" / "step_6"
     assert files_under(got) == files_under(saved[0])
     assert (got.parent / "latest").read_text() == "step_6\n"
@@ -98,7 +98,7 @@ def test_keep_last_applies_remotely_and_the_newest_downloads_verified(
     # A changed object in the newest: the previous one is downloaded instead.
     victim = next(rel for rel in files_under(saved[0]) if rel.endswith(".distcp"))
     remote.fs.pipe_file(remote.path("step_6", victim), b"changed")
-    got = remote.download_newest(tmp_path / "other" / "checkpoints")
+    got = remote.download_newest(tmp_path / "other" / "checkpoints", remote.complete_steps())
     assert got is not None and got.name == "step_4"
 
 
@@ -120,7 +120,7 @@ def test_the_health_watchs_best_checkpoint_is_kept_remotely_and_downloaded_with_
         remote.upload(ckpt, keep_last=2, pinned="step_4")
     assert remote.complete_steps() == [4, 6, 8]
     root = tmp_path / "fresh" / "checkpoints"
-    got = remote.download_newest(root)
+    got = remote.download_newest(root, remote.complete_steps())
     assert got == root / "step_8" and (root / "latest").read_text() == "step_8\n"
     assert sorted(path.name for path in root.iterdir()) == ["latest", "step_4", "step_8"]
     assert copy_problems(root / "step_4") == []
@@ -140,7 +140,7 @@ def test_an_interrupted_upload_leaves_the_previous_checkpoint_and_is_cleaned_up(
     remote.fs.put(str(step_4 / "config.yaml"), remote.path("step_4.tmp", "config.yaml"))
     remote.fs.put(str(step_6 / "run_state.json"), remote.path("step_6", "run_state.json"))
     assert remote.latest() == 2 and remote.complete_steps() == [2]
-    got = remote.download_newest(tmp_path / "fresh" / "checkpoints")
+    got = remote.download_newest(tmp_path / "fresh" / "checkpoints", remote.complete_steps())
     assert got is not None and got.name == "step_2"
     remote.upload(step_4, keep_last=2)
     assert [path.rsplit("/", 1)[-1] for path in remote.fs.ls(remote.root, detail=False)] == [
@@ -255,6 +255,12 @@ def test_a_resumed_checkpoint_missing_remotely_is_uploaded(
     mirror.catch_up(step_4, None)  # the remote's latest names it already: nothing to do
     mirror.wait(required=True)
     assert "uploading it" not in capsys.readouterr().out
+    # The same step on another branch (the remote's from before a rollback): uploaded over it.
+    _rewrite_run_state(step_4, reseeded=[[3, 4]])
+    mirror.catch_up(step_4, None)
+    mirror.wait(required=True)
+    assert "does not hold step_4, the checkpoint resumed: uploading it" in capsys.readouterr().out
+    assert mirror.remote.lineage(4) == (1, 4)
 
 
 def test_a_storage_librarys_own_error_is_a_config_error_naming_remote_dir(
@@ -276,3 +282,123 @@ def test_a_storage_librarys_own_error_is_a_config_error_naming_remote_dir(
     cfg = LoopConfig(remote_dir="s3://bucket/run", output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"remote_dir='s3://bucket/run': NoCredentialsError: Unable to locate"):
         loop._fetch_remote(cfg, tmp_path)
+
+
+def _rewrite_run_state(ckpt: Path, **loop: object) -> None:
+    """Set ``loop`` keys of ``ckpt``'s run_state.json, keeping the checkpoint complete (its manifest anew)."""
+    from megatron_rlhf.checkpoint.run_checkpoint import _write_manifest
+
+    run_state = json.loads((ckpt / "run_state.json").read_text())
+    run_state.setdefault("loop", {}).update(loop)
+    (ckpt / "run_state.json").write_text(json.dumps(run_state))
+    (ckpt / "manifest.json").unlink()
+    _write_manifest(ckpt)
+
+
+def test_a_stale_local_checkpoint_gives_way_to_the_remote_ones_further_along(
+    s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
+    """Before: a job requeued back onto a node holding step_2 resumed it, and its uploads then
+    deleted the remote step_4 and step_6. Further along: a later step, or more rollbacks behind."""
+    from megatron_rlhf.checkpoint.remote import RemoteDir
+
+    remote = RemoteDir(_url("s3", tmp_path, "run"))
+    for ckpt in _steps(saved[0], tmp_path / "uploaded", 2, 4, 6):
+        remote.upload(ckpt, keep_last=0)
+    root = tmp_path / "node" / "checkpoints"
+    (stale,) = _steps(saved[0], root, 2)
+    got = remote.fetch_newer(root, stale)
+    assert got == root / "step_6" and (root / "latest").read_text() == "step_6\n"
+    assert remote.fetch_newer(root, got) is None  # level: the local one stands
+
+    # A rollback on another node went back to step_4 and redid step_5: fewer steps, one more rollback.
+    (redone,) = _steps(saved[0], tmp_path / "other", 5)
+    _rewrite_run_state(redone, reseeded=[[5, 6]])
+    remote.upload(redone, keep_last=0)
+    assert remote.complete_steps() == [2, 4, 5]  # step_6, of the branch left, is gone
+    got = remote.fetch_newer(root, root / "step_6")
+    assert got == root / "step_5" and (root / "latest").read_text() == "step_5\n"
+
+
+def test_remote_checkpoints_that_cannot_be_used_stop_the_run_instead_of_being_replaced(
+    s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
+    """Before: each case started a fresh run (exit 0), whose first upload deleted them."""
+    from megatron_rlhf.checkpoint.remote import RemoteDir, RemoteStorageError
+    from megatron_rlhf.checkpoint.run_checkpoint import files_under
+
+    remote = RemoteDir(_url("s3", tmp_path, "run"))
+    step_4, step_6 = _steps(saved[0], tmp_path / "uploaded", 4, 6)
+    for ckpt in (step_4, step_6):
+        remote.upload(ckpt, keep_last=0)
+    root = tmp_path / "fresh" / "checkpoints"
+
+    # Every remote checkpoint changed since it was written.
+    victim = next(rel for rel in files_under(saved[0]) if rel.endswith(".distcp"))
+    for name in ("step_4", "step_6"):
+        remote.fs.pipe_file(remote.path(name, victim), b"changed")
+    with pytest.raises(RemoteStorageError, match=r"holds step_4, step_6, none usable .*resume=never overwrite=true"):
+        remote.fetch_newer(root, None)
+    (local,) = _steps(saved[0], root, 3)  # a local one to continue from: a warning, not a refusal
+    assert remote.fetch_newer(root, local) is None
+    assert remote.held_steps() == [4, 6]
+
+    # Whole checkpoints that latest does not name: an upload stopped before writing it.
+    remote.fs.rm(remote.path("step_4"), recursive=True)
+    remote.fs.rm(remote.path("step_6"), recursive=True)
+    remote.fs.put(str(step_4), remote.path("step_4"), recursive=True)
+    remote.fs.rm_file(remote.path("latest"))
+    with pytest.raises(
+        RemoteStorageError,
+        match=r"holds step_4 with its run_state.json, newer than what its latest names \(no latest file\)",
+    ):
+        remote.fetch_newer(root, None)
+    assert remote.fetch_newer(root, _steps(saved[0], tmp_path / "ahead", 4)[0]) is None  # not newer
+
+    # A latest that names no step.
+    remote.fs.pipe_file(remote.path("latest"), b"garbage\n")
+    with pytest.raises(RemoteStorageError, match=r"/latest holds 'garbage', expected 'step_N'"):
+        remote.fetch_newer(root, None)
+    assert remote.held_steps() == [4]
+
+
+def test_going_back_removes_the_later_remote_checkpoints_and_an_upload_those_of_another_branch(
+    s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
+    from megatron_rlhf.checkpoint.remote import RemoteDir
+
+    remote = RemoteDir(_url("s3", tmp_path, "run"))
+    step_2, step_3, step_4, step_6 = _steps(saved[0], tmp_path / "local", 2, 3, 4, 6)
+    for ckpt in (step_2, step_4, step_6):
+        remote.upload(ckpt, keep_last=0)
+    assert remote.remove_beyond(4) == ["step_6"]
+    assert remote.latest() == 4 and remote.held_steps() == [2, 4]
+    remote.upload(step_3, keep_last=0)  # the run continues from step_2 (resume=PATH): step_4 is another branch's
+    assert remote.latest() == 3 and remote.held_steps() == [2, 3]
+    assert remote.remove_beyond(0) == ["step_2", "step_3"]  # a fresh start
+    assert remote.latest() is None and _listing(remote) == []
+
+
+def test_resume_never_replaces_remote_checkpoints_only_with_overwrite(
+    s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
+    from megatron_rlhf.checkpoint.remote import RemoteDir
+    from megatron_rlhf.config.loader import ConfigError
+    from megatron_rlhf.trainer import loop
+    from megatron_rlhf.trainer.loop_config import LoopConfig
+
+    url = _url("s3", tmp_path, "run")
+    RemoteDir(url).upload(_steps(saved[0], tmp_path / "local", 2)[0], keep_last=0)
+    cfg = LoopConfig(remote_dir=url, output_dir=str(tmp_path / "out"), resume="never")
+    with pytest.raises(
+        ConfigError,
+        match=r"holds another run's checkpoints \(step_2\), which resume=never would replace: set overwrite=true",
+    ):
+        loop._fetch_remote(cfg, tmp_path / "out")
+    loop._fetch_remote(
+        LoopConfig(remote_dir=url, output_dir=str(tmp_path / "out"), resume="never", overwrite=True), tmp_path / "out"
+    )
+    RemoteDir(url).fs.pipe_file(RemoteDir(url).path("latest"), b"step_x")
+    with pytest.raises(ConfigError, match=r"latest holds 'step_x', expected 'step_N'") as caught:
+        loop._fetch_remote(LoopConfig(remote_dir=url, output_dir=str(tmp_path / "out")), tmp_path / "out")
+    assert "credentials" not in str(caught.value)  # before: a garbage latest was reported as a storage error
