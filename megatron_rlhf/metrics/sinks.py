@@ -138,21 +138,28 @@ class ConsoleSink(Sink):
 class JsonlSink(Sink):
     """``metrics.jsonl`` (one line per split and step: ``{"split", "step", **figures}``) and the row
     files (``samples.jsonl``, made on first use). A resumed run continues each file after the lines
-    of the steps up to ``resumed_step`` (later lines, written after that checkpoint, are dropped)."""
+    of the steps up to ``resumed_step`` (later lines, written after that checkpoint, are dropped),
+    and metrics.jsonl keeps, whole, the history up to the last rollback the checkpoint knows of:
+    the steps left by it and its ``rollback`` record, as an uninterrupted run leaves them."""
 
-    def __init__(self, out_dir: Path, resumed_step: int | None) -> None:
+    def __init__(self, out_dir: Path, resumed_step: int | None, resumed_rollbacks: int) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir, self.resumed_step = out_dir, resumed_step
+        self.out_dir, self.resumed_step, self.resumed_rollbacks = out_dir, resumed_step, resumed_rollbacks
         self.files = {"metrics": self._open("metrics")}
 
     def _open(self, name: str) -> Any:
         path = self.out_dir / f"{name}.jsonl"
         if self.resumed_step is None or not path.is_file():
             return path.open("w", encoding="utf-8")
-        kept = [
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
+        rows = [json.loads(line) for line in lines]
+        rollbacks = [at for at, row in enumerate(rows) if row.get("split") == "rollback"]
+        # Before the checkpoint's last rollback: all of it. After: its steps, and no later rollback's record.
+        history = rollbacks[self.resumed_rollbacks - 1] + 1 if 0 < self.resumed_rollbacks <= len(rollbacks) else 0
+        kept = lines[:history] + [
             line
-            for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.endswith("\n") and json.loads(line)["step"] <= self.resumed_step
+            for line, row in zip(lines[history:], rows[history:], strict=True)
+            if row["step"] <= self.resumed_step and row.get("split") != "rollback"
         ]
         # Through a new file and a rename: a kill meanwhile leaves the whole history, never part of it.
         rewritten = path.with_name(f".{path.name}.resumed")
@@ -292,6 +299,8 @@ class SinkSetup:
     """The run's resolved config, recorded with the wandb run."""
     resumed_step: int | None = None
     """The checkpoint step a resumed run continues from; None: a fresh run (files start empty)."""
+    resumed_rollbacks: int = 0
+    """The rollbacks behind the checkpoint resumed (each left steps and wrote a ``rollback`` record)."""
     wandb_run_id: str | None = None
     """The wandb run to write to: the one a resumed run's checkpoint kept, or a fresh run's
     ``new_wandb_run_id``; None: a new one (kept nowhere)."""
@@ -299,7 +308,7 @@ class SinkSetup:
 
 SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
     "console": lambda setup: ConsoleSink(setup.progress, setup.total_steps, setup.log_every, setup.resumed_step),
-    "jsonl": lambda setup: JsonlSink(setup.out_dir, setup.resumed_step),
+    "jsonl": lambda setup: JsonlSink(setup.out_dir, setup.resumed_step, setup.resumed_rollbacks),
     "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb", setup.resumed_step),
     "wandb": lambda setup: WandbSink(setup.wandb, setup.out_dir, setup.config, setup.wandb_run_id),
 }

@@ -454,6 +454,7 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
         wandb=cfg.wandb,
         config=dataclasses.asdict(cfg),
         resumed_step=resumed_step,
+        resumed_rollbacks=len(state.reseeded),
         wandb_run_id=state.wandb_run_id,
     )
     sink = build_sinks(cfg.loggers, setup)

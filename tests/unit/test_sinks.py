@@ -119,6 +119,43 @@ def test_a_resumed_run_appends_after_the_checkpoint_step(tmp_path: Path) -> None
     assert [(r["step"], r["response"]) for r in samples] == [(1, "x"), (2, "x"), (3, "y")]
 
 
+@pytest.mark.parametrize("rollbacks_in_checkpoint", [0, 1])
+def test_a_run_resumed_after_a_rollback_keeps_the_rollbacks_record_and_the_steps_it_left(
+    tmp_path: Path, rollbacks_in_checkpoint: int
+) -> None:
+    """A rollback at step 4 to step 2, step 3 redone, then a kill. Resumed from a checkpoint saved
+    after the rollback (step 3, one rollback behind it), the file reads as an uninterrupted run's:
+    steps 1-4, the record, step 3 again. Before: step 4 and the record went, and the step 3 left
+    stayed. Resumed from step 2 (saved before the rollback, which it does not know of): steps 1-2."""
+    import dataclasses
+
+    first = build_sinks(["jsonl"], _setup(tmp_path, total_steps=5))
+    for step in (1, 2, 3, 4):
+        first.write("train", step, {"actor/loss": step / 10})
+    first.write("rollback", 4, {"to_step": 2})
+    first.write("train", 3, {"actor/loss": 0.35})
+    first.write("train", 4, {"actor/loss": 0.45})
+    first.close()
+    resumed_step = 3 if rollbacks_in_checkpoint else 2
+    setup = dataclasses.replace(
+        _setup(tmp_path, total_steps=5), resumed_step=resumed_step, resumed_rollbacks=rollbacks_in_checkpoint
+    )
+    build_sinks(["jsonl"], setup).close()
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    got = [(r["split"], r["step"], r.get("actor/loss")) for r in metrics]
+    if rollbacks_in_checkpoint:
+        assert got == [
+            ("train", 1, 0.1),
+            ("train", 2, 0.2),
+            ("train", 3, 0.3),
+            ("train", 4, 0.4),
+            ("rollback", 4, None),
+            ("train", 3, 0.35),
+        ]
+    else:
+        assert got == [("train", 1, 0.1), ("train", 2, 0.2)]
+
+
 def test_non_finite_figures_are_written_as_null_and_listed() -> None:
     from megatron_rlhf.metrics.sinks import strict_json
 
