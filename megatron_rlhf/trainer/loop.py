@@ -346,6 +346,12 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
         return
     root = checkpoints_root(out_dir)
     damaged = sorted(p.name for p in root.iterdir() if step_of(p.name) is not None) if root.is_dir() else []
+    if not damaged and _unfinished_attempt_of(cfg, out_dir):
+        log(
+            f"output_dir={cfg.output_dir!r}: an earlier attempt of this run (the same config.yaml) stopped before "
+            f"its first checkpoint (save_every={cfg.save_every}); starting over"
+        )
+        return
     if damaged:  # no complete one (a complete one would be resumed): run_state.json missing
         raise ConfigError(
             f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and checkpoints "
@@ -358,6 +364,17 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
         f"to resume from (resume={cfg.resume}): set overwrite=true to replace them, or choose another "
         "output_dir"
     )
+
+
+def _unfinished_attempt_of(cfg: LoopConfig, out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds an earlier attempt of this very run that did not finish: the same
+    config.yaml (a restarted or requeued command), no result.json and no export. It left no
+    checkpoint (one would be resumed), so the steps it made are lost either way: this run redoes them."""
+    if (out_dir / "result.json").exists() or (out_dir / "hf").exists():
+        return False
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return (out_dir / "config.yaml").read_text() == to_yaml(cfg)
+    return False
 
 
 def _completed_a_step(out_dir: Path) -> bool:

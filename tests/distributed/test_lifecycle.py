@@ -434,14 +434,15 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("async_save", ["false", "true"])
+@pytest.mark.parametrize(("async_save", "killed_step"), [("false", 2), ("true", 4)])
 def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
-    tmp_path: Path, sft_train: Path, async_save: str
+    tmp_path: Path, sft_train: Path, async_save: str, killed_step: int
 ) -> None:
-    """2 ranks at TP2: the save of step 4 is slowed by the test hook (in the training process, or
-    in the background writer while training goes on) and every process is SIGKILLed once its first
-    shard file is written. The same command started again deletes the partial step_4.tmp, resumes
-    from step_2 and finishes with every step logged once."""
+    """2 ranks at TP2: the save of ``killed_step`` is slowed by the test hook (in the training
+    process, or in the background writer while training goes on) and every process is SIGKILLed
+    once its first shard file is written. The same command started again deletes the partial
+    ``.tmp``, resumes from step_2, or starts over when the first save was the one killed (before:
+    refused as "another run's files"), and finishes with every step logged once."""
     out = tmp_path / "run"
     args = (
         *SFT,
@@ -454,9 +455,12 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
     )
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
-        command(2, *args), env=subprocess_env(**{SLOW_SAVE_ENV: "4:600"}), stdout=log, stderr=subprocess.STDOUT
+        command(2, *args),
+        env=subprocess_env(**{SLOW_SAVE_ENV: f"{killed_step}:600"}),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
-    partial = out / "checkpoints" / "step_4.tmp"
+    partial = out / "checkpoints" / f"step_{killed_step}.tmp"
     deadline = time.monotonic() + 600
     while (
         not (partial.is_dir() and any(partial.rglob("*.distcp")))
@@ -467,10 +471,14 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(
     _kill_tree(proc.pid, signal.SIGKILL)
     proc.wait()
     assert any(partial.rglob("*.distcp")), (tmp_path / "killed.log").read_text()[-5000:]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
     again = run_cli(*args, nproc=2)
     assert f"removed {partial}: an interrupted save" in again.stdout
-    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
+    if killed_step == 2:
+        assert (
+            "an earlier attempt of this run (the same config.yaml) stopped before its first checkpoint" in again.stdout
+        )
+    else:
+        assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6"]
     assert [r["step"] for r in _records(out) if r["split"] == "train"] == list(range(1, 7))
 

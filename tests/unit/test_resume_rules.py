@@ -117,6 +117,26 @@ def test_the_holder_refreshes_its_lock(tmp_path: Path, monkeypatch: pytest.Monke
     assert not lock.exists()
 
 
+def test_the_same_command_restarted_before_its_first_checkpoint_starts_over(tmp_path: Path) -> None:
+    """A run SIGKILLed after some steps, before any checkpoint, left config.yaml and training lines.
+    Before: the same command (a Slurm requeue) was refused as "another run's files". A changed
+    config, or a run that finished (result.json: its export is kept), is still refused."""
+    import dataclasses
+
+    from megatron_rlhf.config.loader import ConfigError, to_yaml
+    from megatron_rlhf.trainer import loop
+
+    cfg = SFTConfig(output_dir=str(tmp_path), max_steps=10, save_every=5)
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    (tmp_path / "metrics.jsonl").write_text('{"split": "train", "step": 3}\n')
+    loop._check_output_dir(cfg, tmp_path)
+    with pytest.raises(ConfigError, match=r"holds another run's files \(config.yaml, metrics.jsonl\)"):
+        loop._check_output_dir(dataclasses.replace(cfg, max_steps=20), tmp_path)
+    (tmp_path / "result.json").write_text("{}\n")
+    with pytest.raises(ConfigError, match="holds another run's files"):
+        loop._check_output_dir(cfg, tmp_path)
+
+
 def _take_over_when_released(out: Path, start: object, done: object, results: object) -> None:
     start.wait()  # type: ignore[attr-defined]
     try:
