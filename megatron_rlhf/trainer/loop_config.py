@@ -70,7 +70,8 @@ class LoopConfig(RunConfig):
     without it such a checkpoint is refused (resume=auto tries the previous one)."""
     overwrite: bool = False
     """Allow an output_dir that holds another run's files (and no checkpoint to resume) to be
-    written over; without it such a run is refused before anything is built."""
+    written over; without it such a run is refused before anything is built. Not needed for the
+    same command restarted after it stopped before its first checkpoint (same config.yaml)."""
     profile_steps: list[int] = dataclasses.field(default_factory=list)
     """Steps to run under torch.profiler: each rank writes output_dir/profile/step_N[.rank_R].txt
     (every phase's wall time, GPU busy time, launches, time by kind, costliest kernels), the same
