@@ -151,16 +151,22 @@ class RemoteDir:
         return [(step, name) for name in self._entries() if (step := step_of(name)) is not None]
 
     def _remove_partial(self) -> None:
-        """Leftovers of interrupted uploads: ``*.tmp`` entries, and step directories beyond ``latest``
-        (a copy interrupted before ``latest`` named it)."""
+        """Leftovers of interrupted uploads and removals: ``*.tmp`` entries, step directories beyond
+        ``latest`` (a copy interrupted before ``latest`` named it), and step directories up to it
+        without ``run_state.json`` (a removal interrupted: an object store deletes in any order)."""
         latest = self.latest()
         for name in self._entries():
             step = step_of(name)
-            beyond = step is not None and (latest is None or step > latest)
-            if name.endswith(".tmp") or beyond:
-                self.fs.rm(self.path(name), recursive=True)
-                why = "an interrupted upload" if name.endswith(".tmp") else f"beyond latest (step_{latest})"
-                log(f"removed {self.url}/{name}: {why}")
+            if name.endswith(".tmp"):
+                why = "an interrupted upload"
+            elif step is not None and (latest is None or step > latest):
+                why = f"beyond latest (step_{latest})"
+            elif step is not None and not self.fs.exists(self.path(name, RUN_STATE_FILE)):
+                why = f"no {RUN_STATE_FILE}: an interrupted removal"
+            else:
+                continue
+            self.fs.rm(self.path(name), recursive=True)
+            log(f"removed {self.url}/{name}: {why}")
 
     def remove_beyond(self, step: int) -> list[str]:
         """The remote side of ``run_checkpoint.remove_beyond``, for a run that continues from

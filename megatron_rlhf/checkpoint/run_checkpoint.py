@@ -15,7 +15,8 @@ Layout under ``<output_dir>/checkpoints/``::
 
 A crash at any point leaves the previous checkpoint and ``latest`` intact: a ``.tmp`` directory is
 never read, and older checkpoints are deleted only after a newer one is complete and ``latest``
-names it. A failed write (a full disk) raises an error naming the file, and leaves the same.
+names it (each renamed to ``step_N.removing.tmp`` first, so a kill while deleting leaves a ``.tmp``
+that the next start removes). A failed write (a full disk) raises an error naming the file, and leaves the same.
 
 Every file is covered by the manifest: the small files by their hash in ``manifest.json``, each
 model's dist_checkpointing files by megatron's ``integrity.json`` in their directory (hashed as
@@ -73,6 +74,8 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
 MANIFEST_FILE = "manifest.json"
+REMOVING_SUFFIX = ".removing.tmp"
+"""A checkpoint being deleted (``delete_checkpoint``)."""
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -118,7 +121,7 @@ def remove_beyond(root: Path, step: int) -> list[Path]:
     would take the newest of them. ``latest`` then names ``step_<step>``, or nothing."""
     beyond = [path for path in complete_checkpoints(root) if int(path.name.removeprefix("step_")) > step]
     for path in beyond:
-        shutil.rmtree(path)
+        delete_checkpoint(path)
     pointer = root / LATEST_FILE
     if beyond and pointer.is_file():
         kept = root / f"step_{step}"
@@ -129,8 +132,20 @@ def remove_beyond(root: Path, step: int) -> list[Path]:
     return beyond
 
 
+def delete_checkpoint(path: Path) -> None:
+    """Rank 0: delete a checkpoint directory, renamed first to ``<name>.removing.tmp``: a kill
+    midway leaves a ``.tmp`` that the next start deletes (``remove_partial``), never a half-deleted
+    ``step_N`` that nothing would read or report again."""
+    doomed = path.with_name(f"{path.name}{REMOVING_SUFFIX}")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
 def remove_partial(root: Path) -> list[Path]:
-    """Rank 0: delete ``.tmp`` leftovers of interrupted saves; returns what it deleted."""
+    """Rank 0: delete ``.tmp`` leftovers of interrupted saves, and of interrupted deletions
+    (``REMOVING_SUFFIX``); returns what it deleted."""
     if not root.is_dir():
         return []
     partial = [path for path in root.iterdir() if path.name.endswith(".tmp")]
@@ -238,12 +253,12 @@ class RunCheckpointWriter:
             write_bytes(tmp / RUN_STATE_FILE, run_state_json.encode())
             _write_manifest(tmp)
             if final.exists():  # a checkpoint of the same step from an earlier run (resume=never)
-                shutil.rmtree(final)
+                delete_checkpoint(final)
             os.replace(tmp, final)
             write_atomically(self.root / LATEST_FILE, final.name + "\n")
             for old in complete_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
                 if old.name != self.pinned:
-                    shutil.rmtree(old)
+                    delete_checkpoint(old)
             if self.on_complete is not None:
                 self.on_complete(final, self.pinned)
         dist.barrier()

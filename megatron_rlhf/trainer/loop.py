@@ -41,6 +41,7 @@ import yaml
 from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.remote import RemoteDir, RemoteMirror, RemoteStorageError
 from megatron_rlhf.checkpoint.run_checkpoint import (
+    REMOVING_SUFFIX,
     RUN_STATE_FILE,
     RunCheckpointWriter,
     UnusableCheckpoint,
@@ -869,7 +870,7 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
     root = checkpoints_root(cfg.output_dir)
     if is_rank0():
         for partial in remove_partial(root):
-            log(f"removed {partial}: an interrupted save")
+            log(f"removed {partial}: an interrupted {'removal' if partial.name.endswith(REMOVING_SUFFIX) else 'save'}")
     candidates = cfg.resume_candidates()
     if not candidates:
         log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))

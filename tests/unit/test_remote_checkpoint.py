@@ -402,3 +402,20 @@ def test_resume_never_replaces_remote_checkpoints_only_with_overwrite(
     with pytest.raises(ConfigError, match=r"latest holds 'step_x', expected 'step_N'") as caught:
         loop._fetch_remote(LoopConfig(remote_dir=url, output_dir=str(tmp_path / "out")), tmp_path / "out")
     assert "credentials" not in str(caught.value)  # before: a garbage latest was reported as a storage error
+
+
+def test_a_remote_removal_interrupted_midway_is_cleaned_up_by_the_next_upload(
+    s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An object store deletes a directory's objects in any order: a kill midway can leave step_2
+    without run_state.json, which nothing would read or remove again."""
+    from megatron_rlhf.checkpoint.remote import RemoteDir
+
+    remote = RemoteDir(_url("s3", tmp_path, "run"))
+    step_2, step_4, step_6 = _steps(saved[0], tmp_path / "local", 2, 4, 6)
+    for ckpt in (step_2, step_4):
+        remote.upload(ckpt, keep_last=0)
+    remote.fs.rm_file(remote.path("step_2", "run_state.json"))
+    remote.upload(step_6, keep_last=0)
+    assert remote.held_steps() == [4, 6] and not remote.fs.exists(remote.path("step_2"))
+    assert "step_2: no run_state.json: an interrupted removal" in capsys.readouterr().out

@@ -278,6 +278,29 @@ def test_keep_last_prunes_older_checkpoints_and_zero_keeps_all(
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == kept
 
 
+def test_a_pruning_killed_midway_leaves_a_leftover_the_next_start_removes(
+    tmp_path: Path, world_of_one, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a kill inside the pruning's rmtree left step_1 without some of its files (perhaps
+    its run_state.json: then nothing read it, reported it or deleted it again)."""
+    from megatron_rlhf.checkpoint import run_checkpoint
+    from megatron_rlhf.checkpoint.run_checkpoint import RunCheckpointWriter, complete_checkpoints, remove_partial
+
+    writer = RunCheckpointWriter(tmp_path, keep_last=1, background=False)
+    writer.save(1, train_states={}, weights={}, run_state={}, config_yaml="")
+
+    def killed(path: object) -> None:
+        raise KeyboardInterrupt("killed while deleting")
+
+    monkeypatch.setattr(run_checkpoint.shutil, "rmtree", killed)  # the kill, before rmtree's first file
+    with pytest.raises(KeyboardInterrupt):
+        writer.save(2, train_states={}, weights={}, run_state={}, config_yaml="")
+    monkeypatch.undo()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_2"]
+    assert remove_partial(tmp_path) == [tmp_path / "step_1.removing.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_2"]
+
+
 def test_remove_beyond_deletes_the_later_steps_and_points_latest_back(tmp_path: Path) -> None:
     """A run resumed from an older checkpoint (or rolled back, or started over with overwrite=true)
     leaves no later checkpoint of the run it replaces: pruning took the new ones in their place,
