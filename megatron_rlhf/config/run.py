@@ -27,6 +27,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The ``Dtype`` that names ``dtype`` (fp32, bf16, fp16)."""
+    return next(name for name, known in DTYPES.items() if known == dtype)
+
+
 @dataclasses.dataclass(kw_only=True)
 class DeviceConfig:
     """Where a command runs and in what dtype: every trainer's, and ``generate``'s."""

@@ -199,6 +199,7 @@ class RunClaim:
             "examples": self.facts.examples,
             "models": {role: arch.hf_config for role, arch in self.facts.models.items()},
             "tokenizer": self.tokenizer,
+            "dtype": self.facts.dtype,
         }
 
 
@@ -346,13 +347,21 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
         )
         return
     root = checkpoints_root(out_dir)
-    damaged = sorted(p.name for p in root.iterdir() if step_of(p.name) is not None) if root.is_dir() else []
-    if not damaged and _unfinished_attempt_of(cfg, out_dir):
+    complete = [p.name for p in complete_checkpoints(root)]
+    steps = [p for p in root.iterdir() if step_of(p.name) is not None] if root.is_dir() else []
+    damaged = sorted(p.name for p in steps if not is_complete(p))
+    if not steps and _unfinished_attempt_of(cfg, out_dir):
         log(
             f"output_dir={cfg.output_dir!r}: an earlier attempt of this run (the same config.yaml) stopped before "
             f"its first checkpoint (save_every={cfg.save_every}); starting over"
         )
         return
+    if complete:  # resume=never: any other resume would continue them
+        raise ConfigError(
+            f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and its checkpoints "
+            f"({', '.join(f'checkpoints/{name}' for name in complete)}), which resume=never would replace: set "
+            "resume=auto to continue them, overwrite=true to start over in their place, or choose another output_dir"
+        )
     if damaged:  # no complete one (a complete one would be resumed): run_state.json missing
         raise ConfigError(
             f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and checkpoints "

@@ -10,7 +10,9 @@ declares it (so ``actor_optim.lr``, ``critic_optim.lr`` and ``optim.lr`` share `
 * ``LAYOUT``: where things run (TP/PP, device): checkpoints reshard on load, so it may change.
 * ``MODEL``: a model's ``path`` may change (a moved directory); what may not is the architecture
   and tokenizer behind it, compared with the ones the checkpoint records, nor which models the run
-  uses (a critic or reference appearing or disappearing).
+  uses (a critic or reference appearing or disappearing; a reward model may: ``SCORERS``).
+* The dtype is compared as resolved (``auto``: bf16 on a GPU, fp32 on CPU), which each checkpoint
+  records.
 
 A unit test checks that every leaf of PPOConfig, SFTConfig and RMConfig has a rule, and that every
 rule is used.
@@ -27,6 +29,7 @@ import yaml
 
 from megatron_rlhf.checkpoint.sources import FOLLOW_ACTOR
 from megatron_rlhf.config.loader import ConfigError
+from megatron_rlhf.config.run import DTYPES
 from megatron_rlhf.data import Tokenizer
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 
@@ -282,6 +285,8 @@ class RunFacts:
     """The training set's size: with another, a step is no longer the same data position."""
     models: dict[str, Architecture]
     """Role -> architecture of every model the run uses."""
+    dtype: str
+    """The parameters' dtype as resolved (``dtype=auto`` is bf16 on a GPU, fp32 on CPU): fp32, bf16, fp16."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +325,17 @@ def review_resume(
             if settings.get(f"{role}.path") == "":
                 settings[f"{role}.path"] = settings["actor.path"]
     changed, refused = [], []
+    # The dtype is compared as resolved (auto: bf16 on a GPU, fp32 on CPU), where the checkpoint
+    # records it; an older checkpoint's setting is taken as resolved unless it was auto.
+    recorded_dtype, requested = run_state.get("dtype", old.get("dtype")), new.get("dtype")
+    if recorded_dtype in DTYPES:
+        old.pop("dtype", None)
+        new.pop("dtype", None)
+        if recorded_dtype != facts.dtype:
+            refused.append(
+                f"dtype: the checkpoint's run trained in {recorded_dtype}, this one would in {facts.dtype} "
+                f"(dtype={requested!r}; auto is bf16 on a GPU, fp32 on CPU)"
+            )
     for key in sorted(old.keys() | new.keys()):
         before, after = old.get(key, "(not set)"), new.get(key, "(not a setting now)")
         if before == after:
@@ -344,8 +360,17 @@ def review_resume(
     return ResumeReview(changed, refused)
 
 
+SCORERS = frozenset({"reward"})
+"""Models read from their path at every start, with nothing of theirs in a checkpoint: a resumed run
+may add, drop or replace one (``scoring.use_reward_model`` may change), and scores with it from
+its first step."""
+
+
 def _model_changes(saved: dict[str, dict[str, Any]], models: dict[str, Architecture]) -> list[str]:
-    """Models that appear, disappear or whose architecture differs from the checkpoint's."""
+    """Models that appear, disappear or whose architecture differs from the checkpoint's (but
+    ``SCORERS``)."""
+    saved = {role: config for role, config in saved.items() if role not in SCORERS}
+    models = {role: arch for role, arch in models.items() if role not in SCORERS}
     refused = [f"the run uses a {role} that the checkpoint's run did not" for role in models if role not in saved]
     refused += [f"the checkpoint's run used a {role} that this run does not" for role in saved if role not in models]
     for role in models.keys() & saved.keys():

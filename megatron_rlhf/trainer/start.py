@@ -14,7 +14,7 @@ import torch
 
 from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, shown_path
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.config.run import resolve_dtype
+from megatron_rlhf.config.run import dtype_name, resolve_dtype
 from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture
@@ -89,7 +89,7 @@ def start_run[Train: Sized, Validation](
     train, validation = load_data(tokenizer)
     _require_a_full_step(len(train), getattr(cfg, batch_setting), batch_setting)
     archs = {role: model.arch for role, model in models.items()}
-    claim = write_run_files(cfg, Path(cfg.output_dir), RunFacts(name, len(train), archs), tokenizer)
+    claim = write_run_files(cfg, Path(cfg.output_dir), RunFacts(name, len(train), archs, dtype_name(dtype)), tokenizer)
     return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), (train, validation)
 
 

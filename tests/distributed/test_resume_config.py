@@ -140,13 +140,20 @@ def test_a_checkpoint_of_another_trainer_or_of_changed_data_is_refused(
 
 @pytest.mark.distributed
 def test_an_incomplete_checkpoint_is_named_not_called_no_checkpoint(tmp_path: Path, saved: dict) -> None:
-    """Before: "no checkpoint to resume from: set overwrite=true", advice that writes over it."""
+    """Before: "no checkpoint to resume from: set overwrite=true", advice that writes over it; and
+    with resume=never, complete checkpoints were called incomplete."""
     args, saved_run = saved["sft"]
     out = _copy(saved_run, tmp_path)
     (out / "checkpoints" / "step_2" / "run_state.json").unlink()
     refused = run_cli_here(*args, "max_steps=3", f"output_dir={out}", exit_code=2)
     assert "checkpoints that are incomplete (checkpoints/step_2: no run_state.json)" in refused.stderr
     assert "move them aside first" in refused.stderr
+    # resume=never beside complete checkpoints: before, they too were called incomplete.
+    out = _copy(saved_run, tmp_path / "never")
+    refused = run_cli_here(*args, "max_steps=3", "resume=never", f"output_dir={out}", exit_code=2)
+    assert (
+        "and its checkpoints (checkpoints/step_2), which resume=never would replace: set resume=auto" in refused.stderr
+    )
 
 
 @pytest.mark.distributed

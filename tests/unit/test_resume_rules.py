@@ -43,7 +43,7 @@ def test_a_critic_and_reference_left_to_the_actor_compare_as_the_actors_path() -
     cfg = PPOConfig()
     models = "actor: {path: /m/a}\ncritic: {path: %s}\nreference: {path: %s}\n"
     written, left = models % ("/m/a", "/m/a"), models % ("''", "''")
-    facts = RunFacts("ppo", 40, {})
+    facts = RunFacts("ppo", 40, {}, "fp32")
     assert review_resume(cfg, left, written, {}, facts, "").changed == []
     moved = review_resume(cfg, left.replace("/m/a", "/m/b"), written, {}, facts, "").changed
     assert [line.split(" (")[0] for line in moved] == [
@@ -53,17 +53,62 @@ def test_a_critic_and_reference_left_to_the_actor_compare_as_the_actors_path() -
     ]
 
 
+def test_the_dtype_is_compared_as_resolved() -> None:
+    """Before: dtype=auto against a checkpoint's dtype=fp32, both fp32 in CPU mode, was refused."""
+    cfg = PPOConfig()
+    auto, fp32, bf16 = "dtype: auto\n", "dtype: fp32\n", "dtype: bf16\n"
+    on_cpu, on_gpu = RunFacts("ppo", 40, {}, "fp32"), RunFacts("ppo", 40, {}, "bf16")
+    for recorded in ({"dtype": "fp32"}, {}):  # recorded by the checkpoint, or (older ones) its setting
+        review = review_resume(cfg, auto, fp32, recorded, on_cpu, "")
+        assert (review.changed, review.refused) == ([], []), recorded
+        (refusal,) = review_resume(cfg, auto, fp32, recorded, on_gpu, "").refused
+        assert refusal == (
+            "dtype: the checkpoint's run trained in fp32, this one would in bf16 "
+            "(dtype='auto'; auto is bf16 on a GPU, fp32 on CPU)"
+        )
+    # A checkpoint that records bf16, written with dtype=auto on a GPU, resumed with dtype=bf16.
+    assert review_resume(cfg, bf16, auto, {"dtype": "bf16"}, on_gpu, "").refused == []
+    # An older checkpoint written with auto: what it resolved to is unknown, so a change is refused.
+    assert review_resume(cfg, fp32, auto, {}, on_cpu, "").refused == ["dtype: 'auto' -> 'fp32'"]
+
+
+def test_a_reward_model_may_appear_go_or_change_on_resume_and_a_critic_may_not() -> None:
+    """Nothing of the reward model is in a checkpoint (it is read from its path at each start), and
+    RULES lets scoring.use_reward_model change. Before: adding one to a resumed run was refused."""
+    from megatron_rlhf.models.architecture import architecture_from_hf_config
+    from megatron_rlhf.models.builtin import builtin_config
+
+    policy = builtin_config("builtin:tiny-llama")
+    scorer = architecture_from_hf_config(builtin_config("builtin:tiny-llama-rm"))
+    actor = architecture_from_hf_config(policy)
+    cfg, same = PPOConfig(), "seed: 1\n"
+    saved = {"trainer": "ppo", "models": {"actor": policy}}
+    with_reward = RunFacts("ppo", 40, {"actor": actor, "reward": scorer}, "fp32")
+    assert review_resume(cfg, same, same, saved, with_reward, "").refused == []
+    saved_with_reward = {"trainer": "ppo", "models": {"actor": policy, "reward": policy}}
+    assert (
+        review_resume(cfg, same, same, saved_with_reward, RunFacts("ppo", 40, {"actor": actor}, "fp32"), "").refused
+        == []
+    )
+    with_critic = RunFacts("ppo", 40, {"actor": actor, "critic": scorer}, "fp32")
+    assert review_resume(cfg, same, same, saved, with_critic, "").refused == [
+        "the run uses a critic that the checkpoint's run did not"
+    ]
+
+
 def test_a_checkpoint_of_another_trainer_or_of_resized_data_is_refused() -> None:
     """Before: ppo resumed an sft run's checkpoint (the same single model, so nothing differed that
     was compared), and a training file cut from 40 to 20 rows changed the data order unseen."""
     cfg, same = PPOConfig(), "seed: 1\n"
     sft_state = {"trainer": "sft", "examples": 40}
-    (refusal,) = review_resume(cfg, same, same, sft_state, RunFacts("ppo", 40, {}), "").refused
+    (refusal,) = review_resume(cfg, same, same, sft_state, RunFacts("ppo", 40, {}, "fp32"), "").refused
     assert refusal.startswith("the checkpoint was written by 'sft', this run is 'ppo'")
-    (refusal,) = review_resume(cfg, same, same, {"trainer": "ppo", "examples": 40}, RunFacts("ppo", 20, {}), "").refused
+    (refusal,) = review_resume(
+        cfg, same, same, {"trainer": "ppo", "examples": 40}, RunFacts("ppo", 20, {}, "fp32"), ""
+    ).refused
     assert "the training data now has 20 examples, the checkpoint's run had 40" in refusal
     # A checkpoint from before these were recorded is not compared on them.
-    assert review_resume(cfg, same, same, {}, RunFacts("ppo", 20, {}), "").refused == []
+    assert review_resume(cfg, same, same, {}, RunFacts("ppo", 20, {}, "fp32"), "").refused == []
 
 
 def test_a_lock_of_a_live_process_is_refused_and_a_dead_ones_taken_over(tmp_path: Path) -> None:
