@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -161,6 +161,8 @@ class KLControllerConfig:
 
     def errors(self) -> list[str]:
         errors = at_least(self, 0, "coef")
+        if self.type == "adaptive" and self.coef == 0:
+            errors.append("coef=0 with type=adaptive would stay 0 (the controller scales it): give a start > 0")
         return errors + [
             f"{name}={getattr(self, name)} must be > 0"
             for name in ("target_kl", "horizon")
@@ -173,6 +175,14 @@ class KLController(Protocol):
 
     def update(self, current_kl: float, n_steps: int) -> None: ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the coefficient, and which controller had it."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what ``state_dict`` returned (a resumed run's config may name the other kind)."""
+        ...
+
 
 class FixedKLController:
     """Constant KL coefficient; ``update`` is a no-op."""
@@ -184,6 +194,13 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         del current_kl, n_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_coef": self.value, "kl_controller": "fixed"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing: the config's coefficient applies, which a resumed run may change."""
+        del state
 
 
 class AdaptiveKLController:
@@ -208,6 +225,18 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_coef": self.value, "kl_controller": "adaptive"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues an adaptive controller's coefficient (its state; the config's coef is only its
+        start). After a fixed one, starts from the config's coef: a fixed coefficient of 0 (no
+        penalty) would stay 0, as the update only scales it. (Checkpoints that do not say which
+        controller saved: continued, unless 0.)"""
+        kind = state.get("kl_controller", "adaptive" if state["kl_coef"] > 0 else "fixed")
+        if kind == "adaptive":
+            self.value = float(state["kl_coef"])
 
 
 KL_CONTROLLERS: Registry[Callable[[KLControllerConfig], KLController]] = Registry("KL controller")

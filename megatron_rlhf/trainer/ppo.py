@@ -48,7 +48,6 @@ from megatron_rlhf.agent.loop import AgentParts, ToolAgent
 from megatron_rlhf.algorithms.advantages import compute_advantages
 from megatron_rlhf.algorithms.kl import (
     KL_ESTIMATORS,
-    AdaptiveKLController,
     KLController,
     apply_kl_penalty,
     build_kl_controller,
@@ -331,13 +330,10 @@ class PPOTask:
 
     def state_dict(self) -> dict[str, Any]:
         """The KL controller's coefficient (an adaptive one moves every step; its only state)."""
-        return {"kl_coef": self.run.kl_controller.value}
+        return self.run.kl_controller.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """An adaptive controller continues from its saved coefficient (its state; the config's coef
-        is only its start); a fixed one keeps the config's, which a resumed run may change."""
-        if isinstance(self.run.kl_controller, AdaptiveKLController):
-            self.run.kl_controller.value = state["kl_coef"]
+        self.run.kl_controller.load_state_dict(state)
 
     def recover(self, lr_scale: float, kl_scale: float) -> None:
         """The learning rates at the config's times ``lr_scale``; the KL penalty's coefficient (an

@@ -223,7 +223,7 @@ RULES: dict[str, dict[str, str]] = {
 
 NOTES = {
     "KLControllerConfig.coef": "with type=adaptive this is only the starting value: the checkpoint's current "
-    "coefficient continues; with type=fixed the new value applies",
+    "coefficient continues (one a fixed controller saved does not); with type=fixed the new value applies",
     "ModelConfig.path": "compared by architecture and tokenizer, not by path",
 }
 """What a reported change means where the new value is not simply what the run uses."""

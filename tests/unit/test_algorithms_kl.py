@@ -145,6 +145,28 @@ def test_adaptive_controller_validates():
         AdaptiveKLController(0.1, 1.0, 0)
 
 
+def test_a_resumed_controller_continues_an_adaptive_coefficient_and_not_a_fixed_one():
+    """Before: a fixed run with coef 0 (no penalty) resumed as adaptive continued from 0, which the
+    update only scales: the penalty never came."""
+    adaptive = KLControllerConfig(type="adaptive", coef=0.05)
+    moved = build_kl_controller(adaptive)
+    moved.update(current_kl=1.0, n_steps=100)  # above target: the coefficient grew
+    for saved, expected in [
+        (moved.state_dict(), moved.value),  # adaptive -> adaptive: its state continues
+        (build_kl_controller(KLControllerConfig(coef=0.0)).state_dict(), 0.05),  # fixed -> adaptive
+        ({"kl_coef": 0.0}, 0.05),  # a checkpoint that does not say which controller saved it
+        ({"kl_coef": 0.02}, 0.02),
+    ]:
+        resumed = build_kl_controller(adaptive)
+        resumed.load_state_dict(saved)
+        assert resumed.value == expected, saved
+    fixed = build_kl_controller(KLControllerConfig(coef=0.3))
+    fixed.load_state_dict(moved.state_dict())  # adaptive -> fixed: the config's coefficient
+    assert fixed.value == 0.3
+    with pytest.raises(ValueError, match=r"coef=0 with type=adaptive would stay 0"):
+        KLControllerConfig(type="adaptive", coef=0.0)
+
+
 def test_build_kl_controller():
     fixed = build_kl_controller(KLControllerConfig(type="fixed", coef=0.02))
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.02
