@@ -17,9 +17,11 @@ from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 
 HELP = "sample completions for a file of prompts with the native engine"
+OUTPUT_FORMATS = (".jsonl", ".parquet")
+"""The suffixes ``output`` may have: each picks its format (``trainer/generate.write_rows``)."""
 DESCRIPTION = (
     "Read prompts (.jsonl/.parquet rows with 'prompt' text or 'prompt_ids'), generate with the "
-    "native engine (KV cache, continuous batching) and write JSONL rows with token_ids, text, per-token "
+    "native engine (KV cache, continuous batching) and write rows (.jsonl or .parquet) with token_ids, text, per-token "
     "logprobs and finish_reason. Under torchrun the world is split into groups of rollout.tp ranks. The "
     "settings ppo also has are ppo's keys (rollout.sampling.*, rollout.engine.*, rollout.multi_turn.*, rollout.tp, "
     "device, dtype). "
@@ -52,7 +54,7 @@ class GenerateConfig(DeviceConfig):
     input: str = ""
     """Required: the prompts, a .jsonl or .parquet file or a built-in set such as builtin:arithmetic-test."""
     output: str = ""
-    """Required: the .jsonl file the completions are written to."""
+    """Required: the file the completions are written to: .jsonl, or .parquet (the same columns)."""
     data: PromptRowsConfig = dataclasses.field(default_factory=PromptRowsConfig)
     """How the input's rows are read and rendered (ppo's data.* keys that apply here): render prompts
     as the run being sampled was trained on them (e.g. data.chat_template_kwargs={enable_thinking: false})."""
@@ -70,7 +72,9 @@ class GenerateConfig(DeviceConfig):
         if self.input and output.resolve() == Path(self.input).resolve():
             return [f"output={self.output} is the input: the completions would replace the prompts"]
         if output.is_dir():
-            return [f"output={self.output} is a directory; give the .jsonl file to write"]
+            return [f"output={self.output} is a directory; give the .jsonl or .parquet file to write"]
+        if output.suffix not in OUTPUT_FORMATS:
+            return [f"output={self.output}: expected a .jsonl or .parquet file name (the suffix picks the format)"]
         return []
 
 

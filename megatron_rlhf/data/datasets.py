@@ -283,8 +283,8 @@ class PreferenceDataset(_Examples[PreferenceExample]):
 class PromptDataset(_Examples[PromptExample]):
     """Read-only RL prompts; ``lengths`` (N,) gives every prompt's P."""
 
-    def __init__(self, store: _TokenStore, extras: list[dict[str, Any]]) -> None:
-        self._seq, self._extras = _Sequences(store), extras
+    def __init__(self, store: _TokenStore, extras: list[dict[str, Any]], rows: list[int]) -> None:
+        self._seq, self._extras, self._rows = _Sequences(store), extras, rows
 
     def __len__(self) -> int:
         return len(self._seq)
@@ -296,6 +296,12 @@ class PromptDataset(_Examples[PromptExample]):
     def extras(self) -> Sequence[Mapping[str, Any]]:
         """Every prompt's extras, in order, without building the examples (not to be modified)."""
         return self._extras
+
+    @property
+    def rows(self) -> Sequence[int]:
+        """Every prompt's row in the files read: its 0-based place among their rows, skipped rows
+        counted (``on_invalid=skip``, ``on_overlong=drop``), so that it names the input row."""
+        return self._rows
 
     @property
     def lengths(self) -> Tensor:
@@ -720,18 +726,22 @@ class _Part:
     extras: list[dict[str, Any]]
     """Each row's extras, for the kinds whose rows have them (prompts); empty for the others."""
     report: DataReport
+    rows: list[int] = dataclasses.field(default_factory=list)
+    """Each example's row: its 0-based place among the rows read (skipped ones counted)."""
 
     def add(self, sequences: list[_Sequence], extras: dict[str, Any] | None) -> None:
         for store, (ids, mask) in zip(self.stores, sequences, strict=True):
             store.append(ids, mask)
         if extras is not None:
             self.extras.append(extras)
+        self.rows.append(self.report.rows - 1)
         self.report.kept += 1
 
     def extend(self, other: _Part) -> None:
         for store, theirs in zip(self.stores, other.stores, strict=True):
             store.extend(theirs)
         self.extras.extend(other.extras)
+        self.rows.extend(row + self.report.rows for row in other.rows)
         self.report.merge(other.report)
 
 
@@ -1119,4 +1129,4 @@ def load_prompt_dataset(
         row,
         masks=(False,),
     ).load()
-    return PromptDataset(part.stores[0], part.extras), part.report
+    return PromptDataset(part.stores[0], part.extras, part.rows), part.report

@@ -30,7 +30,7 @@ stops, as a stop at a step boundary does; a second signal ends the process at on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -104,7 +104,7 @@ class Scorer:
         function: CustomRewardFunction | None,
         reward_model: RoleModel | None,
         *,
-        stop_ids: Sequence[int],
+        stop_ids: Collection[int],
         max_new_tokens: int,
         max_tokens_per_micro_batch: int,
         pack_sequences: bool = True,

@@ -26,7 +26,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +164,7 @@ class _DecodeState:
     view: ``live_known`` as of the last step read, ``position_bound`` (>= every slot's device
     position, for the attention length), and the history of the steps read."""
 
-    def __init__(self, slots: _Slots, stop_ids: set[int]) -> None:
+    def __init__(self, slots: _Slots, stop_ids: Collection[int]) -> None:
         self.slots = slots
         slots.live.zero_()  # nothing from an earlier call is generating
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=slots.live.device)
@@ -357,7 +357,7 @@ class NativeEngine:
             self.release()
             self._slots = _Slots(self, count)
         self._slots.use_weights(self)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
+        stop_ids = params.stop_set(self.cfg.eos_token_ids)
         state = _DecodeState(self._slots, stop_ids)
         environment = _Environment(agent, self.tp_group, self.tp_src) if agent is not None else None
         generator = torch.Generator(device=self.device).manual_seed(params.seed)

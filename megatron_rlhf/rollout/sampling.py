@@ -39,6 +39,7 @@ Why it is done this way:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def stop_set(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
+        """The ids that end a response: ``stop_token_ids``, and the engine's ``eos_token_ids`` unless
+        ``ignore_eos``. A response's text leaves its final one out (``Completion.text_ids``)."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
+def stop_ids_errors(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int], vocab: int, whose: str) -> list[str]:
+    """Stop ids outside the policy's vocabulary (``whose``: "the actor's"): they can never be
+    sampled, so they would never stop a response."""
+    return [
+        f"{key}={list(ids)} holds ids outside {whose} vocabulary (vocab_size={vocab}): {outside} can never "
+        "be sampled, so they would never stop a response"
+        for key, ids in (
+            ("rollout.sampling.stop_token_ids", stop_token_ids),
+            ("rollout.engine.eos_token_ids", eos_token_ids),
+        )
+        if (outside := [i for i in ids if not 0 <= i < vocab])
+    ]
 
 
 def _filters(top_k: int, top_p: float, vocab: int) -> tuple[bool, bool]:

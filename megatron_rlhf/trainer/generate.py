@@ -6,7 +6,8 @@ Input rows hold ``prompt`` (text, tokenized with the model's tokenizer, or a lis
 rendered with its chat template) or ``prompt_ids``. Under torchrun the world is split into
 generation groups of ``--tp`` ranks; each data-parallel group takes every dp-th prompt, and rank 0
 writes all completions in prompt order. Output rows:
-``prompt_index``, ``prompt`` (the prompt as the model read it, special tokens skipped),
+``prompt_index`` (the prompt's row in the input, 0-based, rows skipped under ``data.on_invalid=skip``
+counted), ``prompt`` (the prompt as the model read it, special tokens skipped),
 ``sample_index``, ``token_ids`` (every generated token, a final stop token included), ``text``,
 ``logprobs``, ``finish_reason`` and ``prompt_tokens_dropped``; a verl row's ``data_source`` and
 ``ground_truth`` too, so that the completions can be scored offline as in training.
@@ -25,9 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -49,7 +52,7 @@ from megatron_rlhf.parallel.layout import layout_errors
 from megatron_rlhf.rollout.engine import Completion
 from megatron_rlhf.rollout.native import NativeEngine, generate_data_parallel
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
-from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.rollout.sampling import SamplingParams, stop_ids_errors
 from megatron_rlhf.trainer.trajectories import trajectory_fields
 
 UNBOUNDED_PROMPT = 1 << 30  # the engine, not the loader, applies the prompt-length policy
@@ -106,6 +109,21 @@ def generate_trajectories(
         return generate_data_parallel(engine, ids, params, on_finished, agent=agent)
 
 
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as JSONL, or as Parquet for a ``.parquet`` path (columns as pyarrow infers them from
+    the rows), through a file beside it and a rename: a failure leaves the previous file, if any."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), partial)
+    else:
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    os.replace(partial, path)
+
+
 VERL_ROW = ("data_source", "ground_truth")
 """What a verl row's completions carry over to the output, for scoring them offline."""
 
@@ -128,6 +146,7 @@ def run_generate(
     errors = layout_errors("rollout", tp, 1, arch, env.world_size, pipeline=False)
     if arch.score_head:
         errors.append(f"model={model} is a {arch.hf_class_name}; generation needs a *ForCausalLM")
+    errors += stop_ids_errors(params.stop_token_ids, engine_cfg.eos_token_ids, arch.vocab_size, "the model's")
     if errors:
         raise ConfigError("; ".join(errors))
     limit = arch.hf_config.get("max_position_embeddings")
@@ -159,29 +178,28 @@ def run_generate(
     elapsed = time.perf_counter() - start
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)
-        trajectories = trajectory_fields(rows, tokenizer.decode_batch, tokenizer.stop_ids)
+        stop_ids = params.stop_set(engine.cfg.eos_token_ids)
+        trajectories = trajectory_fields(rows, tokenizer.decode_batch, stop_ids)
         prompts = tokenizer.decode_batch([c.prompt_ids for c in rows], skip_special_tokens=True)
         extras = dataset.extras
-        Path(output_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(output_path, "w", encoding="utf-8") as out:
-            for c, prompt, trajectory in zip(rows, prompts, trajectories, strict=True):
-                out.write(
-                    json.dumps(
-                        {
-                            "prompt_index": c.prompt_index,
-                            "prompt": prompt,
-                            **{k: extras[c.prompt_index][k] for k in VERL_ROW if k in extras[c.prompt_index]},
-                            "sample_index": c.sample_index,
-                            "token_ids": c.token_ids,
-                            "text": tokenizer.decode(c.text_ids(tokenizer.stop_ids), skip_special_tokens=True),
-                            "logprobs": c.logprobs,
-                            "finish_reason": c.finish_reason,
-                            "prompt_tokens_dropped": c.prompt_tokens_dropped,
-                            **trajectory,
-                        }
-                    )
-                    + "\n"
-                )
+        write_rows(
+            Path(output_path),
+            [
+                {
+                    "prompt_index": dataset.rows[c.prompt_index],
+                    "prompt": prompt,
+                    **{k: extras[c.prompt_index][k] for k in VERL_ROW if k in extras[c.prompt_index]},
+                    "sample_index": c.sample_index,
+                    "token_ids": c.token_ids,
+                    "text": tokenizer.decode(c.text_ids(stop_ids), skip_special_tokens=True),
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason,
+                    "prompt_tokens_dropped": c.prompt_tokens_dropped,
+                    **trajectory,
+                }
+                for c, prompt, trajectory in zip(rows, prompts, trajectories, strict=True)
+            ],
+        )
         dropped = sum(1 for c in rows if c.prompt_tokens_dropped)
         log(
             f"generated {len(rows)} completions for {len(dataset)} prompts ({new_tokens} tokens, "

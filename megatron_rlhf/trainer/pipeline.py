@@ -119,7 +119,8 @@ def sample_and_judge(
     completions = generate_trajectories(engine, tokenizer, examples, params, multi_turn)
     responses: list[list[str]] = [[] for _ in examples]
     verdicts: list[list[Verdict]] = [[] for _ in examples]
-    texts = tokenizer.decode_batch([c.text_ids(tokenizer.stop_ids) for c in completions], skip_special_tokens=True)
+    stop_ids = params.stop_set(engine.cfg.eos_token_ids)
+    texts = tokenizer.decode_batch([c.text_ids(stop_ids) for c in completions], skip_special_tokens=True)
     for c, text in zip(completions, texts, strict=True):
         responses[c.prompt_index].append(text)
         verdicts[c.prompt_index].append(

@@ -220,7 +220,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         checked.rules,
         checked.function,
         reward_model,
-        stop_ids=tokenizer.stop_ids,
+        stop_ids=rollout.sampling.stop_set(engine_cfg.eos_token_ids),
         max_new_tokens=rollout.sampling.max_new_tokens,
         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
         pack_sequences=cfg.pack_sequences,
@@ -853,7 +853,7 @@ def sample_rows(run: PPORun, completions: list[Completion], scores: torch.Tensor
     A multi-turn row also shows its trajectory (``trajectory_fields``: its turns, with special
     tokens, in place of ``raw_response``)."""
     samples = run.scorer.samples(completions, run.texts)
-    stop_ids = run.tokenizer.stop_ids
+    stop_ids = run.scorer.stop_ids
     raw = run.tokenizer.decode_batch([c.text_ids(stop_ids) for c in completions])
     raw_prompts = run.tokenizer.decode_batch([c.prompt_ids for c in completions])
     trajectories = trajectory_fields(completions, run.tokenizer.decode_batch, stop_ids)

@@ -28,7 +28,7 @@ from megatron_rlhf.rewards.config import ScoringConfig, scoring_errors
 from megatron_rlhf.rewards.custom import CustomRewardFunction
 from megatron_rlhf.rewards.rules import RewardRule
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
-from megatron_rlhf.rollout.sampling import SamplingParams
+from megatron_rlhf.rollout.sampling import SamplingParams, stop_ids_errors
 from megatron_rlhf.trainer.health import SIGNALS, Signal
 from megatron_rlhf.trainer.loop_config import LoopConfig, eval_every_errors
 from megatron_rlhf.training.config import OptimConfig, PPOLossConfig
@@ -294,15 +294,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             for role, arch in archs.items()
             if arch.vocab_size != vocab
         ]
-        errors += [
-            f"{key}={ids} holds ids outside the actor's vocabulary (vocab_size={vocab}): {outside} can never "
-            "be sampled, so they would never stop a response"
-            for key, ids in (
-                ("rollout.sampling.stop_token_ids", sampling.stop_token_ids),
-                ("rollout.engine.eos_token_ids", rollout.engine.eos_token_ids),
-            )
-            if (outside := [i for i in ids if not 0 <= i < vocab])
-        ]
+        errors += stop_ids_errors(sampling.stop_token_ids, rollout.engine.eos_token_ids, vocab, "the actor's")
         errors += [
             f"{e} (generation layout of {cfg.actor.path})"
             for e in layout_errors("rollout", rollout.tp or cfg.actor.tp, 1, archs["actor"], world_size, pipeline=False)

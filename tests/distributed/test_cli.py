@@ -219,6 +219,32 @@ CASES: list[CliCase] = [
         builds_models=False,
     ),
     CliCase(
+        "generate_output_format",
+        "generate names the output formats it writes (before: any name got JSONL, output=x.parquet included)",
+        ("generate", "model=builtin:tiny-llama", "input={tmp}/p.jsonl", "output={tmp}/o.csv"),
+        exit_code=2,
+        files={"p.jsonl": '{"prompt": "hi"}\n'},
+        stderr_has=("output={tmp}/o.csv: expected a .jsonl or .parquet file name",),
+        builds_models=False,
+    ),
+    CliCase(
+        "generate_stop_id_outside_the_vocabulary",
+        "generate refuses stop ids the model can never sample, as ppo does",
+        (
+            "generate",
+            "model=builtin:tiny-llama",
+            "input={tmp}/p.jsonl",
+            "output={tmp}/o.jsonl",
+            "--stop-token-ids",
+            "99999",
+        ),
+        exit_code=2,
+        files={"p.jsonl": '{"prompt": "hi"}\n'},
+        stderr_has=("rollout.sampling.stop_token_ids=[99999] holds ids outside the model's vocabulary",),
+        absent=("o.jsonl",),
+        builds_models=False,
+    ),
+    CliCase(
         "generate_tp_not_dividing_heads",
         "generate names its layout setting in key=value form",
         ("generate", "model=builtin:tiny-llama", "input={tmp}/p.jsonl", "output={tmp}/o.jsonl", "--tp", "3"),
@@ -476,10 +502,36 @@ def test_generate_reads_its_input_with_the_data_settings(tmp_path: Path) -> None
     )  # fmt: skip
     assert "skipped 1: empty 1" in proc.stdout, proc.stdout
     rows = [
-        [json.loads(line)["token_ids"] for line in (tmp_path / f).read_text().splitlines()]
-        for f in ("p_out.jsonl", "q_out.jsonl")
+        [json.loads(line) for line in (tmp_path / f).read_text().splitlines()] for f in ("p_out.jsonl", "q_out.jsonl")
     ]
-    assert rows[0] == rows[1]
+    assert [r["token_ids"] for r in rows[0]] == [r["token_ids"] for r in rows[1]]
+    # The input's rows: before, the skipped row shifted every later prompt_index by one.
+    assert [r["prompt_index"] for r in rows[0]] == [0, 1] and [r["prompt_index"] for r in rows[1]] == [0, 2]
+
+
+def test_generate_text_leaves_out_a_stop_token_of_the_settings_and_parquet_holds_the_same_rows(tmp_path: Path) -> None:
+    """Before: ``text`` dropped a final stop token only if it was the tokenizer's EOS, so one of
+    rollout.sampling.stop_token_ids stayed in it (and in ppo's reward input); output=*.parquet was
+    written as JSONL."""
+    import pyarrow.parquet as pq
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Hello world"}\n')
+    # Sampled (a greedy tiny model repeats one token): the same seed draws the same tokens each run.
+    common = ["model=builtin:tiny-llama", f"input={tmp_path / 'p.jsonl'}", "rollout.sampling.ignore_eos=true"]
+    run_cli_here("generate", *common, "rollout.sampling.max_new_tokens=8", f"output={tmp_path / 'free.parquet'}")
+    (free,) = pq.read_table(tmp_path / "free.parquet").to_pylist()
+    tokens = free["token_ids"]
+    stop_at = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    run_cli_here("generate", *common, f"rollout.sampling.max_new_tokens={stop_at}", f"output={tmp_path / 'cut.jsonl'}")
+    run_cli_here(
+        "generate", *common, "rollout.sampling.max_new_tokens=8",
+        f"rollout.sampling.stop_token_ids=[{tokens[stop_at]}]", f"output={tmp_path / 'stopped.jsonl'}",
+    )  # fmt: skip
+    (cut,) = [json.loads(line) for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    (stopped,) = [json.loads(line) for line in (tmp_path / "stopped.jsonl").read_text().splitlines()]
+    assert stopped["token_ids"] == tokens[: stop_at + 1] and stopped["finish_reason"] == "stop"
+    assert stopped["text"] == cut["text"] and cut["token_ids"] == tokens[:stop_at]
+    assert set(free) == set(cut) and free["prompt"] == cut["prompt"] and free["logprobs"][:stop_at] == cut["logprobs"]
 
 
 def test_generate_stops_at_the_models_positions_and_says_so(tmp_path: Path) -> None:

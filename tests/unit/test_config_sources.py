@@ -145,7 +145,7 @@ def test_settings_a_run_would_silently_ignore_are_refused_together(
     assert "max_tokens_per_micro_batch=16 is below the longest sequence" in err and "= 88 tokens" in err
     assert "eval_every=5 evaluates data.validation, which is empty" in err
     assert "profile_steps=[5]: [5] come after max_steps=1" in err
-    assert "rollout.sampling.stop_token_ids=(99999,) holds ids outside the actor's vocabulary" in err
+    assert "rollout.sampling.stop_token_ids=[99999] holds ids outside the actor's vocabulary" in err
 
 
 def test_a_health_watch_that_could_never_fire_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
