@@ -31,6 +31,7 @@ from megatron_rlhf.checkpoint.mcore_meta import read_architecture
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
 from megatron_rlhf.checkpoint.sources import local_dir, model_dir
 from megatron_rlhf.checkpoint.train_state import STATE_FILE
+from megatron_rlhf.data.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
 from megatron_rlhf.models.builder import build_model
@@ -79,9 +80,9 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
         if direction == "hf-to-mcore":
             save_mcore_checkpoint(model, arch, groups, output, side_files_from=source)
         elif trained:
-            hf = Path(output)
-            role = RoleModel(role=Path(source).name, arch=arch, groups=groups, model=model, source=_base_dir(base))
-            export_hf(role, None, hf, adapter_dir=hf.with_name(hf.name + "_adapter"))
+            hf, base_dir = Path(output), _base_dir(base)
+            role = RoleModel(role=Path(source).name, arch=arch, groups=groups, model=model, source=base_dir)
+            export_hf(role, _tokenizer_of(base_dir), hf, adapter_dir=hf.with_name(hf.name + "_adapter"))
         else:
             save_hf_checkpoint(model, arch, groups, output, side_files_from=source)
     log(f"wrote {output} ({arch.hf_class_name}, layout {groups.layout})")
@@ -140,6 +141,15 @@ def _base_dir(path: str) -> Path:
         return local_dir(path)
     except FileNotFoundError:
         return Path(path)
+
+
+def _tokenizer_of(base_dir: Path) -> Tokenizer | None:
+    """The run's tokenizer (its base model's files), whose special ids its export wrote into
+    config.json: the conversion writes the same. None (the config as recorded) without the files."""
+    if any((base_dir / name).is_file() for name in TOKENIZER_FILES):
+        return load_tokenizer(base_dir)
+    log(f"no tokenizer files in {base_dir}: config.json gets the special ids the run's model config names only")
+    return None
 
 
 def _load_trained_weights(model: GPTModel, groups: ParallelGroups, model_dir: Path) -> None:

@@ -35,7 +35,7 @@ def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
 def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, adapter_dir: Path | None = None) -> None:
     """Write ``role``'s model to ``hf_dir`` with the tokenizer files of ``role.source`` (collective);
     ``tokenizer``'s special ids go into config.json where it names none (None: the config as
-    recorded, as ``convert`` has it). A model with a non-finite weight on any rank is refused: it
+    recorded). A model with a non-finite weight on any rank is refused: it
     would load and produce garbage. A LoRA model is written merged; a LoRA causal LM's adapters also
     go to ``adapter_dir`` (when given) as a PEFT adapter of ``role.source`` (a score-head model's
     are not: PEFT would need its head too)."""

@@ -65,7 +65,7 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
     """The trainers' final export (``save_hf=true``, the default): sft writes hf/ (merged) and
     hf_adapter/, whose base is the run's model and which on it gives hf/'s logits; rm writes hf/ with
     its merged weights and no hf_adapter/ (a score-head adapter is not written). ``convert
-    mcore-to-hf`` of sft's final checkpoint writes the same hf/ and hf_adapter/ tensors."""
+    mcore-to-hf`` of sft's final checkpoint writes the same hf/ and hf_adapter/ tensors and config."""
     import json
 
     import peft
@@ -87,6 +87,10 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
         assert mine.keys() == theirs.keys(), written
         for name, tensor in mine.items():
             assert torch.equal(tensor, theirs[name]), (written, name)
+    # The same config.json: before, convert's lacked the pad/bos/eos ids the run's export writes.
+    exported_config = json.loads((sft_out / "hf" / "config.json").read_text())
+    assert json.loads((converted / "config.json").read_text()) == exported_config
+    assert exported_config["pad_token_id"] is not None and exported_config["eos_token_id"] is not None
 
     config = json.loads((sft_out / "hf_adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM" and len(config["target_modules"]) == 7
