@@ -26,6 +26,7 @@ import argparse
 import functools
 import os
 import sys
+import time
 
 from megatron_rlhf.commands import COMMANDS, schema_of
 from megatron_rlhf.commands.config_args import CommandParser
@@ -33,6 +34,8 @@ from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.metrics.log import quiet_console
 from megatron_rlhf.parallel.distributed import shutdown_distributed
 
+SILENT_RANK_EXIT_DELAY_S = 30.0
+"""How long a rank other than 0 waits before exiting on a configuration error that rank 0 reports."""
 REMOVED = {
     "config": "'megatron-rlhf config' is gone: use 'megatron-rlhf <command> --print-config' "
     "(e.g. megatron-rlhf ppo --config ppo-tiny --print-config)"
@@ -90,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         # be rank-specific (a file missing on one node) and are reported by each rank that hits them.
         if not isinstance(err, ConfigError) or os.environ.get("RANK", "0") == "0":
             print(f"megatron-rlhf: error: {err}", file=sys.stderr)
+        else:
+            # The first to exit makes torchrun stop the others: were it this rank, rank 0 could be
+            # stopped before saying why (seen on a loaded host). Rank 0 exits first; this one is then
+            # stopped while it waits, or exits after the wait if rank 0 went on.
+            time.sleep(SILENT_RANK_EXIT_DELAY_S)
         return 2
 
 

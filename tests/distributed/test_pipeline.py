@@ -95,8 +95,11 @@ def test_every_stage_validates_and_draws_its_curves(pipeline_run: tuple[Path, st
         assert (out / stage / "curves.png").read_bytes()[:4] == b"\x89PNG", stage
     assert log.count("validation curve:") == 4
     # Pairs of the SFT model's own right and wrong answers, chance 0.5: 0.709 at rm.max_steps=50 while
-    # both data-parallel generation groups sampled from one random stream, 0.616 since each has its own.
-    assert _validations(out / "rm")[-1]["accuracy"] >= 0.6
+    # both data-parallel generation groups sampled from one random stream; 0.616 and 0.589 since each
+    # has its own, on two machines (the last bits of CPU matmuls differ between machines, and the
+    # samples with them).
+    # About 350 validation pairs: 0.56 is 2.2 standard deviations above chance.
+    assert _validations(out / "rm")[-1]["accuracy"] >= 0.56
     grpo, ppo = _validations(out / "grpo"), _validations(out / "ppo")
     assert [v["step"] for v in grpo] == list(range(0, RL_STEPS + 1, 5))
     # The same SFT model on the same prompts: PPO's accuracy is judged by the rule alone, though its
