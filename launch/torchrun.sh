@@ -112,4 +112,22 @@ if [[ "$DRY_RUN" == 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo
   exit 0
 fi
-exec "${cmd[@]}"
+# Stop signals (Ctrl-C, TERM, USR1) go to the workers, once, from here: the trainers then save after
+# the current step and exit (trainer/stop.py; a second signal ends them at once). torchrun, told of
+# one itself, would pass it on, SIGKILL the workers 30 s later (often mid-checkpoint) and exit 1 with
+# a traceback; so it runs with them ignored. Signal this script, not torchrun.
+( trap '' INT TERM USR1
+  exec "${cmd[@]}" ) &
+agent=$!
+for sig in INT TERM USR1; do
+  # shellcheck disable=SC2064  # $sig is meant to expand now
+  trap "pkill -$sig -P $agent || true" "$sig"
+done
+# A trapped signal interrupts `wait`: wait again until torchrun has really ended.
+rc=0
+wait "$agent" || rc=$?
+while kill -0 "$agent" 2>/dev/null; do
+  rc=0
+  wait "$agent" || rc=$?
+done
+exit "$rc"

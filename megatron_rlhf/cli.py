@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
 import time
 
@@ -105,6 +106,10 @@ def entry() -> None:
     """The process's entry (``python -m megatron_rlhf``, the ``megatron-rlhf`` script): ``main``, then
     the process groups torn down before the interpreter exits. ``main`` leaves them up, for callers
     that run it more than once in one process."""
+    # Ctrl-C and TERM act as in any program until a trainer takes them (trainer/stop.py):
+    # launch/torchrun.sh starts torchrun with them ignored, and its workers inherit that.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = main()
     shutdown_distributed()
     sys.exit(code)

@@ -28,7 +28,7 @@ def trainer() -> Trainer:
     """Smoke's run has the trainers' shape: the checks (also ``--print-config``'s), then the run."""
     from megatron_rlhf.trainer.smoke_config import SmokeConfig, check_smoke_config
 
-    return Trainer(SmokeConfig, check_smoke_config, _run)
+    return Trainer(SmokeConfig, check_smoke_config, _run, stops_at_steps=False)
 
 
 def _run(cfg: SmokeConfig, env: DistEnv, _archs: object) -> object:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -35,6 +36,10 @@ class Trainer:
     does not check again: a user's reward file is executed once). The schema and the check import no
     megatron-core (``tests/unit/test_schema_imports.py``); the run imports it when it is called, so
     that a bad setting is reported within moments of the start."""
+    stops_at_steps: bool = True
+    """The run trains through ``trainer/loop.run_loop``, which stops at a step boundary on a signal:
+    one from the start of the run on is a stop request (``StopSignals``). False (smoke): signals
+    keep their default action."""
 
 
 def add_trainer_arguments(
@@ -59,14 +64,16 @@ def run_trainer(trainer: Trainer, args: argparse.Namespace) -> int:
     import torch
 
     from megatron_rlhf.parallel.distributed import init_distributed
-    from megatron_rlhf.trainer.stop import RunStopped
+    from megatron_rlhf.trainer.stop import RunStopped, StopSignals
 
     try:
-        env = init_distributed(cfg.device, cfg.dist_timeout_s)
-        threads = cfg.host_thread_count(env.device)
-        if threads is not None:
-            torch.set_num_threads(threads)
-        trainer.run(cfg, env, checked)
+        # From here on a stop signal is a request, which the loop honours before its first step.
+        with StopSignals() if trainer.stops_at_steps else contextlib.nullcontext():
+            env = init_distributed(cfg.device, cfg.dist_timeout_s)
+            threads = cfg.host_thread_count(env.device)
+            if threads is not None:
+                torch.set_num_threads(threads)
+            trainer.run(cfg, env, checked)
     except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
         if stop.code and os.environ.get("RANK", "0") == "0":
             print(f"megatron-rlhf: {stop}", file=sys.stderr)

@@ -83,7 +83,7 @@ from megatron_rlhf.trainer.health import (
 )
 from megatron_rlhf.trainer.loop_config import LoopConfig
 from megatron_rlhf.trainer.resume_check import ResumeRefused, RunFacts, review_resume, tokenizer_fingerprint
-from megatron_rlhf.trainer.stop import RunStopped, StopSignals
+from megatron_rlhf.trainer.stop import RunStopped, StopSignals, stop_signals
 from megatron_rlhf.training.optim import TrainState
 
 StepRows = dict[str, list[dict[str, Any]]]
@@ -513,8 +513,9 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
     steps.writer.pinned = pinned
     if (state.health.lr_scale, state.health.kl_scale) != (1.0, 1.0):
         task.recover(state.health.lr_scale, state.health.kl_scale)  # a resumed run after a rollback
-    with StopSignals() as signals:
+    with stop_signals() as signals:
         try:
+            signals.stop_before_training()
             steps.run(resumed_step, signals)
         except RunStopped:
             steps.writer.wait()  # the stop's checkpoint is complete before the process exits

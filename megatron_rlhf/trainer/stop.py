@@ -12,9 +12,11 @@ wait watches): the run saves the step before it and stops.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -72,6 +74,15 @@ class StopSignals:
         self.code, self._first_at = EXIT_CODES[sig], time.monotonic()
         log(f"{sig.name} received: saving a checkpoint after this step, then exiting ({sig.name} again: exit now)")
 
+    def stop_before_training(self) -> None:
+        """Collective, before the first step: raises ``RunStopped`` if a stop was requested while
+        the run started (nothing new to save)."""
+        code = self.agreed()
+        if code is not None:
+            raise RunStopped(
+                "stopped on request during start-up, before a step was trained; the same command runs it again", code
+            )
+
     def agreed(self) -> int | None:
         """Collective: the exit code if any rank was asked to stop (the highest code), else None."""
         flag = torch.tensor(
@@ -82,6 +93,18 @@ class StopSignals:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
         return None if code < 0 else code
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[StopSignals]:
+    """The ``StopSignals`` in force, entered here if none is: a trainer enters one before its
+    start-up (``commands/trainers.run_trainer``), so that a signal while models load is a stop
+    request too, which the loop honours before its first step."""
+    if StopSignals.active is not None:
+        yield StopSignals.active
+    else:
+        with StopSignals() as signals:
+            yield signals
 
 
 def stop_requested() -> bool:

@@ -536,6 +536,55 @@ def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_pat
 
 
 @pytest.mark.distributed
+def test_a_stop_signal_during_start_up_stops_before_the_first_step(tmp_path: Path, sft_train: Path) -> None:
+    """Before: SIGUSR1 (Slurm's warning ahead of a time limit) while the models loaded killed the
+    process (exit 138; under launch/slurm, where it is ignored until training starts, it was lost)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        command(1, *SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}"),
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # the run's first line, written once its start-up has begun
+        seen.append(line)
+        if line.startswith("sft: world 1"):
+            proc.send_signal(signal.SIGUSR1)
+            break
+    rest, err = proc.communicate(timeout=300)
+    log = "".join(seen) + rest
+    assert proc.returncode == 0, (log[-3000:], err[-3000:])
+    assert "SIGUSR1 received" in log and "step 1/" not in log
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
+@pytest.mark.distributed
+def test_term_to_the_torchrun_launcher_saves_and_exits_0(tmp_path: Path, sft_train: Path) -> None:
+    """Before: torchrun, signalled itself, passed SIGTERM on, SIGKILLed its workers 30 s later (in a
+    real run often mid-checkpoint) and exited 1 with a traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", *SFT, f"data.train=[{sft_train}]", "max_steps=100000",
+         f"output_dir={out}"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    log, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (log[-3000:], err[-3000:])
+    assert (out / "checkpoints" / "latest").is_file()
+    assert "SIGTERM received" in log and "Traceback" not in err and "SignalException" not in err
+
+
+@pytest.mark.distributed
 def test_sigint_saves_and_exits_130_and_a_signal_delivered_twice_stops_once(tmp_path: Path, sft_train: Path) -> None:
     def started(out: Path) -> subprocess.Popen:
         proc = subprocess.Popen(
