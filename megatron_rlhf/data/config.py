@@ -27,7 +27,8 @@ class RowsConfig:
     """Column of the prompt text (or pre-tokenized ``<key>_ids``)."""
     on_invalid: OnProblem = "error"
     """error: stop naming the file, row and column; skip: drop rows with a bad value (null, empty, wrong
-    type, token id out of range) and count them in the data report."""
+    type, token id out of range) or a missing column, and count them in the data report (with the
+    first few rows' places)."""
     add_bos: bool = False
     """Prepend the tokenizer's BOS id to every sequence (for text that does not already hold it)."""
     num_workers: int = 0

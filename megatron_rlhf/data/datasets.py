@@ -103,6 +103,7 @@ WRONG_TYPE = "wrong_type"
 BAD_TOKEN = "token_out_of_range"
 TEMPLATE_FAILED = "chat_template_failed"
 IDENTICAL_PAIR = "identical_pair"
+MISSING_COLUMN = "missing_column"
 MAX_SAMPLES = 5  # skipped rows remembered per reason
 
 
@@ -356,8 +357,17 @@ class DataReport:
         """One line for the log, e.g. 'read 10 rows from 2 files: kept 8, skipped 2 (overlong 2: ...)'."""
         text = f"read {self.rows} rows from {self.files} file(s): kept {self.kept}"
         if self.skipped:
-            parts = [f"{reason} {n} (first: {self.samples[reason][0]})" for reason, n in sorted(self.skipped.items())]
+            parts = [f"{reason} {n} ({self._places(reason, n)})" for reason, n in sorted(self.skipped.items())]
             text += f", skipped {sum(self.skipped.values())}: " + "; ".join(parts)
+        return text
+
+    def _places(self, reason: str, count: int) -> str:
+        """The first skipped row of ``reason`` in full, then where the others remembered are."""
+        first, *others = self.samples[reason]
+        text = f"first: {first}"
+        if others:
+            text += "; also " + ", ".join(o.place if o.file == first.file else f"{o.file}: {o.place}" for o in others)
+            text += f" and {count - len(others) - 1} more" if count > len(others) + 1 else ""
         return text
 
 
@@ -376,6 +386,18 @@ def _columns(rec: Record) -> str:
     return str(sorted(rec.data))
 
 
+def _hint(rec: Record) -> str:
+    """What a row of a well-known layout this loader does not read as it is needs."""
+    chosen, rejected = rec.data.get("chosen"), rec.data.get("rejected")
+    if isinstance(chosen, str) and isinstance(rejected, str) and "\n\nAssistant:" in chosen:
+        return (
+            " (Anthropic HH-RLHF's layout: the prompt is the start that 'chosen' and 'rejected' share, through "
+            "their last '\n\nAssistant:'; write it to a 'prompt' column and the rest of each to 'chosen' and "
+            "'rejected')"
+        )
+    return ""
+
+
 def _field_ids(rec: Record, key: str, tokenizer: Tokenizer) -> list[int]:
     """Token ids of column ``key`` (text) or, when it is absent, ``key``_ids (pre-tokenized)."""
     if key in rec.data:
@@ -392,9 +414,10 @@ def _field_ids(rec: Record, key: str, tokenizer: Tokenizer) -> list[int]:
         return ids
     id_key = f"{key}_ids"
     if id_key not in rec.data:
-        raise DataError(
-            f"{rec.file}: {rec.place}: no column '{key}' (nor pre-tokenized '{id_key}'); "
-            f"columns present: {_columns(rec)}"
+        raise _RowProblem(
+            MISSING_COLUMN,
+            key,
+            f"is missing (nor pre-tokenized '{id_key}'); columns present: {_columns(rec)}{_hint(rec)}",
         )
     value = rec.data[id_key]
     if value is None:
@@ -636,9 +659,11 @@ def _reward_inputs(rec: Record) -> dict[str, Any]:
         source = data.get("data_source")
         return {"data_source": source} if isinstance(source, str) and source else {}
     if "data_source" not in data:
-        raise DataError(
-            f"{rec.file}: {rec.place}: has a 'reward_model' column but no 'data_source' (verl's "
-            f"reward functions are called with both); columns present: {_columns(rec)}"
+        raise _RowProblem(
+            MISSING_COLUMN,
+            "data_source",
+            "is missing beside 'reward_model' (verl's reward functions are called with both); columns present: "
+            f"{_columns(rec)}",
         )
     source, reward_model, extra_info = data["data_source"], data["reward_model"], data.get("extra_info")
     if not isinstance(source, str):
@@ -888,9 +913,11 @@ def _sft_row(
     if messages_key and (rec.data.get(messages_key) is not None or (messages_key in rec.data and not has_prompt)):
         return [_conversation_sequence(ld, rec, messages_key, chat)], None
     if messages_key and not has_prompt:
-        raise DataError(
-            f"{rec.file}: {rec.place}: no column '{prompt_key}' (nor pre-tokenized '{prompt_key}_ids'), nor "
-            f"a conversation in '{messages_key}'; columns present: {_columns(rec)}"
+        raise _RowProblem(
+            MISSING_COLUMN,
+            prompt_key,
+            f"is missing (nor pre-tokenized '{prompt_key}_ids'), nor is there a conversation in '{messages_key}'; "
+            f"columns present: {_columns(rec)}",
         )
     prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     response = _response(ld.field(rec, response_key), ld.eos)
@@ -904,11 +931,17 @@ def _preference_conversations(
     """Chosen and rejected as conversations (TRL's conversational preference rows): each the whole
     conversation, or the ``prompt_key`` conversation's continuation when the row has one. Each side
     ends at its last assistant message's stop token, as a rollout's response does where the reward
-    model scores it."""
+    model scores it. A text prompt that each side opens with, as its first user message, is a copy
+    of it (UltraFeedback's binarized rows) and is left out."""
     prompt = rec.data.get(prompt_key)
+    if isinstance(prompt, str) and all(_opens_with(rec.data.get(key), prompt) for key in (chosen_key, rejected_key)):
+        prompt = None
     if prompt is not None and not isinstance(prompt, list):
         raise _RowProblem(
-            WRONG_TYPE, prompt_key, f"must be a conversation too when '{chosen_key}' is one, got {_describe(prompt)}"
+            WRONG_TYPE,
+            prompt_key,
+            f"must be a conversation too when '{chosen_key}' is one, got {_describe(prompt)} (a text prompt is left "
+            "out where both sides open with it as their first user message, as UltraFeedback's binarized rows do)",
         )
     sequences: list[_Sequence] = []
     for key in (chosen_key, rejected_key):
@@ -920,6 +953,17 @@ def _preference_conversations(
         end = max(i for i, trained in enumerate(mask) if trained) + 1
         sequences.append((ids[:end], mask[:end]))
     return sequences, None
+
+
+def _opens_with(side: Any, prompt: str) -> bool:
+    """Whether the conversation ``side`` starts with a user message of text ``prompt``."""
+    first = side[0] if isinstance(side, list) and side else None
+    return (
+        isinstance(first, dict)
+        and first.get("role") == "user"
+        and isinstance(first.get("content"), str)
+        and first["content"].strip() == prompt.strip()
+    )
 
 
 def _preference_row(
@@ -963,14 +1007,15 @@ def _prompt_row(
 ) -> tuple[list[_Sequence], dict[str, Any]]:
     missing = [k for k in extra_keys if k not in rec.data]
     if missing:
-        raise DataError(
-            f"{rec.file}: {rec.place}: no column '{missing[0]}' (requested in extra_keys); "
-            f"columns present: {_columns(rec)}"
+        raise _RowProblem(
+            MISSING_COLUMN, missing[0], f"is missing (requested in extra_keys); columns present: {_columns(rec)}"
         )
     if require_reward_inputs and "reward_model" not in rec.data:
-        raise DataError(
-            f"{rec.file}: {rec.place}: no 'reward_model' column: scoring.custom_function is called with each "
-            f"row's data_source and reward_model.ground_truth (verl's format); columns present: {_columns(rec)}"
+        raise _RowProblem(
+            MISSING_COLUMN,
+            "reward_model",
+            "is missing: scoring.custom_function is called with each row's data_source and "
+            f"reward_model.ground_truth (verl's format); columns present: {_columns(rec)}",
         )
     prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
@@ -985,9 +1030,11 @@ def _prompt_row(
         )
     if keep_raw_prompt:
         if prompt_key not in rec.data:
-            raise DataError(
-                f"{rec.file}: {rec.place}: the interactions read each row's prompt messages "
-                f"(interactions_read_prompts), but the row has no column '{prompt_key}' (only its pre-tokenized ids)"
+            raise _RowProblem(
+                MISSING_COLUMN,
+                prompt_key,
+                "is missing (only its pre-tokenized ids are here), and the interactions read each row's prompt "
+                "messages (interactions_read_prompts)",
             )
         if isinstance(rec.data[prompt_key], list):  # _prompt_ids checked its messages
             extras[RAW_PROMPT] = [{"role": m["role"], "content": m.get("content")} for m in rec.data[prompt_key]]

@@ -287,7 +287,7 @@ CASES: list[CliCase] = [
             (command, "--config", f"{command}-tiny", "output_dir={tmp}/run", "data.train=[{tmp}/rows.jsonl]"),
             exit_code=2,
             files={"rows.jsonl": '{"question": "a"}\n'},
-            stderr_has=("{tmp}/rows.jsonl", "no column 'prompt'"),
+            stderr_has=("{tmp}/rows.jsonl", "column 'prompt' is missing"),
             stdout_lacks=(BUILT,),
             absent=("run",),
             builds_models=False,
@@ -308,7 +308,7 @@ CASES: list[CliCase] = [
             ),
             exit_code=2,
             files={"no-response.jsonl": '{"prompt": "a b c =", "answer": " c b a"}\n'},
-            stderr_has=("{tmp}/no-response.jsonl", "no column 'response'"),
+            stderr_has=("{tmp}/no-response.jsonl", "column 'response' is missing"),
         )
         for num_workers in (0, 2)
     ),

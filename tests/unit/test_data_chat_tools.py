@@ -226,7 +226,9 @@ def test_conversations_are_kept_for_interactions_only_when_asked(model_dir, tmp_
     assert [e.prompt_ids.tolist() for e in default] == [e.prompt_ids.tolist() for e in kept]
     ids_only = tmp_path / "ids.jsonl"
     ids_only.write_text(json.dumps({"prompt_ids": [5, 6, 7]}) + "\n")
-    with pytest.raises(DataError, match=rf"{ids_only}: line 1: the interactions read each row's prompt messages"):
+    with pytest.raises(
+        DataError, match=rf"{ids_only}: line 1: column 'prompt' is missing .*the interactions read each row's prompt"
+    ):
         load_prompt_dataset(ids_only, tok, max_length=4096, keep_raw_prompt=True)  # was a bare KeyError
 
 

@@ -112,12 +112,23 @@ def test_missing_column_names_file_column_and_columns(tmp_path):
     f = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "answer": "b"}])
     with pytest.raises(
         DataError,
-        match=err(str(f), "line 1", "no column 'response'", "'response_ids'", "columns present: ['answer', 'prompt']"),
+        match=err(
+            str(f), "line 1", "column 'response' is missing", "'response_ids'", "columns present: ['answer', 'prompt']"
+        ),
     ):
         load_sft_dataset(f, TOK, max_length=8)
     g = write_parquet(tmp_path / "p.parquet", [{"question": "a", "response": "b"}])
-    with pytest.raises(DataError, match=err(str(g), "row 0", "no column 'prompt'", "['question', 'response']")):
-        load_sft_dataset(g, TOK, max_length=8, on_invalid="skip")  # a missing column is never skipped
+    with pytest.raises(DataError, match=err(str(g), "row 0", "column 'prompt' is missing", "['question', 'response']")):
+        load_sft_dataset(g, TOK, max_length=8)
+    # Skipped like any bad row (before: fatal even with on_invalid=skip), and reported where.
+    rows = [{"question": "a", "response": "b"}, {"prompt": "c", "response": "d"}, {"question": "e", "response": "f"}]
+    h = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    ds, report = load_sft_dataset(h, TOK, max_length=8, on_invalid="skip")
+    assert len(ds) == 1 and report.skipped == {"missing_column": 2}
+    assert f"missing_column 2 (first: {h}: line 1: column 'prompt' is missing" in report.summary()
+    assert report.summary().endswith("; also line 3)")
+    with pytest.raises(DataError, match=r"no usable examples .* missing_column 1"):
+        load_sft_dataset(g, TOK, max_length=8, on_invalid="skip")
 
 
 @pytest.mark.parametrize(
@@ -269,7 +280,7 @@ def test_preference_errors_and_overlong_side(tmp_path):
     assert len(ds) == 1 and report.skipped == {"overlong": 1, "empty": 1}
     assert report.samples["empty"][0].column == "rejected"
     g = write_parquet(tmp_path / "p.parquet", [{"prompt": "Q", "good": "a", "bad": "b"}])
-    with pytest.raises(DataError, match=err(str(g), "no column 'chosen'", "['bad', 'good', 'prompt']")):
+    with pytest.raises(DataError, match=err(str(g), "column 'chosen' is missing", "['bad', 'good', 'prompt']")):
         load_preference_dataset(g, TOK, max_length=6)
     ds, _ = load_preference_dataset(g, TOK, max_length=6, chosen_key="good", rejected_key="bad")
     assert ds[0].chosen.input_ids.tolist() == ids("Q") + ids("a") + [2]
@@ -292,7 +303,7 @@ def test_prompt_dataset_with_extras(tmp_path):
     assert len(ds) == 1 and report.skipped == {"overlong": 1}
     assert ds[0].prompt_ids.tolist() == [1] + ids("1+1=")
     assert ds[0].extras == {"answer": "2"}
-    with pytest.raises(DataError, match=err(str(f), "line 1", "no column 'solution'", "extra_keys")):
+    with pytest.raises(DataError, match=err(str(f), "line 1", "column 'solution' is missing", "extra_keys")):
         load_prompt_dataset(f, TOK, max_length=5, extra_keys=["solution"])
 
 
@@ -518,7 +529,9 @@ def test_rows_a_reward_function_needs_are_checked_as_they_are_read(tmp_path):
     a real run), then failed naming no file or line and listing data_source as missing too."""
     good = {"prompt": "p", "data_source": "mine", "reward_model": {"ground_truth": "7"}}
     f = write_jsonl(tmp_path / "rl.jsonl", [good, good, {"prompt": "q", "data_source": "mine"}])
-    with pytest.raises(DataError, match=err(str(f), "line 3", "no 'reward_model' column: scoring.custom_function")):
+    with pytest.raises(
+        DataError, match=err(str(f), "line 3", "column 'reward_model' is missing: scoring.custom_function")
+    ):
         load_prompt_dataset(f, TOK, max_length=8, require_reward_inputs=True)
     ds, _ = load_prompt_dataset(f, TOK, max_length=8)  # rules alone need no reward inputs
     assert len(ds) == 3 and ds[2].extras == {"data_source": "mine"}
@@ -561,11 +574,12 @@ def test_verl_reward_columns_errors(tmp_path):
         match=err(
             str(f),
             "line 2",
-            "has a 'reward_model' column but no 'data_source'",
+            "column 'data_source' is missing beside 'reward_model'",
             "columns present: ['prompt', 'reward_model']",
         ),
     ):
-        load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")  # a missing column is never skipped
+        load_prompt_dataset(f, TOK, max_length=8)
+    assert load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")[1].skipped == {"missing_column": 1}
     bad = [
         {**good, "data_source": 3},
         {**good, "reward_model": {"style": "rule"}},

@@ -162,7 +162,7 @@ def test_conversation_and_prompt_response_rows_mix(model_dir, tmp_path) -> None:
     assert prompt_ids == rendered + tokenizer.encode("It is 561741.") + [tokenizer.eos_id]
     assert prompt_mask == [0] * len(rendered) + [1] * (len(prompt_ids) - len(rendered))
     # messages_key="" reads no conversation column: the row without a prompt is then an error.
-    with pytest.raises(DataError, match=r"line 1: no column 'prompt' \(nor pre-tokenized 'prompt_ids'\)"):
+    with pytest.raises(DataError, match=r"line 1: column 'prompt' is missing \(nor pre-tokenized 'prompt_ids'\)"):
         load(write_jsonl(tmp_path / "only_chat.jsonl", [{"messages": CONVERSATION}]), model_dir, messages_key="")
 
 
@@ -209,7 +209,8 @@ def test_bad_settings_and_templates_are_named(model_dir, tmp_path) -> None:
         load_sft_dataset(path, load_tokenizer(rewriter), max_length=4096)
     with pytest.raises(
         DataError,
-        match=r"none\.jsonl: line 1: no column 'prompt' .*, nor a conversation in 'messages'; columns present: \['text",
+        match=r"none\.jsonl: line 1: column 'prompt' is missing .*, nor is there a conversation in 'messages'; "
+        r"columns present: \['text",
     ):
         load_sft_dataset(
             write_jsonl(tmp_path / "none.jsonl", [{"text": "x"}]), load_tokenizer(model_dir), max_length=64
@@ -248,6 +249,18 @@ def test_preference_conversations_end_where_the_reward_model_scores_a_rollout(mo
         assert ids == prompt + said and mask == [0] * len(prompt) + [1] * len(said)
     assert explicit == implicit
     assert text == implicit  # the text answers get EOS, which is this tokenizer's <|im_end|>
+    # UltraFeedback's binarized rows: a text prompt beside sides that open with it. Before: refused.
+    ultrafeedback = {"prompt": "Name a prime. ", "chosen": [*user, good], "rejected": [*user, bad]}
+    assert load_pairs(write_jsonl(tmp_path / "uf.jsonl", [ultrafeedback]), model_dir) == [implicit]
+
+
+def test_an_hh_rlhf_row_is_named_with_what_to_do(model_dir, tmp_path) -> None:
+    row = {"chosen": "\n\nHuman: Name a prime.\n\nAssistant: 7", "rejected": "\n\nHuman: Name a prime.\n\nAssistant: 8"}
+    path = write_jsonl(tmp_path / "hh.jsonl", [row])
+    with pytest.raises(
+        DataError, match=r"column 'prompt' is missing .*Anthropic HH-RLHF's layout: the prompt is the start"
+    ):
+        load_preference_dataset(path, load_tokenizer(model_dir), max_length=4096)
 
 
 def test_bad_preference_conversations_name_the_column(model_dir, tmp_path) -> None:

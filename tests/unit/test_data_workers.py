@@ -162,7 +162,6 @@ def missing_column_late(tmp_path: Path) -> Path:
         (bad_row_late, "error", "a.jsonl: line 51: column 'response' is null (set data.on_invalid=skip"),
         (overlong_before_bad_json, "error", "a.jsonl: line 11: column 'response' gives 32 tokens"),
         (bad_json_after_skips, "skip", "a.jsonl: line 61: expected a JSON object, got list"),
-        (missing_column_late, "skip", "a.jsonl: line 41: no column 'response'"),
     ],
 )
 def test_the_first_error_in_row_order_is_raised_with_the_same_message(tmp_path, case, on_invalid, expected):
@@ -172,6 +171,17 @@ def test_the_first_error_in_row_order_is_raised_with_the_same_message(tmp_path, 
     with pytest.raises(DataError) as workers:
         load_sft_dataset(f, TOK, max_length=16, on_invalid=on_invalid, num_workers=WORKERS)
     assert str(workers.value) == str(serial.value) and expected in str(serial.value)
+
+
+def test_rows_skipped_in_workers_are_the_rows_skipped_in_one_process(tmp_path):
+    """Empty responses early and a missing column late (in another worker's span): the same kept
+    rows, and the same report, places included."""
+    f = missing_column_late(tmp_path)
+    serial, serial_report = load_sft_dataset(f, TOK, max_length=16, on_invalid="skip")
+    workers, workers_report = load_sft_dataset(f, TOK, max_length=16, on_invalid="skip", num_workers=WORKERS)
+    assert serial_report.skipped == {"empty": 40, "missing_column": 1} and len(serial) == 20
+    assert workers_report.summary() == serial_report.summary()
+    assert [workers[i].input_ids.tolist() for i in range(20)] == [serial[i].input_ids.tolist() for i in range(20)]
 
 
 def test_a_tokenizer_that_does_not_pickle_names_the_setting(tmp_path):
