@@ -20,6 +20,7 @@ of ng (heads and query groups of this TP rank); output (sq, b, np * hn).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol, cast
@@ -120,9 +121,15 @@ def _flash_varlen_usable(query: torch.Tensor, dropout_p: float) -> bool:
         and dropout_p == 0.0
         and query.shape[-1] % 8 == 0
         and query.shape[-1] <= 256
-        and torch.backends.cuda.is_flash_attention_available()
-        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+        and _flash_on(query.device)
     )
+
+
+@functools.cache
+def _flash_on(device: torch.device) -> bool:
+    """Whether this build and ``device`` (a GPU) have flash attention: asked once per device, not
+    at every layer's call."""
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class SDPAttention(MegatronModule):

@@ -41,8 +41,7 @@ from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import resolve_dtype
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
-from megatron_rlhf.data.chat_template import load_tool_schemas
-from megatron_rlhf.data.config import ChatOptionsConfig, PromptRowsConfig
+from megatron_rlhf.data.config import PromptRowsConfig
 from megatron_rlhf.data.datasets import PromptExample
 from megatron_rlhf.data.tokenizer import resolve_tokenizer
 from megatron_rlhf.metrics.log import Progress, log
@@ -76,17 +75,10 @@ def policy_engine(
     return NativeEngine(role, engine_cfg.with_eos_of(tokenizer.stop_ids)), tokenizer
 
 
-def prompt_tools_file(data: ChatOptionsConfig, multi_turn: MultiTurnConfig) -> str:
-    """The tools file prompts are rendered with: ``data.tools_file``, else the multi-turn agent's (the
-    tools it runs)."""
-    return data.tools_file or (multi_turn.tool_config_path if multi_turn.enable else "")
-
-
-def offered_tools(multi_turn: MultiTurnConfig | None) -> list[dict] | None:
-    """The tool schemas prompts are rendered with: those of the multi-turn tools file, if enabled."""
-    if multi_turn is None or not multi_turn.enable or not multi_turn.tool_config_path:
-        return None
-    return load_tool_schemas(multi_turn.tool_config_path)
+def prompt_tools_file(tools_file: str, multi_turn: MultiTurnConfig | None) -> str:
+    """The tools file prompts are rendered with: ``tools_file`` (``data.tools_file``), else the
+    multi-turn agent's (the tools it runs), else none ("")."""
+    return tools_file or (multi_turn.tool_config_path if multi_turn is not None and multi_turn.enable else "")
 
 
 def generate_trajectories(
@@ -166,7 +158,7 @@ def run_generate(
         on_invalid=data.on_invalid,
         prompt_key=data.prompt_key,
         add_bos=data.add_bos,
-        **data.chat_options(prompt_tools_file(data, multi_turn)),
+        **data.chat_options(prompt_tools_file(data.tools_file, multi_turn)),
         num_workers=data.num_workers,
         keep_raw_prompt=multi_turn.interactions_read_prompts,
     )

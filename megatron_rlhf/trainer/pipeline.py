@@ -36,6 +36,7 @@ from megatron_rlhf.checkpoint.sources import architecture_of
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
+from megatron_rlhf.data.chat_template import load_tool_schemas
 from megatron_rlhf.data.records import write_jsonl
 from megatron_rlhf.metrics.log import is_rank0, log
 from megatron_rlhf.parallel.distributed import DistEnv, seed_everything
@@ -43,7 +44,7 @@ from megatron_rlhf.rollout.native import NativeEngine
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
 from megatron_rlhf.tasks.arithmetic import Verdict, judge, preference_pairs, verdict_rates
-from megatron_rlhf.trainer.generate import generate_trajectories, offered_tools, policy_engine
+from megatron_rlhf.trainer.generate import generate_trajectories, policy_engine, prompt_tools_file
 from megatron_rlhf.trainer.pipeline_config import PairsConfig, PipelineConfig, check_pipeline_config
 from megatron_rlhf.trainer.ppo import run_ppo
 from megatron_rlhf.trainer.rm import run_rm
@@ -107,12 +108,13 @@ def sample_and_judge(
     and judge each against the prompt's ``answer``: (prompt texts, responses per prompt, verdicts
     per prompt), identical on every rank; with ``multi_turn`` enabled each response is a trajectory
     with its tools, judged (and returned) as its whole text. Collective."""
+    tools_file = prompt_tools_file("", multi_turn)
     dataset, _ = load_prompt_dataset(
         resolve_data_paths(prompt_paths),
         tokenizer,
         max_length=engine.cfg.max_seq_len,
         extra_keys=("prompt", "answer"),
-        tools=offered_tools(multi_turn),
+        tools=load_tool_schemas(tools_file) if tools_file else None,
         keep_raw_prompt=multi_turn is not None and multi_turn.interactions_read_prompts,
     )
     examples = dataset[: min(count, len(dataset))]

@@ -149,7 +149,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     if checked is None:
         checked = check_ppo_config(cfg, env.world_size)
     archs, data, rollout = checked.archs, cfg.data, cfg.rollout
-    tools_file = prompt_tools_file(data, rollout.multi_turn)
+    tools_file = prompt_tools_file(data.tools_file, rollout.multi_turn)
 
     def load_data(tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
         def load(paths: list[str], what: str) -> PromptDataset:
