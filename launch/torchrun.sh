@@ -115,14 +115,19 @@ fi
 # Stop signals (Ctrl-C, TERM, USR1) go to the workers, once, from here: the trainers then save after
 # the current step and exit (trainer/stop.py; a second signal ends them at once). torchrun, told of
 # one itself, would pass it on, SIGKILL the workers 30 s later (often mid-checkpoint) and exit 1 with
-# a traceback; so it runs with them ignored. Signal this script, not torchrun.
-( trap '' INT TERM USR1
+# a traceback; so it runs with them ignored (and its workers until a trainer takes them). Signal this
+# script, not torchrun. USR2 counts as USR1: launch/slurm/multinode.sbatch passes its USR1 on as USR2,
+# which no process of the job step then acts on by itself (Slurm may signal all of them).
+command -v pkill >/dev/null || echo "launch/torchrun.sh: no pkill (procps): a stop signal cannot reach the trainers" >&2
+( trap '' INT TERM USR1 USR2
   exec "${cmd[@]}" ) &
 agent=$!
 for sig in INT TERM USR1; do
-  # shellcheck disable=SC2064  # $sig is meant to expand now
-  trap "pkill -$sig -P $agent || true" "$sig"
+  # shellcheck disable=SC2064  # $sig and $agent are meant to expand now
+  trap "echo \"\$(hostname): $sig to the trainer processes\" >&2; pkill -$sig -P $agent || true" "$sig"
 done
+# shellcheck disable=SC2064
+trap "echo \"\$(hostname): USR1 to the trainer processes\" >&2; pkill -USR1 -P $agent || true" USR2
 # A trapped signal interrupts `wait`: wait again until torchrun has really ended.
 rc=0
 wait "$agent" || rc=$?

@@ -535,18 +535,24 @@ def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_pat
     run_cli(*args, "overwrite=true")
 
 
+def _endless_sft(launch: list[str], train: Path, out: Path) -> subprocess.Popen:
+    """SFT started by ``launch`` (its command line up to the settings), running until stopped."""
+    args = [*launch, f"data.train=[{train}]", "max_steps=100000", f"output_dir={out}"]
+    return subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_a_step(proc: subprocess.Popen, out: Path) -> None:
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+
+
 @pytest.mark.distributed
 def test_a_stop_signal_during_start_up_stops_before_the_first_step(tmp_path: Path, sft_train: Path) -> None:
     """Before: SIGUSR1 (Slurm's warning ahead of a time limit) while the models loaded killed the
     process (exit 138; under launch/slurm, where it is ignored until training starts, it was lost)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        command(1, *SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}"),
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _endless_sft(command(1, *SFT), sft_train, out)
     assert proc.stdout is not None
     seen = []
     for line in proc.stdout:  # the run's first line, written once its start-up has begun
@@ -566,17 +572,8 @@ def test_term_to_the_torchrun_launcher_saves_and_exits_0(tmp_path: Path, sft_tra
     """Before: torchrun, signalled itself, passed SIGTERM on, SIGKILLed its workers 30 s later (in a
     real run often mid-checkpoint) and exited 1 with a traceback."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", *SFT, f"data.train=[{sft_train}]", "max_steps=100000",
-         f"output_dir={out}"],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n")):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
+    proc = _endless_sft([str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", *SFT], sft_train, out)
+    _wait_for_a_step(proc, out)
     proc.send_signal(signal.SIGTERM)
     log, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (log[-3000:], err[-3000:])
@@ -587,18 +584,8 @@ def test_term_to_the_torchrun_launcher_saves_and_exits_0(tmp_path: Path, sft_tra
 @pytest.mark.distributed
 def test_sigint_saves_and_exits_130_and_a_signal_delivered_twice_stops_once(tmp_path: Path, sft_train: Path) -> None:
     def started(out: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            command(1, *SFT, f"data.train=[{sft_train}]", "max_steps=100000", f"output_dir={out}"),
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        while (
-            not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n"))
-            and proc.poll() is None
-        ):
-            time.sleep(0.01)
+        proc = _endless_sft(command(1, *SFT), sft_train, out)
+        _wait_for_a_step(proc, out)
         return proc
 
     once = started(tmp_path / "once")
