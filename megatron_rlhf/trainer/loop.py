@@ -337,8 +337,18 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
     """Raise ``ConfigError`` if this run may not write ``out_dir``. Files of an earlier attempt that
     never completed a step (a start-up or step-1 failure) are not another run's: the corrected
     command replaces them."""
+    if cfg.overwrite or (cfg.resume != "never" and cfg.resume_from() is not None):
+        return
+    root = checkpoints_root(out_dir)
+    complete = [p.name for p in complete_checkpoints(root)]
+    if complete:  # resume=never: any other resume would continue them
+        raise ConfigError(
+            f"output_dir={cfg.output_dir!r} holds another run's checkpoints "
+            f"({', '.join(f'checkpoints/{name}' for name in complete)}), which resume=never would replace: set "
+            "resume=auto to continue them, overwrite=true to start over in their place, or choose another output_dir"
+        )
     found = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if not found or cfg.overwrite or (cfg.resume != "never" and cfg.resume_from() is not None):
+    if not found:
         return
     if not _completed_a_step(out_dir):
         log(
@@ -346,8 +356,6 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
             f"({', '.join(found)})"
         )
         return
-    root = checkpoints_root(out_dir)
-    complete = [p.name for p in complete_checkpoints(root)]
     steps = [p for p in root.iterdir() if step_of(p.name) is not None] if root.is_dir() else []
     damaged = sorted(p.name for p in steps if not is_complete(p))
     if not steps and _unfinished_attempt_of(cfg, out_dir):
@@ -356,12 +364,6 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
             f"its first checkpoint (save_every={cfg.save_every}); starting over"
         )
         return
-    if complete:  # resume=never: any other resume would continue them
-        raise ConfigError(
-            f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and its checkpoints "
-            f"({', '.join(f'checkpoints/{name}' for name in complete)}), which resume=never would replace: set "
-            "resume=auto to continue them, overwrite=true to start over in their place, or choose another output_dir"
-        )
     if damaged:  # no complete one (a complete one would be resumed): run_state.json missing
         raise ConfigError(
             f"output_dir={cfg.output_dir!r} holds another run's files ({', '.join(found)}) and checkpoints "

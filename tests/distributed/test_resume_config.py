@@ -152,7 +152,8 @@ def test_an_incomplete_checkpoint_is_named_not_called_no_checkpoint(tmp_path: Pa
     out = _copy(saved_run, tmp_path / "never")
     refused = run_cli_here(*args, "max_steps=3", "resume=never", f"output_dir={out}", exit_code=2)
     assert (
-        "and its checkpoints (checkpoints/step_2), which resume=never would replace: set resume=auto" in refused.stderr
+        "holds another run's checkpoints (checkpoints/step_2), which resume=never would replace: set resume=auto"
+        in refused.stderr
     )
 
 

@@ -212,3 +212,21 @@ def test_of_processes_taking_over_one_stale_lock_together_exactly_one_holds_it(t
         for worker in workers:
             worker.join(timeout=60)
         assert outcomes == ["held"] + ["refused"] * (processes - 1), f"round {round_}: {outcomes}"
+
+
+def test_resume_never_refuses_complete_checkpoints_whatever_else_the_output_dir_holds(tmp_path: Path) -> None:
+    """Before: without metrics.jsonl (loggers=[console]) the run counted as one that completed no
+    step, and its fresh start deleted checkpoints/step_5."""
+    from megatron_rlhf.config.loader import ConfigError
+    from megatron_rlhf.trainer import loop
+
+    (tmp_path / "checkpoints" / "step_5").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_5" / "run_state.json").write_text("{}")
+    for files in ({}, {"config.yaml": "seed: 1\n"}):
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
+        with pytest.raises(
+            ConfigError, match=r"holds another run's checkpoints \(checkpoints/step_5\), which resume=never"
+        ):
+            loop._check_output_dir(SFTConfig(output_dir=str(tmp_path), resume="never"), tmp_path)
+    loop._check_output_dir(SFTConfig(output_dir=str(tmp_path), resume="never", overwrite=True), tmp_path)
