@@ -24,10 +24,14 @@ Download (``resume=auto``): when the remote is further along than the newest loc
 is none, or it is a stale copy: fewer rollbacks behind it, or an earlier step), the newest complete
 remote checkpoint is copied to ``checkpoints/step_N.tmp``, checked against its manifest and the
 shards' ``integrity.json`` (a changed or missing file: the previous remote one is tried), renamed
-to ``step_N`` and named by the local ``latest``; the run then resumes from it as from any local
-checkpoint. A run refuses to start where it would delete remote checkpoints it cannot account for:
-newer ones all unusable with no local one to continue, whole ones that ``latest`` does not name, a
-``latest`` that names no step, and, with resume=never, any without overwrite=true.
+to ``step_N`` and named by the local ``latest`` (local checkpoints after it go: stale, or another
+branch's); the run then resumes from it as from any local checkpoint. Whole step directories after
+``latest`` (an upload stopped between its copy and ``latest``) count too, unless fewer rollbacks are
+behind them than behind ``latest``'s (a branch a rollback left). A local checkpoint found unusable as
+it loads is replaced by the remote copy of its step where there is one (``RemoteMirror.restore``). A
+run refuses to start where it would delete remote checkpoints it cannot account for: newer ones all
+unusable with no local one to continue, a ``latest`` that names no step, and, with resume=never, any
+without overwrite=true.
 
 fsspec (and the package of a protocol: s3fs for ``s3://``, gcsfs for ``gs://``) is imported only
 when a run uses ``remote_dir``. Credentials and endpoints come from the environment the way each
@@ -64,7 +68,8 @@ OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss
 """Protocols without directories or a rename: nothing is created before a write (a bucket is
 never created), and a rename is a copy of each object."""
 LAST_FILES = (RUN_STATE_FILE, MANIFEST_FILE)
-"""Uploaded after every other file of a checkpoint."""
+"""Uploaded after every other file of a checkpoint (on an object store copied to the final name
+manifest first, run_state.json last: a step directory holding run_state.json is whole)."""
 
 
 class RemoteStorageError(Exception):
@@ -135,9 +140,13 @@ class RemoteDir:
         their name, before it), complete unless an upload stopped between that copy and ``latest``."""
         return sorted(step for step, name in self._step_dirs() if self.fs.exists(self.path(name, RUN_STATE_FILE)))
 
-    def lineage(self, step: int) -> tuple[int, int]:
-        """``lineage`` of the remote ``step_N``."""
-        return lineage(json.loads(self.fs.cat_file(self.path(f"step_{step}", RUN_STATE_FILE))), f"step_{step}")
+    def lineage(self, step: int) -> tuple[int, int] | None:
+        """``lineage`` of the remote ``step_N``; None when its run_state.json does not parse."""
+        try:
+            run_state = json.loads(self.fs.cat_file(self.path(f"step_{step}", RUN_STATE_FILE)))
+        except ValueError:
+            return None
+        return lineage(run_state, f"step_{step}")
 
     def _entries(self) -> list[str]:
         """The names directly under the root (none before the first upload)."""
@@ -177,11 +186,11 @@ class RemoteDir:
         kept = [held for held in self.held_steps() if held <= step]
         if kept:
             self._write_latest(f"step_{kept[-1]}")
+        elif self.fs.exists(self.path(LATEST_FILE)):
+            self.fs.rm_file(self.path(LATEST_FILE))
         removed = [name for held, name in self._step_dirs() if held > step]
         for name in removed:
             self.fs.rm(self.path(name), recursive=True)
-        if not kept and self.fs.exists(self.path(LATEST_FILE)):
-            self.fs.rm_file(self.path(LATEST_FILE))
         return removed
 
     def upload(self, ckpt: Path, keep_last: int, pinned: str | None = None) -> None:
@@ -201,11 +210,12 @@ class RemoteDir:
             self.fs.rm(final, recursive=True)
         if not self.object_store:
             self.fs.mv(tmp, final)  # one rename (a file system, HDFS)
-        else:  # run_state.json last (a copy of many objects runs them concurrently)
-            for group in (bulk, last):
+        else:  # run_state.json last, alone (a copy of many objects runs them concurrently)
+            for group in (bulk, *([rel] for rel in reversed(last))):
                 self.fs.copy([f"{tmp}/{rel}" for rel in group], [f"{final}/{rel}" for rel in group])
-            self.fs.rm(tmp, recursive=True)
         self._write_latest(name)
+        if self.object_store:  # after latest: deleting many objects is slow, and the next upload finishes it
+            self.fs.rm(tmp, recursive=True)
         for later, later_name in self._step_dirs():  # not this run's: it continues from an earlier step
             if later > step:
                 self.fs.rm(self.path(later_name), recursive=True)
@@ -236,8 +246,11 @@ class RemoteDir:
         checkpoint; None: none), which is then a stale copy, e.g. on a node that a requeued job left
         and came back to. Returns it; None leaves the local one (or a fresh start). Further along:
         a later ``lineage``. Raises ``RemoteStorageError`` rather than start a run that would delete
-        remote checkpoints it cannot tell are stale: newer ones all unusable with no local one, or
-        ones with every file that ``latest`` does not name."""
+        remote checkpoints it cannot tell are stale: newer ones all unusable with no local one.
+
+        The candidates are the complete checkpoints, and the whole ones after ``latest`` (an upload
+        stopped between its copy and ``latest``) unless fewer rollbacks are behind them than behind
+        the one ``latest`` names (a branch a rollback left, whose removal stopped half-way)."""
         ours = None
         if local is not None:
             try:
@@ -245,18 +258,21 @@ class RemoteDir:
             except ValueError as err:  # unusable: the resume would fall back past it
                 log(f"{local / RUN_STATE_FILE} does not parse ({err}); comparing {self.url} with no local checkpoint")
         latest = self.latest()
-        unnamed = [
-            step for step in self.held_steps() if (latest is None or step > latest) and (ours is None or step > ours[1])
+        # A remote run_state.json that does not parse (None) is left to the download's manifest check.
+        lineages = {step: self.lineage(step) for step in self.held_steps()}
+        named = lineages.get(latest) if latest is not None else None
+
+        def candidate(step: int) -> bool:
+            theirs = lineages[step]
+            if latest is not None and step <= latest:
+                return True
+            return named is None or theirs is None or theirs >= named
+
+        newer = [
+            step
+            for step, theirs in lineages.items()
+            if candidate(step) and (ours is None or theirs is None or theirs > ours)
         ]
-        if unnamed:
-            raise RemoteStorageError(
-                f"remote_dir={self.url!r} holds {_names(unnamed)} with its run_state.json, newer than what its "
-                f"{LATEST_FILE} names ({f'step_{latest}' if latest is not None else 'no latest file'}): an upload "
-                f"stopped before writing {LATEST_FILE}, or a removal stopped half-way. A run would delete "
-                f"{'it' if len(unnamed) == 1 else 'them'}: write the step_N to resume into {self.url}/{LATEST_FILE} "
-                "(its files are checked against its manifest as it downloads), or delete what is not wanted"
-            )
-        newer = [step for step in self.complete_steps() if ours is None or self.lineage(step) > ours]
         got = self.download_newest(root, newer)
         if got is None and newer:
             if local is None:
@@ -311,7 +327,7 @@ class RemoteDir:
         size = sum((final / rel).stat().st_size for rel in rels)
         log(
             f"downloaded {self.url}/{name} to {final} ({size / 2**20:.1f} MiB in "
-            f"{time.perf_counter() - started:.1f} s): no local checkpoint to resume"
+            f"{time.perf_counter() - started:.1f} s): output_dir holds no checkpoint as far along"
         )
         return final
 
@@ -397,6 +413,24 @@ class RemoteMirror:
         if not held:
             log(f"{self.remote.url} does not hold {name}, the checkpoint resumed: uploading it")
             self.start(ckpt, pinned)
+
+    def restore(self, ckpt: Path) -> bool:
+        """Collective, for a local checkpoint found unusable as it loaded (a changed shard, which
+        only the load's hashing finds): rank 0 replaces it by the remote copy of its step, if
+        remote_dir holds one whose files match its manifest. Whether it did (the load is then
+        tried again, instead of falling back to an older checkpoint and removing the remote copy)."""
+        if not self.enabled:
+            return False
+        restored: list[bool] = [False]
+        if self.remote is not None:
+            step = step_of(ckpt.name)
+            try:
+                if step is not None and step in self.remote.held_steps():
+                    restored[0] = self.remote.download(step, ckpt.parent) is not None
+            except Exception as err:  # the fallback to an older checkpoint follows
+                log(f"warning: downloading {self.remote.url}/{ckpt.name} in place of {ckpt} failed ({err!r})")
+        dist.broadcast_object_list(restored, src=0)
+        return bool(restored[0])
 
     def remove_beyond(self, step: int, why: str) -> None:
         """Rank 0: ``RemoteDir.remove_beyond``, each removal logged with ``why``. A failure is a

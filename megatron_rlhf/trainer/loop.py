@@ -309,9 +309,15 @@ def _fetch_remote(cfg: LoopConfig, out_dir: Path) -> None:
         remote = RemoteDir(cfg.remote_dir)
         remote.check_writable()
         if cfg.resume == "auto":
-            local = cfg.resume_from()
-            if remote.fetch_newer(checkpoints_root(out_dir), local) is None and local is None:
+            # The local checkpoint the resume would take: an unusable newest one is passed over.
+            local = next((ckpt for ckpt in cfg.resume_candidates() if _usable(cfg, ckpt)), None)
+            root = checkpoints_root(out_dir)
+            got = remote.fetch_newer(root, local)
+            if got is None and local is None:
                 log(f"no checkpoint under output_dir or remote_dir={cfg.remote_dir!r}")
+            if got is not None:  # the local ones after it are stale, or another branch's
+                for path in remove_beyond(root, int(got.name.removeprefix("step_"))):
+                    log(f"removed {path}: beyond {got.name}, the checkpoint further along downloaded from remote_dir")
         elif cfg.resume == "never" and not cfg.overwrite and (held := remote.held_steps()):
             raise ConfigError(
                 f"remote_dir={cfg.remote_dir!r} holds another run's checkpoints "
@@ -407,15 +413,8 @@ def _completed_a_step(out_dir: Path) -> bool:
 def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
     """Rank 0: report how the config differs from the config.yaml of the checkpoint it resumes;
     raise ``ResumeRefused`` naming the changes a checkpoint cannot follow (``resume_check.RULES``)."""
-    # The checkpoint the load will take: the first whose files match its manifest (without a
-    # manifest, only if trusted). Its files are read only once they are checked.
-    usable = (
-        ckpt
-        for ckpt in cfg.resume_candidates()
-        if (ckpt / "config.yaml").is_file()
-        and manifest_problems(ckpt) in ([], *([None] if cfg.trust_unverified_checkpoint else []))
-    )
-    ckpt = next(usable, None)
+    # The checkpoint the load will take. Its files are read only once they are checked.
+    ckpt = next((ckpt for ckpt in cfg.resume_candidates() if _usable(cfg, ckpt)), None)
     if ckpt is None:
         return  # a fresh run; an unusable checkpoint is reported when it is loaded
     try:
@@ -435,6 +434,15 @@ def _check_resume(cfg: LoopConfig, claim: RunClaim) -> None:
             f"follow: {'; '.join(review.refused)}. Keep those settings as they were "
             f"({ckpt / 'config.yaml'}), or start a new run: resume=never, or another output_dir"
         )
+
+
+def _usable(cfg: LoopConfig, ckpt: Path) -> bool:
+    """Whether a resume would load ``ckpt``: its files match its manifest (without a manifest, only
+    if trusted)."""
+    return (ckpt / "config.yaml").is_file() and manifest_problems(ckpt) in (
+        [],
+        *([None] if cfg.trust_unverified_checkpoint else []),
+    )
 
 
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
@@ -890,14 +898,24 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
         _remove_beyond(root, 0, why, mirror)
         return None
     older = candidates[1:]
+
+    def load(ckpt: Path) -> dict[str, Any]:
+        return load_run_checkpoint(
+            ckpt,
+            train_states=task.train_states(),
+            weights=task.changing_weights(),
+            trust_unverified=cfg.trust_unverified_checkpoint,
+        )
+
     for ckpt in candidates:
         try:
-            run_state = load_run_checkpoint(
-                ckpt,
-                train_states=task.train_states(),
-                weights=task.changing_weights(),
-                trust_unverified=cfg.trust_unverified_checkpoint,
-            )
+            try:
+                run_state = load(ckpt)
+            except UnusableCheckpoint as err:
+                if ckpt.parent != root or not mirror.restore(ckpt):
+                    raise
+                log(f"{err}; loading the copy downloaded from remote_dir instead")
+                run_state = load(ckpt)
             break
         except FileNotFoundError as err:
             raise ConfigError(f"resume={cfg.resume!r}: {err}") from err

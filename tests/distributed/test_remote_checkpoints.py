@@ -95,6 +95,14 @@ def test_killed_mid_upload_then_resumed_from_s3_after_output_dir_is_deleted(
     assert fs.cat_file(f"{prefix}/latest") == b"step_6\n"
     assert json.loads(fs.cat_file(f"{prefix}/step_6/run_state.json"))["step"] == 6
 
+    # A changed shard in the newest local checkpoint (found as it loads): the remote copy replaces it.
+    # Before: the run fell back to step_4, and its remote side deleted step_6, the one good copy.
+    shard = next((out / "checkpoints" / "step_6").rglob("*.distcp"))
+    shard.write_bytes(b"changed")
+    longer = run_cli(*args, "max_steps=7", f"output_dir={out}", f"remote_dir={url}", nproc=2, env=s3.env())
+    assert f"downloaded {url}/step_6 to {out / 'checkpoints' / 'step_6'}" in longer.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_6'} at step 6" in longer.stdout
+
 
 @pytest.mark.distributed
 def test_a_missing_bucket_stops_the_run_at_start_up(tmp_path: Path, s3: s3_server.S3Server) -> None:

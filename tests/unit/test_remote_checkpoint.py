@@ -301,23 +301,29 @@ def test_a_stale_local_checkpoint_gives_way_to_the_remote_ones_further_along(
     """Before: a job requeued back onto a node holding step_2 resumed it, and its uploads then
     deleted the remote step_4 and step_6. Further along: a later step, or more rollbacks behind."""
     from megatron_rlhf.checkpoint.remote import RemoteDir
+    from megatron_rlhf.trainer import loop
+    from megatron_rlhf.trainer.loop_config import LoopConfig
 
-    remote = RemoteDir(_url("s3", tmp_path, "run"))
+    url = _url("s3", tmp_path, "run")
+    remote = RemoteDir(url)
     for ckpt in _steps(saved[0], tmp_path / "uploaded", 2, 4, 6):
         remote.upload(ckpt, keep_last=0)
-    root = tmp_path / "node" / "checkpoints"
-    (stale,) = _steps(saved[0], root, 2)
-    got = remote.fetch_newer(root, stale)
-    assert got == root / "step_6" and (root / "latest").read_text() == "step_6\n"
-    assert remote.fetch_newer(root, got) is None  # level: the local one stands
+    out = tmp_path / "node"
+    root = out / "checkpoints"
+    _steps(saved[0], root, 2)
+    cfg = LoopConfig(remote_dir=url, output_dir=str(out))
+    loop._fetch_remote(cfg, out)
+    assert cfg.resume_from() == root / "step_6" and (root / "latest").read_text() == "step_6\n"
+    assert remote.fetch_newer(root, root / "step_6") is None  # level: the local one stands
 
     # A rollback on another node went back to step_4 and redid step_5: fewer steps, one more rollback.
     (redone,) = _steps(saved[0], tmp_path / "other", 5)
     _rewrite_run_state(redone, reseeded=[[5, 6]])
     remote.upload(redone, keep_last=0)
     assert remote.complete_steps() == [2, 4, 5]  # step_6, of the branch left, is gone
-    got = remote.fetch_newer(root, root / "step_6")
-    assert got == root / "step_5" and (root / "latest").read_text() == "step_5\n"
+    loop._fetch_remote(cfg, out)
+    # The local step_6 (before: left, and resumed as the highest step) goes with the branch it was on.
+    assert cfg.resume_from() == root / "step_5" and not (root / "step_6").exists()
 
 
 def test_remote_checkpoints_that_cannot_be_used_stop_the_run_instead_of_being_replaced(
@@ -343,23 +349,37 @@ def test_remote_checkpoints_that_cannot_be_used_stop_the_run_instead_of_being_re
     assert remote.fetch_newer(root, local) is None
     assert remote.held_steps() == [4, 6]
 
-    # Whole checkpoints that latest does not name: an upload stopped before writing it.
-    remote.fs.rm(remote.path("step_4"), recursive=True)
-    remote.fs.rm(remote.path("step_6"), recursive=True)
-    remote.fs.put(str(step_4), remote.path("step_4"), recursive=True)
-    remote.fs.rm_file(remote.path("latest"))
-    with pytest.raises(
-        RemoteStorageError,
-        match=r"holds step_4 with its run_state.json, newer than what its latest names \(no latest file\)",
-    ):
-        remote.fetch_newer(root, None)
-    assert remote.fetch_newer(root, _steps(saved[0], tmp_path / "ahead", 4)[0]) is None  # not newer
-
     # A latest that names no step.
     remote.fs.pipe_file(remote.path("latest"), b"garbage\n")
     with pytest.raises(RemoteStorageError, match=r"/latest holds 'garbage', expected 'step_N'"):
         remote.fetch_newer(root, None)
-    assert remote.held_steps() == [4]
+    assert remote.held_steps() == [4, 6]
+
+
+def test_whole_checkpoints_after_latest_are_resumed_unless_a_rollback_left_them(
+    s3_env: s3_server.S3Server, saved: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
+    """An upload stopped between its copy and ``latest`` (on an object store, once a step's objects
+    are copied): the copy is whole, and resumed. A branch a rollback left, whose removal stopped
+    half-way (fewer rollbacks behind it than behind latest's checkpoint): not resumed."""
+    from megatron_rlhf.checkpoint.remote import RemoteDir
+
+    remote = RemoteDir(_url("s3", tmp_path, "run"))
+    step_4, step_6 = _steps(saved[0], tmp_path / "uploaded", 4, 6)
+    remote.upload(step_4, keep_last=0)
+    remote.fs.put(str(step_6), remote.path("step_6"), recursive=True)  # copied; latest still step_4
+    got = remote.fetch_newer(tmp_path / "a" / "checkpoints", None)
+    assert got is not None and got.name == "step_6"
+    remote.fs.rm_file(remote.path("latest"))  # the first upload stopped before its latest
+    got = remote.fetch_newer(tmp_path / "b" / "checkpoints", None)
+    assert got is not None and got.name == "step_6"
+
+    (redone,) = _steps(saved[0], tmp_path / "other", 5)
+    _rewrite_run_state(redone, reseeded=[[5, 6]])
+    remote.upload(redone, keep_last=0)  # a rollback to step_4, step_5 redone
+    remote.fs.put(str(step_6), remote.path("step_6"), recursive=True)  # the branch left, not yet removed
+    got = remote.fetch_newer(tmp_path / "c" / "checkpoints", None)
+    assert got is not None and got.name == "step_5"
 
 
 def test_going_back_removes_the_later_remote_checkpoints_and_an_upload_those_of_another_branch(
