@@ -102,15 +102,26 @@ def generate_trajectories(
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    """``rows`` as JSONL, or as Parquet for a ``.parquet`` path (columns as pyarrow infers them from
-    the rows), through a file beside it and a rename: a failure leaves the previous file, if any."""
+    """``rows`` as JSONL, or as Parquet for a ``.parquet`` path, through a file beside it and a
+    rename: a failure leaves the previous file, if any. Parquet's columns are every key of any row
+    (null where a row lacks it); a column whose values pyarrow cannot give one type (a
+    ``ground_truth`` that is text in one row and a number in another) holds them as JSON text."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(rows), partial)
+        names = list(dict.fromkeys(key for row in rows for key in row))
+        columns = {}
+        for name in names:
+            values = [row.get(name) for row in rows]
+            try:
+                columns[name] = pa.array(values)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                log(f"output={path}: column {name!r} holds values of several types: written as JSON text")
+                columns[name] = pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+        pq.write_table(pa.table(columns), partial)
     else:
         partial.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     os.replace(partial, path)

@@ -534,6 +534,26 @@ def test_generate_text_leaves_out_a_stop_token_of_the_settings_and_parquet_holds
     assert set(free) == set(cut) and free["prompt"] == cut["prompt"] and free["logprobs"][:stop_at] == cut["logprobs"]
 
 
+def test_generate_parquet_output_keeps_every_column_of_any_row(tmp_path: Path) -> None:
+    """Before: pyarrow took the columns of the first row alone (a verl row's ground_truth, present
+    in later rows only, was dropped), and values of two types failed the write after generation."""
+    import pyarrow.parquet as pq
+
+    from megatron_rlhf.trainer.generate import write_rows
+
+    rows = [
+        {"text": "a"},
+        {"text": "b", "ground_truth": "7"},
+        {"text": "c", "ground_truth": 7, "turns": [{"role": "x"}]},
+    ]
+    write_rows(tmp_path / "o.parquet", rows)
+    assert pq.read_table(tmp_path / "o.parquet").to_pylist() == [
+        {"text": "a", "ground_truth": None, "turns": None},
+        {"text": "b", "ground_truth": '"7"', "turns": None},
+        {"text": "c", "ground_truth": "7", "turns": [{"role": "x"}]},
+    ]
+
+
 def test_generate_stops_at_the_models_positions_and_says_so(tmp_path: Path) -> None:
     """Before: 512 new tokens after the prompt on a model of 32 positions, with no word."""
     from transformers import AutoTokenizer
