@@ -193,7 +193,9 @@ class TensorBoardSink(Sink):
     def __init__(self, log_dir: Path, resumed_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = None if resumed_step is None else resumed_step + 1
+        # A fresh run replaces an earlier attempt's events (the directory may hold them); a resumed
+        # one, those written after its checkpoint.
+        purge = 0 if resumed_step is None else resumed_step + 1
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:

@@ -53,6 +53,25 @@ def test_each_logger_writes_its_destination_with_the_same_keys(tmp_path: Path, c
     assert [e.value for e in events.Scalars("actor/loss")] == pytest.approx([0.1, 0.2, 0.3])
 
 
+def test_a_fresh_run_replaces_an_earlier_attempts_tensorboard_events(tmp_path: Path) -> None:
+    """Before: an attempt killed before its first checkpoint, started over in the same output_dir,
+    left its events beside the new ones: TensorBoard drew each step twice."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for run, steps in ((1.0, (1, 2, 3)), (2.0, (1, 2))):
+        sinks = build_sinks(["tensorboard"], _setup(tmp_path))
+        for step in steps:
+            sinks.write("train", step, {"actor/loss": run + step / 10})
+        sinks.close()
+        time.sleep(1.1)  # event files are named by the second they were opened
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = events.Scalars("actor/loss")
+    assert [e.step for e in scalars] == [1, 2] and [e.value for e in scalars] == pytest.approx([2.1, 2.2])
+
+
 def test_only_the_named_loggers_write(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     sinks = build_sinks(["jsonl"], _setup(tmp_path))
     sinks.write("train", 1, {"actor/loss": 0.1})
