@@ -92,7 +92,8 @@ def acquire(out_dir: Path) -> Path:
         elif time.monotonic() > deadline:
             raise OutputDirLocked(
                 f"output_dir={str(out_dir)!r}: another run has been taking over the stale {path} for "
-                f"{TAKEOVER_WAIT_S:.0f} s; start again"
+                f"{TAKEOVER_WAIT_S:.0f} s; start again (a {path.name}.takeover left by a run that died "
+                f"taking over goes after {STALE_AFTER_S:.0f} s, or delete it)"
             )
         else:
             time.sleep(0.05)  # another run is taking it over: its lock is judged next
@@ -134,7 +135,9 @@ def _take_over(path: Path, stale: dict[str, Any], me: dict[str, object]) -> bool
     turn = path.with_name(f"{path.name}.takeover")
     if not _create(turn, me):
         held_for = _seconds_since_refreshed(turn)
-        if held_for is not None and held_for > TAKEOVER_WAIT_S:  # its taker died in the microseconds it holds it
+        # Its taker died in the microseconds it holds it. Judged as a lock is (the clocks of a shared
+        # file system's hosts may differ by some seconds): a live turn is never taken for a dead one.
+        if held_for is not None and held_for > STALE_AFTER_S:
             turn.unlink(missing_ok=True)
         return False
     try:
