@@ -38,8 +38,8 @@ class Trainer:
     that a bad setting is reported within moments of the start."""
     stops_at_steps: bool = True
     """The run trains through ``trainer/loop.run_loop``, which stops at a step boundary on a signal:
-    one from the start of the run on is a stop request (``StopSignals``). False (smoke): signals
-    keep their default action."""
+    one from the start of the run on is a stop request (``StopSignals``). False (smoke): INT and
+    TERM keep their default action."""
 
 
 def add_trainer_arguments(

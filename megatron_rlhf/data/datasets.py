@@ -392,7 +392,7 @@ def _hint(rec: Record) -> str:
     if isinstance(chosen, str) and isinstance(rejected, str) and "\n\nAssistant:" in chosen:
         return (
             " (Anthropic HH-RLHF's layout: the prompt is the start that 'chosen' and 'rejected' share, through "
-            "their last '\n\nAssistant:'; write it to a 'prompt' column and the rest of each to 'chosen' and "
+            "their last '\\n\\nAssistant:'; write it to a 'prompt' column and the rest of each to 'chosen' and "
             "'rejected')"
         )
     return ""
