@@ -49,6 +49,7 @@ from megatron_rlhf.trainer.pipeline_config import PairsConfig, PipelineConfig, c
 from megatron_rlhf.trainer.ppo import run_ppo
 from megatron_rlhf.trainer.rm import run_rm
 from megatron_rlhf.trainer.sft import run_sft
+from megatron_rlhf.trainer.stop import RunStopped, stop_signals
 
 
 def run_pipeline(cfg: PipelineConfig, env: DistEnv) -> dict[str, Any]:
@@ -64,11 +65,19 @@ def run_pipeline(cfg: PipelineConfig, env: DistEnv) -> dict[str, Any]:
         "test": lambda: held_out_accuracy(cfg, env),
     }
     result: dict[str, Any] = {"stages": {}}
-    for stage in cfg.stages:
-        log(f"pipeline: stage {stage}")
-        start = time.perf_counter()
-        summary = stages[stage]()
-        result["stages"][stage] = {"seconds": time.perf_counter() - start, "summary": summary}
+    with stop_signals() as signals:
+        for stage in cfg.stages:
+            log(f"pipeline: stage {stage}")
+            start = time.perf_counter()
+            summary = stages[stage]()
+            result["stages"][stage] = {"seconds": time.perf_counter() - start, "summary": summary}
+            # A stop asked for during a stage without steps (pairs, test) is honoured after it.
+            if stage != cfg.stages[-1] and (code := signals.agreed()) is not None:
+                raise RunStopped(
+                    f"stopped on request after the pipeline's {stage} stage; the same command goes on from there "
+                    "(a finished stage's run says it is complete)",
+                    code,
+                )
     if "test" in result["stages"]:
         result["test_accuracy"] = result["stages"]["test"]["summary"]
     if is_rank0():
