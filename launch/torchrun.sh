@@ -107,7 +107,9 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
 # Import the package from this checkout even when it is not pip-installed.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-cmd=("$PYTHON" -m torch.distributed.run "${rdzv_args[@]}" --nproc-per-node="$NPROC" -m megatron_rlhf "$@")
+# --signals-to-handle: torchrun would otherwise install its own TERM and INT handlers (below).
+cmd=("$PYTHON" -m torch.distributed.run "${rdzv_args[@]}" --nproc-per-node="$NPROC" "--signals-to-handle=SIGHUP,SIGQUIT"
+     -m megatron_rlhf "$@")
 if [[ "$DRY_RUN" == 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo
   exit 0
@@ -115,9 +117,11 @@ fi
 # Stop signals (Ctrl-C, TERM, USR1) go to the workers, once, from here: the trainers then save after
 # the current step and exit (trainer/stop.py; a second signal ends them at once). torchrun, told of
 # one itself, would pass it on, SIGKILL the workers 30 s later (often mid-checkpoint) and exit 1 with
-# a traceback; so it runs with them ignored (and its workers until a trainer takes them). Signal this
-# script, not torchrun. USR2 counts as USR1: launch/slurm/multinode.sbatch passes its USR1 on as USR2,
-# which no process of the job step then acts on by itself (Slurm may signal all of them).
+# a traceback; so it runs with them ignored (its workers inherit that; the CLI restores INT and TERM,
+# and a trainer takes all three as its run starts). Ctrl-C or a signal to the whole process group
+# (docker stop, Slurm) reaches the workers directly too: the two copies count as one request. USR2
+# counts as USR1: launch/slurm/multinode.sbatch passes its USR1 on as USR2, which no process of the
+# job step then acts on by itself (Slurm may signal all of them).
 command -v pkill >/dev/null || echo "launch/torchrun.sh: no pkill (procps): a stop signal cannot reach the trainers" >&2
 ( trap '' INT TERM USR1 USR2
   exec "${cmd[@]}" ) &

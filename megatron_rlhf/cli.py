@@ -107,7 +107,8 @@ def entry() -> None:
     the process groups torn down before the interpreter exits. ``main`` leaves them up, for callers
     that run it more than once in one process."""
     # Ctrl-C and TERM act as in any program until a trainer takes them (trainer/stop.py):
-    # launch/torchrun.sh starts torchrun with them ignored, and its workers inherit that.
+    # launch/torchrun.sh starts torchrun with them ignored (--signals-to-handle leaves them so), and
+    # its workers inherit that.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = main()

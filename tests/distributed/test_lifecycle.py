@@ -8,6 +8,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import re
 import signal
@@ -536,9 +537,12 @@ def test_output_dir_with_another_runs_files_is_refused_without_overwrite(tmp_pat
 
 
 def _endless_sft(launch: list[str], train: Path, out: Path) -> subprocess.Popen:
-    """SFT started by ``launch`` (its command line up to the settings), running until stopped."""
+    """SFT started by ``launch`` (its command line up to the settings), running until stopped, in a
+    process group of its own (as a terminal's foreground job or a container's processes are)."""
     args = [*launch, f"data.train=[{train}]", "max_steps=100000", f"output_dir={out}"]
-    return subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _wait_for_a_step(proc: subprocess.Popen, out: Path) -> None:
@@ -569,12 +573,13 @@ def test_a_stop_signal_during_start_up_stops_before_the_first_step(tmp_path: Pat
 
 @pytest.mark.distributed
 def test_term_to_the_torchrun_launcher_saves_and_exits_0(tmp_path: Path, sft_train: Path) -> None:
-    """Before: torchrun, signalled itself, passed SIGTERM on, SIGKILLed its workers 30 s later (in a
-    real run often mid-checkpoint) and exited 1 with a traceback."""
+    """SIGTERM to the launcher's whole process group (docker stop, a terminal's kill, Slurm), which
+    torchrun is in. Before: torchrun passed it on, SIGKILLed its workers 30 s later (in a real run
+    often mid-checkpoint) and exited 1 with a traceback."""
     out = tmp_path / "run"
     proc = _endless_sft([str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", *SFT], sft_train, out)
     _wait_for_a_step(proc, out)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     log, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (log[-3000:], err[-3000:])
     assert (out / "checkpoints" / "latest").is_file()
