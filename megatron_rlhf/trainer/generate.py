@@ -1,10 +1,10 @@
-"""Generation outside a training run: prompts (JSONL/Parquet) in, completions (JSONL) out, the work
+"""Generation outside a training run: prompts (JSONL/Parquet) in, completions (JSONL/Parquet) out, the work
 of ``megatron-rlhf generate``; and ``policy_engine``, a causal LM with its own native engine, which
 the pipeline's held-out test uses too.
 
 Input rows hold ``prompt`` (text, tokenized with the model's tokenizer, or a list of chat messages,
 rendered with its chat template) or ``prompt_ids``. Under torchrun the world is split into
-generation groups of ``--tp`` ranks; each data-parallel group takes every dp-th prompt, and rank 0
+generation groups of ``rollout.tp`` ranks; each data-parallel group takes every dp-th prompt, and rank 0
 writes all completions in prompt order. Output rows:
 ``prompt_index`` (the prompt's row in the input, 0-based, rows skipped under ``data.on_invalid=skip``
 counted), ``prompt`` (the prompt as the model read it, special tokens skipped),

@@ -122,8 +122,8 @@ class HealthConfig:
     """Phase jitter water-lines: phase -> seconds (e.g. {update_actor: 0.1}); the std of the phase's
     time over recent steps (timing_s/<phase>/std) above its line fires health/jitter/<phase>."""
     signal_steps: int = 1
-    """Steps in a row a signal must fire before roll_back_on acts on it (a warning is printed at
-    every firing step)."""
+    """Steps in a row a signal must fire before roll_back_on acts on it (a warning is printed at the
+    1st, 2nd, 4th, 8th, ... firing step in a row; its health/ metric is written at every step)."""
     roll_back_on: list[Signal] = dataclasses.field(default_factory=list)
     """Signals that also roll the run back (entropy_collapse, length_collapse, length_blowup,
     uniform_groups, kl_blowup, slow, jitter); each needs its threshold set."""

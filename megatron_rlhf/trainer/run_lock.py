@@ -152,7 +152,7 @@ def _take_over(path: Path, stale: dict[str, Any], me: dict[str, object]) -> bool
 def _create(path: Path, holder: dict[str, object]) -> bool:
     """Create the lock file with its content in one step (a hard link of a written file: never seen
     empty); False if it exists."""
-    tmp = path.with_name(f"{path.name}.{holder['pid']}.tmp")
+    tmp = path.with_name(f"{path.name}.{holder['host']}.{holder['pid']}.tmp")  # unique on a shared file system
     tmp.write_text(json.dumps(holder) + "\n")
     try:
         os.link(tmp, path)

@@ -2,7 +2,8 @@
 Ctrl-C (SIGINT) end the run at the next step boundary, after a checkpoint, so that the same command
 started again continues where it stopped. A second signal ends the process at once, unless it comes
 within ``SAME_REQUEST_S`` of the first: one request delivered twice (Slurm signals every process of
-a job step, and torchrun forwards the same signal to its workers).
+a job step, and a signal to a process group reaches a worker directly and through
+launch/torchrun.sh).
 
 Signals reach ranks at different times (or only one rank): at every step boundary the ranks agree
 (one small all-reduce) so that all of them stop after the same step. A step that waits on reward
