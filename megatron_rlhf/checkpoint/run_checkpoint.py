@@ -9,6 +9,8 @@ Layout under ``<output_dir>/checkpoints/``::
       rng/rankXXXXX.pt      python, numpy, torch and megatron tracker RNG states of each rank, as
                             tensors and plain values (``torch.load(weights_only=True)``: no pickle)
       config.yaml           the resolved config of the run that wrote it
+      metrics.jsonl         the run's metrics.jsonl as it was at this step (its history travels with
+                            the checkpoint, to a node that lacks it); absent without the jsonl logger
       run_state.json        step, loop summary, the trainer's state
       manifest.json         SHA-256 of every file above, written last, inside the .tmp dir
     latest                  ``step_N``: the newest complete checkpoint (written to latest.tmp, renamed)
@@ -73,6 +75,7 @@ from megatron_rlhf.training.optim import TrainState
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
+METRICS_FILE = "metrics.jsonl"
 MANIFEST_FILE = "manifest.json"
 REMOVING_SUFFIX = ".removing.tmp"
 """A checkpoint being deleted (``delete_checkpoint``)."""
@@ -201,10 +204,11 @@ class RunCheckpointWriter:
         weights: dict[str, RoleModel],
         run_state: dict[str, Any],
         config_yaml: str,
+        history: str = "",
     ) -> None:
         """Writes ``root/step_<step>`` (through ``step_<step>.tmp``), points ``latest`` at it, then
         deletes all but the newest ``keep_last`` complete checkpoints; in the background, returns once
-        the writer has started."""
+        the writer has started. ``history``: metrics.jsonl's text so far ("": none)."""
         self.wait()
         tmp = self.root / f"step_{step}.tmp"
         rank = dist.get_rank()
@@ -224,10 +228,10 @@ class RunCheckpointWriter:
                 for request in requests:
                     request.execute_sync()
             faults.on_checkpoint_written(step)
-            self._complete(step, run_state_json, config_yaml, started=None)
+            self._complete(step, run_state_json, config_yaml, history, started=None)
             return
         started = time.perf_counter()
-        complete = functools.partial(self._complete, step, run_state_json, config_yaml, started)
+        complete = functools.partial(self._complete, step, run_state_json, config_yaml, history, started)
         self._in_flight.schedule_async_request(_one_writer(list(requests), complete, step))
         log(f"step {step}: writing checkpoint {tmp} in the background")
 
@@ -243,17 +247,20 @@ class RunCheckpointWriter:
             with _failed_writes_named():
                 self._in_flight.maybe_finalize_async_calls(blocking=True)
 
-    def _complete(self, step: int, run_state_json: str, config_yaml: str, started: float | None) -> None:
+    def _complete(self, step: int, run_state_json: str, config_yaml: str, history: str, started: float | None) -> None:
         """After every model's files are complete on every rank. ``started``: when a background
         write began."""
         tmp, final = self.root / f"step_{step}.tmp", self.root / f"step_{step}"
         dist.barrier()  # every rank's files are written before rank 0 hashes them
         if dist.get_rank() == 0:
             write_bytes(tmp / "config.yaml", config_yaml.encode())
+            if history:
+                write_bytes(tmp / METRICS_FILE, history.encode())
             write_bytes(tmp / RUN_STATE_FILE, run_state_json.encode())
             _write_manifest(tmp)
-            if final.exists():  # a checkpoint of the same step from an earlier run (resume=never)
+            if final.exists():  # a checkpoint of the same step from an earlier run, or an incomplete one
                 delete_checkpoint(final)
+                log(f"removed {final}: replaced by this run's checkpoint of step {step}")
             os.replace(tmp, final)
             write_atomically(self.root / LATEST_FILE, final.name + "\n")
             for old in complete_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:

@@ -142,13 +142,20 @@ class JsonlSink(Sink):
     and metrics.jsonl keeps, whole, the history up to the last rollback the checkpoint knows of:
     the steps left by it and its ``rollback`` record, as an uninterrupted run leaves them."""
 
-    def __init__(self, out_dir: Path, resumed_step: int | None, resumed_rollbacks: int) -> None:
+    def __init__(
+        self, out_dir: Path, resumed_step: int | None, resumed_rollbacks: int, history: str | None = None
+    ) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir, self.resumed_step, self.resumed_rollbacks = out_dir, resumed_step, resumed_rollbacks
+        self.history = history
         self.files = {"metrics": self._open("metrics")}
 
     def _open(self, name: str) -> Any:
         path = self.out_dir / f"{name}.jsonl"
+        if self.resumed_step is not None and name == "metrics" and self.history is not None:
+            # The checkpoint's own copy: whole even where this file is missing (a requeue onto a node
+            # without it) or stale (an older copy of output_dir).
+            return self._rewritten(path, self.history)
         if self.resumed_step is None or not path.is_file():
             return path.open("w", encoding="utf-8")
         lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
@@ -161,9 +168,14 @@ class JsonlSink(Sink):
             for line, row in zip(lines[history:], rows[history:], strict=True)
             if row["step"] <= self.resumed_step and row.get("split") != "rollback"
         ]
-        # Through a new file and a rename: a kill meanwhile leaves the whole history, never part of it.
+        return self._rewritten(path, "".join(kept))
+
+    @staticmethod
+    def _rewritten(path: Path, text: str) -> Any:
+        """``path`` holding ``text``, open for appending. Through a new file and a rename: a kill
+        meanwhile leaves the whole history, never part of it."""
         rewritten = path.with_name(f".{path.name}.resumed")
-        rewritten.write_text("".join(kept), encoding="utf-8")
+        rewritten.write_text(text, encoding="utf-8")
         os.replace(rewritten, path)
         return path.open("a", encoding="utf-8")
 
@@ -190,13 +202,17 @@ class TensorBoardSink(Sink):
     (samples) as a markdown table per step. A resumed run purges the events written after its
     checkpoint's step."""
 
-    def __init__(self, log_dir: Path, resumed_step: int | None) -> None:
+    def __init__(self, log_dir: Path, resumed_step: int | None, history: str | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # A fresh run replaces an earlier attempt's events (the directory may hold them); a resumed
         # one, those written after its checkpoint.
         purge = 0 if resumed_step is None else resumed_step + 1
+        replay = resumed_step is not None and history is not None and not any(log_dir.glob("events.out.tfevents.*"))
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+        if replay:  # a resume on a node without the events: the figures the checkpoint's history holds
+            for row in map(json.loads, (history or "").splitlines()):
+                self.write(row.pop("split"), row.pop("step"), row)
 
     def write(self, split: str, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -303,6 +319,9 @@ class SinkSetup:
     """The checkpoint step a resumed run continues from; None: a fresh run (files start empty)."""
     resumed_rollbacks: int = 0
     """The rollbacks behind the checkpoint resumed (each left steps and wrote a ``rollback`` record)."""
+    history: str | None = None
+    """The checkpoint resumed's copy of metrics.jsonl, as it was at its step (None: the checkpoint
+    keeps none): what metrics.jsonl continues from, and TensorBoard where its events are missing."""
     wandb_run_id: str | None = None
     """The wandb run to write to: the one a resumed run's checkpoint kept, or a fresh run's
     ``new_wandb_run_id``; None: a new one (kept nowhere)."""
@@ -310,8 +329,8 @@ class SinkSetup:
 
 SINKS: dict[str, Callable[[SinkSetup], Sink]] = {
     "console": lambda setup: ConsoleSink(setup.progress, setup.total_steps, setup.log_every, setup.resumed_step),
-    "jsonl": lambda setup: JsonlSink(setup.out_dir, setup.resumed_step, setup.resumed_rollbacks),
-    "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb", setup.resumed_step),
+    "jsonl": lambda setup: JsonlSink(setup.out_dir, setup.resumed_step, setup.resumed_rollbacks, setup.history),
+    "tensorboard": lambda setup: TensorBoardSink(setup.out_dir / "tb", setup.resumed_step, setup.history),
     "wandb": lambda setup: WandbSink(setup.wandb, setup.out_dir, setup.config, setup.wandb_run_id),
 }
 """The ``loggers`` a run may name, and how each sink is made."""

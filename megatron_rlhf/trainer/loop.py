@@ -41,6 +41,7 @@ import yaml
 from megatron_rlhf.checkpoint.export import export_hf
 from megatron_rlhf.checkpoint.remote import RemoteDir, RemoteMirror, RemoteStorageError
 from megatron_rlhf.checkpoint.run_checkpoint import (
+    METRICS_FILE,
     REMOVING_SUFFIX,
     RUN_STATE_FILE,
     RunCheckpointWriter,
@@ -478,7 +479,7 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
     log(f"layouts: {task.layouts}")
     state = LoopState(headline=task.headline[0])
     mirror = RemoteMirror(cfg.remote_dir, cfg.keep_last)
-    resumed_step = _resume(cfg, task, state, mirror)
+    resumed_step, history = _resume(cfg, task, state, mirror)
     if resumed_step is not None:
         _check_length_after_resume(cfg, resumed_step, total)
     if "wandb" in cfg.loggers and is_rank0() and state.wandb_run_id is None:
@@ -492,6 +493,7 @@ def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> di
         config=dataclasses.asdict(cfg),
         resumed_step=resumed_step,
         resumed_rollbacks=len(state.reseeded),
+        history=history,
         wandb_run_id=state.wandb_run_id,
     )
     sink = build_sinks(cfg.loggers, setup)
@@ -618,12 +620,14 @@ class _Steps:
         # reads files that this save's pruning (keep_last) may delete.
         self.writer.wait()
         self.mirror.wait()
+        metrics = Path(self.cfg.output_dir) / METRICS_FILE
         self.writer.save(
             step,
             train_states=self.task.train_states(),
             weights=self.task.changing_weights(),
             run_state=run_state,
             config_yaml=to_yaml(self.cfg),
+            history=metrics.read_text(encoding="utf-8") if is_rank0() and metrics.is_file() else "",
         )
 
     def run(self, resumed_step: int | None, signals: StopSignals) -> None:
@@ -881,22 +885,25 @@ def _batch(cfg: LoopConfig, task: Task, per_epoch: int, step: int, reseeded: lis
     return epoch, _epoch_order(task.num_examples, task.batch_size, seed, epoch)[position]
 
 
-def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror) -> int | None:
-    """Load the checkpoint ``cfg.resume`` names into the task and the loop's state;
-    returns its step (None: a fresh run). Leftovers of interrupted saves are deleted first, and the
-    checkpoints after the step it continues from (here and on ``mirror``'s remote_dir). With
-    resume=auto an unusable newest checkpoint (changed bytes, missing files) is reported and the
-    previous complete one is used."""
+def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror) -> tuple[int | None, str | None]:
+    """Load the checkpoint ``cfg.resume`` names into the task and the loop's state; returns its
+    step (None: a fresh run) and the metrics history it keeps (None: none). Leftovers of interrupted
+    saves are deleted first, and the checkpoints after the step it continues from (here and on
+    ``mirror``'s remote_dir). With resume=auto an unusable newest checkpoint (changed bytes, missing
+    files) is reported and the previous complete one is used."""
     root = checkpoints_root(cfg.output_dir)
     if is_rank0():
         for partial in remove_partial(root):
             log(f"removed {partial}: an interrupted {'removal' if partial.name.endswith(REMOVING_SUFFIX) else 'save'}")
+    if is_rank0() and root.is_dir():
+        for damaged in sorted(p for p in root.iterdir() if step_of(p.name) is not None and not is_complete(p)):
+            log(f"{damaged} has no {RUN_STATE_FILE}: incomplete, so not resumed (a save of its step replaces it)")
     candidates = cfg.resume_candidates()
     if not candidates:
         log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
         why = "another run's (overwrite=true)" if cfg.overwrite else "an earlier attempt's, never completed"
         _remove_beyond(root, 0, why, mirror)
-        return None
+        return None, None
     older = candidates[1:]
 
     def load(ckpt: Path) -> dict[str, Any]:
@@ -929,7 +936,8 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
     state.restore(run_state)
     log(f"resumed from {ckpt} at step {run_state['step']}")
     _remove_beyond(root, int(run_state["step"]), "beyond the step this run continues from", mirror)
-    return int(run_state["step"])
+    history = ckpt / METRICS_FILE
+    return int(run_state["step"]), history.read_text(encoding="utf-8") if history.is_file() else None
 
 
 def _remove_beyond(root: Path, step: int, why: str, mirror: RemoteMirror) -> None:

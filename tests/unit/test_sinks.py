@@ -175,6 +175,29 @@ def test_a_run_resumed_after_a_rollback_keeps_the_rollbacks_record_and_the_steps
         assert got == [("train", 1, 0.1), ("train", 2, 0.2)]
 
 
+def test_a_resume_continues_the_checkpoints_own_history_where_the_output_dir_lacks_it(tmp_path: Path) -> None:
+    """A requeue onto a node without output_dir (before: metrics.jsonl and TensorBoard began at the
+    checkpoint's step), and one onto a node with a stale copy of it (before: a gap)."""
+    import dataclasses
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    history = "".join(json.dumps({"split": "train", "step": s, "actor/loss": s / 10}) + "\n" for s in (1, 2, 3))
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "metrics.jsonl").write_text(history.splitlines(keepends=True)[0])
+    for out in (tmp_path / "new", stale):
+        setup = dataclasses.replace(_setup(out, total_steps=5), resumed_step=3, history=history)
+        sinks = build_sinks(["jsonl", "tensorboard"], setup)
+        sinks.write("train", 4, {"actor/loss": 0.4})
+        sinks.close()
+        steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3, 4], out
+    events = EventAccumulator(str(tmp_path / "new" / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("actor/loss")] == [1, 2, 3, 4]
+
+
 def test_non_finite_figures_are_written_as_null_and_listed() -> None:
     from megatron_rlhf.metrics.sinks import strict_json
 
