@@ -290,18 +290,18 @@ class RemoteDir:
         The health watch's best checkpoint, which that one names and a rollback goes back to,
         comes with it."""
         for step in reversed(steps):
-            final = self.download(step, root)
+            final = self.download(step, root, "output_dir holds no checkpoint as far along")
             if final is None:
                 continue
             write_atomically(root / LATEST_FILE, final.name + "\n")
             health = json.loads((final / RUN_STATE_FILE).read_text()).get("loop", {}).get("health") or {}
             best = health.get("best_step", -1)
             if 0 <= best != step and best in self.complete_steps():
-                self.download(best, root)
+                self.download(best, root, "the health watch's best evaluation, which a rollback goes back to")
             return final
         return None
 
-    def download(self, step: int, root: Path) -> Path | None:
+    def download(self, step: int, root: Path, why: str) -> Path | None:
         """Copies the remote ``step_N`` to ``root/step_N`` through ``step_N.tmp``; None (logged)
         when its files do not match its manifest."""
         name = f"step_{step}"
@@ -327,7 +327,7 @@ class RemoteDir:
         size = sum((final / rel).stat().st_size for rel in rels)
         log(
             f"downloaded {self.url}/{name} to {final} ({size / 2**20:.1f} MiB in "
-            f"{time.perf_counter() - started:.1f} s): output_dir holds no checkpoint as far along"
+            f"{time.perf_counter() - started:.1f} s): {why}"
         )
         return final
 
@@ -426,7 +426,8 @@ class RemoteMirror:
             step = step_of(ckpt.name)
             try:
                 if step is not None and step in self.remote.held_steps():
-                    restored[0] = self.remote.download(step, ckpt.parent) is not None
+                    why = "in place of the local copy, whose files changed"
+                    restored[0] = self.remote.download(step, ckpt.parent, why) is not None
             except Exception as err:  # the fallback to an older checkpoint follows
                 log(f"warning: downloading {self.remote.url}/{ckpt.name} in place of {ckpt} failed ({err!r})")
         dist.broadcast_object_list(restored, src=0)

@@ -75,7 +75,7 @@ def run_trainer(trainer: Trainer, args: argparse.Namespace) -> int:
                 torch.set_num_threads(threads)
             trainer.run(cfg, env, checked)
     except RunStopped as stop:  # a signal asked for it (after its checkpoint), or training diverged
-        if stop.code and os.environ.get("RANK", "0") == "0":
-            print(f"megatron-rlhf: {stop}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megatron-rlhf: {stop}", file=sys.stderr if stop.code else sys.stdout, flush=True)
         return stop.code
     return 0

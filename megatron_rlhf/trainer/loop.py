@@ -919,9 +919,11 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
             try:
                 run_state = load(ckpt)
             except UnusableCheckpoint as err:
-                if ckpt.parent != root or not mirror.restore(ckpt):
+                if ckpt.parent != root or not mirror.enabled:
                     raise
-                log(f"{err}; loading the copy downloaded from remote_dir instead")
+                log(f"{err}; trying remote_dir's copy of {ckpt.name}")
+                if not mirror.restore(ckpt):
+                    raise
                 run_state = load(ckpt)
             break
         except FileNotFoundError as err:

@@ -73,7 +73,10 @@ class StopSignals:
             log(f"{sig.name} again: exiting now, without a checkpoint")
             os._exit(128 + signum)
         self.code, self._first_at = EXIT_CODES[sig], time.monotonic()
-        log(f"{sig.name} received: saving a checkpoint after this step, then exiting ({sig.name} again: exit now)")
+        log(
+            f"{sig.name} received: stopping at the next step boundary, after its checkpoint (before the first "
+            f"step: at once, with nothing to save); {sig.name} again: exit now"
+        )
 
     def stop_before_training(self) -> None:
         """Collective, before the first step: raises ``RunStopped`` if a stop was requested while

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -400,8 +401,8 @@ class DamagedResume:
 @pytest.fixture(scope="module")
 def damaged_resume(tmp_path_factory: pytest.TempPathFactory) -> DamagedResume:
     """The newest checkpoint gets bytes that are not UTF-8 in its config.yaml, the one before a flipped
-    byte in a shard, and an interrupted save's step_8.tmp/ and latest.tmp (what a SIGKILL mid-save
-    leaves) before the run is started again."""
+    byte in a shard, an interrupted save's step_8.tmp/ and latest.tmp (what a SIGKILL mid-save
+    leaves), and a step_5 without run_state.json, before the run is started again."""
     root = tmp_path_factory.mktemp("damaged")
     out = root / "run"
     train = _write_jsonl(root / "train.jsonl", _sft_rows(128, 0))
@@ -416,6 +417,8 @@ def damaged_resume(tmp_path_factory: pytest.TempPathFactory) -> DamagedResume:
     config.write_bytes(b"\xff\xfe" + config.read_bytes())
     (out / "checkpoints" / "step_8.tmp" / "models").mkdir(parents=True)
     (out / "checkpoints" / "latest.tmp").write_text("step_8\n")
+    shutil.copytree(out / "checkpoints" / "step_2", out / "checkpoints" / "step_5")  # then its run_state.json lost
+    (out / "checkpoints" / "step_5" / "run_state.json").unlink()
     return DamagedResume(out, fresh, losses, run_cli(*args, "max_steps=8"))
 
 
@@ -429,7 +432,15 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
     assert "step_4 is unusable" in again.stdout and "__0_0.distcp" in again.stdout
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in again.stdout
     assert f"removed {out / 'checkpoints' / 'step_8.tmp'}: an interrupted save" in again.stdout
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4", "step_6", "step_8"]
+    # Before: passed over without a word. It stays (it is not this run's to delete), named.
+    assert f"{out / 'checkpoints' / 'step_5'} has no run_state.json: incomplete, so not resumed" in again.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest",
+        "step_4",
+        "step_5",
+        "step_6",
+        "step_8",
+    ]
     redone = {r["step"]: r["loss"] for r in _records(out)}
     assert list(redone) == list(range(1, 9)) and all(redone[step] == losses[step] for step in range(1, 7))
 
