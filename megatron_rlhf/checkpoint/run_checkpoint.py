@@ -105,6 +105,13 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(path.name.removeprefix("step_")))
 
 
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """The ``step_N`` directories under ``root`` without ``run_state.json``, by name: never resumed."""
+    if not root.is_dir():
+        return []
+    return sorted(path for path in root.iterdir() if step_of(path.name) is not None and not is_complete(path))
+
+
 def newest_checkpoint(root: Path) -> Path | None:
     """What ``latest`` names if it is complete, else the highest complete step (``latest`` is written
     after the rename, so a crash in between leaves it one checkpoint behind)."""

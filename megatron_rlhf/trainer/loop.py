@@ -48,13 +48,13 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     UnusableCheckpoint,
     checkpoints_root,
     complete_checkpoints,
+    incomplete_checkpoints,
     is_complete,
     load_run_checkpoint,
     manifest_problems,
     newest_checkpoint,
     remove_beyond,
     remove_partial,
-    step_of,
 )
 from megatron_rlhf.config.loader import ConfigError, to_yaml
 from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
@@ -363,9 +363,8 @@ def _check_output_dir(cfg: LoopConfig, out_dir: Path) -> None:
             f"({', '.join(found)})"
         )
         return
-    steps = [p for p in root.iterdir() if step_of(p.name) is not None] if root.is_dir() else []
-    damaged = sorted(p.name for p in steps if not is_complete(p))
-    if not steps and _unfinished_attempt_of(cfg, out_dir):
+    damaged = [p.name for p in incomplete_checkpoints(root)]  # no complete one: refused above
+    if not damaged and _unfinished_attempt_of(cfg, out_dir):
         log(
             f"output_dir={cfg.output_dir!r}: an earlier attempt of this run (the same config.yaml) stopped before "
             f"its first checkpoint (save_every={cfg.save_every}); starting over"
@@ -895,8 +894,8 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
     if is_rank0():
         for partial in remove_partial(root):
             log(f"removed {partial}: an interrupted {'removal' if partial.name.endswith(REMOVING_SUFFIX) else 'save'}")
-    if is_rank0() and root.is_dir():
-        for damaged in sorted(p for p in root.iterdir() if step_of(p.name) is not None and not is_complete(p)):
+    if is_rank0():
+        for damaged in incomplete_checkpoints(root):
             log(f"{damaged} has no {RUN_STATE_FILE}: incomplete, so not resumed (a save of its step replaces it)")
     candidates = cfg.resume_candidates()
     if not candidates:
