@@ -4,7 +4,8 @@
 #   scripts/gpu_run.sh [-o OUT_DIR] [STAGE ...] [-- E2E_ARGS ...]
 #
 # Stages (default: all):
-#   tests     the GPU test tier (pytest -m gpu tests/gpu)
+#   tests     the GPU test tier: the tests marked gpu (pytest -m gpu; TESTS, default "tests", picks files to
+#             split the tier over calls)
 #   bench     scripts/bench/: model import (TP1, and TP2 with 2+ GPUs), the actor update (profiled), generation
 #             vs HF generate (profiled; with 2+ GPUs the TP2 -> TP1 x DP2 weight copy), checkpoint save/load and
 #             its copy to remote storage,
@@ -29,6 +30,9 @@
 #   OUT         the results folder when -o is not given (default: ./gpu-out)
 #   WORK        checkpoints, runs and the model cache stay here (default: ${TMPDIR:-/tmp}/megatron-rlhf-gpu)
 #   WHEELS      a folder of wheels to install offline when the package is not importable (default: .whl)
+#   FLASHINFER_WHEELS  FlashInfer's carry (scripts/bench/flashinfer_carry.py), installed with $WHEELS when
+#               FlashInfer is not importable and the folder is there (default: .whl-fi); its ahead-of-time
+#               sampling module goes into the install and FlashInfer's JIT is turned off
 # The package and its dependencies are used from the active environment when they import; otherwise they are
 # installed: from $WHEELS without the network where that folder exists, else `pip install -e '.[test]'`.
 set -uo pipefail
@@ -74,6 +78,16 @@ if ! "$python" -c "import megatron_rlhf, megatron.core, pytest" 2>/dev/null; the
     "$python" -m pip install -q -e ".[test]" || exit 1
   fi
 fi
+flashinfer_wheels=${FLASHINFER_WHEELS:-.whl-fi}
+if [ -d "$flashinfer_wheels" ] && ! "$python" -c "import flashinfer" 2>/dev/null; then
+  echo "installing FlashInfer from $flashinfer_wheels into $work/site"
+  "$python" -m pip install -q --no-index --no-deps --no-compile --target "$work/site" "$flashinfer_wheels"/*.whl || exit 1
+  export PYTHONPATH=$work/site:$PYTHONPATH PATH=$work/site/bin:$PATH
+  if [ -d "$flashinfer_wheels/aot" ]; then
+    cp -r "$flashinfer_wheels/aot" "$work/site/flashinfer/data/" || exit 1
+    export FLASHINFER_DISABLE_JIT=1
+  fi
+fi
 if ! ngpu=$("$python" -c "import torch; assert torch.cuda.is_available(); print(torch.cuda.device_count())"); then
   echo "no CUDA device is visible to $python (torch.cuda.is_available() is False)" >&2
   exit 1
@@ -103,7 +117,8 @@ pipeline() {  # preset, seed, extra overrides...
 }
 
 if wants tests; then
-  "$python" -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || status=1
+  read -ra test_paths <<< "${TESTS:-tests}"
+  "$python" -m pytest -m gpu "${test_paths[@]}" -q -s -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || status=1
 fi
 if wants bench; then
   model=builtin:llama-1.5b

@@ -14,8 +14,16 @@ packages load is found by importing the full wheel here (CPU torch is enough), s
 is cut by the same rule. Nothing is stubbed: a lazily imported module outside the kept packages
 raises ModuleNotFoundError where it is used.
 
-Install on the machine: ``pip install --no-index --no-deps --target /tmp/site .whl-fi/*.whl``;
-the JIT then needs nvcc (``CUDA_HOME``) and ninja on ``PATH`` (the ninja wheel's is in ``/tmp/site/bin``).
+The engine's one FlashInfer module, sampling, is also built here ahead of time for the GPU machine's
+architecture (``--arch``, default 9.0a for Hopper), into ``OUT/aot/sampling/sampling.so``, so that
+the device needs no JIT (124 s of nvcc on two cores). This host needs nvcc (``CUDA_HOME``, default
+/usr/local/cuda) and cuRAND's headers (the ``nvidia`` CUDA wheels that torch installs have them).
+``--no-aot`` skips it.
+
+Install on the machine (``scripts/gpu_run.sh`` does it when ``.whl-fi`` is there):
+``pip install --no-index --no-deps --target /tmp/site .whl-fi/*.whl``, then
+``cp -r .whl-fi/aot /tmp/site/flashinfer/data/`` and ``FLASHINFER_DISABLE_JIT=1``. Without the
+built module, FlashInfer's JIT needs nvcc and ninja on ``PATH`` there (``/tmp/site/bin``).
 """
 
 from __future__ import annotations
@@ -97,10 +105,58 @@ def slim_wheel(wheel: Path, packages: set[str], out: Path) -> Path:
     return target
 
 
+def curand_headers() -> Path:
+    """The folder of ``curand.h`` among the ``nvidia`` CUDA wheels of this interpreter (the toolkit may lack it)."""
+    import nvidia  # the namespace package of the CUDA wheels that torch depends on
+
+    for root in nvidia.__path__:
+        found = sorted(Path(root).glob("*/include/curand.h"))
+        if found:
+            return found[0].parent
+    raise SystemExit("cuRAND's headers (curand.h) were not found: pip install nvidia-curand (the cu13 wheel)")
+
+
+def build_sampling_module(site: Path, work: Path, arch: str) -> Path:
+    """FlashInfer's sampling module built by its JIT for ``arch``, with ``site`` holding the slim install."""
+    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    if not (cuda_home / "bin" / "nvcc").exists():
+        raise SystemExit(f"no nvcc under {cuda_home}/bin: set CUDA_HOME to a CUDA toolkit, or pass --no-aot")
+    # FlashInfer links with -lcuda; a toolkit without lib64/stubs has no libcuda.so here. A stub with
+    # the driver's soname stands in (the module calls no driver function, so --as-needed drops it).
+    stubs = work / "stubs"
+    stubs.mkdir()
+    subprocess.run(
+        ["cc", "-shared", "-x", "c", "/dev/null", "-Wl,-soname,libcuda.so.1", "-o", str(stubs / "libcuda.so")],
+        check=True,
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(site),
+        "FLASHINFER_WORKSPACE_BASE": str(work),
+        "FLASHINFER_CUDA_ARCH_LIST": arch,
+        "CUDA_HOME": str(cuda_home),
+        "PATH": f"{site / 'bin'}:{os.environ['PATH']}",
+        "CPATH": ":".join(filter(None, [str(curand_headers()), os.environ.get("CPATH")])),
+        "LIBRARY_PATH": ":".join(filter(None, [str(stubs), os.environ.get("LIBRARY_PATH")])),
+    }
+    build = (
+        "from flashinfer.jit.sampling import gen_sampling_module as g; m = g(); m.build(); print(m.jit_library_path)"
+    )
+    return Path(
+        subprocess.run(
+            [sys.executable, "-c", build], check=True, capture_output=True, text=True, env=env
+        ).stdout.split()[-1]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="the carry folder (ignored by git: add it to .git/info/exclude)")
     parser.add_argument("--wheel", type=Path, default=None, help=f"a local {FLASHINFER} wheel (default: download it)")
+    parser.add_argument("--arch", default="9.0a", help="the GPU's architecture for the sampling module (9.0a: Hopper)")
+    parser.add_argument(
+        "--no-aot", action="store_true", help="leave the sampling module to FlashInfer's JIT on the device"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
@@ -110,7 +166,11 @@ def main() -> None:
         for dependency in dependencies:
             shutil.copy(dependency, args.out)
         slim = slim_wheel(wheel, loaded_packages([wheel, *dependencies], work), args.out)
-    total = sum(path.stat().st_size for path in args.out.glob("*.whl"))
+        if not args.no_aot:
+            module = build_sampling_module(work / "site", work, args.arch)
+            (args.out / "aot" / "sampling").mkdir(parents=True, exist_ok=True)
+            shutil.copy(module, args.out / "aot" / "sampling" / "sampling.so")
+    total = sum(path.stat().st_size for path in args.out.rglob("*") if path.is_file())
     print(f"{slim} ({slim.stat().st_size / 1e6:.1f} MB); {args.out}: {total / 1e6:.1f} MB in all")
 
 
