@@ -444,7 +444,8 @@ class RemoteMirror:
         except Exception as err:
             log(
                 f"warning: removing {self.remote.url}'s checkpoints after step {step} failed ({err!r}); a job that "
-                "resumes from remote_dir alone before the next upload may continue from one of them"
+                "restarts before the next upload takes one of them as further along than its local checkpoint and "
+                "continues from it"
             )
 
     def _upload(self, ckpt: Path, pinned: str | None) -> None:
