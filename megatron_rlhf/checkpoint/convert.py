@@ -27,10 +27,9 @@ from megatron_rlhf.checkpoint.mcore import (
     load_mcore_checkpoint,
     save_mcore_checkpoint,
 )
-from megatron_rlhf.checkpoint.mcore_meta import read_architecture
+from megatron_rlhf.checkpoint.mcore_meta import is_trained_model, read_architecture
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
 from megatron_rlhf.checkpoint.sources import local_dir, model_dir
-from megatron_rlhf.checkpoint.train_state import STATE_FILE
 from megatron_rlhf.data.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
@@ -48,7 +47,7 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
     if direction not in DIRECTIONS:
         raise ValueError(f"convert direction {direction!r} must be one of {list(DIRECTIONS)}")
     _check_output(Path(source), Path(output))
-    trained = direction == "mcore-to-hf" and (Path(source) / STATE_FILE).is_file()
+    trained = direction == "mcore-to-hf" and is_trained_model(source)
     if direction == "hf-to-mcore":
         source = str(model_dir(source, setting="source"))  # a hub id: its snapshot in the local HF cache
         arch = load_architecture(source)

@@ -1,5 +1,6 @@
 """The ``megatron_rlhf.json`` file that marks a megatron-rlhf model checkpoint (``mcore.py``) and
-records the HF config it was built from.
+records the HF config it was built from; the ``train_state.json`` that marks a run checkpoint's
+trained model (``train_state.py``).
 
 Apart from ``mcore.py`` so that a config's checks read a checkpoint's architecture without
 importing megatron-core.
@@ -14,10 +15,17 @@ from megatron_rlhf.models.architecture import Architecture, architecture_from_hf
 
 FORMAT_VERSION = 1
 META_FILE = "megatron_rlhf.json"
+TRAINED_STATE_FILE = "train_state.json"
+"""Beside a run checkpoint's trained model (``CHECKPOINT/models/NAME``) and its optimizer's state."""
 
 
 def is_mcore_checkpoint(path: str | Path) -> bool:
     return (Path(path) / META_FILE).is_file()
+
+
+def is_trained_model(path: str | Path) -> bool:
+    """Whether ``path`` is a run checkpoint's trained model (``.../checkpoints/step_N/models/NAME``)."""
+    return (Path(path) / TRAINED_STATE_FILE).is_file()
 
 
 def read_architecture(ckpt_dir: str | Path) -> Architecture:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rlhf.checkpoint.hf import load_hf_weights
-from megatron_rlhf.checkpoint.mcore_meta import is_mcore_checkpoint, read_architecture
+from megatron_rlhf.checkpoint.mcore_meta import is_mcore_checkpoint, is_trained_model, read_architecture
 from megatron_rlhf.checkpoint.peft_adapter import adapter_errors, load_peft_adapter
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.run import RunConfig
@@ -146,6 +146,13 @@ def architecture_of(path: str, setting: str = "model path") -> Architecture:
     local = model_dir(path, setting)
     if is_mcore_checkpoint(local):
         return read_architecture(local)
+    if is_trained_model(local):
+        raise FileNotFoundError(
+            f"{local} is a run checkpoint's trained model; a model setting reads an HF model directory, a "
+            f"`convert hf-to-mcore` checkpoint or builtin:NAME. Write it as an HF model with `megatron-rlhf "
+            f"convert mcore-to-hf {local} OUT` and set OUT (or take the run's hf/ export); to continue that run, "
+            "resume it"
+        )
     return load_architecture(local)
 
 

@@ -57,10 +57,11 @@ from megatron_rlhf.checkpoint.mcore import (
     results_in_this_process,
     write_bytes,
 )
+from megatron_rlhf.checkpoint.mcore_meta import TRAINED_STATE_FILE
 from megatron_rlhf.training.optim import TrainState, fuse_device_adam, torch_optimizers
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
-STATE_FILE = "train_state.json"
+STATE_FILE = TRAINED_STATE_FILE
 
 
 def _sharded(state: TrainState, is_loading: bool) -> dict:

@@ -179,6 +179,15 @@ def test_a_runs_output_dir_given_as_a_model_points_to_its_export(tmp_path: Path)
     assert f"is a run's output_dir: its trained model is {tmp_path / 'run' / 'hf'}" in proc.stderr
 
 
+def test_a_run_checkpoints_model_given_as_a_model_gets_the_convert_command(tmp_path: Path) -> None:
+    model = tmp_path / "run" / "checkpoints" / "step_2" / "models" / "actor"
+    model.mkdir(parents=True)
+    (model / "train_state.json").write_text("{}")
+    proc = run_cli_here("ppo", "--config", "ppo-tiny", f"actor.path={model}", exit_code=2)
+    assert f"{model} is a run checkpoint's trained model" in proc.stderr
+    assert f"`megatron-rlhf convert mcore-to-hf {model} OUT` and set OUT" in proc.stderr
+
+
 def test_convert_reads_a_hub_id_from_the_local_cache(tmp_path: Path) -> None:
     """``convert hf-to-mcore`` takes a hub id as its source like the trainers do; the round trip back to HF
     gives the cached snapshot's weights bit for bit."""
