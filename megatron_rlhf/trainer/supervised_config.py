@@ -71,6 +71,12 @@ def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) ->
     errors += cfg.health.validation_errors(data.validation, cfg.eval_every, cfg.VALIDATION_FIGURES)
     errors += cfg.health.reach_errors((), ())  # a supervised step times only itself, and reports no RL signal
     errors += cfg.length_errors(data.max_length, "data.max_length")
+    limit = arch.hf_config.get("max_position_embeddings") if arch is not None else None
+    if limit is not None and data.max_length > limit:
+        errors.append(
+            f"data.max_length={data.max_length} exceeds the model's max_position_embeddings={limit} "
+            f"(model.path={model.path!r}): set data.max_length to at most {limit}"
+        )
     errors += eval_every_errors(cfg.eval_every, data.validation)
     raise_if_errors(config_errors(cfg) + cfg.output_dir_errors() + errors)
     assert arch is not None

@@ -134,3 +134,12 @@ def test_a_resume_value_that_is_no_mode_and_no_directory_is_named(
         "resume='sometimes' must be auto, never, or a checkpoint directory (.../checkpoints/step_N); 'sometimes' "
         "does not exist"
     ) in message
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_rows_longer_than_the_models_positions_are_refused_up_front(command: str, data_file: Path) -> None:
+    """As ppo refuses prompt + response lengths past the actor's positions: rows up to data.max_length
+    would reach positions the model has no rotary scaling or training for."""
+    message = _error(command, [f"data.train=[{data_file}]", "data.max_length=1025"])
+    assert "data.max_length=1025 exceeds the model's max_position_embeddings=1024" in message
+    COMMANDS[command]([f"data.train=[{data_file}]", "data.max_length=1024"])
