@@ -18,23 +18,23 @@ from megatron_rlhf.models.lora import adapted_weights
 from megatron_rlhf.models.roles import RoleModel
 
 
-def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> Architecture:
-    """The architecture with the tokenizer's special ids in its HF config where it names none
-    (an exported reward model needs ``pad_token_id`` for batched scoring in transformers)."""
+def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> tuple[Architecture, dict[str, int]]:
+    """The architecture with the tokenizer's special ids in its HF config where it names none, and
+    those it added. ``pad_token_id`` only for a score-head model: transformers needs it to find each
+    row's last token when it scores a batch. A causal LM keeps the config's (often none): written
+    there, the pad (often the EOS) becomes its embedding's ``padding_idx`` in transformers, whose
+    row then gets no gradient in further training."""
     hf_config = dict(arch.hf_config)
-    for key, value in (
-        ("pad_token_id", tokenizer.pad_id),
-        ("bos_token_id", tokenizer.bos_id),
-        ("eos_token_id", tokenizer.eos_id),
-    ):
-        if hf_config.get(key) is None and value is not None:
-            hf_config[key] = value
-    return dataclasses.replace(arch, hf_config=hf_config)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    if arch.score_head:
+        ids["pad_token_id"] = tokenizer.pad_id
+    added = {key: value for key, value in ids.items() if hf_config.get(key) is None and value is not None}
+    return dataclasses.replace(arch, hf_config={**hf_config, **added}), added
 
 
 def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, adapter_dir: Path | None = None) -> None:
     """Write ``role``'s model to ``hf_dir`` with the tokenizer files of ``role.source`` (collective);
-    ``tokenizer``'s special ids go into config.json where it names none (None: the config as
+    ``tokenizer``'s special ids go into config.json where it names none (``with_token_ids``; None: the config as
     recorded). A model with a non-finite weight on any rank is refused: it
     would load and produce garbage. A LoRA model is written merged; a LoRA causal LM's adapters also
     go to ``adapter_dir`` (when given) as a PEFT adapter of ``role.source`` (a score-head model's
@@ -44,7 +44,9 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, ada
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
         raise ValueError(f"the {role.role} has non-finite weights: not exported to {hf_dir}")
-    arch = role.arch if tokenizer is None else with_token_ids(role.arch, tokenizer)
+    arch, added = (role.arch, {}) if tokenizer is None else with_token_ids(role.arch, tokenizer)
+    if added:
+        log(f"config.json of {hf_dir} names the tokenizer's {added}, which {role.source}'s config left unset")
     start = time.perf_counter()
     save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
     lora = any(True for _ in adapted_weights(role.model))

@@ -87,10 +87,13 @@ def test_sft_and_rm_runs_with_lora_export_the_merged_model_and_sft_the_peft_adap
         assert mine.keys() == theirs.keys(), written
         for name, tensor in mine.items():
             assert torch.equal(tensor, theirs[name]), (written, name)
-    # The same config.json: before, convert's lacked the pad/bos/eos ids the run's export writes.
+    # The same config.json: before, convert's lacked the bos/eos ids the run's export writes. The pad
+    # id goes into a reward model's config only (transformers scores a batch by it); in a causal LM's
+    # it would become the embedding's padding_idx, which transformers' training leaves untrained.
     exported_config = json.loads((sft_out / "hf" / "config.json").read_text())
     assert json.loads((converted / "config.json").read_text()) == exported_config
-    assert exported_config["pad_token_id"] is not None and exported_config["eos_token_id"] is not None
+    assert exported_config["eos_token_id"] is not None and exported_config.get("pad_token_id") is None
+    assert json.loads((rm_out / "hf" / "config.json").read_text())["pad_token_id"] is not None
 
     config = json.loads((sft_out / "hf_adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["task_type"] == "CAUSAL_LM" and len(config["target_modules"]) == 7
