@@ -29,8 +29,11 @@ class RowsConfig:
     """error: stop naming the file, row and column; skip: drop rows with a bad value (null, empty, wrong
     type, token id out of range) or a missing column, and count them in the data report (with the
     first few rows' places)."""
-    add_bos: bool = False
-    """Prepend the tokenizer's BOS id to every sequence (for text that does not already hold it)."""
+    add_bos: bool | None = None
+    """Whether prompts start with the tokenizer's BOS id (never twice). null: as transformers does it,
+    text as ``tokenizer(text)`` encodes it (with the BOS for Llama's tokenizers, whose base models
+    expect it), conversations as their chat template writes them, token ids as given; the run
+    records what it resolved to. true: every prompt; false: none."""
     num_workers: int = 0
     """Processes that read and tokenize the rows at start-up (0: this process); the datasets are the
     same either way. Each costs a Python start (~1.5 s of CPU: it imports torch) and every rank

@@ -27,8 +27,12 @@ string of one, as some datasets store it) or else the loader's ``tools`` (a tool
               verl's tool datasets keep in ``extra_info``: ``tools_kwargs``, ``need_tools_kwargs``
               and ``interaction_kwargs``.
 
-BOS is prepended unless the prompt already starts with it (chat templates often write it) and EOS
-is appended unless the response already ends with it (chat-templated text often does).
+[BOS] is there as ``add_bos`` says. None (the default) does what transformers does: a text prompt
+gets it where ``tokenizer(text)`` adds it (``Tokenizer.adds_bos``: Llama's tokenizers do); a
+conversation has what its chat template writes (``apply_chat_template`` adds nothing); token ids are
+taken as given. True prepends it to every prompt, False to none. It is never doubled: a prompt that
+starts with it (chat templates often write it) keeps one. EOS is appended unless the response
+already ends with it (chat-templated text often does).
 
 Problems never pass silently. A column missing from a row is always an error (a wrong key or a
 wrong file, not a bad row). A bad value (None, empty, wrong type, token id out of range) and an
@@ -336,6 +340,8 @@ class DataReport:
     kept: int = 0
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
     samples: dict[str, list[SkippedRow]] = dataclasses.field(default_factory=dict)
+    json_conversations: int = 0
+    """Rows whose prompt column held a conversation as JSON text, read as its messages."""
 
     def _skip(self, reason: str, where: SkippedRow) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -347,6 +353,7 @@ class DataReport:
         """Add the counts and samples of ``other``, the report of the rows that follow these."""
         self.rows += other.rows
         self.kept += other.kept
+        self.json_conversations += other.json_conversations
         for reason, n in other.skipped.items():
             self.skipped[reason] = self.skipped.get(reason, 0) + n
         for reason, samples in other.samples.items():
@@ -359,6 +366,11 @@ class DataReport:
         if self.skipped:
             parts = [f"{reason} {n} ({self._places(reason, n)})" for reason, n in sorted(self.skipped.items())]
             text += f", skipped {sum(self.skipped.values())}: " + "; ".join(parts)
+        if self.json_conversations:
+            text += (
+                f"; {self.json_conversations} prompt(s) were JSON text of a message list, "
+                "read as conversations (chat template applied)"
+            )
         return text
 
     def _places(self, reason: str, count: int) -> str:
@@ -580,9 +592,9 @@ def _check_message(key: str, i: int, message: Any) -> None:
         raise _RowProblem(EMPTY, key, f"message {i} ({role}) has empty content")
 
 
-def _message_ids(rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions) -> list[int]:
+def _message_ids(rec: Record, key: str, tokenizer: Tokenizer, chat: _ChatOptions, messages: Any = None) -> list[int]:
     """Token ids of a conversation prompt: the chat template's text, generation prompt included."""
-    conversation = _conversation(rec, key, tokenizer, chat)
+    conversation = _conversation(rec, key, tokenizer, chat, messages)
     ids = tokenizer.encode(conversation.render(len(conversation.messages), add_generation_prompt=True))
     if not ids:
         raise _RowProblem(EMPTY, key, "renders to no tokens")
@@ -643,10 +655,31 @@ def _conversation_sequence(
 
 
 def _prompt_ids(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> list[int]:
-    """A prompt column's ids: a conversation rendered with the generation prompt, text, or ids."""
-    if isinstance(rec.data.get(key), list):
-        return _message_ids(rec, key, ld.tokenizer, chat)
-    return ld.field(rec, key)
+    """A prompt column's ids, with the BOS ``add_bos`` asks for: a conversation rendered with the
+    generation prompt (a list of messages, or JSON text of one, as a conversation written with
+    json.dumps is), text, or ids."""
+    value = rec.data.get(key)
+    if isinstance(value, list):
+        return ld.with_bos(_message_ids(rec, key, ld.tokenizer, chat))
+    messages = _json_messages(value) if isinstance(value, str) else None
+    if messages is not None:
+        ld.report.json_conversations += 1
+        return ld.with_bos(_message_ids(rec, key, ld.tokenizer, chat, messages))
+    return ld.with_bos(ld.field(rec, key), text=key in rec.data)
+
+
+def _json_messages(text: str) -> list[dict[str, Any]] | None:
+    """``text`` parsed, where it is JSON of a non-empty list of messages (objects with a string role)."""
+    if not text.lstrip().startswith("[{"):
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    is_messages = (
+        isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+    )
+    return value if is_messages else None
 
 
 def _reward_inputs(rec: Record) -> dict[str, Any]:
@@ -783,7 +816,7 @@ class _Loader:
         on_overlong: OnProblem,
         on_invalid: OnProblem,
         append_eos: bool,
-        add_bos: bool,
+        add_bos: bool | None,
         num_workers: int,
         row: _RowFn,
         masks: tuple[bool, ...],
@@ -803,8 +836,13 @@ class _Loader:
         self.tokenizer, self.max_length, self.length_setting = tokenizer, max_length, length_setting
         self.on_overlong, self.on_invalid, self.num_workers = on_overlong, on_invalid, num_workers
         self.eos = tokenizer.eos_id if append_eos else None
-        self.bos: list[int] = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+        bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        # add_bos None: text rows as transformers' tokenizer(text) encodes them; conversations as the
+        # chat template writes them (HF's apply_chat_template adds nothing), token ids as given.
+        self.text_bos: list[int] = bos if (tokenizer.adds_bos if add_bos is None else add_bos) else []
+        self.bos: list[int] = bos if add_bos else []
         self.row, self.masks = row, masks
+        self.report = DataReport()
 
     def load(self) -> _Part:
         """Every row of every file, in order: here, or in ``num_workers`` processes (same result)."""
@@ -820,6 +858,7 @@ class _Loader:
             [],
             DataReport(files=len(self.files)),
         )
+        self.report = part.report  # the row functions count what they read in it
         for rec in records:
             part.report.rows += 1
             try:
@@ -878,9 +917,11 @@ class _Loader:
     def field(self, rec: Record, key: str) -> list[int]:
         return _field_ids(rec, key, self.tokenizer)
 
-    def with_bos(self, prompt: list[int]) -> list[int]:
-        """[BOS] + prompt, unless the prompt already starts with BOS (chat templates often write it)."""
-        return prompt if prompt[: len(self.bos)] == self.bos else self.bos + prompt
+    def with_bos(self, prompt: list[int], *, text: bool = False) -> list[int]:
+        """[BOS] + prompt where add_bos asks for one (``text``: the prompt is a text column's), unless
+        the prompt already starts with BOS (chat templates often write it)."""
+        bos = self.text_bos if text else self.bos
+        return prompt if prompt[: len(bos)] == bos else bos + prompt
 
     def check_length(self, n_tokens: int, column: str, parts: str) -> None:
         """An over-long row names the setting that bounds it, so the fix is one edit away."""
@@ -919,7 +960,7 @@ def _sft_row(
             f"is missing (nor pre-tokenized '{prompt_key}_ids'), nor is there a conversation in '{messages_key}'; "
             f"columns present: {_columns(rec)}",
         )
-    prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
+    prompt = _prompt_ids(ld, rec, prompt_key, chat)
     response = _response(ld.field(rec, response_key), ld.eos)
     ld.check_length(len(prompt) + len(response), response_key, f"prompt {len(prompt)} + response {len(response)}")
     return [(prompt + response, [0] * len(prompt) + [1] * len(response))], None
@@ -972,7 +1013,7 @@ def _preference_row(
     if isinstance(rec.data.get(chosen_key), list):
         pair, _ = _preference_conversations(ld, rec, prompt_key, chosen_key, rejected_key, chat)
     else:
-        prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
+        prompt = _prompt_ids(ld, rec, prompt_key, chat)
         chosen = _response(ld.field(rec, chosen_key), ld.eos)
         rejected = _response(ld.field(rec, rejected_key), ld.eos)
         for key, resp in ((chosen_key, chosen), (rejected_key, rejected)):
@@ -1017,7 +1058,7 @@ def _prompt_row(
             "is missing: scoring.custom_function is called with each row's data_source and "
             f"reward_model.ground_truth (verl's format); columns present: {_columns(rec)}",
         )
-    prompt = ld.with_bos(_prompt_ids(ld, rec, prompt_key, chat))
+    prompt = _prompt_ids(ld, rec, prompt_key, chat)
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
     null = [k for k in extra_keys if rec.data[k] is None]
     if null:
@@ -1052,7 +1093,7 @@ def load_sft_dataset(
     response_key: str = "response",
     messages_key: str = "messages",
     append_eos: bool = True,
-    add_bos: bool = False,
+    add_bos: bool | None = None,
     apply_chat_template: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -1093,7 +1134,7 @@ def load_preference_dataset(
     chosen_key: str = "chosen",
     rejected_key: str = "rejected",
     append_eos: bool = True,
-    add_bos: bool = False,
+    add_bos: bool | None = None,
     apply_chat_template: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -1134,7 +1175,7 @@ def load_prompt_dataset(
     on_invalid: OnProblem = "error",
     prompt_key: str = "prompt",
     extra_keys: Sequence[str] = (),
-    add_bos: bool = False,
+    add_bos: bool | None = None,
     apply_chat_template: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,

@@ -2,7 +2,11 @@
 
 ``encode`` returns plain token ids and never adds BOS/EOS itself: the datasets decide what to
 append, so the same ids come out whichever backend is used. ``bos_id``/``eos_id`` are given for
-callers that want them.
+callers that want them, and ``adds_bos`` says whether transformers' ``tokenizer(text)`` starts with
+the BOS (what ``data.add_bos`` follows by default): a ``tokenizer.json``'s where its post-processor
+adds it (Llama's do, Qwen's have no BOS; transformers 5 goes by the post-processor alone here, not
+``add_bos_token``); a SentencePiece model's unless ``tokenizer_config.json`` sets ``add_bos_token``
+false (Llama 1/2 and Mistral's tokenizers add it); the bytes tokenizer's, never.
 
 Special-token ids are read, first found wins, from ``tokenizer_config.json``,
 ``special_tokens_map.json`` (token strings, looked up in the vocabulary), ``generation_config.json``
@@ -70,6 +74,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+    adds_bos: bool
     pad_id: int
     stop_ids: tuple[int, ...]
     chat_template: ChatTemplate | None
@@ -217,6 +222,9 @@ class HFTokenizer:
         self.pad_id: int = _pad_of(ids["pad"], ids["eos"])
         self.stop_ids: tuple[int, ...] = stop
         self.chat_template: ChatTemplate | None = _chat_template(model_dir)
+        marked = self._tok.encode("a", add_special_tokens=True).ids  # with the post-processor's tokens
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        self.adds_bos: bool = self.bos_id is not None and marked[:1] == [self.bos_id] != plain[:1]
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -252,6 +260,9 @@ class SentencePieceTokenizer:
                 ids[role] = own[role]
         self.bos_id: int | None = ids["bos"]
         self.eos_id: int | None = ids["eos"]
+        config = model_dir / "tokenizer_config.json"
+        setting = _read_json(config).get("add_bos_token") if config.is_file() else None
+        self.adds_bos: bool = self.bos_id is not None and setting is not False
         self.pad_id: int = _pad_of(ids["pad"], ids["eos"])
         self.stop_ids: tuple[int, ...] = stop or ((self.eos_id,) if self.eos_id is not None else ())
         self.chat_template: ChatTemplate | None = None  # see the module docstring
@@ -301,6 +312,7 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.bos_id: int | None = self.BOS
         self.eos_id: int | None = self.EOS
+        self.adds_bos = False
         self.pad_id = self.PAD
         self.stop_ids: tuple[int, ...] = (self.EOS,)
         self.chat_template: ChatTemplate | None = None

@@ -86,6 +86,11 @@ def start_run[Train: Sized, Validation](
     )
     source = models[tokenizer_of]
     tokenizer = resolve_tokenizer(local_dir(source.cfg.path), source.arch, source.cfg.path)
+    data = getattr(cfg, "data", None)
+    if data is not None and data.add_bos is None:  # recorded as resolved: a resume compares what the data got
+        data.add_bos = tokenizer.adds_bos
+        if data.add_bos:
+            log(f"text prompts start with the tokenizer's BOS id {tokenizer.bos_id}, as its own encoding of text does")
     train, validation = load_data(tokenizer)
     _require_a_full_step(len(train), getattr(cfg, batch_setting), batch_setting)
     archs = {role: model.arch for role, model in models.items()}

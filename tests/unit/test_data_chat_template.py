@@ -62,6 +62,21 @@ def prompt_ids(model_dir: Path, tmp_path: Path, conversations: list[list[dict]],
     return [ex.prompt_ids.tolist() for ex in ds]
 
 
+def test_a_conversation_stored_as_json_text_is_read_as_its_messages(qwen2_dir, tmp_path):
+    """A conversation written with json.dumps into the prompt column was tokenized as its literal
+    JSON, chat template unapplied, with no word. Text that is not a message list stays text."""
+    texts = ['[{"role": "user", "content": "x"}', "[1, 2]", '[{"content": "no role"}]', "[{not json}]"]
+    rows = [{"prompt": json.dumps(c)} for c in CONVERSATIONS] + [{"prompt": t} for t in texts]
+    ds, report = load_prompt_dataset(
+        write_jsonl(tmp_path / "p.jsonl", rows), load_tokenizer(qwen2_dir), max_length=4096
+    )
+    ids = [ex.prompt_ids.tolist() for ex in ds]
+    assert ids[: len(CONVERSATIONS)] == [reference_ids(qwen2_dir, c) for c in CONVERSATIONS]
+    assert ids[len(CONVERSATIONS) :] == [load_tokenizer(qwen2_dir).encode(t) for t in texts]
+    assert report.json_conversations == len(CONVERSATIONS)
+    assert f"{len(CONVERSATIONS)} prompt(s) were JSON text of a message list, read as conversations" in report.summary()
+
+
 @pytest.mark.parametrize("style", ["qwen2", "llama3"])
 def test_ids_equal_transformers_apply_chat_template(style, qwen2_dir, llama3_dir, tmp_path):
     model_dir = {"qwen2": qwen2_dir, "llama3": llama3_dir}[style]

@@ -369,3 +369,52 @@ def test_sentencepiece_skips_control_unknown_and_named_pieces(tmp_path):
     assert tok.decode_batch([ids, hello], skip_special_tokens=True) == ["hello<user> world", "hello"]
     assert tok.decode(ids) == sp.decode(ids) == "hello ⁇ <user> world"
     assert tok.decode_batch([ids, hello]) == [sp.decode(ids), "hello"]
+
+
+@pytest.mark.parametrize(
+    ("post_processor", "add_bos_token"),
+    [(False, None), (True, None), (False, True), (True, False)],
+    ids=["plain", "post-processor", "config-true-without-post-processor", "config-false-with-post-processor"],
+)
+def test_adds_bos_and_text_prompts_agree_with_transformers(hf_dir, tmp_path, post_processor, add_bos_token) -> None:
+    """data.add_bos=null gives a text prompt the ids transformers' tokenizer(text) gives (Llama's
+    tokenizer.json adds the BOS by its post-processor, which transformers follows over
+    tokenizer_config.json's add_bos_token), and a conversation what apply_chat_template gives.
+    Before, text never got it."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data import load_prompt_dataset
+
+    d = copy_dir(hf_dir, tmp_path / "m")
+    raw = RawTokenizer.from_file(str(d / "tokenizer.json"))
+    if post_processor:
+        raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    raw.save(str(d / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+    config |= {"chat_template": "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"}
+    write_json(
+        d / "tokenizer_config.json", config if add_bos_token is None else config | {"add_bos_token": add_bos_token}
+    )
+    theirs, ours = AutoTokenizer.from_pretrained(str(d)), load_tokenizer(d)
+    expected = post_processor
+    assert ours.adds_bos is expected
+    assert (theirs("hello world")["input_ids"][0] == 1) is expected
+    rows = [{"prompt": t} for t in TEXTS] + [{"prompt": [{"role": "user", "content": "hello world"}]}]
+    (d / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset, _ = load_prompt_dataset(d / "p.jsonl", ours, max_length=256)
+    assert [ex.prompt_ids.tolist() for ex in dataset] == [theirs(t)["input_ids"] for t in TEXTS] + [
+        theirs.apply_chat_template(rows[-1]["prompt"], tokenize=True)["input_ids"]
+    ]
+    forced, _ = load_prompt_dataset(d / "p.jsonl", ours, max_length=256, add_bos=True)
+    assert all(ex.prompt_ids[0] == 1 and ex.prompt_ids[1] != 1 for ex in forced)  # every prompt, never doubled
+
+
+def test_sentencepiece_adds_bos_unless_its_config_says_otherwise(sp_dir, tmp_path) -> None:
+    """As transformers' Llama tokenizer: add_bos_token defaults to true."""
+    assert load_tokenizer(sp_dir).adds_bos is True
+    d = copy_dir(sp_dir, tmp_path / "m")
+    write_json(d / "tokenizer_config.json", {"add_bos_token": False})
+    assert load_tokenizer(d).adds_bos is False
+    assert ByteTokenizer(512).adds_bos is False
