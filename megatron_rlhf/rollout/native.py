@@ -502,12 +502,16 @@ class NativeEngine:
         if not prompt:
             raise ValueError(f"prompt {prompt_index} is empty")
         room = self.cfg.max_seq_len - 1  # at least one new token must fit
-        dropped = max(len(prompt) - room, 0)
-        if dropped and self.cfg.on_long_prompt == "error":
+        if len(prompt) > room and self.cfg.on_long_prompt == "error":
             raise PromptTooLongError(
-                f"prompt {prompt_index} has {len(prompt)} tokens; max_seq_len={self.cfg.max_seq_len} leaves room "
-                f"for at most {room} (set on_long_prompt=truncate to drop the oldest tokens instead)"
+                f"prompt {prompt_index} has {len(prompt)} tokens; rollout.engine.max_seq_len={self.cfg.max_seq_len} "
+                f"leaves room for at most {room} (set rollout.engine.on_long_prompt=truncate to drop the oldest "
+                "tokens instead)"
             )
+        # Truncated, a prompt leaves room for the whole response budget (down to one token of its own).
+        dropped = (
+            max(len(prompt) - max(self.cfg.max_seq_len - params.max_new_tokens, 1), 0) if len(prompt) > room else 0
+        )
         return Completion(
             prompt_index,
             sample_index,

@@ -30,7 +30,8 @@ class NativeEngineConfig:
     """Prompt + response tokens per sequence (the cache length). ppo caps it at
     data.max_prompt_length + rollout.sampling.max_new_tokens, the longest sequence a rollout holds."""
     on_long_prompt: Literal["error", "truncate"] = "error"
-    """A prompt with no room for one new token: error, or truncate (drop its oldest tokens, counted)."""
+    """A prompt with no room for one new token: error, or truncate (drop its oldest tokens, counted,
+    as many as leave room for sampling.max_new_tokens)."""
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids; generation stops on them unless ignore_eos. Empty: the tokenizer's."""
     cuda_graphs: bool = True

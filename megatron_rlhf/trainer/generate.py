@@ -174,6 +174,15 @@ def run_generate(
         keep_raw_prompt=multi_turn.interactions_read_prompts,
     )
     log(report.summary())
+    room = engine.cfg.max_seq_len - 1  # a prompt must leave room for one new token
+    if engine.cfg.on_long_prompt == "error" and len(dataset) and int(dataset.lengths.max()) > room:
+        long = [(row, n) for row, n in zip(dataset.rows, dataset.lengths.tolist(), strict=True) if n > room]
+        row, n = long[0]
+        raise ConfigError(
+            f"input={input_path}: {len(long)} prompt(s) have more than rollout.engine.max_seq_len - 1 = {room} "
+            f"tokens, the first row {row} (0-based, as prompt_index counts) with {n}: raise "
+            "rollout.engine.max_seq_len, or set rollout.engine.on_long_prompt=truncate to drop their oldest tokens"
+        )
     start = time.perf_counter()
     group_share = -(-len(dataset) // engine.role.groups.layout.dp) * params.n  # rank 0's data-parallel group
     progress = Progress("generate (data-parallel group 0)", group_share, "completions")

@@ -554,6 +554,20 @@ def test_generate_parquet_output_keeps_every_column_of_any_row(tmp_path: Path) -
     ]
 
 
+def test_generate_names_the_input_row_of_a_prompt_too_long_before_loading_more(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n{"prompt": "%s"}\n{"prompt": "%s"}\n' % ("x" * 40, "y" * 50))
+    proc = run_cli_here(
+        "generate", "model=builtin:tiny-llama", f"input={tmp_path / 'p.jsonl'}", f"output={tmp_path / 'o.jsonl'}",
+        "rollout.engine.max_seq_len=32", exit_code=2,
+    )  # fmt: skip
+    assert (
+        f"input={tmp_path / 'p.jsonl'}: 2 prompt(s) have more than rollout.engine.max_seq_len - 1 = 31 tokens, the "
+        "first row 1 (0-based, as prompt_index counts) with 40: raise rollout.engine.max_seq_len, or set "
+        "rollout.engine.on_long_prompt=truncate" in proc.stderr
+    )
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_generate_stops_at_the_models_positions_and_says_so(tmp_path: Path) -> None:
     """Before: 512 new tokens after the prompt on a model of 32 positions, with no word."""
     from transformers import AutoTokenizer

@@ -47,20 +47,24 @@ def test_long_prompt_is_an_error_naming_the_prompt(world_of_one) -> None:
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     engine = _tiny_engine("error")
-    with pytest.raises(PromptTooLongError, match=r"prompt 1 has 20 tokens; max_seq_len=16 leaves room for at most 15"):
+    with pytest.raises(
+        PromptTooLongError, match=r"prompt 1 has 20 tokens; rollout.engine.max_seq_len=16 leaves room for at most 15"
+    ):
         engine.generate([[5, 6], list(range(20))], SamplingParams(temperature=0.0, max_new_tokens=4))
 
 
-def test_long_prompt_truncation_is_counted_and_stops_at_the_context(world_of_one) -> None:
+def test_long_prompt_truncation_is_counted_and_leaves_room_for_the_response(world_of_one) -> None:
+    """Before, truncation kept 15 of the 16 positions for the prompt: one new token of the 4 asked for."""
     from megatron_rlhf.rollout.sampling import SamplingParams
 
     engine = _tiny_engine("truncate")
-    short, long = engine.generate(
-        [[5, 6], list(range(20))], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    short, fits, long = engine.generate(
+        [[5, 6], list(range(15)), list(range(20))], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     )
     assert short.prompt_tokens_dropped == 0 and len(short.token_ids) == 4 and short.finish_reason == "length"
-    assert long.prompt_tokens_dropped == 5 and long.prompt_ids == list(range(5, 20))
-    assert len(long.token_ids) == 1 and long.finish_reason == "length"  # the 16-token context is full
+    assert fits.prompt_tokens_dropped == 0 and len(fits.token_ids) == 1  # room for one token: not truncated
+    assert long.prompt_tokens_dropped == 8 and long.prompt_ids == list(range(8, 20))
+    assert len(long.token_ids) == 4 and long.finish_reason == "length"
 
 
 def test_stop_token_ends_a_sample(world_of_one) -> None:
