@@ -112,4 +112,9 @@ def scoring_errors(cfg: ScoringConfig) -> tuple[list[str], dict[str, RewardRule]
     errors += [
         f"scoring.weights.{name}: no such part; the parts are {parts}" for name in cfg.weights if name not in parts
     ]
+    if parts and all(cfg.weights.get(part, 1.0) == 0 for part in parts):
+        errors.append(
+            f"scoring.weights={cfg.weights} gives every part ({', '.join(parts)}) weight 0: every reward would be 0 "
+            "and the policy would learn nothing; a part not named has weight 1"
+        )
     return errors, rules, function

@@ -297,6 +297,14 @@ def test_scoring_config_errors_name_the_part() -> None:
         ScoringConfig(use_reward_model=False, rules=["lowercase_fraction"], weights={"reward_model": 1.0})
     )
     assert errors == ["scoring.weights.reward_model: no such part; the parts are ['lowercase_fraction']"]
+    rules = ["lowercase_fraction", "exact_answer"]
+    errors, _, _ = scoring_errors(ScoringConfig(rules=rules, weights={"lowercase_fraction": 0, "exact_answer": 0.0}))
+    assert errors == [
+        "scoring.weights={'lowercase_fraction': 0, 'exact_answer': 0.0} gives every part (lowercase_fraction, "
+        "exact_answer) weight 0: every reward would be 0 and the policy would learn nothing; a part not named has "
+        "weight 1"
+    ]
+    assert scoring_errors(ScoringConfig(rules=rules, weights={"lowercase_fraction": 0}))[0] == []
 
 
 def _inline_function(function):
