@@ -254,16 +254,23 @@ class ConfigSources:
     base: str | None
     """The preset name or config file given with ``--config`` (None: library defaults only)."""
     changed: tuple[ChangedSetting, ...]
+    repeated: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    """Settings the command line gave more than once, with each value given (the last is used)."""
 
     def report(self) -> str:
         """The start-up report's settings block."""
         base = f"preset {self.base}" if self.base in presets() else self.base
         head = f"settings: built on {base}" if base else "settings: library defaults (no --config)"
+        notes = [
+            f"warning: {key} is given {len(values)} times on the command line ({', '.join(map(_show, values))}): "
+            "the last is used"
+            for key, values in self.repeated.items()
+        ]
         if not self.changed:
-            return head + "; none differs from the library defaults"
+            return "\n".join([head + "; none differs from the library defaults", *notes])
         width = max(len(c.key) for c in self.changed)
         rows = [f"  {c.key:<{width}}  {_show(c.value)}  (default {_show(c.default)}; {c.origin})" for c in self.changed]
-        return head + f"; {len(self.changed)} differ from the library defaults:\n" + "\n".join(rows)
+        return "\n".join([head + f"; {len(self.changed)} differ from the library defaults:", *rows, *notes])
 
 
 def _show(value: Any) -> str:
@@ -284,6 +291,19 @@ def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
     return leaves
 
 
+def _colon_key(tree: Any) -> str | None:
+    """A mapping key that holds a colon and has no value: ``{a:1}`` in YAML, where ``{a: 1}`` was meant."""
+    if not isinstance(tree, Mapping):
+        return None
+    for key, value in tree.items():
+        if value is None and isinstance(key, str) and ":" in key:
+            return key
+        found = _colon_key(value)
+        if found is not None:
+            return found
+    return None
+
+
 def load_config[T](preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, schema: type[T]) -> T:
     """Schema defaults <- preset or YAML file <- dotlist overrides, in that order.
 
@@ -300,6 +320,7 @@ def load_config_with_sources[T](
     """``load_config``, and where every setting that differs from the library default came from."""
     merged = OmegaConf.structured(schema)
     set_by: dict[str, str] = {}
+    values: dict[str, list[Any]] = {}  # each command-line setting's values, in order
     if preset is not None:
         for path, file_cfg in _preset_chain(preset):
             merged = _merge(merged, file_cfg, str(path), schema)
@@ -315,8 +336,18 @@ def load_config_with_sources[T](
                 f"override '{item}': its value is not valid YAML ({problem}); a list is [a, b], a mapping "
                 "{key: value}, and a value with spaces or brackets goes in quotes"
             ) from None
+        given = _leaves(OmegaConf.to_container(update))
+        colon = _colon_key(OmegaConf.to_container(update))
+        if colon is not None:
+            name, _, value = colon.partition(":")
+            raise ConfigError(
+                f"override '{item}': YAML reads '{colon}' as a key with no value; write {{{name}: {value}}}, "
+                "with a space after the colon"
+            )
         merged = _merge(merged, update, f"override '{item}'", schema, item)
-        set_by.update(dict.fromkeys(_leaves(OmegaConf.to_container(update)), COMMAND_LINE))
+        for key, value in given.items():
+            values.setdefault(key, []).append(value)
+        set_by.update(dict.fromkeys(given, COMMAND_LINE))
     with building_tree():
         cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, schema), "a structured config of a dataclass builds that dataclass"
@@ -327,7 +358,8 @@ def load_config_with_sources[T](
         for key, value in final.items()
         if value != defaults.get(key)
     )
-    return cfg, ConfigSources(preset, changed)
+    repeated = {key: given for key, given in values.items() if len(given) > 1}
+    return cfg, ConfigSources(preset, changed, repeated)
 
 
 def library_defaults(schema: type) -> dict[str, Any]:

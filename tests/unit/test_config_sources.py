@@ -262,3 +262,27 @@ def test_the_defaults_page_lists_every_key_of_every_trainer() -> None:
         assert to_yaml(load_config(None, [], schema=schema)) == to_yaml(schema())
         for field in dataclasses.fields(schema):
             assert f"| `{field.name}" in text
+
+
+def test_a_setting_given_twice_on_the_command_line_is_reported_with_both_values() -> None:
+    """The last value wins, as in OmegaConf; before, the first vanished with no word (a launch script's
+    default and a user's value for the same key)."""
+    schema = TRAINERS["ppo"].trainer().schema
+    cfg, sources = load_config_with_sources(
+        None, [*USER_RUNS["ppo"], "actor_optim.lr=5e-6", "actor_optim.lr=1e-5"], schema=schema
+    )
+    assert cfg.actor_optim.lr == 1e-5
+    assert sources.report().endswith(
+        "warning: actor_optim.lr is given 2 times on the command line (5e-06, 1e-05): the last is used"
+    )
+    _, once = load_config_with_sources(None, [*USER_RUNS["ppo"], "actor_optim.lr=1e-5"], schema=schema)
+    assert "warning" not in once.report()
+
+
+def test_a_yaml_mapping_without_a_space_after_its_colon_is_explained() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["scoring.weights={exact_answer:0.5}"], schema=TRAINERS["ppo"].trainer().schema)
+    assert str(info.value) == (
+        "override 'scoring.weights={exact_answer:0.5}': YAML reads 'exact_answer:0.5' as a key with no value; "
+        "write {exact_answer: 0.5}, with a space after the colon"
+    )
