@@ -554,8 +554,10 @@ def test_generate_parquet_output_keeps_every_column_of_any_row(tmp_path: Path) -
     ]
 
 
-def test_generate_names_the_input_row_of_a_prompt_too_long_before_loading_more(tmp_path: Path) -> None:
-    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n{"prompt": "%s"}\n{"prompt": "%s"}\n' % ("x" * 40, "y" * 50))
+def test_generate_names_the_input_row_of_a_prompt_too_long(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"prompt": text}) + "\n" for text in ("hi", "x" * 40, "y" * 50))
+    )
     proc = run_cli_here(
         "generate", "model=builtin:tiny-llama", f"input={tmp_path / 'p.jsonl'}", f"output={tmp_path / 'o.jsonl'}",
         "rollout.engine.max_seq_len=32", exit_code=2,
