@@ -225,6 +225,8 @@ NOTES = {
     "KLControllerConfig.coef": "with type=adaptive this is only the starting value: the checkpoint's current "
     "coefficient continues (one a fixed controller saved does not); with type=fixed the new value applies",
     "ModelConfig.path": "compared by architecture and tokenizer, not by path",
+    "RowsConfig.add_bos": "as resolved: null follows the tokenizer's own encoding of text (checkpoints written "
+    "before null was the default have false; data.add_bos=false continues such a run as it was)",
 }
 """What a reported change means where the new value is not simply what the run uses."""
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from megatron_rlhf.trainer.ppo_config import PPOConfig
-from megatron_rlhf.trainer.resume_check import RULES, RunFacts, leaf_rules, review_resume
+from megatron_rlhf.trainer.resume_check import RULES, ResumeReview, RunFacts, leaf_rules, review_resume
 from megatron_rlhf.trainer.rm import RMConfig
 from megatron_rlhf.trainer.run_lock import LOCK_FILE, STALE_AFTER_S, OutputDirLocked, acquire, release
 from megatron_rlhf.trainer.sft import SFTConfig
@@ -230,3 +230,15 @@ def test_resume_never_refuses_complete_checkpoints_whatever_else_the_output_dir_
         ):
             loop._check_output_dir(SFTConfig(output_dir=str(tmp_path), resume="never"), tmp_path)
     loop._check_output_dir(SFTConfig(output_dir=str(tmp_path), resume="never", overwrite=True), tmp_path)
+
+
+def test_add_bos_is_compared_as_resolved_and_an_older_checkpoints_false_is_explained() -> None:
+    """data.add_bos=null is recorded as what the tokenizer made of it; a checkpoint written when false
+    was the default resumes where the tokenizer adds no BOS, and is refused, with the fix, where it does."""
+    cfg, facts = PPOConfig(), RunFacts("ppo", 40, {}, "fp32")
+    older = "data:\n  add_bos: false\n"
+    assert review_resume(cfg, older, older, {}, facts, "") == ResumeReview([], [])
+    review = review_resume(cfg, "data:\n  add_bos: true\n", older, {}, facts, "")
+    assert review.refused == ["data.add_bos: False -> True"]
+    (changed,) = review.changed
+    assert "data.add_bos=false continues such a run as it was" in changed
