@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron_rlhf.metrics.log import snake_case
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.rollout.engine import Completion
-from megatron_rlhf.training.objectives import values_output
+from megatron_rlhf.training.objectives import score_positions, values_output
 from megatron_rlhf.training.schedule import Batch
 from megatron_rlhf.training.train import forward_all_rows
 
@@ -135,7 +135,8 @@ class Scorer:
         return decoded_samples(completions, decode_batch, self.stop_ids, extras)
 
     def reward_model_scores(self, batch: Batch) -> torch.Tensor:
-        """(rows,) the reward model's score of each row: its output at the row's last token."""
+        """(rows,) the reward model's score of each row, read where transformers reads it
+        (``score_positions`` with its config's pad_token_id)."""
         assert self.reward_model is not None
         values = forward_all_rows(
             self.reward_model,
@@ -144,7 +145,9 @@ class Scorer:
             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
             pack_sequences=self.pack_sequences,
         )
-        return values[torch.arange(len(values)), batch["lengths"] - 1]
+        pad_id = self.reward_model.arch.hf_config.get("pad_token_id")
+        at = score_positions(batch["input_ids"], batch["lengths"], None if pad_id is None else int(pad_id))
+        return values[torch.arange(len(values)), at.to(values.device)]
 
     def score(
         self,

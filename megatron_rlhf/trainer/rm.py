@@ -27,7 +27,7 @@ from megatron_rlhf.trainer.supervised import (
     set_up_run,
 )
 from megatron_rlhf.trainer.supervised_config import PreferenceDataConfig, RMConfig
-from megatron_rlhf.training.objectives import bradley_terry_loss, values_output
+from megatron_rlhf.training.objectives import bradley_terry_loss, score_positions, values_output
 from megatron_rlhf.training.schedule import Batch
 from megatron_rlhf.training.train import forward_pass
 
@@ -69,13 +69,15 @@ def preference_accuracy(
     role: RoleModel,
     dataset: PreferenceDataset,
     pad_id: int,
+    score_pad_id: int,
     *,
     chunk: int,
     max_tokens: int,
     pack: bool,
     device: torch.device,
 ) -> dict[str, float]:
-    """Accuracy, Bradley-Terry loss and margin over the whole set (forward only, sharded over DP)."""
+    """Accuracy, Bradley-Terry loss and margin over the whole set (forward only, sharded over DP); rows
+    padded with ``pad_id``, scored as ``bradley_terry_loss(score_pad_id)`` scores them."""
     indices, real = dp_shard(len(dataset), role.groups.dp_rank, role.groups.layout.dp)
     correct = loss = margin = count = 0.0
     for start in range(0, len(indices), chunk):
@@ -84,7 +86,7 @@ def preference_accuracy(
         scores = forward_pass(role, batch, values_output(), max_tokens_per_micro_batch=max_tokens, pack_sequences=pack)
         if scores is None:  # not the last pipeline stage
             continue
-        last = batch["attention_mask"].sum(dim=1).to(scores.device) - 1
+        last = score_positions(batch["input_ids"], batch["attention_mask"].sum(dim=1), score_pad_id).to(scores.device)
         rewards = scores[torch.arange(scores.shape[0], device=scores.device), last].double()
         n = len(part)
         diff = rewards[:n] - rewards[n:]
@@ -104,6 +106,15 @@ def run_rm(cfg: RMConfig, env: DistEnv, checked: Architecture | None = None) -> 
     world size, when the caller ran it (else set-up runs it)."""
     run = set_up_run(cfg, env, name="rm", role="reward", score_head=True, load=_load, arch=checked)
     role, train, validation, pad_id = run.role, run.train, run.validation, run.tokenizer.pad_id
+    # The pad id the export writes where the model's config names none (export.with_token_ids): the
+    # model is trained where transformers will read its score.
+    configured = role.arch.hf_config.get("pad_token_id")
+    score_pad_id = pad_id if configured is None else int(configured)
+    if score_pad_id == run.tokenizer.eos_id:
+        log(
+            f"the reward model's pad id {score_pad_id} is its EOS (the tokenizer has no pad token of its own): a row "
+            "is scored at its last token before a closing EOS, where transformers reads a model with that pad id"
+        )
     lengths = train.lengths  # (N, 2)
     per_rank = cfg.global_batch_size // role.groups.layout.dp
 
@@ -113,6 +124,7 @@ def run_rm(cfg: RMConfig, env: DistEnv, checked: Architecture | None = None) -> 
             role,
             validation,
             pad_id,
+            score_pad_id,
             chunk=per_rank,
             max_tokens=cfg.max_tokens_per_micro_batch,
             pack=cfg.pack_sequences,
@@ -125,7 +137,7 @@ def run_rm(cfg: RMConfig, env: DistEnv, checked: Architecture | None = None) -> 
         run=run,
         tokens_of=lambda idx: int(lengths[list(idx)].sum()),
         make_batch=lambda idx: adjacent_pairs(pack_batch([train[i] for i in idx], pad_id)),
-        loss_fn=bradley_terry_loss(),
+        loss_fn=bradley_terry_loss(score_pad_id),
         group_size=2,
         figures=evaluate if validation is not None else None,
         extra_headline=("accuracy", "margin"),

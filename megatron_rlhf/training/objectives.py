@@ -83,6 +83,19 @@ def logprobs_output(role: RoleModel, *, temperature: float = 1.0) -> OutputFn:
     )
 
 
+def score_positions(input_ids: torch.Tensor, lengths: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """(rows,) where a score-head model's score of each row is read, as transformers'
+    ``*ForSequenceClassification`` reads it: the row's last token that is not ``pad_id`` (the
+    model's ``pad_token_id``; 0 where every token is), or its last token where the model names no pad.
+    A model whose pad is its EOS is read before a closing EOS, as it would be in transformers."""
+    last = lengths.to(input_ids.device) - 1
+    if pad_id is None:
+        return last
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    real = (input_ids != pad_id) & (positions <= last[:, None])
+    return (positions * real).argmax(dim=1)
+
+
 def values_output() -> OutputFn:
     """Forward-only: (b, s) raw per-position scores of a score head (a reward model reads the last)."""
     return lambda piece, values: values[..., 0].float()
@@ -208,15 +221,16 @@ def sft_loss(role: RoleModel) -> LossFn:
     return loss
 
 
-def bradley_terry_loss() -> LossFn:
+def bradley_terry_loss(pad_id: int | None) -> LossFn:
     """Reward-model loss: -log sigmoid(r_chosen - r_rejected) per pair, mean over pairs.
 
-    Rows come in (chosen, rejected) pairs, adjacent; the reward of a row is the score at its last
-    real token. Micro-batches never split a pair nor pack rows (see ``group_size`` in ``micro_batches``).
+    Rows come in (chosen, rejected) pairs, adjacent; the reward of a row is the score where
+    transformers will read it (``score_positions`` with the model's pad id ``pad_id``). Micro-batches
+    never split a pair nor pack rows (see ``group_size`` in ``micro_batches``).
     """
 
     def loss(piece: Batch, values: torch.Tensor) -> LossOutput:
-        last = piece["attention_mask"].sum(dim=1) - 1
+        last = score_positions(piece["input_ids"], piece["attention_mask"].sum(dim=1), pad_id)
         rewards = values[torch.arange(values.shape[0], device=values.device), last, 0].float()
         chosen, rejected = rewards[0::2], rewards[1::2]
         margin = chosen - rejected
