@@ -184,6 +184,12 @@ def model_errors(
                 f"a new score head starts from an HF model dir only (megatron-rlhf convert mcore-to-hf)"
             )
         return errors, arch.with_score_head()
+    if score_head and arch.score_head and arch.num_labels != 1:
+        errors.append(
+            f"{key}.path={model.path!r} is a {arch.hf_class_name} with {arch.num_labels} labels (its config's "
+            f"num_labels or id2label; without either, transformers reads 2); the {key} reads one score per "
+            "position (num_labels=1), as a Bradley-Terry reward model has: a classifier's logit is not one"
+        )
     if arch.score_head != score_head:
         need = "a *ForSequenceClassification (score head)" if score_head else "a *ForCausalLM"
         hint = " (or a *ForCausalLM HF dir, which gets a new score head)" if head_from_lm else ""

@@ -168,7 +168,8 @@ def architecture_from_hf_config(cfg: dict[str, Any], source: str = "config.json"
         qk_norm=family == "qwen3",
         sliding_window=int(sliding_window) if sliding_window else None,
         score_head=score_head,
-        num_labels=int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 1)) if score_head else 1,
+        # As transformers reads it: without num_labels or id2label, a config has 2 labels.
+        num_labels=int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)) if score_head else 1,
         hf_config=copy.deepcopy(cfg),
     )
 

@@ -40,3 +40,29 @@ def test_only_roles_that_may_start_from_an_lm_do() -> None:
     ]
     errors, _ = model_errors("model", ModelConfig(path="builtin:tiny-llama-rm"), 1, score_head=False, head_from_lm=True)
     assert errors and "needs a *ForCausalLM" in errors[0]  # head_from_lm never removes a head
+
+
+def test_a_reward_model_or_critic_of_several_labels_is_refused_as_transformers_reads_its_config(tmp_path) -> None:
+    """A num_labels=2 classifier as reward model trained PPO on logit 0 with no word; one saved by
+    transformers 5 (which leaves 2 labels' id2label out) failed blaming its weights' shape."""
+    import json
+
+    from tests.helpers import make_tiny_hf_model
+
+    make_tiny_hf_model("qwen2", True, tmp_path / "rm2", num_labels=2)
+    config = json.loads((tmp_path / "rm2" / "config.json").read_text())
+    for key in ("num_labels", "id2label", "label2id"):
+        config.pop(key, None)
+    (tmp_path / "rm2" / "config.json").write_text(json.dumps(config))  # as transformers 5 saves 2 labels
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tmp_path / "rm2").num_labels == 2
+    for role in ("reward", "critic"):
+        errors, _ = model_errors(role, ModelConfig(path=str(tmp_path / "rm2")), 1, score_head=True, head_from_lm=True)
+        assert errors == [
+            f"{role}.path='{tmp_path / 'rm2'}' is a Qwen2ForSequenceClassification with 2 labels (its config's "
+            f"num_labels or id2label; without either, transformers reads 2); the {role} reads one score per "
+            "position (num_labels=1), as a Bradley-Terry reward model has: a classifier's logit is not one"
+        ]
+    make_tiny_hf_model("qwen2", True, tmp_path / "rm1")
+    assert model_errors("reward", ModelConfig(path=str(tmp_path / "rm1")), 1, score_head=True)[0] == []
