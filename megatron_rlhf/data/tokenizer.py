@@ -341,6 +341,18 @@ class ByteTokenizer:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
 
 
+PROBE_TEXT = (
+    "Resume probe: Hello, world! 123 + 456 = 579.\n\tdéjà vu — ünïcödé 日本語 🙂 <|endoftext|> def f(x): return x"
+)
+"""Words, digits, whitespace, accents, CJK, emoji, code and a special token's text: what two
+tokenizers that encode text alike give the same ids for."""
+
+
+def same_encoding(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether ``a`` and ``b`` give text the same ids (``PROBE_TEXT``) over vocabularies of one size."""
+    return a.vocab_size == b.vocab_size and a.encode(PROBE_TEXT) == b.encode(PROBE_TEXT)
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer stored with a model: ``tokenizer.json`` first, else ``tokenizer.model``.
 

@@ -31,6 +31,7 @@ from megatron_rlhf.checkpoint.sources import FOLLOW_ACTOR
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import DTYPES
 from megatron_rlhf.data import Tokenizer
+from megatron_rlhf.data.tokenizer import PROBE_TEXT
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 
 MAY_CHANGE, FIXED, LAYOUT, MODEL = "may change", "may not change", "layout", "model"
@@ -235,9 +236,6 @@ class ResumeRefused(ConfigError):
     """A resumed run's config changes what its checkpoint cannot follow (the message lists it)."""
 
 
-_PROBE = "Resume probe: Hello, world! 123 + 456 = 579.\n\tdéjà vu — ünïcödé 日本語 🙂 <|endoftext|> def f(x): return x"
-
-
 def leaf_rules(cfg: Any) -> dict[str, tuple[str, str]]:
     """Every leaf key of a config (dotted) -> (its rule, ``Class.field`` of the dataclass declaring it).
     Raises ``KeyError`` naming a key that ``RULES`` does not classify."""
@@ -266,7 +264,7 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """How a tokenizer behaves (a probe text's ids, its special ids and vocabulary size), not where
     it was read from: a moved model directory keeps its fingerprint."""
     ids = [
-        tokenizer.encode(_PROBE),
+        tokenizer.encode(PROBE_TEXT),
         tokenizer.vocab_size,
         tokenizer.pad_id,
         tokenizer.bos_id,

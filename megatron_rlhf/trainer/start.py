@@ -15,7 +15,7 @@ import torch
 from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, shown_path
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import dtype_name, resolve_dtype
-from megatron_rlhf.data.tokenizer import Tokenizer, resolve_tokenizer
+from megatron_rlhf.data.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer, resolve_tokenizer, same_encoding
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
@@ -86,6 +86,7 @@ def start_run[Train: Sized, Validation](
     )
     source = models[tokenizer_of]
     tokenizer = resolve_tokenizer(local_dir(source.cfg.path), source.arch, source.cfg.path)
+    require_one_encoding(models, tokenizer_of, tokenizer)
     data = getattr(cfg, "data", None)
     if data is not None and data.add_bos is None:  # recorded as resolved: a resume compares what the data got
         data.add_bos = tokenizer.adds_bos
@@ -96,6 +97,28 @@ def start_run[Train: Sized, Validation](
     archs = {role: model.arch for role, model in models.items()}
     claim = write_run_files(cfg, Path(cfg.output_dir), RunFacts(name, len(train), archs, dtype_name(dtype)), tokenizer)
     return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), (train, validation)
+
+
+def require_one_encoding(models: dict[str, RunModel], tokenizer_of: str, tokenizer: Tokenizer) -> None:
+    """Every model reads the token ids of ``tokenizer_of``'s tokenizer: one whose own tokenizer encodes
+    text otherwise (a reward model of another family, with a vocabulary of the same size) would read
+    them as other text, with no error from its shapes."""
+    errors = []
+    for role, model in models.items():
+        if model.cfg.path == models[tokenizer_of].cfg.path:
+            continue
+        directory = local_dir(model.cfg.path)
+        if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+            continue  # nothing to compare: it is read with the run's tokenizer, as its vocabulary allows
+        theirs = load_tokenizer(directory)
+        if not same_encoding(theirs, tokenizer):
+            errors.append(
+                f"{role}.path={model.cfg.path!r}: its tokenizer ({theirs!r}) encodes text otherwise than the "
+                f"{tokenizer_of}'s ({tokenizer!r}), and the {role} reads the {tokenizer_of}'s token ids: give it "
+                f"a model trained with the {tokenizer_of}'s tokenizer"
+            )
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 def _require_a_full_step(examples: int, batch_size: int, setting: str) -> None:
