@@ -26,6 +26,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.lora_config import ALL_LINEAR, TARGET_LINEARS, LoraConfig, target_shapes
 from megatron_rlhf.parallel.layout import ParallelGroups
@@ -268,6 +269,12 @@ def load_peft_adapter(
     errors = adapter_errors(setting, lora, arch)
     if errors:
         raise ValueError("; ".join(errors))
+    trained_with = json.loads((Path(lora.adapter_path) / ADAPTER_CONFIG).read_text()).get("lora_dropout")
+    if trained_with is not None and trained_with != lora.dropout:
+        log(
+            f"{setting}.dropout={lora.dropout} is this run's; the adapter at {lora.adapter_path} was trained with "
+            f"lora_dropout={trained_with} (pass {setting}.dropout={trained_with} to keep it)"
+        )
     tp_rank = groups.tp_rank
     with safe_open(Path(lora.adapter_path) / ADAPTER_WEIGHTS, framework="pt") as handle, torch.no_grad():
         for layer_number, _, adapter in adapted_linears(model):

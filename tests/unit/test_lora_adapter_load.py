@@ -185,3 +185,21 @@ def test_ppo_names_the_actors_keys_at_start_up(peft_adapter: tuple[Path, Path]) 
     assert f"actor.lora.rank=8 but {adapter_dir / ADAPTER_CONFIG} has r=4: pass actor.lora.rank=4" in proc.stderr
     assert "pass actor.lora.alpha=12.0" in proc.stderr
     assert "pass actor.lora.target_modules=[down_proj,o_proj,q_proj,up_proj,v_proj]" in proc.stderr
+
+
+def test_a_dropout_other_than_the_adapters_is_said(
+    world_of_one, peft_adapter: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's dropout is used (rank and alpha must match; dropout is a training choice), and the log
+    says that it differs from the one the adapter was trained with. Before: replaced with no word."""
+    from megatron_rlhf.checkpoint.sources import build_role
+
+    base_dir, adapter_dir = peft_adapter
+    config = ModelConfig(path=str(base_dir), lora=_lora(adapter_dir, dropout=0.1))
+    build_role(
+        "actor", config, load_architecture(base_dir), world_size=1, dtype=torch.float32, device=torch.device("cpu")
+    )
+    assert (
+        f"actor.lora.dropout=0.1 is this run's; the adapter at {adapter_dir} was trained with lora_dropout=0.0 "
+        "(pass actor.lora.dropout=0.0 to keep it)"
+    ) in capsys.readouterr().out
