@@ -118,7 +118,7 @@ pipeline() {  # preset, seed, extra overrides...
 
 if wants tests; then
   read -ra test_paths <<< "${TESTS:-tests}"
-  "$python" -m pytest -m gpu "${test_paths[@]}" -q -s -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || status=1
+  "$python" -m pytest -m gpu "${test_paths[@]}" -v -s -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || status=1
 fi
 if wants bench; then
   model=builtin:llama-1.5b
