@@ -30,7 +30,7 @@ from megatron_rlhf.checkpoint.mcore import (
 from megatron_rlhf.checkpoint.mcore_meta import is_trained_model, read_architecture
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
 from megatron_rlhf.checkpoint.sources import local_dir, model_dir
-from megatron_rlhf.data.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer
+from megatron_rlhf.data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
 from megatron_rlhf.models.builder import build_model
@@ -145,7 +145,7 @@ def _base_dir(path: str) -> Path:
 def _tokenizer_of(base_dir: Path) -> Tokenizer | None:
     """The run's tokenizer (its base model's files), whose special ids its export wrote into
     config.json: the conversion writes the same. None (the config as recorded) without the files."""
-    if any((base_dir / name).is_file() for name in TOKENIZER_FILES):
+    if has_tokenizer(base_dir):
         return load_tokenizer(base_dir)
     log(f"no tokenizer files in {base_dir}: config.json gets the special ids the run's model config names only")
     return None

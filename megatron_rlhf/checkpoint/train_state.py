@@ -61,7 +61,6 @@ from megatron_rlhf.checkpoint.mcore_meta import TRAINED_STATE_FILE
 from megatron_rlhf.training.optim import TrainState, fuse_device_adam, torch_optimizers
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
-STATE_FILE = TRAINED_STATE_FILE
 
 
 def _sharded(state: TrainState, is_loading: bool) -> dict:
@@ -173,7 +172,7 @@ def train_state_save_request(state: TrainState, ckpt_dir: str | Path) -> AsyncRe
 
     def write_meta() -> None:
         if dist.get_rank() == 0:
-            (ckpt / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            (ckpt / TRAINED_STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         dist.barrier()
 
     request.add_finalize_fn(write_meta)
@@ -191,7 +190,7 @@ def load_train_state(state: TrainState, ckpt_dir: str | Path) -> None:
     moments and step come from the checkpoint; its hyperparameters and the LR schedule are the
     ones ``state`` was built with (a resumed run's config), followed at the saved step."""
     ckpt = Path(ckpt_dir)
-    meta_path = ckpt / STATE_FILE
+    meta_path = ckpt / TRAINED_STATE_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path}: missing; {ckpt} is not a complete training checkpoint")
     meta = json.loads(meta_path.read_text())

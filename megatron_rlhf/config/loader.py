@@ -336,8 +336,9 @@ def load_config_with_sources[T](
                 f"override '{item}': its value is not valid YAML ({problem}); a list is [a, b], a mapping "
                 "{key: value}, and a value with spaces or brackets goes in quotes"
             ) from None
-        given = _leaves(OmegaConf.to_container(update))
-        colon = _colon_key(OmegaConf.to_container(update))
+        plain = OmegaConf.to_container(update)
+        given = _leaves(plain)
+        colon = _colon_key(plain)
         if colon is not None:
             name, _, value = colon.partition(":")
             raise ConfigError(

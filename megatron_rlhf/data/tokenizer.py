@@ -353,6 +353,11 @@ def same_encoding(a: Tokenizer, b: Tokenizer) -> bool:
     return a.vocab_size == b.vocab_size and a.encode(PROBE_TEXT) == b.encode(PROBE_TEXT)
 
 
+def has_tokenizer(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds one of ``TOKENIZER_FILES`` (what ``load_tokenizer`` reads)."""
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer stored with a model: ``tokenizer.json`` first, else ``tokenizer.model``.
 
@@ -370,7 +375,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
 def resolve_tokenizer(source: Path, arch: Architecture, model_path: str) -> Tokenizer:
     """The tokenizer of a model directory (built-in models ship theirs: bytes as tokens)."""
-    if not any((source / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(source):
         raise ConfigError(
             f"model path {model_path!r}: no tokenizer in {source} (looked for {', '.join(TOKENIZER_FILES)})"
         )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rlhf.checkpoint.export import with_token_ids
 from megatron_rlhf.data import PreferenceDataset, Tokenizer, load_preference_dataset, pack_batch
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
@@ -106,10 +107,9 @@ def run_rm(cfg: RMConfig, env: DistEnv, checked: Architecture | None = None) -> 
     world size, when the caller ran it (else set-up runs it)."""
     run = set_up_run(cfg, env, name="rm", role="reward", score_head=True, load=_load, arch=checked)
     role, train, validation, pad_id = run.role, run.train, run.validation, run.tokenizer.pad_id
-    # The pad id the export writes where the model's config names none (export.with_token_ids): the
-    # model is trained where transformers will read its score.
-    configured = role.arch.hf_config.get("pad_token_id")
-    score_pad_id = pad_id if configured is None else int(configured)
+    # The pad id the export writes (export.with_token_ids): the model is trained where transformers
+    # will read its score.
+    score_pad_id = int(with_token_ids(role.arch, run.tokenizer)[0].hf_config["pad_token_id"])
     if score_pad_id == run.tokenizer.eos_id:
         log(
             f"the reward model's pad id {score_pad_id} is its EOS (the tokenizer has no pad token of its own): a row "

@@ -15,7 +15,7 @@ import torch
 from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, shown_path
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import dtype_name, resolve_dtype
-from megatron_rlhf.data.tokenizer import TOKENIZER_FILES, Tokenizer, load_tokenizer, resolve_tokenizer, same_encoding
+from megatron_rlhf.data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer, resolve_tokenizer, same_encoding
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.builder import VOCAB_PAD_MULTIPLE
@@ -108,7 +108,7 @@ def require_one_encoding(models: dict[str, RunModel], tokenizer_of: str, tokeniz
         if model.cfg.path == models[tokenizer_of].cfg.path:
             continue
         directory = local_dir(model.cfg.path)
-        if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        if not has_tokenizer(directory):
             continue  # nothing to compare: it is read with the run's tokenizer, as its vocabulary allows
         theirs = load_tokenizer(directory)
         if not same_encoding(theirs, tokenizer):
