@@ -120,9 +120,8 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
 
 
 def shutdown_distributed() -> None:
-    """Destroy every process group while the interpreter is still whole. Left to interpreter exit,
-    gloo's worker threads can still hold finished work whose tensors need the GIL to be freed, and
-    a run that succeeded aborts there ("terminate called without an active exception", SIGABRT)."""
+    """Destroy every process group, each backend shut down in turn while every rank still runs
+    (``cli.exit_before_teardown`` then exits before the interpreter's teardown)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -194,3 +195,21 @@ def test_print_config_comments_each_key_with_its_docstring_indented_with_it(tmp_
     ]
     assert lines[lines.index("rollout:") - 1] == "# Generation's layout, sampling and engine (ppo's rollout.* keys)."
     assert all(len(line) <= WIDTH for line in lines if line.lstrip().startswith("#") and "(default" not in line)
+
+
+def test_the_exit_before_teardown_does_what_exit_does_first(tmp_path: Path) -> None:
+    """``entry`` ends with ``os._exit`` (skipping the teardown in which gloo's threads abort a rank):
+    a thread still running is waited for, ``atexit`` handlers run, and text still in stdout's buffer
+    (a pipe's: block-buffered) comes out."""
+    program = tmp_path / "exits.py"
+    program.write_text(
+        "import atexit, threading, time\n"
+        "from megatron_rlhf.cli import exit_before_teardown\n"
+        "atexit.register(print, 'atexit ran')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread finished'))).start()\n"
+        "print('buffered')\n"
+        "exit_before_teardown(3)\n"
+    )
+    done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == ["buffered", "thread finished", "atexit ran"]
