@@ -77,6 +77,9 @@ class EstimatorNeeds:
     """Per-token values from a critic model (``values`` is required)."""
     groups: bool = False
     """Several samples per prompt (``group_index``; rollout.sampling.n >= 2)."""
+    reads: frozenset[str] | None = None
+    """The ``AdvantageConfig`` fields it reads; None: any of them. A value given for another one is
+    reported at start-up as having no effect."""
 
 
 class AdvantageEstimator(Protocol):
@@ -185,7 +188,9 @@ def _broadcast(row_adv: Tensor, mask: Tensor, valid_rows: Tensor) -> tuple[Tenso
 # --------------------------------------------------------------------------- estimators
 
 
-@ADVANTAGE_ESTIMATORS.register("gae", info=EstimatorNeeds(critic=True))
+@ADVANTAGE_ESTIMATORS.register(
+    "gae", info=EstimatorNeeds(critic=True, reads=frozenset({"gamma", "lam", "whiten", "eps"}))
+)
 def gae(
     *,
     token_rewards: Tensor,
@@ -226,7 +231,7 @@ def _grpo_like(
     return _broadcast(row_adv, mask, valid_rows)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", info=EstimatorNeeds(groups=True))
+@ADVANTAGE_ESTIMATORS.register("grpo", info=EstimatorNeeds(groups=True, reads=frozenset({"norm_by_std", "eps"})))
 def grpo(
     *,
     token_rewards: Tensor,
@@ -244,7 +249,7 @@ def grpo(
     return _grpo_like(token_rewards, response_mask, group_index, config, config.norm_by_std)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo", info=EstimatorNeeds(groups=True))
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", info=EstimatorNeeds(groups=True, reads=frozenset()))
 def dr_grpo(
     *,
     token_rewards: Tensor,
@@ -261,7 +266,7 @@ def dr_grpo(
     return _grpo_like(token_rewards, response_mask, group_index, config, norm_by_std=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo", info=EstimatorNeeds(groups=True))
+@ADVANTAGE_ESTIMATORS.register("rloo", info=EstimatorNeeds(groups=True, reads=frozenset()))
 def rloo(
     *,
     token_rewards: Tensor,
@@ -282,7 +287,9 @@ def rloo(
     return _broadcast(scale * (scores - mean), mask, valid_rows)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp", info=EstimatorNeeds())
+@ADVANTAGE_ESTIMATORS.register(
+    "reinforce_pp", info=EstimatorNeeds(reads=frozenset({"gamma", "reset_return_at_gaps", "eps"}))
+)
 def reinforce_pp(
     *,
     token_rewards: Tensor,
@@ -302,7 +309,9 @@ def reinforce_pp(
     return masked_whiten(returns, mask, eps=config.eps), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline", info=EstimatorNeeds(groups=True))
+@ADVANTAGE_ESTIMATORS.register(
+    "reinforce_pp_baseline", info=EstimatorNeeds(groups=True, reads=frozenset({"gamma", "eps"}))
+)
 def reinforce_pp_baseline(
     *,
     token_rewards: Tensor,

@@ -139,6 +139,10 @@ def controller_kl(kl: Tensor, mask: Tensor, measure: str = "token_mean") -> floa
     return float(KL_MEASURES.get(measure)(kl, mask))
 
 
+ADAPTIVE_ONLY = ("target_kl", "horizon", "kl_measure")
+"""The ``KLControllerConfig`` fields only the adaptive controller reads."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class KLControllerConfig:
     """Which controller to build and its parameters."""

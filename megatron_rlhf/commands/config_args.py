@@ -19,6 +19,7 @@ from megatron_rlhf.config.annotated import annotated_yaml
 from megatron_rlhf.config.fields import field_docs
 from megatron_rlhf.config.flags import ALIASED, FLAG_ALIASES, POSITIONAL_ALIASES, SETTING
 from megatron_rlhf.config.loader import ConfigSources, library_defaults, presets
+from megatron_rlhf.trainer.loop_config import LoopConfig
 
 DEFAULT_PRESET = "smoke"
 TRAINER_PRESET_PREFIXES = ("ppo-", "sft-", "rm-", "pipeline-")
@@ -54,7 +55,13 @@ def add_config_args(
 
 def print_config(cfg: Any, sources: ConfigSources) -> None:
     """``--print-config``'s output: where the settings came from, then the annotated YAML."""
-    print(annotated_yaml(cfg, sources.report()), end="")
+    print(annotated_yaml(cfg, settings_report(cfg, sources)), end="")
+
+
+def settings_report(cfg: Any, sources: ConfigSources) -> str:
+    """Where the settings came from, with a warning for each given one that ``cfg`` reads nothing of
+    (a trainer's ``LoopConfig.without_effect``)."""
+    return sources.report(cfg.without_effect() if isinstance(cfg, LoopConfig) else None)
 
 
 def unset_errors(cfg: Any, *keys: str) -> list[str]:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megatron_rlhf.commands.config_args import add_config_args, print_config
+from megatron_rlhf.commands.config_args import add_config_args, print_config, settings_report
 from megatron_rlhf.config.loader import load_config_with_sources
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def run_trainer(trainer: Trainer, args: argparse.Namespace) -> int:
         print_config(cfg, sources)
         return 0
     if os.environ.get("RANK", "0") == "0":
-        print(sources.report(), flush=True)
+        print(settings_report(cfg, sources), flush=True)
     import torch
 
     from megatron_rlhf.parallel.distributed import init_distributed

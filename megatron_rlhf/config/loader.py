@@ -234,6 +234,10 @@ def _preset_chain(name_or_path: str) -> list[tuple[Path, DictConfig | ListConfig
 COMMAND_LINE = "command line"
 
 
+DERIVED = "derived from other settings"
+"""The origin of a setting no file or override named: a value a dataclass of the schema sets itself."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ChangedSetting:
     """A setting whose value is not the library default, and what set it."""
@@ -257,8 +261,10 @@ class ConfigSources:
     repeated: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     """Settings the command line gave more than once, with each value given (the last is used)."""
 
-    def report(self) -> str:
-        """The start-up report's settings block."""
+    def report(self, without_effect: Mapping[str, str] | None = None) -> str:
+        """The start-up report's settings block. ``without_effect``: the settings (keys or sections)
+        the run reads nothing of, with why (``LoopConfig.without_effect``); one given a value is
+        warned of."""
         base = f"preset {self.base}" if self.base in presets() else self.base
         head = f"settings: built on {base}" if base else "settings: library defaults (no --config)"
         notes = [
@@ -266,11 +272,26 @@ class ConfigSources:
             "the last is used"
             for key, values in self.repeated.items()
         ]
+        # Of the user's own settings: a preset sets some for the algorithms a run may switch to.
+        for setting in self.changed:
+            why = _closest_section(setting.key, without_effect or {})
+            if why is not None and setting.origin != DERIVED and not setting.origin.startswith("preset "):
+                notes.append(f"warning: {setting.key}={_show(setting.value)} ({setting.origin}) has no effect: {why}")
         if not self.changed:
             return "\n".join([head + "; none differs from the library defaults", *notes])
         width = max(len(c.key) for c in self.changed)
         rows = [f"  {c.key:<{width}}  {_show(c.value)}  (default {_show(c.default)}; {c.origin})" for c in self.changed]
         return "\n".join([head + f"; {len(self.changed)} differ from the library defaults:", *rows, *notes])
+
+
+def _closest_section(key: str, reasons: Mapping[str, str]) -> str | None:
+    """The reason of ``key``'s most specific entry in ``reasons`` (itself, or a section above it)."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        reason = reasons.get(".".join(parts[:end]))
+        if reason is not None:
+            return reason
+    return None
 
 
 def _show(value: Any) -> str:
@@ -375,7 +396,7 @@ def _setter(key: str, set_by: dict[str, str]) -> str:
         if key in set_by:
             return set_by[key]
         key = key.rpartition(".")[0]
-    return "derived from other settings"
+    return DERIVED
 
 
 def to_yaml(cfg: Any) -> str:

@@ -342,6 +342,10 @@ class DataReport:
     samples: dict[str, list[SkippedRow]] = dataclasses.field(default_factory=dict)
     json_conversations: int = 0
     """Rows whose prompt column held a conversation as JSON text, read as its messages."""
+    text_prompts: int = 0
+    """Prompts of plain text, tokenized as written, where the tokenizer has a chat template that a
+    list of messages would have been rendered with (an instruct model is then prompted unlike how
+    it was tuned)."""
 
     def _skip(self, reason: str, where: SkippedRow) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -354,6 +358,7 @@ class DataReport:
         self.rows += other.rows
         self.kept += other.kept
         self.json_conversations += other.json_conversations
+        self.text_prompts += other.text_prompts
         for reason, n in other.skipped.items():
             self.skipped[reason] = self.skipped.get(reason, 0) + n
         for reason, samples in other.samples.items():
@@ -370,6 +375,11 @@ class DataReport:
             text += (
                 f"; {self.json_conversations} prompt(s) were JSON text of a message list, "
                 "read as conversations (chat template applied)"
+            )
+        if self.text_prompts:
+            text += (
+                f"; {self.text_prompts} prompt(s) were plain text, tokenized as written without the tokenizer's "
+                "chat template, which applies to a list of messages ([{role: user, content: ...}])"
             )
         return text
 
@@ -665,6 +675,8 @@ def _prompt_ids(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> list[
     if messages is not None:
         ld.report.json_conversations += 1
         return ld.with_bos(_message_ids(rec, key, ld.tokenizer, chat, messages))
+    if isinstance(value, str) and chat.apply and ld.tokenizer.chat_template is not None:
+        ld.report.text_prompts += 1
     return ld.with_bos(ld.field(rec, key), text=key in rec.data)
 
 
@@ -1060,9 +1072,12 @@ def _prompt_row(
         )
     prompt = _prompt_ids(ld, rec, prompt_key, chat)
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
-    null = [k for k in extra_keys if rec.data[k] is None]
-    if null:
-        raise _RowProblem(EMPTY, null[0], "is null (requested in extra_keys: the reward rules read it)")
+    blank = [k for k in extra_keys if rec.data[k] is None or (isinstance(rec.data[k], str) and not rec.data[k].strip())]
+    if blank:
+        # A reward rule would compare responses with nothing (an empty answer matches an empty response).
+        value = rec.data[blank[0]]
+        what = "is null" if value is None else f"is empty ({value!r})"
+        raise _RowProblem(EMPTY, blank[0], f"{what} (requested in extra_keys: the reward rules read it)")
     extras = {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
     truth = extras.get("ground_truth")
     if require_reward_inputs and (truth is None or (isinstance(truth, str) and not truth.strip())):

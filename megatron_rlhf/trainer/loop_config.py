@@ -97,6 +97,17 @@ class LoopConfig(RunConfig):
             + self._rollback_errors()
         )
 
+    def without_effect(self) -> dict[str, str]:
+        """The settings this configuration reads nothing of (a dotted key, or a section), each with
+        why: a value given for one is reported at start-up (``ConfigSources.report``), where it
+        would otherwise change nothing without a word."""
+        unread = {}
+        if self.max_steps > 0:
+            unread["num_epochs"] = f"max_steps={self.max_steps} sets the run's length"
+            if self.save_every > self.max_steps:
+                unread["save_every"] = f"the run ends at max_steps={self.max_steps}, before the first save"
+        return unread
+
     def _rollback_errors(self) -> list[str]:
         """A health rollback goes back to the best evaluation's checkpoint (pruning keeps it), else to
         the newest one from before the signal's ``signal_steps`` in a row: keep_last must reach back

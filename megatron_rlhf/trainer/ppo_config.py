@@ -15,7 +15,7 @@ from typing import Literal
 
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
-from megatron_rlhf.algorithms.kl import KL_ESTIMATORS, KLControllerConfig
+from megatron_rlhf.algorithms.kl import ADAPTIVE_ONLY, KL_ESTIMATORS, KLControllerConfig
 from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
@@ -164,6 +164,61 @@ class PPOConfig(LoopConfig, ModelsConfig):
             + at_least(self, 0, "mini_batch_size", "samples_per_step", "eval_every")
         )
 
+    def without_effect(self) -> dict[str, str]:
+        unread = super().without_effect()
+        algo, roles = self.algorithm, models_used(self)
+        no_model = {
+            "critic": f"algorithm.advantage_estimator={algo.advantage_estimator!r} uses no critic",
+            "reference": "algorithm.kl_penalty.coef and algorithm.loss.kl_loss_coef are 0: no reference is built",
+            "reward": "scoring.use_reward_model=false: no reward model is built",
+        }
+        unread |= {role: why for role, why in no_model.items() if role not in roles}
+        if "critic" not in roles:
+            unread["critic_optim"] = unread["algorithm.loss.value_clip"] = no_model["critic"]
+        if algo.advantage_estimator in ADVANTAGE_ESTIMATORS:
+            reads = ADVANTAGE_ESTIMATORS.info(algo.advantage_estimator).reads
+            if reads is not None:
+                unread |= {
+                    f"algorithm.advantage.{field.name}": f"the {algo.advantage_estimator} estimator does not read it"
+                    for field in dataclasses.fields(algo.advantage)
+                    if field.name not in reads
+                }
+        if algo.loss.agg_mode != "seq-mean-token-sum-norm":
+            unread["algorithm.loss.loss_scale_factor"] = (
+                f"algorithm.loss.agg_mode={algo.loss.agg_mode!r} does not read it"
+            )
+        if algo.loss.kl_loss_coef == 0:
+            unread["algorithm.loss.kl_estimator"] = "algorithm.loss.kl_loss_coef=0: no KL loss"
+        if algo.kl_penalty.coef == 0:  # the coef is the switch: all else of the penalty
+            unread |= {
+                f"algorithm.{name}": "algorithm.kl_penalty.coef=0: no KL penalty"
+                for name in ("kl_penalty_estimator", *(f"kl_penalty.{f}" for f in ADAPTIVE_ONLY), "kl_penalty.type")
+            }
+        elif algo.kl_penalty.type == "fixed":
+            unread |= {
+                f"algorithm.kl_penalty.{name}": "algorithm.kl_penalty.type=fixed: only the adaptive controller reads it"
+                for name in ADAPTIVE_ONLY
+            }
+        if not self.rollout.filter_groups:
+            unread["rollout.max_sample_batches"] = "rollout.filter_groups=false"
+        if not self.data.validation:
+            unread["eval"] = unread["eval_before_train"] = "data.validation is empty: no evaluation"
+        if self.scoring.overlong.buffer == 0:
+            unread["scoring.overlong.penalty"] = "scoring.overlong.buffer=0 turns the over-long penalty off"
+        if not self.scoring.custom_function.path:
+            unread["scoring.custom_function.name"] = "scoring.custom_function.path is empty: no custom function"
+        reference = self.reference
+        if reference.update != "periodic":
+            unread["reference.update_every"] = f"reference.update={reference.update!r}: only periodic reads it"
+        elif 0 < self.max_steps <= reference.update_every:
+            unread["reference.update"] = (
+                f"the first copy follows step reference.update_every={reference.update_every}; "
+                f"the run ends at max_steps={self.max_steps}"
+            )
+        if reference.update != "ema":
+            unread["reference.ema_decay"] = f"reference.update={reference.update!r}: only ema reads it"
+        return unread
+
     @property
     def longest_sequence(self) -> int:
         """Tokens of a rollout's longest sequence: the longest prompt and the longest response."""
@@ -213,6 +268,25 @@ def old_logprob_pass(cfg: PPOConfig) -> tuple[bool, str]:
     )
 
 
+def _scoring_limit_errors(cfg: PPOConfig) -> list[str]:
+    """Scoring's limits against the run's: the over-long ramp within a response, a reward call's
+    timeout within the collectives'."""
+    errors = []
+    buffer, longest = cfg.scoring.overlong.buffer, cfg.rollout.sampling.max_new_tokens
+    if buffer >= longest:
+        errors.append(
+            f"scoring.overlong.buffer={buffer} must be below rollout.sampling.max_new_tokens={longest}: the "
+            f"penalty starts {buffer} tokens before the longest response, so every response would be penalised"
+        )
+    timeout = cfg.scoring.timeout_s
+    if timeout >= cfg.dist_timeout_s:
+        errors.append(
+            f"scoring.timeout_s={timeout} must be below dist_timeout_s={cfg.dist_timeout_s}: the other ranks "
+            "wait that long for a rank's scores, and would time out first, without naming the reward call"
+        )
+    return errors
+
+
 @dataclasses.dataclass
 class CheckedConfig:
     """What checking loaded: the used models' architectures, the rules and the reward function."""
@@ -246,7 +320,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             f"(got {sampling.n})"
         )
     found, rules, function = scoring_errors(cfg.scoring)
-    errors += found
+    errors += found + _scoring_limit_errors(cfg)
     if cfg.eval.judged_by and cfg.eval.judged_by not in cfg.scoring.parts():
         errors.append(
             f"eval.judged_by={cfg.eval.judged_by!r} is not a scoring part; the parts are {cfg.scoring.parts()}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import statistics
@@ -333,3 +334,32 @@ def test_config_is_keyword_only_and_validated():
         AdvantageConfig(gamma=1.5)
     with pytest.raises(ValueError, match="eps"):
         AdvantageConfig(eps=0.0)
+
+
+CHANGED = {"gamma": 0.9, "lam": 0.7, "whiten": False, "eps": 0.5, "norm_by_std": False, "reset_return_at_gaps": True}
+"""A value other than the default for each AdvantageConfig field, far enough to move any output that reads it."""
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_an_estimator_reads_exactly_the_fields_it_declares(name):
+    """``EstimatorNeeds.reads`` decides which ``algorithm.advantage`` settings a run warns have no
+    effect: changing a field outside it leaves the output as it was, and changing one inside moves it."""
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(AdvantageConfig)}
+    gen = torch.Generator().manual_seed(0)
+    token_rewards = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    mask[:, 2] = False  # a gap inside each response (a tool's output), for reset_return_at_gaps
+    mask[1, 4] = False
+    inputs = dict(
+        token_rewards=token_rewards,
+        response_mask=mask,
+        values=torch.randn(6, 5, generator=gen, dtype=torch.float64),
+        group_index=torch.tensor([0, 0, 0, 1, 1, 1]),
+    )
+    base = compute_advantages(name, **inputs, config=AdvantageConfig())
+    reads = ADVANTAGE_ESTIMATORS.info(name).reads
+    assert reads is not None and reads <= set(CHANGED)
+    for field, value in CHANGED.items():
+        moved = compute_advantages(name, **inputs, config=AdvantageConfig(**{field: value}))
+        same = all(torch.equal(a, b) for a, b in zip(base, moved, strict=True))
+        assert same == (field not in reads), f"{name}: {field} {'is read' if same else 'moves the output'}"

@@ -12,7 +12,15 @@ import pytest
 from megatron_rlhf.cli import build_parser, main
 from megatron_rlhf.commands import TRAINERS
 from megatron_rlhf.config.annotated import annotated_yaml
-from megatron_rlhf.config.loader import COMMAND_LINE, ConfigError, load_config, load_config_with_sources, presets
+from megatron_rlhf.commands.config_args import settings_report
+from megatron_rlhf.config.loader import (
+    COMMAND_LINE,
+    ConfigError,
+    library_defaults,
+    load_config,
+    load_config_with_sources,
+    presets,
+)
 from megatron_rlhf.config.verl_names import VERL_NAMES, verl_key_hint
 from megatron_rlhf.docs import DOCS, PAGES, rendered
 
@@ -286,3 +294,64 @@ def test_a_yaml_mapping_without_a_space_after_its_colon_is_explained() -> None:
         "override 'scoring.weights={exact_answer:0.5}': YAML reads 'exact_answer:0.5' as a key with no value; "
         "write {exact_answer: 0.5}, with a space after the colon"
     )
+
+
+GIVEN_WITHOUT_EFFECT = {
+    "critic.path=/models/critic": "algorithm.advantage_estimator='grpo' uses no critic",
+    "critic_optim.lr=2e-06": "algorithm.advantage_estimator='grpo' uses no critic",
+    "algorithm.advantage.lam=0.9": "the grpo estimator does not read it",
+    "algorithm.loss.kl_estimator=k2": "algorithm.loss.kl_loss_coef=0: no KL loss",
+    "algorithm.kl_penalty.target_kl=0.2": "algorithm.kl_penalty.coef=0: no KL penalty",
+    "num_epochs=3": "max_steps=5 sets the run's length",
+    "save_every=10": "the run ends at max_steps=5, before the first save",
+    "scoring.overlong.penalty=0.5": "scoring.overlong.buffer=0 turns the over-long penalty off",
+    "rollout.max_sample_batches=2": "rollout.filter_groups=false",
+    "eval.n=4": "data.validation is empty: no evaluation",
+}
+
+
+def test_a_given_setting_the_run_reads_nothing_of_is_warned_of_with_why(tmp_path: Path) -> None:
+    """Before, each of these changed nothing and said nothing. A preset's settings for the algorithms a
+    run may switch to are not warned of; the same settings in a run that reads them are not either."""
+    schema = TRAINERS["ppo"].trainer().schema
+    run = [*USER_RUNS["ppo"], "algorithm.advantage_estimator=grpo", "max_steps=5"]
+    cfg, sources = load_config_with_sources(None, [*run, *GIVEN_WITHOUT_EFFECT], schema=schema)
+    warned = [line for line in settings_report(cfg, sources).splitlines() if line.startswith("warning")]
+    assert sorted(warned) == sorted(
+        f"warning: {setting} (command line) has no effect: {why}" for setting, why in GIVEN_WITHOUT_EFFECT.items()
+    )
+    file = tmp_path / "run.yaml"
+    file.write_text("critic:\n  path: /models/critic\n")
+    cfg, sources = load_config_with_sources(str(file), run, schema=schema)
+    assert f"warning: critic.path=/models/critic ({file}) has no effect: algorithm" in settings_report(cfg, sources)
+    read = ["algorithm.advantage_estimator=gae", "algorithm.advantage.lam=0.9", "critic.path=/models/critic"]
+    read += [
+        "algorithm.kl_penalty.coef=0.01",
+        "algorithm.kl_penalty.type=adaptive",
+        "algorithm.kl_penalty.target_kl=0.2",
+    ]
+    cfg, sources = load_config_with_sources(None, [*USER_RUNS["ppo"], *read], schema=schema)
+    assert "warning" not in settings_report(cfg, sources)
+    for preset in ("ppo-tiny", "ppo-grpo-1.5b"):
+        cfg, sources = load_config_with_sources(preset, [], schema=schema)
+        assert cfg.without_effect() and "warning" not in settings_report(cfg, sources)
+
+
+@pytest.mark.parametrize(
+    ("command", "settings"),
+    [
+        ("ppo", []),
+        ("ppo", ["algorithm.advantage_estimator=grpo", "max_steps=3", "save_every=9", "reference.update=periodic"]),
+        ("sft", ["max_steps=3", "save_every=9"]),
+        ("rm", ["max_steps=3", "save_every=9"]),
+    ],
+)
+def test_every_setting_said_to_have_no_effect_exists(command: str, settings: list[str]) -> None:
+    """A misspelt key in ``without_effect`` would never match a given setting: each names a setting or
+    a section of the schema."""
+    schema = TRAINERS[command].trainer().schema
+    keys = set(library_defaults(schema))
+    unread = load_config(None, [*USER_RUNS[command], *settings], schema=schema).without_effect()
+    assert unread
+    for key in unread:
+        assert key in keys or any(k.startswith(key + ".") for k in keys), key

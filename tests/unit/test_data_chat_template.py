@@ -75,6 +75,16 @@ def test_a_conversation_stored_as_json_text_is_read_as_its_messages(qwen2_dir, t
     assert ids[len(CONVERSATIONS) :] == [load_tokenizer(qwen2_dir).encode(t) for t in texts]
     assert report.json_conversations == len(CONVERSATIONS)
     assert f"{len(CONVERSATIONS)} prompt(s) were JSON text of a message list, read as conversations" in report.summary()
+    # Plain text is tokenized as written; with a chat template there to apply, the report says so.
+    assert report.text_prompts == len(texts)
+    assert f"{len(texts)} prompt(s) were plain text, tokenized as written without the tokenizer's chat" in (
+        report.summary()
+    )
+    text_only = write_jsonl(tmp_path / "text.jsonl", [{"prompt": t} for t in texts])
+    _, untemplated = load_prompt_dataset(
+        text_only, load_tokenizer(qwen2_dir), max_length=4096, apply_chat_template=False
+    )
+    assert untemplated.text_prompts == 0 and "plain text" not in untemplated.summary()
 
 
 @pytest.mark.parametrize("style", ["qwen2", "llama3"])

@@ -539,18 +539,27 @@ def test_rows_a_reward_function_needs_are_checked_as_they_are_read(tmp_path):
 
 def test_null_reward_inputs_are_invalid_rows(tmp_path):
     """A null ground_truth (verl's merged parquet schemas write one) reached the reward function as
-    None, and a null extra_keys column a rule as the string 'None'."""
+    None, a null extra_keys column a rule as the string 'None', and an empty one matched an empty
+    response (exact_answer scored it 1)."""
     good = {"prompt": "p", "data_source": "s", "reward_model": {"ground_truth": "7"}, "answer": "7"}
-    rows = [good, {**good, "reward_model": {"ground_truth": None}}, {**good, "answer": None}]
+    rows = [
+        good,
+        {**good, "reward_model": {"ground_truth": None}},
+        {**good, "answer": None},
+        {**good, "answer": " "},
+    ]
     f = write_jsonl(tmp_path / "rl.jsonl", rows)
     with pytest.raises(DataError, match=err(str(f), "line 2", "column 'reward_model' has ground_truth None")):
         load_prompt_dataset(f, TOK, max_length=8, require_reward_inputs=True)
     with pytest.raises(DataError, match=err(str(f), "line 3", "column 'answer' is null (requested in extra_keys")):
         load_prompt_dataset(f, TOK, max_length=8, extra_keys=("answer",))
+    blank = write_jsonl(tmp_path / "blank.jsonl", [good, rows[3]])
+    with pytest.raises(DataError, match=err(str(blank), "line 2", "column 'answer' is empty (' ') (requested in")):
+        load_prompt_dataset(blank, TOK, max_length=8, extra_keys=("answer",))
     ds, report = load_prompt_dataset(
         f, TOK, max_length=8, extra_keys=("answer",), require_reward_inputs=True, on_invalid="skip"
     )
-    assert len(ds) == 1 and report.skipped == {"empty": 2}
+    assert len(ds) == 1 and report.skipped == {"empty": 3}
 
 
 def test_a_byte_order_mark_is_read_past_and_a_lone_surrogate_is_named(tmp_path):

@@ -143,3 +143,14 @@ def test_rows_longer_than_the_models_positions_are_refused_up_front(command: str
     message = _error(command, [f"data.train=[{data_file}]", "data.max_length=1025"])
     assert "data.max_length=1025 exceeds the model's max_position_embeddings=1024" in message
     COMMANDS[command]([f"data.train=[{data_file}]", "data.max_length=1024"])
+
+
+def test_scoring_limits_past_the_runs_own_are_refused(tmp_path: Path) -> None:
+    """An over-long ramp as long as a response penalised every response (an empty one too), and a
+    reward timeout past the collectives' let the other ranks time out first, naming no reward call."""
+    out = f"output_dir={tmp_path}"
+    message = _error("ppo", [out, "rollout.sampling.max_new_tokens=24", "scoring.overlong.buffer=24"])
+    assert "scoring.overlong.buffer=24 must be below rollout.sampling.max_new_tokens=24" in message
+    message = _error("ppo", [out, "scoring.timeout_s=600", "dist_timeout_s=600"])
+    assert "scoring.timeout_s=600.0 must be below dist_timeout_s=600" in message
+    _check_ppo([out, "rollout.sampling.max_new_tokens=24", "scoring.overlong.buffer=23", "scoring.timeout_s=0"])
