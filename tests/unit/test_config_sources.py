@@ -11,8 +11,8 @@ import pytest
 
 from megatron_rlhf.cli import build_parser, main
 from megatron_rlhf.commands import TRAINERS
-from megatron_rlhf.config.annotated import annotated_yaml
 from megatron_rlhf.commands.config_args import settings_report
+from megatron_rlhf.config.annotated import annotated_yaml
 from megatron_rlhf.config.loader import (
     COMMAND_LINE,
     ConfigError,
