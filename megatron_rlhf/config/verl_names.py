@@ -211,9 +211,9 @@ VERL_NAMES: dict[str, tuple[VerlName, ...]] = {
         (
             f"{AR}.actor.optim.lr_decay_steps",
             "actor_optim.decay_steps",
-            "not derived from the run length; default 1000",
+            "default (null): the run's optimizer steps, as verl's",
         ),
-        (f"{AR}.actor.optim.total_training_steps", "actor_optim.decay_steps", "not derived from the run length"),
+        (f"{AR}.actor.optim.total_training_steps", "actor_optim.decay_steps", "null derives it from the run's length"),
         (f"{AR}.actor.optim.min_lr", "actor_optim.min_lr", "an absolute rate"),
         (f"{AR}.actor.optim.min_lr_ratio", "actor_optim.min_lr", "an absolute rate: `min_lr_ratio x lr`"),
     ),

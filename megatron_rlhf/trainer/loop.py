@@ -57,7 +57,7 @@ from megatron_rlhf.checkpoint.run_checkpoint import (
     remove_partial,
 )
 from megatron_rlhf.config.loader import ConfigError, to_yaml
-from megatron_rlhf.data import Tokenizer, epoch_batches, num_steps
+from megatron_rlhf.data import Tokenizer, epoch_batches
 from megatron_rlhf.metrics.curves import read_metrics, validation_table, write_curves
 from megatron_rlhf.metrics.kernels import profiled
 from megatron_rlhf.metrics.log import environment_report, is_rank0, log
@@ -447,9 +447,8 @@ def _usable(cfg: LoopConfig, ckpt: Path) -> bool:
 
 def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
     """(steps per epoch, total steps)."""
-    per_epoch = num_steps(task.num_examples, task.batch_size, drop_last=True)
+    per_epoch, total = cfg.run_steps(task.num_examples, task.batch_size)
     assert per_epoch > 0, "start_run refuses a training set smaller than one step's batch"
-    total = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * per_epoch
     return per_epoch, total
 
 

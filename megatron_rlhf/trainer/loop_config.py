@@ -8,8 +8,10 @@ from pathlib import Path
 
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.run import RunConfig
+from megatron_rlhf.data.sampler import num_steps
 from megatron_rlhf.metrics.sinks import WandbConfig, logger_errors
 from megatron_rlhf.trainer.health import HealthConfig
+from megatron_rlhf.training.config import OptimConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -96,6 +98,20 @@ class LoopConfig(RunConfig):
             + self._profile_errors()
             + self._rollback_errors()
         )
+
+    def run_steps(self, examples: int, batch_size: int) -> tuple[int, int]:
+        """(steps per epoch, the run's steps) over ``examples`` in batches of ``batch_size`` (the
+        last short batch of an epoch left for the next)."""
+        per_epoch = num_steps(examples, batch_size, drop_last=True)
+        return per_epoch, self.max_steps if self.max_steps > 0 else self.num_epochs * per_epoch
+
+    def optimizers(self) -> dict[str, OptimConfig]:
+        """The run's optimizers' settings, by their setting's name."""
+        return {}
+
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps (learning-rate schedule steps) each step of the run makes."""
+        return 1
 
     def without_effect(self) -> dict[str, str]:
         """The settings this configuration reads nothing of (a dotted key, or a section), each with

@@ -164,6 +164,15 @@ class PPOConfig(LoopConfig, ModelsConfig):
             + at_least(self, 0, "mini_batch_size", "samples_per_step", "eval_every")
         )
 
+    def optimizers(self) -> dict[str, OptimConfig]:
+        return {"actor_optim": self.actor_optim} | (
+            {"critic_optim": self.critic_optim} if "critic" in models_used(self) else {}
+        )
+
+    def optimizer_steps_per_step(self) -> int:
+        rows = self.prompts_per_step * self.rollout.sampling.n
+        return self.ppo_epochs * -(-rows // (self.mini_batch_size or rows))  # trainer/ppo.py::update
+
     def without_effect(self) -> dict[str, str]:
         unread = super().without_effect()
         algo, roles = self.algorithm, models_used(self)

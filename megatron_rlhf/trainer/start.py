@@ -94,6 +94,10 @@ def start_run[Train: Sized, Validation](
             log(f"text prompts start with the tokenizer's BOS id {tokenizer.bos_id}, as its own encoding of text does")
     train, validation = load_data(tokenizer)
     _require_a_full_step(len(train), getattr(cfg, batch_setting), batch_setting)
+    _, run_steps = cfg.run_steps(len(train), getattr(cfg, batch_setting))
+    for setting, optim in cfg.optimizers().items():  # before config.yaml records them
+        for line in optim.resolve_length(setting, run_steps, cfg.optimizer_steps_per_step()):
+            log(line)
     archs = {role: model.arch for role, model in models.items()}
     claim = write_run_files(cfg, Path(cfg.output_dir), RunFacts(name, len(train), archs, dtype_name(dtype)), tokenizer)
     return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), (train, validation)

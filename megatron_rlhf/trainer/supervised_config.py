@@ -52,6 +52,9 @@ class SupervisedConfig(LoopConfig):
     def errors(self) -> list[str]:
         return super().errors() + at_least(self, 1, "global_batch_size") + at_least(self, 0, "eval_every")
 
+    def optimizers(self) -> dict[str, OptimConfig]:
+        return {"optim": self.optim}
+
 
 def check_config(cfg: SupervisedConfig, world_size: int, *, score_head: bool) -> Architecture:
     """Raise ``ConfigError`` listing every problem at once; returns the model's architecture."""

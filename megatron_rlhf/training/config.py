@@ -25,9 +25,14 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
     warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises from 0 to lr."""
     decay_style: Literal["constant", "cosine", "linear"] = "constant"
     """constant, cosine or linear (after warmup)."""
-    decay_steps: int = 1000
+    decay_steps: int | None = None
+    """Optimizer steps from the start to the end of the decay (to min_lr), warm-up included; null:
+    the run's optimizer steps (its steps x the optimizer steps of each), resolved at the start and
+    recorded in config.yaml, as Megatron and verl do. A PPO step makes ppo_epochs x (rollout /
+    mini_batch_size) optimizer steps."""
     distributed_optimizer: bool = True
     """Shard optimizer states over data-parallel ranks (ZeRO-1)."""
     cpu_offload_fraction: float = 0.0
@@ -40,8 +45,9 @@ class OptimConfig:
 
     def errors(self) -> list[str]:
         errors = at_least(self, 0, "warmup_steps", "clip_grad")
-        errors += at_least(self, 1, "decay_steps")
-        if self.decay_style != "constant" and self.decay_steps <= self.warmup_steps:
+        if self.decay_steps is not None:
+            errors += at_least(self, 1, "decay_steps")
+        if self.decay_style != "constant" and self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             errors.append(
                 f"decay_steps={self.decay_steps} must be above warmup_steps={self.warmup_steps}: the decay "
                 "counts from step 0, warm-up included"
@@ -55,6 +61,29 @@ class OptimConfig:
         elif self.cpu_offload_fraction > 0 and not self.distributed_optimizer:
             errors.append(f"cpu_offload_fraction={self.cpu_offload_fraction} needs distributed_optimizer=true")
         return errors
+
+    def resolve_length(self, name: str, run_steps: int, per_step: int) -> list[str]:
+        """Set a null ``decay_steps`` to the run's optimizer steps (``run_steps`` x ``per_step``); the
+        lines for the log: the resolved length, and where the schedule and the run disagree."""
+        total = run_steps * per_step
+        count = f"the run's {total} optimizer steps ({run_steps} steps x {per_step})"
+        lines = []
+        if self.decay_steps is None:
+            self.decay_steps = max(total, self.warmup_steps + 1)
+            if self.decay_style != "constant":
+                lines.append(f"{name}.decay_steps: {count}")
+        elif self.decay_style != "constant" and self.decay_steps < total:
+            lines.append(
+                f"warning: {name}.decay_steps={self.decay_steps} ends the {self.decay_style} decay before the run "
+                f"ends: the learning rate stays at {name}.min_lr={self.min_lr} for the last "
+                f"{total - self.decay_steps} of {count}"
+            )
+        if self.warmup_steps >= total:
+            lines.append(
+                f"warning: {name}.warmup_steps={self.warmup_steps} is not over within {count}: the learning "
+                f"rate never reaches {name}.lr={self.lr}"
+            )
+        return lines
 
 
 @dataclasses.dataclass(kw_only=True)

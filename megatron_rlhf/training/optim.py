@@ -164,7 +164,9 @@ def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
         max_lr=cfg.lr,
         min_lr=cfg.min_lr,
         lr_warmup_steps=cfg.warmup_steps,
-        lr_decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
+        # A run resolves a null decay_steps from its length (``OptimConfig.resolve_length``); without
+        # one (a benchmark), only a constant schedule is built.
+        lr_decay_steps=max(_decay_steps(cfg), cfg.warmup_steps + 1),
         lr_decay_style=cfg.decay_style,
         start_wd=cfg.weight_decay,
         end_wd=cfg.weight_decay,
@@ -180,6 +182,14 @@ def make_train_state(role: RoleModel, cfg: OptimConfig) -> TrainState:
     config.no_sync_func = ddp_model.no_sync
     config.grad_scale_func = optimizer.scale_loss
     return TrainState(role=role, ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler)
+
+
+def _decay_steps(cfg: OptimConfig) -> int:
+    if cfg.decay_steps is not None:
+        return cfg.decay_steps
+    if cfg.decay_style != "constant":
+        raise ValueError(f"decay_style={cfg.decay_style!r} needs decay_steps: the run's length sets it at the start")
+    return 1
 
 
 def set_learning_rate(state: TrainState, cfg: OptimConfig, scale: float) -> None:
