@@ -118,3 +118,26 @@ def data_path_errors(key: str, paths: Sequence[str]) -> list[str]:
         except (OSError, ValueError) as err:  # DataError is a ValueError
             errors.append(f"{key}: {err}")
     return errors
+
+
+def data_overlap_warnings(train: Sequence[str], validation: Sequence[str]) -> list[str]:
+    """A file read twice by ``data.train`` (its rows trained on twice an epoch: meant where a set is
+    repeated to weigh it, but often a slip) or read by both settings (validation would measure
+    training data): lines for the log."""
+
+    def files(paths: Sequence[str]) -> list[str]:
+        return [
+            name
+            for path in paths
+            for name in ([path] if is_builtin(path) else [str(file.resolve()) for file in data_files(path)])
+        ]
+
+    train_files, validation_files = files(train), files(validation)
+    lines = [
+        f"warning: data.train reads {file} {train_files.count(file)} times: its rows are trained on as often each epoch"
+        for file in sorted({f for f in train_files if train_files.count(f) > 1})
+    ]
+    return lines + [
+        f"warning: data.validation reads {file}, which data.train reads: it measures training data"
+        for file in sorted(set(validation_files) & set(train_files))
+    ]

@@ -15,6 +15,7 @@ import torch
 from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir, shown_path
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import dtype_name, resolve_dtype
+from megatron_rlhf.data.builtin import data_overlap_warnings
 from megatron_rlhf.data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer, resolve_tokenizer, same_encoding
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture
@@ -92,6 +93,9 @@ def start_run[Train: Sized, Validation](
         data.add_bos = tokenizer.adds_bos
         if data.add_bos:
             log(f"text prompts start with the tokenizer's BOS id {tokenizer.bos_id}, as its own encoding of text does")
+    if data is not None:
+        for line in data_overlap_warnings(data.train, getattr(data, "validation", [])):
+            log(line)
     train, validation = load_data(tokenizer)
     _require_a_full_step(len(train), getattr(cfg, batch_setting), batch_setting)
     _, run_steps = cfg.run_steps(len(train), getattr(cfg, batch_setting))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.config.loader import ConfigError, load_config
+from megatron_rlhf.data.builtin import data_overlap_warnings
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 from megatron_rlhf.trainer.rm import RMConfig
 from megatron_rlhf.trainer.sft import SFTConfig
@@ -154,3 +155,19 @@ def test_scoring_limits_past_the_runs_own_are_refused(tmp_path: Path) -> None:
     message = _error("ppo", [out, "scoring.timeout_s=600", "dist_timeout_s=600"])
     assert "scoring.timeout_s=600.0 must be below dist_timeout_s=600" in message
     _check_ppo([out, "rollout.sampling.max_new_tokens=24", "scoring.overlong.buffer=23", "scoring.timeout_s=0"])
+
+
+def test_a_file_read_twice_or_by_both_train_and_validation_is_warned_of(tmp_path: Path) -> None:
+    """Before, nothing said so; a repeat may be meant (a set weighed twice), so it is a warning.
+    A directory of data files counts as its files; a path is compared resolved."""
+    shard = tmp_path / "shards" / "a.jsonl"
+    shard.parent.mkdir()
+    shard.write_text('{"prompt": "a"}\n')
+    other = tmp_path / "b.jsonl"
+    other.write_text('{"prompt": "b"}\n')
+    again = str(tmp_path / "shards" / ".." / "shards" / "a.jsonl")
+    assert data_overlap_warnings([str(shard.parent), again, str(other)], [str(other)]) == [
+        f"warning: data.train reads {shard} 2 times: its rows are trained on as often each epoch",
+        f"warning: data.validation reads {other}, which data.train reads: it measures training data",
+    ]
+    assert data_overlap_warnings([str(shard), "builtin:arithmetic-train"], ["builtin:arithmetic-test"]) == []
