@@ -127,12 +127,11 @@ def exit_before_teardown(code: int) -> NoReturn:
     frees a tensor as the interpreter finalizes is ended inside a destructor when it takes the GIL,
     and a run that succeeded aborts ("terminate called without an active exception", SIGABRT; a rank
     in one of CI's torchrun tests in two of three runs). Everything that exit does for this program
-    is done here first: its threads are joined, the ``atexit`` handlers run (the run lock's release,
-    logging's flush, temporary directories, multiprocessing's children) and the standard streams
-    are flushed. The files a run writes are flushed as written and closed by the run."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    is done here first, with the interpreter's own private steps: threading's shutdown (its exit
+    hooks stop idle executor workers, then non-daemon threads are joined), the ``atexit`` handlers
+    (the run lock's release, logging's flush, temporary directories, multiprocessing's children) and
+    the standard streams' flush. The files a run writes are flushed as written and closed by the run."""
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed stream: as exit does

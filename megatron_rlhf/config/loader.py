@@ -263,8 +263,8 @@ class ConfigSources:
 
     def report(self, without_effect: Mapping[str, str] | None = None) -> str:
         """The start-up report's settings block. ``without_effect``: the settings (keys or sections)
-        the run reads nothing of, with why (``LoopConfig.without_effect``); one given a value is
-        warned of."""
+        the run reads nothing of, with why (``LoopConfig.without_effect``); one the command line
+        gives is warned of."""
         base = f"preset {self.base}" if self.base in presets() else self.base
         head = f"settings: built on {base}" if base else "settings: library defaults (no --config)"
         notes = [
@@ -272,11 +272,12 @@ class ConfigSources:
             "the last is used"
             for key, values in self.repeated.items()
         ]
-        # Of the user's own settings: a preset sets some for the algorithms a run may switch to.
+        # Of the command line's settings only: a preset or a config file (often one --print-config
+        # wrote) holds settings for the algorithms a run may switch to.
         for setting in self.changed:
             why = _closest_section(setting.key, without_effect or {})
-            if why is not None and setting.origin != DERIVED and not setting.origin.startswith("preset "):
-                notes.append(f"warning: {setting.key}={_show(setting.value)} ({setting.origin}) has no effect: {why}")
+            if why is not None and setting.origin == COMMAND_LINE:
+                notes.append(f"warning: {setting.key}={_show(setting.value)} (command line) has no effect: {why}")
         if not self.changed:
             return "\n".join([head + "; none differs from the library defaults", *notes])
         width = max(len(c.key) for c in self.changed)

@@ -41,7 +41,8 @@ class PromptDataConfig(ChatDataConfig):
     validation: list[str] = dataclasses.field(default_factory=list)
     """Validation prompts, same formats (e.g. [builtin:arithmetic-test]); empty: no validation."""
     extra_keys: list[str] = dataclasses.field(default_factory=list)
-    """Columns passed to reward rules with each sample (e.g. [answer])."""
+    """Columns passed to reward rules with each sample (e.g. [answer]); a row whose value is null or
+    blank is invalid (``on_invalid``)."""
     max_prompt_length: int = 512
     """Longest prompt in tokens; longer rows follow ``on_overlong``."""
 
@@ -200,9 +201,11 @@ class PPOConfig(LoopConfig, ModelsConfig):
             unread["algorithm.loss.kl_estimator"] = "algorithm.loss.kl_loss_coef=0: no KL loss"
         if algo.kl_penalty.coef == 0:  # the coef is the switch: all else of the penalty
             unread |= {
-                f"algorithm.{name}": "algorithm.kl_penalty.coef=0: no KL penalty"
-                for name in ("kl_penalty_estimator", *(f"kl_penalty.{f}" for f in ADAPTIVE_ONLY), "kl_penalty.type")
+                f"algorithm.kl_penalty.{name}": "algorithm.kl_penalty.coef=0: no KL penalty"
+                for name in (*ADAPTIVE_ONLY, "type")
             }
+        if "reference" not in roles:  # with a reference, it measures the logged KL (and health.max_kl's)
+            unread["algorithm.kl_penalty_estimator"] = no_model["reference"]
         elif algo.kl_penalty.type == "fixed":
             unread |= {
                 f"algorithm.kl_penalty.{name}": "algorithm.kl_penalty.type=fixed: only the adaptive controller reads it"
@@ -219,11 +222,6 @@ class PPOConfig(LoopConfig, ModelsConfig):
         reference = self.reference
         if reference.update != "periodic":
             unread["reference.update_every"] = f"reference.update={reference.update!r}: only periodic reads it"
-        elif 0 < self.max_steps <= reference.update_every:
-            unread["reference.update"] = (
-                f"the first copy follows step reference.update_every={reference.update_every}; "
-                f"the run ends at max_steps={self.max_steps}"
-            )
         if reference.update != "ema":
             unread["reference.ema_decay"] = f"reference.update={reference.update!r}: only ema reads it"
         return unread
@@ -277,9 +275,9 @@ def old_logprob_pass(cfg: PPOConfig) -> tuple[bool, str]:
     )
 
 
-def _scoring_limit_errors(cfg: PPOConfig) -> list[str]:
-    """Scoring's limits against the run's: the over-long ramp within a response, a reward call's
-    timeout within the collectives'."""
+def _scoring_limit_errors(cfg: PPOConfig, world_size: int) -> list[str]:
+    """Scoring's limits against the run's: the over-long ramp within a response, and the timeout of
+    a rule's or the custom function's call within the collectives' (where other ranks wait)."""
     errors = []
     buffer, longest = cfg.scoring.overlong.buffer, cfg.rollout.sampling.max_new_tokens
     if buffer >= longest:
@@ -287,8 +285,8 @@ def _scoring_limit_errors(cfg: PPOConfig) -> list[str]:
             f"scoring.overlong.buffer={buffer} must be below rollout.sampling.max_new_tokens={longest}: the "
             f"penalty starts {buffer} tokens before the longest response, so every response would be penalised"
         )
-    timeout = cfg.scoring.timeout_s
-    if timeout >= cfg.dist_timeout_s:
+    timeout, calls = cfg.scoring.timeout_s, cfg.scoring.rules or cfg.scoring.custom_function.path
+    if calls and world_size > 1 and timeout >= cfg.dist_timeout_s:
         errors.append(
             f"scoring.timeout_s={timeout} must be below dist_timeout_s={cfg.dist_timeout_s}: the other ranks "
             "wait that long for a rank's scores, and would time out first, without naming the reward call"
@@ -329,7 +327,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             f"(got {sampling.n})"
         )
     found, rules, function = scoring_errors(cfg.scoring)
-    errors += found + _scoring_limit_errors(cfg)
+    errors += found + _scoring_limit_errors(cfg, world_size)
     if cfg.eval.judged_by and cfg.eval.judged_by not in cfg.scoring.parts():
         errors.append(
             f"eval.judged_by={cfg.eval.judged_by!r} is not a scoring part; the parts are {cfg.scoring.parts()}"

@@ -226,6 +226,11 @@ NOTES = {
     "KLControllerConfig.coef": "with type=adaptive this is only the starting value: the checkpoint's current "
     "coefficient continues (one a fixed controller saved does not); with type=fixed the new value applies",
     "ModelConfig.path": "compared by architecture and tokenizer, not by path",
+    **dict.fromkeys(
+        ("PPOConfig.ppo_epochs", "PPOConfig.mini_batch_size"),
+        "the learning-rate schedules count optimizer steps, and this changes how many a step makes: a decay "
+        "whose length was resolved from the run's (decay_steps null) now ends before or after the run does",
+    ),
     "RowsConfig.add_bos": "as resolved: null follows the tokenizer's own encoding of text (checkpoints written "
     "before null was the default have false; data.add_bos=false continues such a run as it was)",
 }

@@ -152,8 +152,13 @@ def test_scoring_limits_past_the_runs_own_are_refused(tmp_path: Path) -> None:
     out = f"output_dir={tmp_path}"
     message = _error("ppo", [out, "rollout.sampling.max_new_tokens=24", "scoring.overlong.buffer=24"])
     assert "scoring.overlong.buffer=24 must be below rollout.sampling.max_new_tokens=24" in message
-    message = _error("ppo", [out, "scoring.timeout_s=600", "dist_timeout_s=600"])
-    assert "scoring.timeout_s=600.0 must be below dist_timeout_s=600" in message
+    timeouts = [out, "scoring.timeout_s=600", "dist_timeout_s=600"]
+    with pytest.raises(ConfigError) as info:
+        check_ppo_config(load_config("ppo-tiny", timeouts, schema=PPOConfig), 2)
+    assert "scoring.timeout_s=600.0 must be below dist_timeout_s=600" in str(info.value)
+    _check_ppo(timeouts)  # one rank: no other waits for its scores
+    rm_only = ["scoring.rules=[]", "scoring.use_reward_model=true", "dist_timeout_s=30"]  # no call is timed
+    check_ppo_config(load_config("ppo-tiny", [out, *rm_only], schema=PPOConfig), 2)
     _check_ppo([out, "rollout.sampling.max_new_tokens=24", "scoring.overlong.buffer=23", "scoring.timeout_s=0"])
 
 
