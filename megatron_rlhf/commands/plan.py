@@ -89,11 +89,24 @@ def _trainer_of(args: argparse.Namespace) -> Planned:
     return typing.cast(Planned, named if named in PLANNED else "ppo")
 
 
+def _loads_as(trainer: Planned, args: argparse.Namespace) -> bool:
+    try:
+        load_config_with_sources(args.config, args.overrides, schema=planned_schema(trainer))
+    except ConfigError:
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan of ``plan.trainer``'s config; a ``ConfigError`` when the run would be refused
     or would not fit, with the plan."""
     command = _trainer_of(args)
-    cfg, sources = load_config_with_sources(args.config, args.overrides, schema=planned_schema(command))
+    try:
+        cfg, sources = load_config_with_sources(args.config, args.overrides, schema=planned_schema(command))
+    except ConfigError as err:
+        if command != "ppo" or not _loads_as("sft", args):
+            raise
+        raise ConfigError(f"{err}\nit loads as an sft or rm run's config: add plan.trainer=sft (or rm)") from None
     cfg.plan.trainer = command
     if args.print_config:
         raise_if_errors(config_errors(cfg))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from megatron_rlhf.trainer.ppo_config import PPOConfig
 from megatron_rlhf.training.objectives import sft_loss
 from megatron_rlhf.training.optim import OptimConfig, make_train_state
 from megatron_rlhf.training.train import train_step
+from tests.launch import run_cli_here
 
 ONE = Layout(1, 1, 1)
 CPU = torch.device("cpu")
@@ -265,3 +267,15 @@ def test_impossible_configs_are_refused_naming_the_keys(
 ) -> None:
     assert main(["plan", "--config", "ppo-grpo-1.5b", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_sft_config_planned_without_its_trainer_is_told_to_name_it(tmp_path: Path) -> None:
+    """A plan is of a ppo config unless plan.trainer says otherwise; an sft config's 'model' was then
+    answered with 'did you mean actor.path', which does not lead to the fix."""
+    config = tmp_path / "my-sft.yaml"
+    config.write_text('model: {path: "builtin:tiny-llama"}\noptim: {lr: 1.0e-4}\n')
+    refused = run_cli_here("plan", "--config", str(config), exit_code=2)
+    assert refused.stderr.rstrip().endswith("it loads as an sft or rm run's config: add plan.trainer=sft (or rm)")
+    assert (
+        "data.train is empty" in run_cli_here("plan", "--config", str(config), "plan.trainer=sft", exit_code=2).stderr
+    )

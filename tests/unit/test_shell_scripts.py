@@ -108,3 +108,17 @@ def test_docker_run_uses_the_host_network_for_several_nodes(
         assert "--network" not in argv
     else:
         assert argv[argv.index("--network") + 1] == network
+
+
+@pytest.mark.parametrize("setting", ["output_dir=runs/mine", "remote_dir=s3://bucket/run"])
+def test_the_sbatch_script_refuses_a_run_folder_given_as_a_setting(setting: str) -> None:
+    """It appends output_dir=$OUTPUT_DIR (and remote_dir=$REMOTE_DIR) after the user's settings, and
+    the last wins: the user's own was dropped with no more than the CLI's given-twice warning."""
+    script = REPO / "launch" / "slurm" / "multinode.sbatch"
+    env = {"PATH": os.environ["PATH"], "SLURM_SUBMIT_DIR": str(REPO)}
+    proc = subprocess.run(
+        ["bash", str(script), "ppo", "--config", "my-run.yaml", setting], capture_output=True, text=True, env=env
+    )
+    name, value = setting.split("=", 1)
+    assert proc.returncode == 2
+    assert f"submit with {name.upper()}={value} sbatch ... instead of the setting {setting}" in proc.stderr
