@@ -31,14 +31,20 @@ TEST_SETTINGS = {
 RUN = {
     "megatron-rlhf ppo actor.path=models/Qwen2.5-0.5B-Instruct data.train=[prompts.jsonl] "
     "scoring.custom_function.path=my_reward.py algorithm.advantage_estimator=grpo rollout.sampling.n=8 "
-    "rollout.sampling.max_new_tokens=64 max_steps=100 output_dir=runs/my-first": (
+    "rollout.sampling.max_new_tokens=64 max_steps=100 save_every=20 output_dir=runs/my-first": (
         "max_steps",
         "prompts_per_step",
         "rollout.sampling.max_new_tokens",
         "device",
     ),
-    "megatron-rlhf ppo --config ppo-tiny --print-config > my-run.yaml": (),
-    "megatron-rlhf ppo --config my-run.yaml max_steps=100": ("max_steps", "device"),
+    "megatron-rlhf ppo actor.path=models/Qwen2.5-0.5B-Instruct data.train=[prompts.jsonl] "
+    "scoring.custom_function.path=my_reward.py --print-config > my-run.yaml": (),
+    "megatron-rlhf ppo --config my-run.yaml max_steps=100": (
+        "max_steps",
+        "prompts_per_step",
+        "rollout.sampling.max_new_tokens",
+        "device",
+    ),
     "megatron-rlhf generate model=runs/my-first/hf input=prompts.jsonl output=answers.jsonl "
     "rollout.sampling.temperature=0": ("rollout.sampling.max_new_tokens", "device"),
 }
