@@ -41,7 +41,8 @@ class MultiTurnConfig:
     """Characters of a tool's answer (or of its exception) kept; a longer one keeps its head and tail
     (verl's middle truncation) and is counted as truncated."""
     tool_workers: int = 4
-    """Host threads that run the tool calls of all trajectories."""
+    """Tool calls of all trajectories running at once, each on a host thread; one past
+    tool_timeout_s gives its place to the next (its thread finishes in the background)."""
 
     def __post_init__(self) -> None:
         check_on_init(self)

@@ -1,23 +1,28 @@
 """Running a policy turn's tool calls on host threads, each with a timeout, without blocking the engine.
 
-A call is a job on a shared thread pool. Its timeout starts when a worker picks it up (a call queued
-behind others is not penalised); past it the call's slot is answered with a timeout error, and the
-worker, which Python cannot stop, finishes in the background and is ignored (give slow tools their
-own limit, as ``PythonTool`` does with its subprocess). The turn's Future resolves once every slot is
-answered, in the thread that answered last.
+A call runs on a thread of its own, at most ``tool_workers`` at once (``ToolWorkers``). Its timeout
+starts when it starts (a call queued behind others is not penalised); past it the call's slot is
+answered with a timeout error and its place goes to the next call: the thread, which Python cannot
+stop, finishes in the background, is ignored, and as a daemon does not hold up the process's exit
+(give slow tools their own limit, as ``PythonTool`` does with its subprocess). Before, a call that
+hung kept its worker, and once every worker held one, the calls queued behind them waited with no
+timer: the step stalled. The turn's Future resolves once every slot is answered, in the thread that
+answered last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from megatron_rlhf.agent.parsers import ErrorKind
 
-__all__ = ["CallOutcome", "gather_calls", "truncate_middle"]
+__all__ = ["CallOutcome", "ToolWorkers", "gather_calls", "truncate_middle"]
 
 TRUNCATION_MARK = "...(truncated)..."
 
@@ -47,14 +52,87 @@ def truncate_middle(text: str, limit: int) -> tuple[str, bool]:
     return text[:half] + TRUNCATION_MARK + text[len(text) - half :], True
 
 
+class ToolWorkers:
+    """Calls on daemon threads, at most ``workers`` running at once; one past its timeout gives its
+    place to the next queued call (see the module docstring)."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self.workers, self.name = workers, name
+        self._lock = threading.Lock()
+        self._queued: deque[Callable[[], None]] = deque()
+        self._running = 0
+        self._closed = False
+
+    def submit[T](
+        self, fn: Callable[[], T], timeout_s: float, on_timeout: Callable[[], None] | None = None
+    ) -> Future[T]:
+        """Run ``fn`` once a place is free; its Future holds what it returns or raises, whenever it
+        ends. ``timeout_s`` after it starts, if still running, its place is freed and ``on_timeout``
+        called."""
+        future: Future[T] = Future()
+
+        def start() -> None:
+            freed = threading.Event()
+
+            def free(timed_out: bool) -> None:
+                with self._lock:
+                    if freed.is_set():
+                        return
+                    freed.set()
+                    self._running -= 1
+                if timed_out and on_timeout is not None:
+                    on_timeout()
+                self._start_queued()
+
+            timer = threading.Timer(timeout_s, free, (True,))
+            timer.daemon = True
+
+            def body() -> None:
+                timer.start()
+                try:
+                    result = fn()
+                except BaseException as exc:  # the caller's to read from the Future
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                finally:
+                    timer.cancel()
+                    free(False)
+
+            threading.Thread(target=body, name=f"{self.name}-call", daemon=True).start()
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: submitted after shutdown")
+            self._queued.append(start)
+        self._start_queued()
+        return future
+
+    def _start_queued(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._queued or self._running >= self.workers:
+                    return
+                start = self._queued.popleft()
+                self._running += 1
+            start()
+
+    def shutdown(self) -> None:
+        """Drop the queued calls (their Futures never resolve) and refuse new ones; running ones
+        finish in the background."""
+        with self._lock:
+            self._closed = True
+            self._queued.clear()
+
+
 def gather_calls[T](
-    pool: ThreadPoolExecutor,
+    workers: ToolWorkers,
     calls: Sequence[Callable[[], CallOutcome]],
     timeout_s: float,
     timed_out: Callable[[int], CallOutcome],
     finish: Callable[[list[CallOutcome]], T],
 ) -> Future[T]:
-    """Run ``calls`` on ``pool``; the Future of ``finish(outcomes)``, outcomes in call order, a call
+    """Run ``calls`` on ``workers``; the Future of ``finish(outcomes)``, outcomes in call order, a call
     past ``timeout_s`` answered by ``timed_out(its index)``. Each call returns its outcome and never
     raises (``calls`` turn failures into outcomes); ``finish`` raising fails the Future."""
     result: Future[T] = Future()
@@ -73,17 +151,19 @@ def gather_calls[T](
             except Exception as exc:  # the environment's own failure (e.g. the chat template): the engine's to raise
                 result.set_exception(exc)
 
-    def run(index: int) -> None:
-        timer = threading.Timer(timeout_s, lambda: answer(index, timed_out(index)))
-        timer.daemon = True
-        timer.start()
+    def run(index: int) -> CallOutcome:
         started = time.perf_counter()
-        outcome = calls[index]()
-        timer.cancel()
-        answer(index, dataclasses.replace(outcome, seconds=time.perf_counter() - started))
+        return dataclasses.replace(calls[index](), seconds=time.perf_counter() - started)
+
+    def late(index: int) -> None:
+        answer(index, timed_out(index))
+
+    def returned(index: int, done: Future[CallOutcome]) -> None:
+        answer(index, done.result())
 
     for index in range(len(calls)):
-        pool.submit(run, index)
+        call = workers.submit(functools.partial(run, index), timeout_s, functools.partial(late, index))
+        call.add_done_callback(functools.partial(returned, index))
     if not calls:
         result.set_result(finish([]))
     return result

@@ -2,7 +2,7 @@
 ``ToolEpisode`` (an ``Episode``, one per trajectory).
 
 After each policy turn the engine hands over the turn's tokens; the episode parses its tool calls
-(``multi_turn.format``), runs them on the agent's thread pool and answers with the tokens of the tool
+(``multi_turn.format``), runs them on the agent's tool workers and answers with the tokens of the tool
 messages as the chat template writes them, up to the next assistant generation prompt. Every failure
 of a call becomes a tool message the model reads, counted by kind in the trajectory record. A turn
 without calls goes to the prompt's interaction (``agent/interactions.py``), if it has one: its reply
@@ -16,11 +16,11 @@ import functools
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, get_args
 
 from megatron_rlhf.agent.config import MultiTurnConfig
-from megatron_rlhf.agent.executor import CallOutcome, gather_calls, truncate_middle
+from megatron_rlhf.agent.executor import CallOutcome, ToolWorkers, gather_calls, truncate_middle
 from megatron_rlhf.agent.interactions import interaction_of, load_interactions
 from megatron_rlhf.agent.parsers import PARSERS, CallError, ParsedCall, ToolCall
 from megatron_rlhf.agent.tools import argument_problems, call_method, load_tools, response_text, tool_name
@@ -114,7 +114,7 @@ def tools_kwargs_of(extra_info: Mapping[str, Any] | None, tool_names: Sequence[s
 
 class ToolAgent:
     """The environment of multi-turn trajectories: the tools and the interactions (each built once,
-    from its file), the thread pool that runs their calls, and each prompt's ``create_kwargs`` and
+    from its file), the workers that run their calls (``ToolWorkers``), and each prompt's ``create_kwargs`` and
     interaction.
 
     ``extra_infos``: each prompt's extras (None where a row has none), in prompt order: verl's
@@ -160,14 +160,14 @@ class ToolAgent:
             for i, extra in enumerate(extra_infos)
         ]
         self.extra_infos = extra_infos
-        self.pool = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="agent-tool")
+        self.workers = ToolWorkers(config.tool_workers, "agent-tool")
 
     def episode(self, prompt_index: int, sample_index: int) -> ToolEpisode:
         return ToolEpisode(self, prompt_index, sample_index)
 
     def shutdown(self) -> None:
         """Stop the workers (calls still queued are dropped; running ones finish in the background)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.workers.shutdown()
 
     def __enter__(self) -> ToolAgent:
         return self
@@ -180,7 +180,7 @@ class ToolEpisode:
     """One trajectory: its tools' instances (created on a tool's first call, with the prompt's
     ``create_kwargs``; released at ``close``), its interaction's instance (started on its first
     reply, with the prompt's ``interaction_kwargs``; finalized at ``close``) and its record.
-    ``after_turn`` and ``close`` come from the engine's thread, calls finish on the pool's: the
+    ``after_turn`` and ``close`` come from the engine's thread, calls finish on the workers': the
     record is updated under a lock."""
 
     def __init__(self, agent: ToolAgent, prompt_index: int, sample_index: int) -> None:
@@ -214,7 +214,7 @@ class ToolEpisode:
         calls = agent.parse(text)[: config.max_parallel_calls] if agent.tools else []
         if calls:
             return gather_calls(
-                agent.pool,
+                agent.workers,
                 [functools.partial(self._call, call) for call in calls],
                 config.tool_timeout_s,
                 lambda i: CallOutcome(
@@ -228,7 +228,7 @@ class ToolEpisode:
         if chosen is None:
             return None
         return gather_calls(
-            agent.pool,
+            agent.workers,
             [self._reply],
             config.tool_timeout_s,
             lambda _: CallOutcome(f"{chosen[0]}: no answer within {config.tool_timeout_s} s", "timeout", ends=True),
@@ -340,7 +340,7 @@ class ToolEpisode:
 
     def close(self) -> TrajectoryRecord:
         """Ask each created tool instance its reward, release it, finalize the interaction's instance,
-        and return the trajectory record. These calls run on the pool within ``tool_timeout_s`` (a
+        and return the trajectory record. These calls run on the workers within ``tool_timeout_s`` (a
         tool's failure or timeout counts as a tool error, reward 0; the interaction's as an
         interaction error), so that a hanging tool cannot stall the engine's thread that closes.
         ``num_turns`` counts as verl's tool agent loop does (assistant turns + user turns + 1): the
@@ -349,16 +349,23 @@ class ToolEpisode:
             self._closed = True
             instances = dict(self._instances)
             conversation = self._conversation
-        pending = {name: self.agent.pool.submit(self._finish, name, instance) for name, instance in instances.items()}
+        workers, timeout_s = self.agent.workers, self.agent.config.tool_timeout_s
+        pending = {
+            name: workers.submit(functools.partial(self._finish, name, instance), timeout_s)
+            for name, instance in instances.items()
+        }
         chosen = self.agent.interaction_of[self.prompt_index]
         finalizing = (
-            self.agent.pool.submit(
-                call_method, self.agent.interactions[chosen[0]].finalize_interaction, conversation, **chosen[1]
+            workers.submit(
+                functools.partial(
+                    call_method, self.agent.interactions[chosen[0]].finalize_interaction, conversation, **chosen[1]
+                ),
+                timeout_s,
             )
             if chosen is not None and conversation is not None
             else None
         )
-        wait([*pending.values(), *([finalizing] if finalizing else [])], timeout=self.agent.config.tool_timeout_s)
+        wait([*pending.values(), *([finalizing] if finalizing else [])], timeout=timeout_s)
         rewards: dict[str, float] = {}
         for name, future in pending.items():
             failed: ToolErrorKind | None = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from megatron_rlhf.agent.builtin_tools import Calculator
 from megatron_rlhf.agent.config import MultiTurnConfig
+from megatron_rlhf.agent.executor import ToolWorkers
 from megatron_rlhf.agent.loop import ToolAgent
 from megatron_rlhf.agent.tools import BaseTool, ToolResponse
 from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
@@ -145,7 +147,9 @@ def test_a_hanging_create_times_out_and_its_late_instance_is_released(tokenizer)
         assert "did not finish within 0.2 s" in tokenizer.decode(future.result(timeout=10).token_ids)
         record = episode.close()
         CreateHangs.gate.set()
-        agent.pool.shutdown(wait=True)
+        for thread in threading.enumerate():  # the late create, and its release
+            if thread.name.startswith("agent-tool"):
+                thread.join(10)
     assert record["tool_errors"]["timeout"] == 1 and record["tool_rewards"] == {}
     assert len(released) == 1  # created after close: released at once, never leaked
 
@@ -320,3 +324,39 @@ def test_a_turn_ended_by_another_stop_token_gets_the_templates_turn_end_from_the
         after_eos = agent.messages.text(["7"], stop_text="<|endoftext|>")
     assert after_im_end == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert after_eos == "<|im_end|>" + after_im_end
+
+
+def test_a_call_past_its_timeout_gives_its_place_to_the_next() -> None:
+    """With every worker held by a hung call, the calls queued behind them used to wait, with no timer,
+    until one returned: the step stalled. Now the hung call's place goes to the next at its timeout;
+    its thread is a daemon, so it holds up no exit either."""
+    workers = ToolWorkers(1, "test-tool")
+    gate, timed_out = threading.Event(), threading.Event()
+    hung = workers.submit(lambda: gate.wait(30) and "late", 0.2, timed_out.set)
+    started = time.perf_counter()
+    assert workers.submit(lambda: "quick", 0.2).result(timeout=10) == "quick"
+    waited = time.perf_counter() - started
+    assert timed_out.is_set() and not hung.done() and 0.15 < waited < 5
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("test-tool"))
+    gate.set()
+    assert hung.result(timeout=10) == "late"  # it finishes in the background, and is read if wanted
+    workers.shutdown()
+    with pytest.raises(RuntimeError, match="test-tool: submitted after shutdown"):
+        workers.submit(lambda: None, 1.0)
+
+
+def test_at_most_the_workers_run_at_once() -> None:
+    workers = ToolWorkers(2, "test-tool")
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def call() -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+
+    for future in [workers.submit(call, 10.0) for _ in range(6)]:
+        future.result(timeout=10)
+    assert most[0] == 2
