@@ -34,7 +34,8 @@ class MultiTurnConfig:
     format: str = "hermes"
     """How the policy writes tool calls (the parser): hermes, Qwen2.5's <tool_call>{json}</tool_call>."""
     max_parallel_calls: int = 1
-    """Tool calls run per policy turn; further calls in the same turn are ignored, as verl does."""
+    """Tool calls run per policy turn; further calls in the same turn are ignored, as verl does, and
+    counted (the trajectory record's tool_errors over_limit)."""
     tool_timeout_s: float = 30.0
     """A call still running after this long answers the model with a timeout error."""
     max_tool_response_length: int = 256
@@ -52,6 +53,16 @@ class MultiTurnConfig:
         """Whether the prompts' conversations must be kept (the loader's ``keep_raw_prompt``): an
         interaction reads the whole conversation, the prompt's messages first, as in verl."""
         return self.enable and bool(self.interaction_config_path)
+
+    def offered_tools_errors(self, tools_file: str) -> list[str]:
+        """The prompts' tools (``data.tools_file``) against the agent's: the model would be offered
+        tools that are not run, and every call answered "unknown tool"."""
+        if not (self.enable and tools_file and tools_file != self.tool_config_path):
+            return []
+        return [
+            f"data.tools_file={tools_file!r} offers the prompts other tools than the agent runs "
+            f"(rollout.multi_turn.tool_config_path={self.tool_config_path!r}): name the same file"
+        ]
 
     def errors(self) -> list[str]:
         errors = at_least(self, 0, "max_assistant_turns", "max_user_turns")

@@ -85,6 +85,22 @@ class AgentParts:
             load_interactions(config.interaction_config_path) if config.interaction_config_path else {},
         )
 
+    def unrendered_tools_warning(self, tokenizer: Tokenizer) -> str | None:
+        """A warning where the chat template writes nothing of the tools into a prompt: only a model
+        trained to call them without their schemas (as the built-in arithmetic tool task's is, by SFT)
+        will; any other makes no call, and every trajectory ends after one turn with no error."""
+        template, probe = tokenizer.chat_template, [{"role": "user", "content": "?"}]
+        if not self.tools or template is None:
+            return None  # ToolAgent refuses a tokenizer without a template
+        if template.render(probe, tools=[tool.tool_schema for tool in self.tools.values()]) != template.render(probe):
+            return None
+        return (
+            f"warning: {template.source}: the chat template writes nothing of the tools' schemas into the prompt "
+            "(it renders the same with and without them): the policy is not told of the tools, and calls them "
+            "only if trained to; a model tuned for tool use wants a template that renders `tools` (e.g. "
+            "Qwen2.5's, Qwen3's, Llama 3.1's)"
+        )
+
 
 def tools_kwargs_of(extra_info: Mapping[str, Any] | None, tool_names: Sequence[str], where: str) -> dict[str, dict]:
     """A prompt's ``create_kwargs`` per tool, from verl's ``extra_info.tools_kwargs[tool].create_kwargs``;
@@ -190,7 +206,7 @@ class ToolEpisode:
         self._instances: dict[str, str] = {}
         self._conversation: str | None = None  # the interaction's instance, once started
         self._closed = False
-        self.policy_turns = self.tool_turns = self.tool_calls = self.truncated = 0
+        self.policy_turns = self.tool_turns = self.tool_calls = self.truncated = self.over_limit = 0
         self.user_turns = self.interaction_errors = 0
         self.interaction_failure = ""
         self.errors: dict[ToolErrorKind, int] = dict.fromkeys(get_args(ToolErrorKind), 0)
@@ -211,7 +227,11 @@ class ToolEpisode:
             config.max_user_turns and environment_turns >= config.max_user_turns
         ):
             return None
-        calls = agent.parse(text)[: config.max_parallel_calls] if agent.tools else []
+        parsed = agent.parse(text) if agent.tools else []
+        calls = parsed[: config.max_parallel_calls]
+        if len(parsed) > len(calls):
+            with self._lock:
+                self.over_limit += len(parsed) - len(calls)
         if calls:
             return gather_calls(
                 agent.workers,
@@ -384,7 +404,7 @@ class ToolEpisode:
             "interaction_errors": self.interaction_errors,
             "interaction_failure": self.interaction_failure,
             "tool_calls": self.tool_calls,
-            "tool_errors": {**self.errors, "truncated": self.truncated},
+            "tool_errors": {**self.errors, "truncated": self.truncated, "over_limit": self.over_limit},
             "tool_seconds": self.tool_seconds,
             "tool_rewards": rewards,
             "tool_call_rewards": list(self.call_rewards),

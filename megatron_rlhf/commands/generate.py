@@ -12,6 +12,7 @@ from megatron_rlhf.commands.config_args import add_config_args, print_config, un
 from megatron_rlhf.config.flags import add_flag_aliases
 from megatron_rlhf.config.loader import config_errors, load_config_with_sources, raise_if_errors
 from megatron_rlhf.config.run import DeviceConfig
+from megatron_rlhf.data.builtin import data_path_errors
 from megatron_rlhf.data.config import PromptRowsConfig
 from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.rollout.sampling import SamplingParams
@@ -62,7 +63,16 @@ class GenerateConfig(DeviceConfig):
     """Generation's layout, sampling and engine (ppo's rollout.* keys)."""
 
     def errors(self) -> list[str]:
-        return unset_errors(self, "model", "input", "output") + self._output_errors()
+        errors = unset_errors(self, "model", "input", "output") + self._output_errors()
+        errors += data_path_errors("input", [self.input]) if self.input else []
+        errors += self.rollout.multi_turn.offered_tools_errors(self.data.tools_file)
+        sampling = self.rollout.sampling
+        if sampling.temperature == 0 and sampling.n > 1:
+            errors.append(
+                f"rollout.sampling.n={sampling.n} at temperature 0 (greedy) makes {sampling.n} identical completions "
+                "of each prompt: sample with a temperature > 0, or n=1"
+            )
+        return errors
 
     def _output_errors(self) -> list[str]:
         """Checked before the model loads: the output is written only once every completion is made."""

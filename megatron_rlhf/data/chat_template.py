@@ -290,6 +290,8 @@ def load_tool_entries(path: str | Path) -> list[dict[str, Any]]:
     path = tools_file_path(path)
     fields = ("class_name", "config", "tool_schema")
     tools = verl_file_entries(path, "tools", "tools", fields, "tool_config_path")
+    if not tools:
+        raise ValueError(f"{path}: tools is empty: a tools file offers the model at least one tool")
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or "tool_schema" not in tool:
             raise ValueError(

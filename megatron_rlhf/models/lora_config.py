@@ -8,6 +8,7 @@ megatron's fused linears.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 from megatron_rlhf.config.fields import check_on_init, did_you_mean, field_default
@@ -110,8 +111,8 @@ class LoraConfig:
                 f"{', '.join(adapter_settings)} set with rank=0, which trains the full model without adapters: "
                 "set rank > 0 for LoRA, or leave these unset"
             )
-        if not self.alpha > 0:
-            errors.append(f"alpha={self.alpha} must be > 0")
+        if not 0 < self.alpha < math.inf:
+            errors.append(f"alpha={self.alpha} must be > 0 and finite")
         if not 0.0 <= self.dropout < 1.0:
             errors.append(f"dropout={self.dropout} must be in [0, 1)")
         known = [*TARGET_LINEARS, ALL_LINEAR]

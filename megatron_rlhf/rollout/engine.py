@@ -21,9 +21,10 @@ FINISH_REASONS = ("stop", "length")
 
 ToolCallErrorKind = Literal["malformed_json", "unknown_tool", "bad_arguments", "timeout", "exception"]
 """How a tool call failed: its answer to the model is an error message."""
-ToolErrorKind = Literal[ToolCallErrorKind, "truncated"]
-"""The keys of ``TrajectoryRecord.tool_errors``: a failed call's kind, or ``truncated`` for an
-answer cut at the length cap (still delivered)."""
+ToolErrorKind = Literal[ToolCallErrorKind, "truncated", "over_limit"]
+"""The keys of ``TrajectoryRecord.tool_errors``: a failed call's kind, ``truncated`` for an answer cut
+at the length cap (still delivered), or ``over_limit`` for a call past a turn's max_parallel_calls
+(neither run nor answered)."""
 
 
 class TrajectoryRecord(TypedDict):

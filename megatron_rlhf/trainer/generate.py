@@ -96,6 +96,8 @@ def generate_trajectories(
     if multi_turn is None or not multi_turn.enable:
         return generate_data_parallel(engine, ids, params, on_finished)
     parts = AgentParts.load(multi_turn)
+    if warning := parts.unrendered_tools_warning(tokenizer):
+        log(warning)
     extras = [example.extras for example in prompts]
     with ToolAgent(multi_turn, tokenizer, parts.tools, extras, interactions=parts.interactions) as agent:
         return generate_data_parallel(engine, ids, params, on_finished, agent=agent)

@@ -189,6 +189,8 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     agent_parts = AgentParts.load(rollout.multi_turn) if rollout.multi_turn.enable else None
     with tool_agent(cfg, tokenizer, agent_parts, [*prompts.extras, *(validation.extras if validation else [])]):
         pass
+    if agent_parts is not None and (warning := agent_parts.unrendered_tools_warning(tokenizer)):
+        log(warning)
     actor = make_train_state(start.build("actor"), cfg.actor_optim)
     critic = make_train_state(start.build("critic"), cfg.critic_optim) if "critic" in archs else None
     reference = updater = None

@@ -276,8 +276,9 @@ def old_logprob_pass(cfg: PPOConfig) -> tuple[bool, str]:
 
 
 def _scoring_limit_errors(cfg: PPOConfig, world_size: int) -> list[str]:
-    """Scoring's limits against the run's: the over-long ramp within a response, and the timeout of
-    a rule's or the custom function's call within the collectives' (where other ranks wait)."""
+    """Scoring's and the tools' limits against the run's: the over-long ramp within a response, and
+    the timeout of a rule's, the custom function's or a tool's call within the collectives' (where
+    other ranks wait)."""
     errors = []
     buffer, longest = cfg.scoring.overlong.buffer, cfg.rollout.sampling.max_new_tokens
     if buffer >= longest:
@@ -290,6 +291,13 @@ def _scoring_limit_errors(cfg: PPOConfig, world_size: int) -> list[str]:
         errors.append(
             f"scoring.timeout_s={timeout} must be below dist_timeout_s={cfg.dist_timeout_s}: the other ranks "
             "wait that long for a rank's scores, and would time out first, without naming the reward call"
+        )
+    multi_turn = cfg.rollout.multi_turn
+    if multi_turn.enable and world_size > 1 and multi_turn.tool_timeout_s >= cfg.dist_timeout_s:
+        errors.append(
+            f"rollout.multi_turn.tool_timeout_s={multi_turn.tool_timeout_s} must be below dist_timeout_s="
+            f"{cfg.dist_timeout_s}: the other ranks wait that long for this rank's rollouts, and would time "
+            "out first, without naming the tool"
         )
     return errors
 
@@ -346,12 +354,7 @@ def check_ppo_config(cfg: PPOConfig, world_size: int) -> CheckedConfig:
             f"(algorithm.advantage_estimator={algo.advantage_estimator!r}); remove the critic's LoRA settings"
         )
     errors += eval_every_errors(cfg.eval_every, data.validation)
-    multi_turn = rollout.multi_turn
-    if multi_turn.enable and data.tools_file and data.tools_file != multi_turn.tool_config_path:
-        errors.append(
-            f"data.tools_file={data.tools_file!r} offers the prompts other tools than the agent runs "
-            f"(rollout.multi_turn.tool_config_path={multi_turn.tool_config_path!r}): name the same file"
-        )
+    errors += rollout.multi_turn.offered_tools_errors(data.tools_file)
     if not sampling.temperature > 0:
         errors.append(f"rollout.sampling.temperature={sampling.temperature} must be > 0: RL samples its responses")
     longest = cfg.longest_sequence
@@ -443,7 +446,8 @@ def _batch_errors(cfg: PPOConfig, world_size: int, roles: list[str]) -> list[str
 
 
 def _lora_errors(cfg: PPOConfig, roles: list[str]) -> list[str]:
-    """LoRA where ppo cannot use it: the reference and the reward model never train; a LoRA actor's
+    """LoRA where ppo cannot use it: the reference and the reward model never train; dropout, which
+    makes the trained forward differ from the one that made the rollout's figures; a LoRA actor's
     reference cannot follow it (the reference's copy of the actor would need the adapters merged)."""
     why = {
         "reference": "the reference never trains",
@@ -453,6 +457,14 @@ def _lora_errors(cfg: PPOConfig, roles: list[str]) -> list[str]:
         f"{role}.lora.rank={cfg.role(role).lora.rank} must be 0: {reason}"
         for role, reason in why.items()
         if cfg.role(role).lora.rank > 0
+    ]
+    errors += [
+        f"{role}.lora.dropout={cfg.role(role).lora.dropout} must be 0 in ppo: dropout acts in the update's "
+        "forward only (train mode), not in the rollout's, the old log-probs', the old values' or the "
+        "reference's, so the update starts from a ratio away from 1 and its clip cuts noise (an adapter "
+        "trained with dropout loads with 0)"
+        for role in ("actor", "critic")
+        if role in roles and cfg.role(role).lora.enabled and cfg.role(role).lora.dropout > 0
     ]
     lora = cfg.actor.lora
     if not lora.enabled:

@@ -17,7 +17,7 @@ import pytest
 from megatron_rlhf.agent.builtin_tools import Calculator
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.agent.executor import ToolWorkers
-from megatron_rlhf.agent.loop import ToolAgent
+from megatron_rlhf.agent.loop import AgentParts, ToolAgent
 from megatron_rlhf.agent.tools import BaseTool, ToolResponse
 from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
 from tests.helpers import make_chat_tokenizer, policy_turn
@@ -197,6 +197,7 @@ def test_every_bad_call_goes_back_as_a_tool_message_and_is_counted(tokenizer) ->
         "timeout": 1,
         "exception": 1,
         "truncated": 2,
+        "over_limit": 0,
     }
     assert record["tool_calls"] == 7
     # calc_reward of each tool that ran: echo twice, bonus 2 from its create_kwargs
@@ -216,7 +217,8 @@ def test_the_turn_limit_and_the_call_limit(tokenizer) -> None:
         assert future is not None and "<tool_response>\n2\n</tool_response><|im_end|>" in tokenizer.decode(
             future.result(timeout=10).token_ids
         )
-        assert episode.close()["tool_calls"] == 1
+        record = episode.close()
+        assert record["tool_calls"] == 1 and record["tool_errors"]["over_limit"] == 1  # the second: dropped, counted
 
 
 def test_bad_construction_is_named(tool_chat_dir, tokenizer) -> None:
@@ -360,3 +362,25 @@ def test_at_most_the_workers_run_at_once() -> None:
     for future in [workers.submit(call, 10.0) for _ in range(6)]:
         future.result(timeout=10)
     assert most[0] == 2
+
+
+def test_a_chat_template_that_writes_no_tools_is_warned_of(tmp_path: Path) -> None:
+    """A template that writes each message by its role and reads no ``tools`` (as ChatML templates of
+    models not tuned for tools do): the model would never be told of them, make no call, and every
+    trajectory would end after one turn, with only multi_turn/tool_calls/mean = 0 to show it. A
+    warning, not an error: a model trained to call a tool without its schema (the built-in arithmetic
+    tool task's) does call it."""
+    model_dir = make_chat_tokenizer("qwen2", tmp_path)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tools = {"calculator": Calculator({}, CALCULATOR)}
+    warning = AgentParts(tools, {}).unrendered_tools_warning(load_tokenizer(model_dir))
+    assert warning is not None and "the chat template writes nothing of the tools' schemas into the prompt" in warning
+    assert (
+        AgentParts(tools, {}).unrendered_tools_warning(
+            load_tokenizer(make_chat_tokenizer("qwen25_tools", tmp_path / "q"))
+        )
+        is None
+    )

@@ -252,3 +252,11 @@ def test_ppo_refuses_prompts_offered_other_tools_than_the_agent_runs(tmp_path: P
     assert "tool_config_path" in capsys.readouterr().out
     assert main([*settings, f"data.tools_file={offered}", "--print-config"]) == 2
     assert f"data.tools_file='{offered}' offers the prompts other tools than the agent runs" in capsys.readouterr().err
+
+
+def test_a_tools_file_without_tools_is_named(tmp_path: Path) -> None:
+    """Before: accepted, and the rollouts were single-turn with no word."""
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools: []\n")
+    (error,) = config_errors(enable=True, tool_config_path=str(path))
+    assert error == f"tool_config_path: {path}: tools is empty: a tools file offers the model at least one tool"

@@ -142,8 +142,8 @@ PRINTED = {
     "sft": ("--config", "sft-tiny", "data.train=[builtin:arithmetic-sft]", "output_dir={tmp}/run"),
     "pipeline": ("stages=[grpo,test]", "output_dir={tmp}/run"),
     "smoke": ("seed=7", "output_dir={tmp}/run"),
-    "generate": ("--model", "builtin:tiny-llama", "input=p.jsonl", "output={tmp}/o.jsonl", "--num-samples", "4",
-                 "--stop-token-ids", "3", "4", "rollout.sampling.temperature=0.7"),
+    "generate": ("--model", "builtin:tiny-llama", "input=builtin:arithmetic-test", "output={tmp}/o.jsonl",
+                 "--num-samples", "4", "--stop-token-ids", "3", "4", "rollout.sampling.temperature=0.7"),
     "plan": ("--config", "sft-tiny", "data.train=[builtin:arithmetic-sft]", "--world-size", "2", "--json"),
     "convert": ("hf-to-mcore", "/models/a", "ckpt/a", "--tp", "2"),
 }  # fmt: skip

@@ -26,7 +26,8 @@ logits by more than 0.05: a wrong slice would be far above this."""
     ("fields", "message"),
     [
         ({"rank": -1}, "rank=-1 must be >= 0 (0: no adapters)"),
-        ({"alpha": 0.0}, "alpha=0.0 must be > 0"),
+        ({"alpha": 0.0}, "alpha=0.0 must be > 0 and finite"),
+        ({"alpha": float("inf")}, "alpha=inf must be > 0 and finite"),
         ({"dropout": 1.0}, "dropout=1.0 must be in [0, 1)"),
         ({"dropout": -0.1}, "dropout=-0.1 must be in [0, 1)"),
         ({"target_modules": []}, "target_modules is empty: name at least one of"),

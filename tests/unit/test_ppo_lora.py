@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.loader import ConfigError, load_config
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config, reference_from_actor
 from tests.helpers import PPO_TINY_ROLLOUT, response_logprobs
 
@@ -45,6 +45,13 @@ def test_the_reference_is_the_actors_base_when_it_can_be(overrides: tuple[str, .
 
 def test_ppo_accepts_a_lora_actor() -> None:
     check_ppo_config(_config(), 1)  # raises ConfigError otherwise
+
+
+def test_ppo_refuses_lora_dropout() -> None:
+    """Dropout is on in the update's forward only: with 0.1 the first mini-batch's ratio was not 1.
+    (tests/unit/test_lora.py shows dropout on in train mode and off in eval mode.)"""
+    with pytest.raises(ConfigError, match=r"actor.lora.dropout=0.1 must be 0 in ppo: dropout acts in the update"):
+        check_ppo_config(_config("actor.lora.dropout=0.1"), 1)
 
 
 def _base_model(path: str = "builtin:tiny-llama"):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.config.loader import ConfigError, load_config
+from megatron_rlhf.commands.generate import GenerateConfig
+from megatron_rlhf.config.loader import ConfigError, config_errors, load_config
 from megatron_rlhf.data.builtin import data_overlap_warnings
 from megatron_rlhf.trainer.ppo_config import PPOConfig, check_ppo_config
 from megatron_rlhf.trainer.rm import RMConfig
@@ -176,3 +177,38 @@ def test_a_file_read_twice_or_by_both_train_and_validation_is_warned_of(tmp_path
         f"warning: data.validation reads {other}, which data.train reads: it measures training data",
     ]
     assert data_overlap_warnings([str(shard), "builtin:arithmetic-train"], ["builtin:arithmetic-test"]) == []
+
+
+def test_a_tool_timeout_past_the_collectives_is_refused_where_other_ranks_wait(tmp_path: Path) -> None:
+    tools = [
+        f"output_dir={tmp_path}",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.tool_config_path=builtin:calculator",
+    ]
+    late = [*tools, "rollout.multi_turn.tool_timeout_s=1200"]
+    with pytest.raises(ConfigError) as info:
+        check_ppo_config(load_config("ppo-tiny", late, schema=PPOConfig), 2)
+    assert "rollout.multi_turn.tool_timeout_s=1200.0 must be below dist_timeout_s=600" in str(info.value)
+    _check_ppo(late)  # one rank
+
+
+def _generate_errors(settings: list[str]) -> list[str]:
+    return config_errors(load_config(None, settings, schema=GenerateConfig))
+
+
+def test_generate_checks_its_input_tools_and_greedy_samples_up_front(tmp_path: Path) -> None:
+    """Before: a missing input was found after the model loaded, a tools file other than the agent's
+    offered the model tools that answered 'unknown tool', and n greedy samples were n copies."""
+    run = ["model=builtin:tiny-llama", f"output={tmp_path / 'out.jsonl'}"]
+    missing = tmp_path / "nowhere.jsonl"
+    (error,) = _generate_errors([*run, f"input={missing}"])
+    assert error == f"input: dataset path '{missing}' does not exist"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    run.append(f"input={prompts}")
+    assert _generate_errors(run) == []
+    tools = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=builtin:calculator"]
+    (error,) = _generate_errors([*run, *tools, "data.tools_file=builtin:python"])
+    assert error.startswith("data.tools_file='builtin:python' offers the prompts other tools than the agent runs")
+    (error,) = _generate_errors([*run, "rollout.sampling.temperature=0", "rollout.sampling.n=4"])
+    assert error.startswith("rollout.sampling.n=4 at temperature 0 (greedy) makes 4 identical completions")
