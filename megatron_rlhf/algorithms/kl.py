@@ -139,10 +139,6 @@ def controller_kl(kl: Tensor, mask: Tensor, measure: str = "token_mean") -> floa
     return float(KL_MEASURES.get(measure)(kl, mask))
 
 
-ADAPTIVE_ONLY = ("target_kl", "horizon", "kl_measure")
-"""The ``KLControllerConfig`` fields only the adaptive controller reads."""
-
-
 @dataclass(kw_only=True, frozen=True)
 class KLControllerConfig:
     """Which controller to build and its parameters."""
@@ -244,8 +240,11 @@ class AdaptiveKLController:
 
 
 KL_CONTROLLERS: Registry[Callable[[KLControllerConfig], KLController]] = Registry("KL controller")
-KL_CONTROLLERS.register("fixed")(lambda c: FixedKLController(c.coef))
-KL_CONTROLLERS.register("adaptive")(lambda c: AdaptiveKLController(c.coef, c.target_kl, c.horizon))
+"""Each with the ``KLControllerConfig`` fields it reads besides ``type`` and ``coef`` (its info)."""
+KL_CONTROLLERS.register("fixed", info=frozenset())(lambda c: FixedKLController(c.coef))
+KL_CONTROLLERS.register("adaptive", info=frozenset({"target_kl", "horizon", "kl_measure"}))(
+    lambda c: AdaptiveKLController(c.coef, c.target_kl, c.horizon)
+)
 
 
 def build_kl_controller(config: KLControllerConfig) -> KLController:

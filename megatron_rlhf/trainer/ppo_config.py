@@ -15,7 +15,8 @@ from typing import Literal
 
 from megatron_rlhf.agent.config import MultiTurnConfig
 from megatron_rlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
-from megatron_rlhf.algorithms.kl import ADAPTIVE_ONLY, KL_ESTIMATORS, KLControllerConfig
+from megatron_rlhf.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS, KLControllerConfig
+from megatron_rlhf.algorithms.losses import AGG_MODES
 from megatron_rlhf.checkpoint.sources import ModelsConfig, role_errors
 from megatron_rlhf.config.fields import at_least
 from megatron_rlhf.config.loader import config_errors, raise_if_errors
@@ -193,24 +194,25 @@ class PPOConfig(LoopConfig, ModelsConfig):
                     for field in dataclasses.fields(algo.advantage)
                     if field.name not in reads
                 }
-        if algo.loss.agg_mode != "seq-mean-token-sum-norm":
+        if not AGG_MODES.info(algo.loss.agg_mode).scale_factor:
             unread["algorithm.loss.loss_scale_factor"] = (
                 f"algorithm.loss.agg_mode={algo.loss.agg_mode!r} does not read it"
             )
         if algo.loss.kl_loss_coef == 0:
             unread["algorithm.loss.kl_estimator"] = "algorithm.loss.kl_loss_coef=0: no KL loss"
-        if algo.kl_penalty.coef == 0:  # the coef is the switch: all else of the penalty
+        penalty = algo.kl_penalty
+        settings = {field.name for field in dataclasses.fields(penalty)} - {"coef"}
+        if penalty.coef == 0:  # the coef is the switch: all else of the penalty
+            unread |= dict.fromkeys(
+                (f"algorithm.kl_penalty.{name}" for name in settings), "algorithm.kl_penalty.coef=0: no KL penalty"
+            )
+        else:
             unread |= {
-                f"algorithm.kl_penalty.{name}": "algorithm.kl_penalty.coef=0: no KL penalty"
-                for name in (*ADAPTIVE_ONLY, "type")
+                f"algorithm.kl_penalty.{name}": f"algorithm.kl_penalty.type={penalty.type!r} does not read it"
+                for name in settings - {"type"} - KL_CONTROLLERS.info(penalty.type)
             }
         if "reference" not in roles:  # with a reference, it measures the logged KL (and health.max_kl's)
             unread["algorithm.kl_penalty_estimator"] = no_model["reference"]
-        elif algo.kl_penalty.type == "fixed":
-            unread |= {
-                f"algorithm.kl_penalty.{name}": "algorithm.kl_penalty.type=fixed: only the adaptive controller reads it"
-                for name in ADAPTIVE_ONLY
-            }
         if not self.rollout.filter_groups:
             unread["rollout.max_sample_batches"] = "rollout.filter_groups=false"
         if not self.data.validation:

@@ -335,6 +335,12 @@ def test_a_given_setting_the_run_reads_nothing_of_is_warned_of_with_why(tmp_path
     ]
     cfg, sources = load_config_with_sources(None, [*USER_RUNS["ppo"], *read], schema=schema)
     assert "warning" not in settings_report(cfg, sources)
+    fixed = ["algorithm.kl_penalty.coef=0.01", "algorithm.kl_penalty.target_kl=0.2"]
+    cfg, sources = load_config_with_sources(None, [*USER_RUNS["ppo"], *fixed], schema=schema)
+    assert settings_report(cfg, sources).endswith(
+        "warning: algorithm.kl_penalty.target_kl=0.2 (command line) has no effect: algorithm.kl_penalty.type='fixed' "
+        "does not read it"
+    )
     for preset in ("ppo-tiny", "ppo-grpo-1.5b"):
         cfg, sources = load_config_with_sources(preset, [], schema=schema)
         assert cfg.without_effect() and "warning" not in settings_report(cfg, sources)

@@ -112,6 +112,7 @@ def test_metrics_hand_counted_over_the_trajectories_only() -> None:
         "multi_turn/tool_errors/timeout": 0.5,
         "multi_turn/tool_errors/exception": 0.0,
         "multi_turn/tool_errors/truncated": 0.0,
+        "multi_turn/tool_errors/over_limit": 0.0,
         "multi_turn/tool_seconds/mean": 1.125,
         "multi_turn/tool_seconds/max": 2.0,
         "multi_turn/policy_tokens/mean": 5.5,
