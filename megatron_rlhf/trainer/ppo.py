@@ -64,6 +64,7 @@ from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimi
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
 from megatron_rlhf.metrics.log import log, snake_case, timed
 from megatron_rlhf.metrics.phases import PhaseTimer
+from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.attention import planning_attention
 from megatron_rlhf.models.lora import adapted_weights, adapters_off
 from megatron_rlhf.models.roles import RoleModel
@@ -75,6 +76,7 @@ from megatron_rlhf.rollout.native_config import NativeEngineConfig
 from megatron_rlhf.trainer.generate import prompt_tools_file
 from megatron_rlhf.trainer.health import warning_due
 from megatron_rlhf.trainer.loop import STEP_TIME, RunClaim, StepRows, run_loop
+from megatron_rlhf.trainer.plan import plan_errors, plan_ppo
 from megatron_rlhf.trainer.ppo_config import (
     CheckedConfig,
     PPOConfig,
@@ -215,7 +217,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
         actor,
         rollout.tp or cfg.actor.tp,
         engine_cfg,
-        offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env),
+        offload=_decide_offload(cfg, actor, [s for s in (critic,) if s is not None], engine_cfg, env, archs),
     )
     scorer = Scorer(
         cfg.scoring,
@@ -817,12 +819,19 @@ def _check_validation_sources(cfg: PPOConfig, validation: PromptDataset | None) 
 
 
 def _decide_offload(
-    cfg: PPOConfig, actor: TrainState, others: list[TrainState], engine_cfg: NativeEngineConfig, env: DistEnv
+    cfg: PPOConfig,
+    actor: TrainState,
+    others: list[TrainState],
+    engine_cfg: NativeEngineConfig,
+    env: DistEnv,
+    archs: dict[str, Architecture],
 ) -> bool:
     """``hybrid.offload``, decided once from the device's memory at the training peak (what is
     allocated now plus the Adam moments still to come) against what generation allocates (the KV
     cache, and the generation copy when it reshards, else a LoRA actor's base weights kept while
-    merged); the decision and its figures are logged."""
+    merged); the decision and its figures are logged, and so is ``megatron-rlhf plan``'s verdict
+    where it says the run will not fit (the 1.5B preset on an 80 GB H100 died at step 2 with no
+    warning before)."""
     if env.device.type != "cuda":
         log(f"hybrid.offload={cfg.hybrid.offload}: CPU mode, nothing to move")
         return False
@@ -843,6 +852,8 @@ def _decide_offload(
     free -= sum(optimizer_bytes_to_come(state) for state in (actor, *others))
     offload, reason = decide_offload(cfg.hybrid.offload, generation_needs=needs, free=free, total=total)
     log(reason)
+    for problem in plan_errors(plan_ppo(cfg, env.world_size, total, archs)):
+        log(f"warning: this run may run out of memory: megatron-rlhf plan says {problem}")
     return offload
 
 
