@@ -80,9 +80,11 @@ class ToolWorkers:
                         return
                     freed.set()
                     self._running -= 1
-                if timed_out and on_timeout is not None:
-                    on_timeout()
-                self._start_queued()
+                try:
+                    if timed_out and on_timeout is not None:
+                        on_timeout()
+                finally:
+                    self._start_queued()
 
             timer = threading.Timer(timeout_s, free, (True,))
             timer.daemon = True
@@ -99,7 +101,11 @@ class ToolWorkers:
                     timer.cancel()
                     free(False)
 
-            threading.Thread(target=body, name=f"{self.name}-call", daemon=True).start()
+            try:
+                threading.Thread(target=body, name=f"{self.name}-call", daemon=True).start()
+            except RuntimeError as exc:  # no thread for it (the host's limit): the call fails
+                future.set_exception(exc)
+                raise
 
         with self._lock:
             if self._closed:
@@ -115,7 +121,11 @@ class ToolWorkers:
                     return
                 start = self._queued.popleft()
                 self._running += 1
-            start()
+            try:
+                start()
+            except RuntimeError:  # not started (its Future holds why): give its place back
+                with self._lock:
+                    self._running -= 1
 
     def shutdown(self) -> None:
         """Drop the queued calls (their Futures never resolve) and refuse new ones; running ones
@@ -159,7 +169,8 @@ def gather_calls[T](
         answer(index, timed_out(index))
 
     def returned(index: int, done: Future[CallOutcome]) -> None:
-        answer(index, done.result())
+        error = done.exception()  # a call's own bug: answered as one, or the turn would never resolve
+        answer(index, done.result() if error is None else CallOutcome(f"Error: {error!r}", "exception"))
 
     for index in range(len(calls)):
         call = workers.submit(functools.partial(run, index), timeout_s, functools.partial(late, index))

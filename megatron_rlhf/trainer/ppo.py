@@ -852,7 +852,12 @@ def _decide_offload(
     free -= sum(optimizer_bytes_to_come(state) for state in (actor, *others))
     offload, reason = decide_offload(cfg.hybrid.offload, generation_needs=needs, free=free, total=total)
     log(reason)
-    for problem in plan_errors(plan_ppo(cfg, env.world_size, total, archs)):
+    # The plan of the run as decided here: the plan's own guess at auto can differ (it sizes the KV
+    # cache by the rollout's rows, this decision by the engine's slots).
+    plan = dataclasses.replace(
+        plan_ppo(cfg, env.world_size, total, archs), offload_mode="always" if offload else "never"
+    )
+    for problem in plan_errors(plan):
         log(f"warning: this run may run out of memory: megatron-rlhf plan says {problem}")
     return offload
 

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_rlhf.agent.builtin_tools import Calculator
 from megatron_rlhf.agent.config import MultiTurnConfig
-from megatron_rlhf.agent.executor import ToolWorkers
+from megatron_rlhf.agent.executor import CallOutcome, ToolWorkers, gather_calls
 from megatron_rlhf.agent.loop import AgentParts, ToolAgent
 from megatron_rlhf.agent.tools import BaseTool, ToolResponse
 from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
@@ -384,3 +384,21 @@ def test_a_chat_template_that_writes_no_tools_is_warned_of(tmp_path: Path) -> No
         )
         is None
     )
+
+
+def test_a_call_that_raises_is_answered_as_an_exception() -> None:
+    """A call's own bug (outside the tool's try) used to leave its slot unanswered, once the timer was
+    cancelled, and the turn's Future never resolved: the engine waited forever."""
+    workers = ToolWorkers(2, "test-tool")
+
+    def boom() -> CallOutcome:
+        raise KeyError("bug")
+
+    turn = gather_calls(
+        workers,
+        [lambda: CallOutcome("fine"), boom],
+        5.0,
+        lambda i: CallOutcome("timed out", "timeout"),
+        lambda outcomes: [(o.text, o.error) for o in outcomes],
+    )
+    assert turn.result(timeout=10) == [("fine", None), ("Error: KeyError('bug')", "exception")]
