@@ -234,10 +234,6 @@ def _preset_chain(name_or_path: str) -> list[tuple[Path, DictConfig | ListConfig
 COMMAND_LINE = "command line"
 
 
-DERIVED = "derived from other settings"
-"""The origin of a setting no file or override named: a value a dataclass of the schema sets itself."""
-
-
 @dataclasses.dataclass(frozen=True)
 class ChangedSetting:
     """A setting whose value is not the library default, and what set it."""
@@ -397,7 +393,7 @@ def _setter(key: str, set_by: dict[str, str]) -> str:
         if key in set_by:
             return set_by[key]
         key = key.rpartition(".")[0]
-    return DERIVED
+    return "derived from other settings"
 
 
 def to_yaml(cfg: Any) -> str:

@@ -9,6 +9,7 @@ loader as a user's data.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,12 +133,13 @@ def data_overlap_warnings(train: Sequence[str], validation: Sequence[str]) -> li
             for name in ([path] if is_builtin(path) else [str(file.resolve()) for file in data_files(path)])
         ]
 
-    train_files, validation_files = files(train), files(validation)
+    reads = Counter(files(train))
     lines = [
-        f"warning: data.train reads {file} {train_files.count(file)} times: its rows are trained on as often each epoch"
-        for file in sorted({f for f in train_files if train_files.count(f) > 1})
+        f"warning: data.train reads {file} {count} times: its rows are trained on as often each epoch"
+        for file, count in sorted(reads.items())
+        if count > 1
     ]
     return lines + [
         f"warning: data.validation reads {file}, which data.train reads: it measures training data"
-        for file in sorted(set(validation_files) & set(train_files))
+        for file in sorted(set(files(validation)) & reads.keys())
     ]

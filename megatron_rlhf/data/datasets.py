@@ -1049,6 +1049,11 @@ RAW_PROMPT = "raw_prompt"
 its ``data.return_raw_chat`` keeps them): an interaction reads the whole conversation."""
 
 
+def _blank(value: Any) -> bool:
+    """A reward input that would score responses against nothing: null, or text of whitespace only."""
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
 def _prompt_row(
     ld: _Loader,
     rec: Record,
@@ -1072,7 +1077,7 @@ def _prompt_row(
         )
     prompt = _prompt_ids(ld, rec, prompt_key, chat)
     ld.check_length(len(prompt), prompt_key, f"prompt {len(prompt)}")
-    blank = [k for k in extra_keys if rec.data[k] is None or (isinstance(rec.data[k], str) and not rec.data[k].strip())]
+    blank = [k for k in extra_keys if _blank(rec.data[k])]
     if blank:
         # A reward rule would compare responses with nothing (an empty answer matches an empty response).
         value = rec.data[blank[0]]
@@ -1080,7 +1085,7 @@ def _prompt_row(
         raise _RowProblem(EMPTY, blank[0], f"{what} (requested in extra_keys: the reward rules read it)")
     extras = {**{k: rec.data[k] for k in extra_keys}, **_reward_inputs(rec)}
     truth = extras.get("ground_truth")
-    if require_reward_inputs and (truth is None or (isinstance(truth, str) and not truth.strip())):
+    if require_reward_inputs and _blank(truth):
         raise _RowProblem(
             EMPTY, "reward_model", f"has ground_truth {truth!r}: scoring.custom_function would score against it"
         )
