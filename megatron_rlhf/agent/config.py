@@ -43,7 +43,8 @@ class MultiTurnConfig:
     (verl's middle truncation) and is counted as truncated."""
     tool_workers: int = 4
     """Tool calls of all trajectories running at once, each on a host thread; one past
-    tool_timeout_s gives its place to the next (its thread finishes in the background)."""
+    tool_timeout_s gives its place to the next (its thread finishes in the background). While 8 x
+    tool_workers such threads still run, new calls are refused (an exception error, and a warning)."""
 
     def __post_init__(self) -> None:
         check_on_init(self)

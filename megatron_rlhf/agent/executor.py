@@ -4,7 +4,9 @@ A call runs on a thread of its own, at most ``tool_workers`` at once (``ToolWork
 starts when it starts (a call queued behind others is not penalised); past it the call's slot is
 answered with a timeout error and its place goes to the next call: the thread, which Python cannot
 stop, finishes in the background, is ignored, and as a daemon does not hold up the process's exit
-(give slow tools their own limit, as ``PythonTool`` does with its subprocess). Before, a call that
+(give slow tools their own limit, as ``PythonTool`` does with its subprocess). While
+``HUNG_CALLS_PER_WORKER`` such threads per worker still run, new calls are refused (answered as an
+exception, with one warning in the log) rather than grow the threads without bound. Before, a call that
 hung kept its worker, and once every worker held one, the calls queued behind them waited with no
 timer: the step stalled. The turn's Future resolves once every slot is answered, in the thread that
 answered last.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 import time
 from collections import deque
@@ -22,7 +25,7 @@ from concurrent.futures import Future
 
 from megatron_rlhf.agent.parsers import ErrorKind
 
-__all__ = ["CallOutcome", "ToolWorkers", "gather_calls", "truncate_middle"]
+__all__ = ["CallOutcome", "HungCallsError", "ToolWorkers", "gather_calls", "truncate_middle"]
 
 TRUNCATION_MARK = "...(truncated)..."
 
@@ -52,15 +55,29 @@ def truncate_middle(text: str, limit: int) -> tuple[str, bool]:
     return text[:half] + TRUNCATION_MARK + text[len(text) - half :], True
 
 
+HUNG_CALLS_PER_WORKER = 8
+"""Calls past their timeout whose threads still run, per worker, before new calls are refused:
+Python cannot stop a thread, so a tool that always hangs would otherwise grow them without bound."""
+
+
+class HungCallsError(RuntimeError):
+    """A call not started because too many earlier ones still run past their timeout."""
+
+
 class ToolWorkers:
     """Calls on daemon threads, at most ``workers`` running at once; one past its timeout gives its
-    place to the next queued call (see the module docstring)."""
+    place to the next queued call (see the module docstring). While ``max_hung`` calls (default
+    ``HUNG_CALLS_PER_WORKER`` per worker) still run past their timeout, new calls fail with
+    ``HungCallsError`` instead of starting."""
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(self, workers: int, name: str, max_hung: int | None = None) -> None:
         self.workers, self.name = workers, name
+        self.max_hung = HUNG_CALLS_PER_WORKER * workers if max_hung is None else max_hung
         self._lock = threading.Lock()
         self._queued: deque[Callable[[], None]] = deque()
         self._running = 0
+        self._hung = 0
+        self._warned = False
         self._closed = False
 
     def submit[T](
@@ -77,9 +94,13 @@ class ToolWorkers:
             def free(timed_out: bool) -> None:
                 with self._lock:
                     if freed.is_set():
+                        if not timed_out:  # returned after its timeout: its thread ends now
+                            self._hung -= 1
                         return
                     freed.set()
                     self._running -= 1
+                    if timed_out:
+                        self._hung += 1
                 try:
                     if timed_out and on_timeout is not None:
                         on_timeout()
@@ -101,6 +122,17 @@ class ToolWorkers:
                     timer.cancel()
                     free(False)
 
+            with self._lock:
+                hung = self._hung
+            if hung >= self.max_hung:
+                refused = HungCallsError(
+                    f"{self.name}: call not started: {hung} earlier calls still run past their timeout (at most "
+                    f"{self.max_hung}, {HUNG_CALLS_PER_WORKER} per worker); a tool that hangs needs a time limit "
+                    "of its own"
+                )
+                self._warn_once(refused)
+                future.set_exception(refused)
+                raise refused
             try:
                 threading.Thread(target=body, name=f"{self.name}-call", daemon=True).start()
             except RuntimeError as exc:  # no thread for it (the host's limit): the call fails
@@ -127,6 +159,12 @@ class ToolWorkers:
                 with self._lock:
                     self._running -= 1
 
+    def _warn_once(self, refused: HungCallsError) -> None:
+        with self._lock:
+            warned, self._warned = self._warned, True
+        if not warned:  # on whichever rank runs tools: the run's log, not only a tool error count
+            print(f"WARNING: {refused} (further refusals are counted as tool errors)", file=sys.stderr, flush=True)
+
     def shutdown(self) -> None:
         """Drop the queued calls (their Futures never resolve) and refuse new ones; running ones
         finish in the background."""
@@ -141,13 +179,18 @@ def gather_calls[T](
     timeout_s: float,
     timed_out: Callable[[int], CallOutcome],
     finish: Callable[[list[CallOutcome]], T],
+    deadline_s: float | None = None,
 ) -> Future[T]:
     """Run ``calls`` on ``workers``; the Future of ``finish(outcomes)``, outcomes in call order, a call
     past ``timeout_s`` answered by ``timed_out(its index)``. Each call returns its outcome and never
-    raises (``calls`` turn failures into outcomes); ``finish`` raising fails the Future."""
+    raises (``calls`` turn failures into outcomes); ``finish`` raising fails the Future.
+
+    ``deadline_s``: every call still unanswered that long after this one (queued or running) is
+    answered by ``timed_out`` too, so that the Future resolves within it however busy the workers are."""
     result: Future[T] = Future()
     outcomes: list[CallOutcome | None] = [None] * len(calls)
     lock = threading.Lock()
+    deadline: threading.Timer | None = None
 
     def answer(index: int, outcome: CallOutcome) -> None:
         with lock:
@@ -156,6 +199,8 @@ def gather_calls[T](
             outcomes[index] = outcome
             complete = all(o is not None for o in outcomes)
         if complete:
+            if deadline is not None:
+                deadline.cancel()
             try:
                 result.set_result(finish([o for o in outcomes if o is not None]))
             except Exception as exc:  # the environment's own failure (e.g. the chat template): the engine's to raise
@@ -172,9 +217,19 @@ def gather_calls[T](
         error = done.exception()  # a call's own bug: answered as one, or the turn would never resolve
         answer(index, done.result() if error is None else CallOutcome(f"Error: {error!r}", "exception"))
 
+    if not calls:
+        result.set_result(finish([]))
+        return result
+    if deadline_s is not None:
+
+        def expire() -> None:
+            for index in range(len(calls)):
+                late(index)
+
+        deadline = threading.Timer(deadline_s, expire)
+        deadline.daemon = True
+        deadline.start()
     for index in range(len(calls)):
         call = workers.submit(functools.partial(run, index), timeout_s, functools.partial(late, index))
         call.add_done_callback(functools.partial(returned, index))
-    if not calls:
-        result.set_result(finish([]))
     return result

@@ -16,7 +16,7 @@ import functools
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import Any, get_args
 
 from megatron_rlhf.agent.config import MultiTurnConfig
@@ -358,43 +358,40 @@ class ToolEpisode:
         text = self.agent.messages.text([outcome.text for outcome in outcomes], stop_text)
         return EnvironmentTurn(self.agent.tokenizer.encode(text))
 
-    def close(self) -> TrajectoryRecord:
-        """Ask each created tool instance its reward, release it, finalize the interaction's instance,
-        and return the trajectory record. These calls run on the workers within ``tool_timeout_s`` (a
-        tool's failure or timeout counts as a tool error, reward 0; the interaction's as an
-        interaction error), so that a hanging tool cannot stall the engine's thread that closes.
+    def close(self) -> Future[TrajectoryRecord]:
+        """Ask each created tool instance its reward, release it, finalize the interaction's instance;
+        the Future of the trajectory record. These calls run on the workers, and the Future resolves
+        within ``tool_timeout_s`` of this call however they fare (a tool's failure or timeout counts as
+        a tool error, reward 0; the interaction's as an interaction error): a hanging tool cannot stall
+        the engine's thread, and the trajectories that end at one decode step close side by side.
         ``num_turns`` counts as verl's tool agent loop does (assistant turns + user turns + 1): the
         prompt, each policy turn, each tool turn and each reply of the interaction."""
         with self._lock:
             self._closed = True
-            instances = dict(self._instances)
+            instances = list(self._instances.items())
             conversation = self._conversation
-        workers, timeout_s = self.agent.workers, self.agent.config.tool_timeout_s
-        pending = {
-            name: workers.submit(functools.partial(self._finish, name, instance), timeout_s)
-            for name, instance in instances.items()
-        }
+        calls = [functools.partial(self._finish, name, instance) for name, instance in instances]
         chosen = self.agent.interaction_of[self.prompt_index]
-        finalizing = (
-            workers.submit(
-                functools.partial(
-                    call_method, self.agent.interactions[chosen[0]].finalize_interaction, conversation, **chosen[1]
-                ),
-                timeout_s,
-            )
-            if chosen is not None and conversation is not None
-            else None
+        if chosen is not None and conversation is not None:
+            interaction = self.agent.interactions[chosen[0]]
+            calls.append(functools.partial(self._finalize, interaction, conversation, chosen[1]))
+        timeout_s = self.agent.config.tool_timeout_s
+        return gather_calls(
+            self.agent.workers,
+            calls,
+            timeout_s,
+            lambda _: CallOutcome("", "timeout"),
+            functools.partial(self._record, [name for name, _ in instances]),
+            deadline_s=timeout_s,
         )
-        wait([*pending.values(), *([finalizing] if finalizing else [])], timeout=timeout_s)
+
+    def _record(self, tools: list[str], outcomes: list[CallOutcome]) -> TrajectoryRecord:
         rewards: dict[str, float] = {}
-        for name, future in pending.items():
-            failed: ToolErrorKind | None = (
-                "timeout" if not future.done() else "exception" if future.exception() is not None else None
-            )
-            rewards[name] = 0.0 if failed else future.result()
-            if failed:
-                self.errors[failed] += 1
-        if finalizing is not None and (not finalizing.done() or finalizing.exception() is not None):
+        for name, outcome in zip(tools, outcomes, strict=False):
+            rewards[name] = 0.0 if outcome.error or outcome.reward is None else outcome.reward
+            if outcome.error:
+                self.errors[outcome.error] += 1
+        if len(outcomes) > len(tools) and outcomes[-1].error:
             self.interaction_errors += 1
         return {
             "num_turns": 1 + self.policy_turns + self.tool_turns + self.user_turns,
@@ -411,10 +408,15 @@ class ToolEpisode:
             "messages": list(self.messages),
         }
 
-    def _finish(self, name: str, instance_id: str) -> float:
+    @staticmethod
+    def _finalize(interaction: Any, conversation: str, kwargs: Mapping[str, Any]) -> CallOutcome:
+        call_method(interaction.finalize_interaction, conversation, **kwargs)
+        return CallOutcome("")
+
+    def _finish(self, name: str, instance_id: str) -> CallOutcome:
         tool = self.agent.tools[name]
         try:
-            return float(call_method(tool.calc_reward, instance_id))
+            return CallOutcome("", reward=float(call_method(tool.calc_reward, instance_id)))
         finally:
             call_method(tool.release, instance_id)
 

@@ -110,8 +110,10 @@ class Episode(Protocol):
         (``EnvironmentTurn.ends``)."""
         ...
 
-    def close(self) -> TrajectoryRecord:
-        """Release the trajectory's tools; returns what ``Completion.trajectory`` records."""
+    def close(self) -> Future[TrajectoryRecord]:
+        """Release the trajectory's tools; the Future of what ``Completion.trajectory`` records. The
+        engine closes the trajectories that end together before it waits on any: each Future must
+        resolve within the environment's own time limit, which other TP ranks wait on."""
         ...
 
 

@@ -278,10 +278,15 @@ class _Environment:
         """End the episodes of ``slots``; their trajectory records."""
         if not slots:
             return {}
-        return self._agreed(lambda: {slot: self.episodes.pop(slot).close() for slot in slots})
+
+        def records() -> dict[int, TrajectoryRecord]:
+            closing = {slot: self.episodes.pop(slot).close() for slot in slots}  # side by side
+            return {slot: record.result() for slot, record in closing.items()}
+
+        return self._agreed(records)
 
     def abandon(self) -> None:
-        """Release what episodes are left (``generate`` was interrupted)."""
+        """Release what episodes are left (``generate`` was interrupted); their records are not read."""
         for episode in self.episodes.values():
             episode.close()
         self.episodes.clear()

@@ -51,8 +51,10 @@ class DelayedAnswers:
 
         return self.pool.submit(reply)
 
-    def close(self) -> dict[str, Any]:
-        return {"num_turns": self.seen}
+    def close(self) -> Future[dict[str, Any]]:
+        record: Future[dict[str, Any]] = Future()
+        record.set_result({"num_turns": self.seen})
+        return record
 
 
 @dataclasses.dataclass

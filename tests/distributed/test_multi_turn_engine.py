@@ -48,9 +48,11 @@ class ScriptedEpisode:
 
         return self.pool.submit(answer)
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> Future[dict[str, Any]]:
         self.closed = True
-        return {"num_turns": len(self.seen)}
+        record: Future[dict[str, Any]] = Future()
+        record.set_result({"num_turns": len(self.seen)})
+        return record
 
 
 @dataclasses.dataclass

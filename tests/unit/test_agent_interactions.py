@@ -90,7 +90,7 @@ def test_the_interaction_replies_as_the_user_then_ends_the_trajectory(tool_chat_
         assert not reply.ends
         last = episode.after_turn(policy_turn(tokenizer, "It is 42."))
         assert last is not None and last.result(timeout=10) == EnvironmentTurn([], ends=True)
-        record = episode.close()
+        record = episode.close().result()
 
     prompt = tokenizer.encode(tokenizer.chat_template.render(USER))
     conversation = [*USER, {"role": "assistant", "content": "It is 41."}, {"role": "user", "content": "Try again."}]
@@ -130,7 +130,7 @@ def test_tools_answer_calls_and_the_interaction_answers_the_rest(tokenizer) -> N
         )
         end = episode.after_turn(policy_turn(tokenizer, "42"))
         assert end is not None and end.result(timeout=10).ends
-        record = episode.close()
+        record = episode.close().result()
     assert (record["tool_calls"], record["user_turns"], record["turn_scores"]) == (1, 0, [1.0])
     assert record["num_turns"] == 4  # the prompt, two policy turns, one tool turn
 
@@ -142,7 +142,7 @@ def test_max_user_turns_counts_tool_and_interaction_turns_together(tokenizer) ->
             future = episode.after_turn(policy_turn(tokenizer, "It is 41."))
             assert future is not None and not future.result(timeout=10).ends
         assert episode.after_turn(policy_turn(tokenizer, "It is 41.")) is None
-        record = episode.close()
+        record = episode.close().result()
     assert record["user_turns"] == 2 and record["turn_scores"] == [0.0, 0.0]
 
 
@@ -153,7 +153,7 @@ def test_a_failing_or_hanging_interaction_ends_the_trajectory_and_is_counted(tok
             episode = agent.episode(0, 0)
             future = episode.after_turn(policy_turn(tokenizer, "It is 41."))
             assert future is not None and future.result(timeout=10) == EnvironmentTurn([], ends=True)
-            record = episode.close()
+            record = episode.close().result()
         assert record["interaction_errors"] == 1 and record["user_turns"] == 0, type(interaction)
         assert [m["role"] for m in record["messages"]] == ["assistant"]
         assert (
@@ -170,7 +170,7 @@ def test_prompts_without_an_interaction_end_after_a_turn_without_calls(tokenizer
     with ToolAgent(MultiTurnConfig(), tokenizer, {"calculator": Calculator({}, CALCULATOR)}, [{}]) as agent:
         episode = agent.episode(0, 0)
         assert episode.after_turn(policy_turn(tokenizer, "It is 42.")) is None
-        assert episode.close()["user_turns"] == 0
+        assert episode.close().result()["user_turns"] == 0
 
 
 def test_each_prompts_interaction_is_checked_up_front(tokenizer) -> None:
@@ -261,7 +261,7 @@ def test_the_trainer_reports_the_interaction(tokenizer) -> None:
         second = policy_turn(tokenizer, "It is 42.")
         last = episode.after_turn(second)
         assert last is not None and last.result(timeout=10).ends
-        record = episode.close()
+        record = episode.close().result()
     ids = first + reply + second
     mask = [True] * len(first) + [False] * len(reply) + [True] * len(second)
     completion = Completion(0, 0, [1], ids, [0.0] * len(ids), "stop", policy_mask=mask, trajectory=record)

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_rlhf.agent.builtin_tools import Calculator
 from megatron_rlhf.agent.config import MultiTurnConfig
-from megatron_rlhf.agent.executor import CallOutcome, ToolWorkers, gather_calls
+from megatron_rlhf.agent.executor import CallOutcome, HungCallsError, ToolWorkers, gather_calls
 from megatron_rlhf.agent.loop import AgentParts, ToolAgent
 from megatron_rlhf.agent.tools import BaseTool, ToolResponse
 from megatron_rlhf.data.tokenizer import HFTokenizer, load_tokenizer
@@ -57,7 +57,7 @@ def test_an_episode_with_the_calculator_equals_the_whole_conversation_rendered(t
         environment = future.result(timeout=10).token_ids
         second = "123 * 4567 = 561741."
         assert episode.after_turn(policy_turn(tokenizer, second)) is None
-        record = episode.close()
+        record = episode.close().result()
 
     prompt = tokenizer.encode(tokenizer.chat_template.render(USER, tools=[CALCULATOR]))
     conversation = [
@@ -145,7 +145,7 @@ def test_a_hanging_create_times_out_and_its_late_instance_is_released(tokenizer)
         future = episode.after_turn(policy_turn(tokenizer, call("hangs")))
         assert future is not None
         assert "did not finish within 0.2 s" in tokenizer.decode(future.result(timeout=10).token_ids)
-        record = episode.close()
+        record = episode.close().result()
         CreateHangs.gate.set()
         for thread in threading.enumerate():  # the late create, and its release
             if thread.name.startswith("agent-tool"):
@@ -177,7 +177,7 @@ def test_every_bad_call_goes_back_as_a_tool_message_and_is_counted(tokenizer) ->
         future = episode.after_turn(policy_turn(tokenizer, "\n".join(calls)))
         assert future is not None
         text = tokenizer.decode(future.result(timeout=10).token_ids)
-        record = episode.close()
+        record = episode.close().result()
     finally:
         Waits.gate.set()
         agent.shutdown()
@@ -217,7 +217,7 @@ def test_the_turn_limit_and_the_call_limit(tokenizer) -> None:
         assert future is not None and "<tool_response>\n2\n</tool_response><|im_end|>" in tokenizer.decode(
             future.result(timeout=10).token_ids
         )
-        record = episode.close()
+        record = episode.close().result()
         assert record["tool_calls"] == 1 and record["tool_errors"]["over_limit"] == 1  # the second: dropped, counted
 
 
@@ -247,7 +247,7 @@ def test_episodes_driven_from_many_threads_keep_their_own_answers(tokenizer) -> 
         episode = agent.episode(prompt, sample)
         future = episode.after_turn(policy_turn(tokenizer, call("calculator", expression=problems[prompt, sample])))
         assert future is not None
-        results[prompt, sample] = tokenizer.decode(future.result(timeout=30).token_ids), episode.close()
+        results[prompt, sample] = tokenizer.decode(future.result(timeout=30).token_ids), episode.close().result()
 
     tools = {"calculator": Calculator({}, CALCULATOR)}
     with make_agent(tokenizer, tools, [{}] * 4, tool_workers=2) as agent:
@@ -313,7 +313,7 @@ def test_close_counts_a_failing_or_hanging_reward_and_returns(tokenizer) -> None
         episode = agent.episode(0, 0)
         future = episode.after_turn(policy_turn(tokenizer, call("fails") + call("hangs")))
         assert future is not None and future.result(timeout=10)
-        record = episode.close()
+        record = episode.close().result()
         RewardHangs.gate.set()
     assert record["tool_rewards"] == {"fails": 0.0, "hangs": 0.0}
     assert record["tool_errors"]["exception"] == 1 and record["tool_errors"]["timeout"] == 1
@@ -402,3 +402,64 @@ def test_a_call_that_raises_is_answered_as_an_exception() -> None:
         lambda outcomes: [(o.text, o.error) for o in outcomes],
     )
     assert turn.result(timeout=10) == [("fine", None), ("Error: KeyError('bug')", "exception")]
+
+
+def test_trajectories_that_end_together_close_side_by_side(tokenizer) -> None:
+    """Each trajectory's close waits at most tool_timeout_s for its tools' rewards, and the engine's
+    TP peers wait on all of them: closed one after another, k trajectories with a hanging reward took
+    k timeouts, past the distributed timeout that tool_timeout_s is checked against. Now the engine
+    starts every close before it reads any, and each resolves within one timeout of its start, even
+    with fewer workers than calls (those still queued are answered as timed out)."""
+
+    class Hangs(RewardHangs):
+        gate = threading.Event()
+
+    tools = {"hangs": Hangs({}, schema("hangs"))}
+    with make_agent(tokenizer, tools, tool_timeout_s=0.5, tool_workers=2) as agent:
+        episodes = [agent.episode(0, sample) for sample in range(6)]
+        for episode in episodes:
+            future = episode.after_turn(policy_turn(tokenizer, call("hangs")))
+            assert future is not None and future.result(timeout=10)
+        started = time.perf_counter()
+        closing = [episode.close() for episode in episodes]
+        records = [record.result(timeout=10) for record in closing]
+        waited = time.perf_counter() - started
+        Hangs.gate.set()
+    assert all(r["tool_rewards"] == {"hangs": 0.0} and r["tool_errors"]["timeout"] == 1 for r in records)
+    assert 0.4 < waited < 2.0  # one after another: 6 x 0.5 s
+
+
+def test_a_deadline_answers_the_calls_still_queued() -> None:
+    """With one worker held by a hung call, the call queued behind it starts only at the first's
+    timeout (5 s here); the gather's deadline answers both at 0.2 s."""
+    workers = ToolWorkers(1, "test-tool")
+    gate = threading.Event()
+    turn = gather_calls(
+        workers,
+        [lambda: CallOutcome("late" if gate.wait(30) else ""), lambda: CallOutcome("queued")],
+        5.0,
+        lambda i: CallOutcome(f"call {i} timed out", "timeout"),
+        lambda outcomes: [o.text for o in outcomes],
+        deadline_s=0.2,
+    )
+    assert turn.result(timeout=3) == ["call 0 timed out", "call 1 timed out"]
+    gate.set()
+    workers.shutdown()
+
+
+def test_calls_are_refused_while_too_many_hung_ones_still_run(capsys) -> None:
+    """Python cannot stop a thread: a tool that always hangs grew one thread per call, without bound.
+    Past max_hung such threads a call fails at once (the model is answered with the error, counted
+    as an exception), with one warning; once the hung calls return, calls run again."""
+    workers = ToolWorkers(1, "test-tool", max_hung=2)
+    gate = threading.Event()
+    hung = [workers.submit(lambda: gate.wait(30), 0.05) for _ in range(2)]
+    refused = [workers.submit(lambda: "ran", 10.0) for _ in range(2)]
+    for future in refused:
+        with pytest.raises(HungCallsError, match="2 earlier calls still run past their timeout"):
+            future.result(timeout=10)
+    assert capsys.readouterr().err.count("WARNING: test-tool: call not started") == 1
+    gate.set()
+    assert all(future.result(timeout=10) for future in hung)
+    assert workers.submit(lambda: "ran", 10.0).result(timeout=10) == "ran"
+    workers.shutdown()
