@@ -166,12 +166,15 @@ def _not_a_list_error(key: str, value: Any, origin: str, override: str | None) -
 
 def _check_sections(update: Mapping[Any, Any], cls: type, origin: str, prefix: str = "") -> None:
     """A value where the schema has a section (``rollout=5``, ``rollout: 5`` in a YAML file) is
-    named here: OmegaConf's merge reports it without its key."""
+    named here: OmegaConf's merge reports it without its key. So is a number other than 0 or 1 for a
+    true/false key, which the merge reads as true (``save_hf=2`` is no save interval)."""
     hints = typing.get_type_hints(cls)
     for key, value in update.items():
         section = hints.get(key)
+        if section in (bool, bool | None) and type(value) is int and value not in (0, 1):
+            raise ConfigError(f"{origin}: {prefix}{key}={value} is not valid: {prefix}{key} is true or false")
         if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
-            continue  # unknown keys and plain values are the merge's to check
+            continue  # unknown keys and other plain values are the merge's to check
         if isinstance(value, Mapping):
             _check_sections(value, section, origin, f"{prefix}{key}.")
             continue

@@ -147,6 +147,33 @@ def test_a_value_where_a_nested_section_belongs_names_its_full_key():
         load_any_config("ppo-tiny", ["rollout={sampling: 3}"], schema=PPOConfig)
 
 
+@pytest.mark.parametrize(
+    "text, origin, key",
+    [
+        ("save_hf=2", "override 'save_hf=2'", "save_hf"),
+        ("rollout.sampling.ignore_eos=-1", "override 'rollout.sampling.ignore_eos=-1'", "rollout.sampling.ignore_eos"),
+        ("data.add_bos=3", "override 'data.add_bos=3'", "data.add_bos"),  # bool | None
+        ("save_hf: 2\n", "run.yaml", "save_hf"),
+    ],
+)
+def test_a_number_other_than_0_or_1_for_a_true_or_false_key_is_refused(tmp_path, text, origin, key):
+    """OmegaConf reads any non-zero number as true: save_hf=2, written for "every 2 steps", was a
+    silent true."""
+    from megatron_rlhf.trainer.ppo_config import PPOConfig
+
+    if text.endswith("\n"):
+        (tmp_path / "run.yaml").write_text(text)
+        preset, overrides = str(tmp_path / "run.yaml"), []
+    else:
+        preset, overrides = "ppo-tiny", [text]
+    with pytest.raises(ConfigError) as info:
+        load_any_config(preset, overrides, schema=PPOConfig)
+    value = text.partition("=")[2] or "2"
+    assert str(info.value).endswith(f"{origin}: {key}={value} is not valid: {key} is true or false")
+    config = load_any_config("ppo-tiny", ["save_hf=0", "rollout.sampling.ignore_eos=1"], schema=PPOConfig)
+    assert config.save_hf is False and config.rollout.sampling.ignore_eos is True
+
+
 @pytest.mark.parametrize("override", ["seed", "actor.tp", ""])
 def test_override_without_equals(override):
     with pytest.raises(ConfigError) as info:
