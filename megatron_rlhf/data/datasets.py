@@ -702,7 +702,9 @@ def _reward_inputs(rec: Record) -> dict[str, Any]:
     data = rec.data
     if "reward_model" not in data:
         source = data.get("data_source")
-        return {"data_source": source} if isinstance(source, str) and source else {}
+        if source is not None and not isinstance(source, str):  # was dropped, and the row's figures with it
+            raise _RowProblem(WRONG_TYPE, "data_source", f"must be a string (or null), got {type(source).__name__}")
+        return {"data_source": source} if source else {}
     if "data_source" not in data:
         raise _RowProblem(
             MISSING_COLUMN,

@@ -606,3 +606,17 @@ def test_verl_reward_columns_errors(tmp_path):
         (3, "reward_model", "must be an object with a 'ground_truth' field, got '7'"),
         (4, "extra_info", "must be an object (or null), got list"),
     ]
+
+
+def test_a_plain_rows_data_source_that_is_no_string_is_named(tmp_path):
+    """Without reward_model a row's data_source only splits the validation figures; one that was no
+    string (a number, a list) used to be dropped without a word, and the row's figures went under no
+    source. Null or absent is no source."""
+    rows = [{"prompt": "a", "data_source": "gsm8k"}, {"prompt": "b", "data_source": None}, {"prompt": "c"}]
+    f = write_jsonl(tmp_path / "plain.jsonl", [*rows, {"prompt": "d", "data_source": 7}])
+    with pytest.raises(
+        DataError, match=err(str(f), "line 4", "column 'data_source' must be a string (or null), got int")
+    ):
+        load_prompt_dataset(f, TOK, max_length=8)
+    ds, report = load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")
+    assert [e.extras for e in ds] == [{"data_source": "gsm8k"}, {}, {}] and report.skipped == {"wrong_type": 1}
