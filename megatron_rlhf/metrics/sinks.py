@@ -156,6 +156,12 @@ class JsonlSink(Sink):
             # The checkpoint's own copy: whole even where this file is missing (a requeue onto a node
             # without it) or stale (an older copy of output_dir).
             return self._rewritten(path, self.history)
+        if self.resumed_step is not None and name != "metrics" and not path.is_file():
+            log(
+                f"note: {path} is not here to continue: it starts at step {self.resumed_step + 1}. Checkpoints "
+                f"carry metrics.jsonl's history, not {path.name}'s rows: those of steps up to "
+                f"{self.resumed_step} are where the run wrote them before (e.g. another node's output_dir)"
+            )
         if self.resumed_step is None or not path.is_file():
             return path.open("w", encoding="utf-8")
         lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]

@@ -228,3 +228,25 @@ def test_wandb_online_without_credentials_is_refused_before_anything_is_built(
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.setenv("WANDB_API_KEY", "k3y")
     assert not any(e.startswith(message) for e in _errors("loggers=[console,wandb]"))
+
+
+def test_a_resume_without_the_earlier_rows_says_where_they_are(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """samples.jsonl is not carried in checkpoints (its rows, a prompt and response each, would grow
+    every checkpoint by the run's whole history). A requeue onto a node without output_dir began the
+    file at the resumed step without a word; now the log says so. With the file there, no note."""
+    import dataclasses
+
+    for out, earlier in ((tmp_path / "new", None), (tmp_path / "same", '{"step": 1}\n')):
+        out.mkdir()
+        if earlier is not None:
+            (out / "samples.jsonl").write_text(earlier)
+        sinks = build_sinks(["jsonl"], dataclasses.replace(_setup(out, total_steps=5), resumed_step=3))
+        sinks.write_rows("samples", [{"step": 4}])
+        sinks.close()
+        note = capsys.readouterr().out
+        rows = [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
+        if earlier is None:
+            assert f"note: {out / 'samples.jsonl'} is not here to continue: it starts at step 4" in note
+            assert rows == [4]
+        else:
+            assert "not here to continue" not in note and rows == [1, 4]
