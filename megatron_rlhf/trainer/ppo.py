@@ -138,6 +138,8 @@ class PPORun:
     """The actor loss's ``kl_loss_coef`` is the config's times this (the health watch's recovery)."""
     steps_without_signal: int = 0
     """Steps in a row whose advantages were all 0 (``no_signal_notice``)."""
+    tokens_past_vocab: int = 0
+    """Sampled tokens so far whose ids the tokenizer lacks (``past_vocab_notice`` at the first)."""
 
     def texts(self, rows: list[list[int]]) -> list[str]:
         """Token rows as rewards, rules and samples.jsonl read them (``reward_texts``)."""
@@ -467,6 +469,10 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
     if kl is not None:
         run.kl_controller.update(controller_kl(kl, mask, algo.kl_penalty.kl_measure), n_steps=len(scores))
     policy_tokens = mask.sum(1).float()  # a multi-turn response's environment tokens not counted
+    past_vocab = int(((batch["input_ids"] >= run.tokenizer.vocab_size) & mask.bool()).sum())
+    if past_vocab and not run.tokens_past_vocab:
+        log(past_vocab_notice(step, past_vocab, run.tokenizer.vocab_size))
+    run.tokens_past_vocab += past_vocab
     rollout_logprobs = _rollout_logprobs(completions, mask)
     assert old_logprobs is not None  # from their pass, or recorded by the update
     timing = timer.step_metrics()
@@ -478,6 +484,7 @@ def ppo_step(run: PPORun, step: int, indices: list[int]) -> tuple[dict[str, floa
         "response_length/mean": float(policy_tokens.mean()),
         "response_length/max": float(policy_tokens.max()),
         "response_length/clip_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "rollout/tokens_past_vocab": float(past_vocab),
         "kl/per_sequence": kl_per_sequence,
         "kl/coef": kl_coef,
         **({"actor/kl_loss_coef": loss_coef * run.kl_scale} if (loss_coef := algo.loss.kl_loss_coef) > 0 else {}),
@@ -511,6 +518,18 @@ def no_signal_notice(step: int, streak: int, uniform_share: float) -> str:
         "whose samples all got the same reward). Check in samples.jsonl that the reward function reads the "
         "responses as meant; an easier task, a larger rollout.sampling.n or temperature, or "
         "rollout.filter_groups=true give the groups a spread"
+    )
+
+
+def past_vocab_notice(step: int, count: int, vocab_size: int) -> str:
+    """The first step whose responses hold ids the tokenizer lacks: the model's vocabulary pads the
+    tokenizer's (a multiple of 64 or 128, as Qwen's 151,936 rows for 151,665 tokens), and sampling
+    draws from every row, as HF and vLLM do. Such a token decodes to nothing."""
+    return (
+        f"step {step}: {count} sampled tokens have ids past the tokenizer's {vocab_size} (the model's padded "
+        "vocabulary rows): they decode to nothing, so rewards and samples.jsonl read the responses without them. "
+        "The count per step is rollout/tokens_past_vocab; a trained model rarely samples them, a model whose "
+        "padded rows were never trained down may"
     )
 
 

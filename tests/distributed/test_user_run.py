@@ -25,9 +25,10 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
     tokenizer_dir = make_chat_tokenizer("qwen2", model)
     from transformers import AutoTokenizer
 
-    make_tiny_hf_model(
-        "qwen2", False, model, vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), pad_token_id=None
-    )
+    # The embedding padded past the tokenizer, as Qwen's (151,936 rows for 151,665 tokens): a random
+    # model samples the padded rows' ids, which decode to nothing, and the run counts them.
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    make_tiny_hf_model("qwen2", False, model, vocab_size=vocab + 64, pad_token_id=None)
     _verl_parquet(tmp_path / "train.parquet", 8)
     (tmp_path / "reward.py").write_text(DEFAULT_COMPUTE_SCORE)
     out = tmp_path / "run"
@@ -65,4 +66,8 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
             tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in rows
         ]
         assert m["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
+        assert m["rollout/tokens_past_vocab"] == sum(i >= vocab for s in rows for i in s["response_ids"])
         assert m["actor/lr"] == pytest.approx(1e-6)  # the library default, not a demo's
+    first = next(m for m in metrics if m["rollout/tokens_past_vocab"] > 0)  # 64 of the rows: some are drawn
+    assert proc.stdout.count("sampled tokens have ids past the tokenizer's") == 1
+    assert f"step {first['step']}: {int(first['rollout/tokens_past_vocab'])} sampled tokens" in proc.stdout
