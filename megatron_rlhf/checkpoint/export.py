@@ -37,8 +37,8 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, ada
     ``tokenizer``'s special ids go into config.json where it names none (``with_token_ids``; None: the config as
     recorded). A model with a non-finite weight on any rank is refused: it
     would load and produce garbage. A LoRA model is written merged; a LoRA causal LM's adapters also
-    go to ``adapter_dir`` (when given) as a PEFT adapter of ``role.source`` (a score-head model's
-    are not: PEFT would need its head too)."""
+    go to ``adapter_dir`` (when given) as a PEFT adapter of ``role.hub_id`` or else ``role.source``
+    (a score-head model's are not: PEFT would need its head too)."""
     local_ok = all(bool(torch.isfinite(param).all()) for param in role.model.parameters())
     bad = torch.tensor([0.0 if local_ok else 1.0], device=next(role.model.parameters()).device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -56,5 +56,6 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, ada
         f"copied {', '.join(side_files_in(role.source))} from {role.source}"
     )
     if lora and adapter_dir is not None and not arch.score_head:
-        save_peft_adapter(role.model, role.groups, adapter_dir, base_model=str(role.source))
-        log(f"saved the LoRA adapters as a PEFT adapter of {role.source} to {adapter_dir}")
+        base = role.hub_id or str(role.source)
+        save_peft_adapter(role.model, role.groups, adapter_dir, base_model=base)
+        log(f"saved the LoRA adapters as a PEFT adapter of {base} to {adapter_dir}")

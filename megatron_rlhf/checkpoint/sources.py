@@ -263,4 +263,5 @@ def build_role(
         apply_lora(model, arch, model_cfg.lora, groups.pg_collection.tp, seed=seed)
     if model_cfg.lora.adapter_path:
         load_peft_adapter(model, groups, model_cfg.lora, arch, f"{role}.lora")
-    return RoleModel(role=role, arch=arch, groups=groups, model=model, source=source)
+    hub_id = model_cfg.path if source != Path(model_cfg.path) and HUB_ID.fullmatch(model_cfg.path) else None
+    return RoleModel(role=role, arch=arch, groups=groups, model=model, source=source, hub_id=hub_id)

@@ -120,7 +120,9 @@ class LayoutCopy:
         model.eval()
         self._flat = _flatten_parameters(model)
         self.release()
-        self.target = RoleModel(role=source.role, arch=source.arch, groups=groups, model=model, source=source.source)
+        self.target = RoleModel(
+            role=source.role, arch=source.arch, groups=groups, model=model, source=source.source, hub_id=source.hub_id
+        )
         self._service = NCCLCopyService()
 
     def refresh(self) -> RoleModel:

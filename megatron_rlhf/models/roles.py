@@ -33,6 +33,10 @@ class RoleModel:
     model: GPTModel
     source: Path
     """The local directory the weights were read from (tokenizer files live there too)."""
+    hub_id: str | None = None
+    """The Hugging Face hub id whose cached snapshot ``source`` is (None: a directory or builtin
+    model): what a LoRA adapter's export names as its base, which a cache path on this machine
+    would not be on another."""
 
     @property
     def padded_vocab_size(self) -> int:

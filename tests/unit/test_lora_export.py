@@ -98,3 +98,33 @@ def test_hf_is_merged_and_hf_adapter_loads_in_peft(world_of_one, tmp_path: Path,
         assert my_config[key] == their_config[key], key
     assert set(my_config["target_modules"]) == set(their_config["target_modules"])
     assert my_config["base_model_name_or_path"] == str(base_dir)
+
+
+def test_the_adapter_of_a_hub_model_names_its_hub_id(world_of_one, tmp_path: Path, monkeypatch) -> None:
+    """A base read from the Hugging Face cache by its hub id: the adapter named the snapshot's path on
+    this machine, which PEFT cannot find on another. It names the hub id now, and PEFT's
+    ``AutoPeftModelForCausalLM`` loads the base through it (from the same cache, with no network)."""
+    from peft import AutoPeftModelForCausalLM
+
+    from tests.unit.test_config_slips import HUB_ID, _cached_model
+
+    snapshot = _cached_model(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no directory named like the hub id here
+    role = build_role(
+        "actor",
+        ModelConfig(path=HUB_ID, lora=LoraConfig(rank=RANK, alpha=ALPHA)),
+        _arch(snapshot),
+        world_size=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    assert role.source == snapshot and role.hub_id == HUB_ID
+    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None)
+    export_hf(role, tokenizer, tmp_path / "hf", adapter_dir=tmp_path / "hf_adapter")
+    config = json.loads((tmp_path / "hf_adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == HUB_ID
+    loaded = AutoPeftModelForCausalLM.from_pretrained(
+        tmp_path / "hf_adapter", torch_dtype=torch.float32, cache_dir=tmp_path / "hub", local_files_only=True
+    )
+    assert loaded.peft_config["default"].base_model_name_or_path == HUB_ID
