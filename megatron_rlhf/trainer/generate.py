@@ -215,9 +215,16 @@ def run_generate(
             ],
         )
         dropped = sum(1 for c in rows if c.prompt_tokens_dropped)
+        past_vocab = sum(i >= tokenizer.vocab_size for c in rows for i in c.token_ids)
         log(
             f"generated {len(rows)} completions for {len(dataset)} prompts ({new_tokens} tokens, "
             f"{new_tokens / max(elapsed, 1e-9):,.0f} tokens/s) -> {output_path}"
             + (f"; {dropped} prompts were truncated to fit max_seq_len" if dropped else "")
+            + (
+                f"; {past_vocab} sampled tokens have ids past the tokenizer's {tokenizer.vocab_size} (the model's "
+                "padded vocabulary rows): token_ids keeps them, text has nothing of them"
+                if past_vocab
+                else ""
+            )
         )
     dist.barrier()

@@ -71,3 +71,16 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
     first = next(m for m in metrics if m["rollout/tokens_past_vocab"] > 0)  # 64 of the rows: some are drawn
     assert proc.stdout.count("sampled tokens have ids past the tokenizer's") == 1
     assert f"step {first['step']}: {int(first['rollout/tokens_past_vocab'])} sampled tokens" in proc.stdout
+
+    # generate on the same model says how many of its tokens have no text.
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hello"}\n{"prompt": "world"}\n')
+    made = run_cli(
+        "generate", f"model={model}", f"input={tmp_path / 'prompts.jsonl'}", f"output={tmp_path / 'out.jsonl'}",
+        "rollout.sampling.n=4", "rollout.sampling.max_new_tokens=16", "rollout.sampling.ignore_eos=true",
+    )  # fmt: skip
+    generated = _records(tmp_path / "out.jsonl")
+    past = sum(i >= vocab for row in generated for i in row["token_ids"])
+    assert past > 0 and f"; {past} sampled tokens have ids past the tokenizer's {vocab} " in made.stdout
+    assert [row["text"] for row in generated] == [
+        tokenizer.decode(row["token_ids"], skip_special_tokens=True) for row in generated
+    ]
