@@ -27,7 +27,7 @@ from megatron_rlhf.algorithms import (
 from megatron_rlhf.models.roles import RoleModel
 from megatron_rlhf.training.config import PPOLossConfig
 from megatron_rlhf.training.logprobs import token_logprobs_and_entropy
-from megatron_rlhf.training.schedule import Batch, LossFn, LossOutput, OutputFn, rows_of
+from megatron_rlhf.training.schedule import Batch, LossFn, LossOutput, Metric, OutputFn, rows_of
 
 
 def next_token_logprobs(
@@ -165,14 +165,14 @@ def ppo_actor_loss(
             agg_mode=cfg.agg_mode,
             loss_scale_factor=cfg.loss_scale_factor,
         )
-        metrics = {f"actor/{name}": value for name, value in metrics.items()}
-        metrics["actor/pg_loss"] = numerator / denominator.clamp(min=1)
+        reported: dict[str, Metric] = {f"actor/{name}": value for name, value in metrics.items()}
+        reported["actor/pg_loss"] = numerator / denominator.clamp(min=1)
         entropy_numerator, _ = entropy_bonus(
             _scored_next(piece, entropy), mask, agg_mode=cfg.agg_mode, loss_scale_factor=cfg.loss_scale_factor
         )
         if cfg.entropy_coef > 0:
             numerator = numerator - cfg.entropy_coef * entropy_numerator
-        metrics["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
+        reported["actor/entropy"] = entropy_numerator / denominator.clamp(min=1)
         if cfg.kl_loss_coef > 0:
             kl_numerator, _ = kl_loss(
                 logprobs,
@@ -183,8 +183,8 @@ def ppo_actor_loss(
                 loss_scale_factor=cfg.loss_scale_factor,
             )
             numerator = numerator + cfg.kl_loss_coef * kl_numerator
-            metrics["actor/kl_loss"] = kl_numerator / denominator.clamp(min=1)
-        return numerator, denominator, metrics
+            reported["actor/kl_loss"] = kl_numerator / denominator.clamp(min=1)
+        return numerator, denominator, reported
 
     return loss
 
@@ -216,7 +216,7 @@ def sft_loss(role: RoleModel) -> LossFn:
         logprobs = _scored_next(piece, next_token_logprobs(role, piece, logits)[0])
         mask = _scored(piece, piece["loss_mask"]).float()
         numerator, denominator = aggregate_loss(-logprobs, mask, "token-mean")
-        return numerator, denominator, {"nll_token_mean": numerator / denominator.clamp(min=1)}
+        return numerator, denominator, {}
 
     return loss
 
@@ -236,6 +236,11 @@ def bradley_terry_loss(pad_id: int | None) -> LossFn:
         margin = chosen - rejected
         numerator = -F.logsigmoid(margin).sum()
         denominator = torch.tensor(margin.numel(), device=margin.device)
-        return numerator, denominator, {"accuracy": (margin > 0).float().mean(), "margin": margin.mean()}
+        # Over the step's pairs, not a mean of micro-batch means (micro-batches hold unequal counts).
+        return (
+            numerator,
+            denominator,
+            {"accuracy": ((margin > 0).sum(), denominator), "margin": (margin.sum(), denominator)},
+        )
 
     return loss

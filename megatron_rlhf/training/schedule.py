@@ -41,7 +41,11 @@ if TYPE_CHECKING:
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
 Batch = dict[str, torch.Tensor]
-LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+Metric = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""One micro-batch's figure: a scalar, which the step reports as its mean over the micro-batches
+(verl's way, PPO's figures), or a (sum, count) pair, which it reports as the ratio of the sums over
+the whole batch: a share or a mean that does not move with how the batch was cut."""
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, Metric]]
 """A loss function's (numerator, denominator, metrics) of one micro-batch."""
 LossFn = Callable[[Batch, torch.Tensor], LossOutput]
 OutputFn = Callable[[Batch, torch.Tensor], torch.Tensor]

@@ -39,7 +39,8 @@ def train_step(
 
     Returns metrics identical on every rank: the loss (numerator / denominator summed over all
     micro-batches and DP ranks), the gradient norm, the learning rate, and each metric of
-    ``loss_fn`` averaged over micro-batches and DP ranks.
+    ``loss_fn`` over micro-batches and DP ranks (a scalar's mean, a (sum, count) pair's ratio of
+    sums: ``schedule.Metric``).
     """
     role, model = state.role, state.ddp_model
     device = _device(model)
@@ -136,18 +137,27 @@ def _loss_step(
 ) -> Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
     def step(piece: Batch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         numerator, denominator, metrics = loss_fn(piece, output)
-        reported = {name: value.detach().float() for name, value in metrics.items()}
-        reported["_numerator"] = numerator.detach().float()
-        reported["_denominator"] = denominator.detach().float()
+        reported: dict[str, torch.Tensor] = {}
+        for name, value in {**metrics, "loss": (numerator, denominator)}.items():
+            if isinstance(value, tuple):
+                for suffix, part in zip(RATIO_PARTS, value, strict=True):
+                    reported[name + suffix] = part.detach().float()
+            else:
+                reported[name] = value.detach().float()
         return numerator, denominator.to(torch.int), reported
 
     return step
 
 
+RATIO_PARTS = (":sum", ":count")
+"""The suffixes of a (sum, count) metric's two parts, summed apart (``_loss_step``)."""
+
+
 def _reduce_metrics(
     per_micro_batch: list[dict[str, torch.Tensor]], role: RoleModel, device: torch.device
 ) -> dict[str, float]:
-    """Sum over micro-batches on the last stage, over DP, then share along the pipeline."""
+    """Sum over micro-batches on the last stage, over DP, then share along the pipeline; a scalar
+    metric is then divided by the micro-batches, a (sum, count) one by its summed count."""
     pg = role.groups.pg_collection
     names = sorted(per_micro_batch[0]) if per_micro_batch else []
     # Stages other than the last have no metrics; the last stage's names are agreed on first.
@@ -161,9 +171,15 @@ def _reduce_metrics(
     dist.all_reduce(totals, group=pg.dp)
     dist.all_reduce(totals, group=pg.pp)  # only the last stage contributes
     values = dict(zip(names, totals[:-1].tolist(), strict=True))
-    count = max(totals[-1].item(), 1.0)
-    result = {"loss": values.pop("_numerator") / max(values.pop("_denominator"), 1.0)}
-    result.update({name: value / count for name, value in values.items()})
+    micro_batch_count = max(totals[-1].item(), 1.0)
+    sums, counts = RATIO_PARTS
+    result: dict[str, float] = {}
+    for name, value in values.items():
+        if name.endswith(sums):
+            ratio = name.removesuffix(sums)
+            result[ratio] = value / max(values[ratio + counts], 1.0)
+        elif not name.endswith(counts):
+            result[name] = value / micro_batch_count
     return result
 
 

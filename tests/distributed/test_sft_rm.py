@@ -307,3 +307,26 @@ def test_sft_of_an_hf_model_uses_and_exports_its_tokenizer(tmp_path: Path) -> No
     batches = epoch_batches(32, 8, 0, 1, seed=1234, epoch=0, drop_last=True)
     expected = [sum(2 * (len(rows[i]["prompt"].split()) - 1) + 2 for i in batch) for batch in batches[:3]]
     assert [r["tokens"] for r in _records(out, "train")] == expected
+
+
+def test_rm_training_accuracy_and_margin_are_over_the_steps_pairs(tmp_path: Path) -> None:
+    """A step cut into micro-batches of unequal pair counts reported the mean of their accuracies
+    and margins (e.g. 1/2, 0/1, 2/3 -> 0.389 for 3 of 6 pairs). Now the share and the mean over the
+    step's pairs: the same figures as the evaluation of the same pairs with the same weights, before
+    the step's update, which scores them another way (``validate``)."""
+    rows = _preference_rows(6, 5)
+    for row in rows[::3]:  # the untrained model prefers rows without the marker: it gets these two right
+        row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+    pairs = _write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "rm"
+    run_cli(
+        "rm", "--config", "rm-tiny", f"data.train=[{pairs}]", f"data.validation=[{pairs}]", f"output_dir={out}",
+        "global_batch_size=6", "max_steps=1", "eval_before_train=true", "data.max_length=40",
+        "max_tokens_per_micro_batch=60", "save_final=false", "save_hf=false",
+    )  # fmt: skip
+    (step,) = _records(out, "train")
+    before = next(v for v in _records(out, "validation") if v["step"] == 0)
+    assert before["pairs"] == 6
+    assert before["accuracy"] == pytest.approx(2 / 6) and step["accuracy"] == before["accuracy"]
+    assert abs(step["margin"] - before["margin"]) < 1e-5 * max(1.0, abs(before["margin"]))
+    assert abs(step["loss"] - before["loss"]) < 1e-5 * max(1.0, before["loss"])
