@@ -80,7 +80,7 @@ from torch import Tensor
 
 from .chat_template import ChatTemplate, ChatTemplateError, template_variable_errors, tool_schema_problem
 from .records import DataError, Record, Span, data_files, read_records, read_span, split_files
-from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer
+from .tokenizer import CHAT_TEMPLATE_FILE, Tokenizer, template_turn_end
 
 __all__ = [
     "RAW_PROMPT",
@@ -342,6 +342,8 @@ class DataReport:
     samples: dict[str, list[SkippedRow]] = dataclasses.field(default_factory=dict)
     json_conversations: int = 0
     """Rows whose prompt column held a conversation as JSON text, read as its messages."""
+    chat_prompts: int = 0
+    """Prompts given as messages (a list, or JSON text of one), rendered with the chat template."""
     text_prompts: int = 0
     """Prompts of plain text, tokenized as written, where the tokenizer has a chat template that a
     list of messages would have been rendered with (an instruct model is then prompted unlike how
@@ -358,6 +360,7 @@ class DataReport:
         self.rows += other.rows
         self.kept += other.kept
         self.json_conversations += other.json_conversations
+        self.chat_prompts += other.chat_prompts
         self.text_prompts += other.text_prompts
         for reason, n in other.skipped.items():
             self.skipped[reason] = self.skipped.get(reason, 0) + n
@@ -615,15 +618,18 @@ def _conversation_sequence(
     ld: _Loader, rec: Record, key: str, chat: _ChatOptions, messages: list[Any] | None = None
 ) -> _Sequence:
     """A conversation as one SFT sequence whose loss covers what the assistant says: each assistant
-    message from after its generation prompt through its stop token, as a rollout samples it. The
-    rest (system, user and tool messages, the template's markup around them and after a stop
-    token) is context. The text is tokenized turn by turn, as a multi-turn rollout assembles it.
-    ``messages``: the conversation, where it is not column ``key`` alone."""
+    message from after its generation prompt through its stop token (a stop id, or the special
+    token the template ends a turn with: ``template_turn_end``), as transformers' assistant mask
+    covers it. The rest (system, user and tool messages, the template's markup around them and
+    after a stop token) is context. The text is tokenized turn by turn, as a multi-turn rollout
+    assembles it. ``messages``: the conversation, where it is not column ``key`` alone."""
     conversation = _conversation(rec, key, ld.tokenizer, chat, messages)
     turns = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
     if not turns:
         raise _RowProblem(EMPTY, key, "has no assistant message: nothing to train on")
-    stops = set(ld.tokenizer.stop_ids)
+    # A base model's EOS need not be the template's turn end (Qwen2.5: <|endoftext|>, <|im_end|>).
+    turn_end = ld.turn_end(chat.variables)
+    stops = set(ld.tokenizer.stop_ids) | ({turn_end} if turn_end is not None else set())
     ids: list[int] = []
     mask: list[int] = []
 
@@ -670,10 +676,12 @@ def _prompt_ids(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> list[
     json.dumps is), text, or ids."""
     value = rec.data.get(key)
     if isinstance(value, list):
+        ld.report.chat_prompts += 1
         return ld.with_bos(_message_ids(rec, key, ld.tokenizer, chat))
     messages = _json_messages(value) if isinstance(value, str) else None
     if messages is not None:
         ld.report.json_conversations += 1
+        ld.report.chat_prompts += 1
         return ld.with_bos(_message_ids(rec, key, ld.tokenizer, chat, messages))
     if isinstance(value, str) and chat.apply and ld.tokenizer.chat_template is not None:
         ld.report.text_prompts += 1
@@ -857,6 +865,14 @@ class _Loader:
         self.bos: list[int] = bos if add_bos else []
         self.row, self.masks = row, masks
         self.report = DataReport()
+        self._turn_ends: dict[str, int | None] = {}
+
+    def turn_end(self, variables: Mapping[str, Any]) -> int | None:
+        """``template_turn_end`` with the template ``variables``, worked out once per load."""
+        key = json.dumps(variables, sort_keys=True, default=str)
+        if key not in self._turn_ends:
+            self._turn_ends[key] = template_turn_end(self.tokenizer, variables)
+        return self._turn_ends[key]
 
     def load(self) -> _Part:
         """Every row of every file, in order: here, or in ``num_workers`` processes (same result)."""

@@ -38,7 +38,7 @@ tokens turn back into their ids but a SentencePiece model would spell out piece 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -57,6 +57,8 @@ __all__ = [
     "SentencePieceTokenizer",
     "Tokenizer",
     "load_tokenizer",
+    "template_turn_end",
+    "turn_end_warning",
 ]
 
 # Looked for in this order by load_tokenizer.
@@ -346,6 +348,47 @@ PROBE_TEXT = (
 )
 """Words, digits, whitespace, accents, CJK, emoji, code and a special token's text: what two
 tokenizers that encode text alike give the same ids for."""
+
+
+_TURN_PROBE = "The answer is 42."
+
+
+def template_turn_end(tokenizer: Tokenizer, variables: Mapping[str, Any] | None = None) -> int | None:
+    """The special token the chat template ends an assistant turn with (ChatML's ``<|im_end|>``,
+    Llama 3's ``<|eot_id|>``); None without a template, or where a turn ends in text. It need not be
+    one of ``stop_ids``: a base model's EOS (Qwen2.5's ``<|endoftext|>``) beside the template's
+    ``<|im_end|>``."""
+    template = tokenizer.chat_template
+    if template is None:
+        return None
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN_PROBE}]
+    text = template.render(conversation, variables=variables, add_generation_prompt=False)
+    if text.count(_TURN_PROBE) != 1:
+        return None
+    for token in tokenizer.encode(text[text.index(_TURN_PROBE) + len(_TURN_PROBE) :]):
+        special = tokenizer.decode([token], skip_special_tokens=True) == "" and tokenizer.decode([token]) != ""
+        if special:
+            return token
+        if tokenizer.decode([token]).strip():
+            return None  # the turn ends in text before any special token
+    return None
+
+
+def turn_end_warning(
+    tokenizer: Tokenizer, stops: Collection[int], variables: Mapping[str, Any] | None, setting: str
+) -> str | None:
+    """Where prompts rendered with the chat template will be answered past the end of the turn: the
+    template's turn end (``template_turn_end``) is none of the rollout's ``stops``. ``setting``: the
+    key that adds stop tokens."""
+    end = template_turn_end(tokenizer, variables)
+    if end is None or end in stops:
+        return None
+    return (
+        f"warning: the chat template ends an assistant turn with {tokenizer.decode([end])!r} (id {end}), which "
+        f"is not a stop token here ({sorted(stops)}, from the tokenizer and the settings): a response to a "
+        f"prompt the template rendered runs on past its turn until one of those or the token limit; add "
+        f"{setting}=[{end}] to end responses there"
+    )
 
 
 def same_encoding(a: Tokenizer, b: Tokenizer) -> bool:

@@ -43,7 +43,7 @@ from megatron_rlhf.data import Tokenizer, load_prompt_dataset
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.config import PromptRowsConfig
 from megatron_rlhf.data.datasets import PromptExample
-from megatron_rlhf.data.tokenizer import resolve_tokenizer
+from megatron_rlhf.data.tokenizer import resolve_tokenizer, turn_end_warning
 from megatron_rlhf.metrics.log import Progress, log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.parallel.distributed import DistEnv, init_distributed
@@ -176,6 +176,10 @@ def run_generate(
         keep_raw_prompt=multi_turn.interactions_read_prompts,
     )
     log(report.summary())
+    stops = params.stop_set(engine.cfg.eos_token_ids)
+    warning = turn_end_warning(tokenizer, stops, data.chat_template_kwargs, "rollout.sampling.stop_token_ids")
+    if warning and report.chat_prompts:
+        log(warning)
     room = engine.cfg.max_seq_len - 1  # a prompt must leave room for one new token
     if engine.cfg.on_long_prompt == "error" and len(dataset) and int(dataset.lengths.max()) > room:
         long = [(row, n) for row, n in zip(dataset.rows, dataset.lengths.tolist(), strict=True) if n > room]

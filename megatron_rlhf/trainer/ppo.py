@@ -58,7 +58,7 @@ from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.data import PromptDataset, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
-from megatron_rlhf.data.tokenizer import Tokenizer
+from megatron_rlhf.data.tokenizer import Tokenizer, turn_end_warning
 from megatron_rlhf.hybrid.engine import HybridEngine
 from megatron_rlhf.hybrid.memory import decide_offload, generation_bytes, optimizer_bytes_to_come
 from megatron_rlhf.hybrid.reference import ReferenceUpdater, reference_vocab_pad_multiple
@@ -156,7 +156,7 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     tools_file = prompt_tools_file(data.tools_file, rollout.multi_turn)
 
     def load_data(tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
-        def load(paths: list[str], what: str) -> PromptDataset:
+        def load(paths: list[str], what: str) -> tuple[PromptDataset, int]:
             dataset, report = load_prompt_dataset(
                 resolve_data_paths(paths),
                 tokenizer,
@@ -172,9 +172,15 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
                 require_reward_inputs=bool(cfg.scoring.custom_function.path),
             )
             log(f"{what}: {report.summary()}")
-            return dataset
+            return dataset, report.chat_prompts
 
-        return load(data.train, "prompts"), load(data.validation, "validation prompts") if data.validation else None
+        train, rendered = load(data.train, "prompts")
+        validation, rendered_too = load(data.validation, "validation prompts") if data.validation else (None, 0)
+        stops = rollout.sampling.stop_set(rollout.engine.with_eos_of(tokenizer.stop_ids).eos_token_ids)
+        warning = turn_end_warning(tokenizer, stops, data.chat_template_kwargs, "rollout.sampling.stop_token_ids")
+        if warning and rendered + rendered_too:
+            log(warning)
+        return train, validation
 
     start, (prompts, validation) = start_run(
         cfg,

@@ -84,3 +84,32 @@ def test_a_run_without_config_scores_with_the_users_function_only(tmp_path: Path
     assert [row["text"] for row in generated] == [
         tokenizer.decode(row["token_ids"], skip_special_tokens=True) for row in generated
     ]
+
+
+@pytest.mark.distributed
+def test_a_base_models_eos_beside_the_templates_turn_end_is_warned_of_and_the_turn_end_can_stop(
+    tmp_path: Path,
+) -> None:
+    """A Qwen2.5 base model: EOS <|endoftext|>, a ChatML template whose turns end with <|im_end|>. A
+    prompt rendered with the template was answered past <|im_end|> (into a made-up next turn) without
+    a word; now the run says so and which setting ends responses there."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    make_chat_tokenizer("qwen2", model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    make_tiny_hf_model("qwen2", False, model, vocab_size=len(tokenizer), pad_token_id=None)
+    (tmp_path / "p.jsonl").write_text('{"prompt": [{"role": "user", "content": "Hello"}]}\n')
+    common = [f"model={model}", f"input={tmp_path / 'p.jsonl'}", "rollout.sampling.max_new_tokens=4"]
+    warned = run_cli("generate", *common, f"output={tmp_path / 'a.jsonl'}")
+    assert f"ends an assistant turn with '<|im_end|>' (id {im_end}), which is not a stop token" in warned.stdout
+    assert f"add rollout.sampling.stop_token_ids=[{im_end}] to end responses there" in warned.stdout
+    fixed = run_cli(
+        "generate", *common, f"output={tmp_path / 'b.jsonl'}", f"rollout.sampling.stop_token_ids=[{im_end}]"
+    )
+    assert "ends an assistant turn" not in fixed.stdout

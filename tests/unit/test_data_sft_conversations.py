@@ -143,6 +143,46 @@ def test_a_template_without_a_stop_token_ends_the_last_message_with_eos(model_di
     assert ids == [t for t, _ in expected[:-1]]
 
 
+CHATML_WITH_GENERATION = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_base_models_eos_beside_the_templates_turn_end_trains_what_transformers_masks(tmp_path) -> None:
+    """A Qwen2.5 base model: EOS <|endoftext|>, a ChatML template ending turns with <|im_end|>. The
+    turn's end was looked for among the stop ids only: the markup after each turn was trained, and an
+    <|endoftext|> the template never writes was added and trained. Now the loss covers what
+    transformers' assistant mask covers (the template's {% generation %} blocks), on its ids."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data.tokenizer import template_turn_end
+    from tests.helpers import make_chat_tokenizer
+
+    base = make_chat_tokenizer("qwen2", tmp_path / "base")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    (base / "chat_template.jinja").write_text(CHATML_WITH_GENERATION)
+    tokenizer = load_tokenizer(base)
+    reference = AutoTokenizer.from_pretrained(base)
+    im_end, endoftext = reference.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tokenizer.stop_ids == (endoftext,) and template_turn_end(tokenizer) == im_end
+    messages = [
+        {"role": "user", "content": "What is two plus three?"},
+        {"role": "assistant", "content": "It is five."},
+        {"role": "user", "content": "Bonjour"},
+        {"role": "assistant", "content": "très bien merci"},
+    ]
+    [(ids, mask)] = load(write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}]), base)
+    expected = reference.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == expected["input_ids"] and mask == expected["assistant_masks"]
+    assert (
+        reference.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        == "It is five.<|im_end|>très bien merci<|im_end|>"
+    )
+
+
 def test_conversation_and_prompt_response_rows_mix(model_dir, tmp_path) -> None:
     tokenizer = load_tokenizer(model_dir)
     rows = [
