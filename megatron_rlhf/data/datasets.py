@@ -706,13 +706,17 @@ def _reward_inputs(rec: Record) -> dict[str, Any]:
     """verl's reward inputs of a row, named as its ``compute_score`` takes them: ``data_source``,
     ``ground_truth`` (from the ``reward_model`` struct) and ``extra_info`` (absent or null: {}), as
     verl's ``examples/data_preprocess`` scripts write them. Rows without ``reward_model`` keep their
-    ``data_source`` alone (validation figures are split by it)."""
+    ``data_source`` (validation figures are split by it) and their ``extra_info``'s multi-turn inputs
+    (a ``generate`` input's ``tools_kwargs`` and ``interaction_kwargs``)."""
     data = rec.data
     if "reward_model" not in data:
-        source = data.get("data_source")
+        source, extra_info = data.get("data_source"), data.get("extra_info")
         if source is not None and not isinstance(source, str):  # was dropped, and the row's figures with it
             raise _RowProblem(WRONG_TYPE, "data_source", f"must be a string (or null), got {type(source).__name__}")
-        return {"data_source": source} if source else {}
+        if extra_info is not None and not isinstance(extra_info, dict):
+            raise _RowProblem(WRONG_TYPE, "extra_info", f"must be an object (or null), got {type(extra_info).__name__}")
+        multi_turn = _tool_inputs(extra_info) if extra_info and set(_MULTI_TURN_INPUTS) & set(extra_info) else {}
+        return {**({"data_source": source} if source else {}), **multi_turn}
     if "data_source" not in data:
         raise _RowProblem(
             MISSING_COLUMN,
@@ -737,6 +741,8 @@ def _reward_inputs(rec: Record) -> dict[str, Any]:
     }
 
 
+_MULTI_TURN_INPUTS = ("tools_kwargs", "interaction_kwargs", "need_tools_kwargs")
+"""The ``extra_info`` fields a multi-turn rollout reads (``_tool_inputs``)."""
 _TOOL_KWARGS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 """What a tool's entry in ``tools_kwargs`` may hold: the keywords of each of a verl tool's methods."""
 

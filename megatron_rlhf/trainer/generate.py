@@ -28,7 +28,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +88,12 @@ def generate_trajectories(
     params: SamplingParams,
     multi_turn: MultiTurnConfig | None = None,
     on_finished: Callable[[int], None] | None = None,
+    template_variables: Mapping[str, Any] | None = None,
 ) -> list[Completion]:
     """``generate_data_parallel`` of ``prompts``; with ``multi_turn`` enabled each completion is a
     trajectory with its tools (built here, their workers stopped on return), each prompt's
-    ``tools_kwargs`` from its extras. Collective."""
+    ``tools_kwargs`` from its extras, the environment's turns rendered with the chat template's
+    ``template_variables`` (those the prompts were rendered with). Collective."""
     ids = [example.prompt_ids.tolist() for example in prompts]
     if multi_turn is None or not multi_turn.enable:
         return generate_data_parallel(engine, ids, params, on_finished)
@@ -99,7 +101,7 @@ def generate_trajectories(
     if warning := parts.unrendered_tools_warning(tokenizer):
         log(warning)
     extras = [example.extras for example in prompts]
-    with ToolAgent(multi_turn, tokenizer, parts.tools, extras, interactions=parts.interactions) as agent:
+    with ToolAgent(multi_turn, tokenizer, parts.tools, extras, template_variables, parts.interactions) as agent:
         return generate_data_parallel(engine, ids, params, on_finished, agent=agent)
 
 
@@ -192,7 +194,7 @@ def run_generate(
     start = time.perf_counter()
     group_share = -(-len(dataset) // engine.role.groups.layout.dp) * params.n  # rank 0's data-parallel group
     progress = Progress("generate (data-parallel group 0)", group_share, "completions")
-    rows = generate_trajectories(engine, tokenizer, dataset, params, multi_turn, progress)
+    rows = generate_trajectories(engine, tokenizer, dataset, params, multi_turn, progress, data.chat_template_kwargs)
     elapsed = time.perf_counter() - start
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)

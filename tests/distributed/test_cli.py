@@ -594,3 +594,35 @@ def test_generate_on_cuda_without_a_gpu_advises_the_key_value_setting(tmp_path: 
     for device in (("device=cuda",), ("--device", "cuda")):
         proc = run_cli_here("generate", *args, *device, exit_code=2)
         assert "device=cuda was requested but no CUDA device is visible; use device=cpu" in proc.stderr
+
+
+def test_generates_multi_turn_trajectories_render_later_turns_with_the_template_variables(tmp_path: Path) -> None:
+    """generate rendered the prompts with data.chat_template_kwargs but the environment's turns
+    without them: with Qwen3's enable_thinking=false every later generation prompt lacked the empty
+    think block, so the model was sampled in thinking mode from the second turn on (ppo passed them)."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_data_chat_tools import QWEN3_STYLE_TEMPLATE
+
+    model = make_chat_tokenizer("qwen2", tmp_path / "model")
+    (model / "chat_template.jinja").write_text(QWEN3_STYLE_TEMPLATE, encoding="utf-8")
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    make_tiny_hf_model("qwen2", False, model, vocab_size=vocab, pad_token_id=None)
+    rows = [
+        {"prompt": [{"role": "user", "content": "count to 1"}],
+         "extra_info": {"interaction_kwargs": {"name": "retry", "question": "count to 1"}}},
+    ]  # fmt: skip
+    _write_jsonl(tmp_path / "p.jsonl", rows)
+    (tmp_path / "interactions.yaml").write_text(
+        "interaction:\n  - name: retry\n    class_name: tests.distributed.interaction_fixtures.RetryOnce\n"
+    )
+    stops = ",".join(str(i) for i in range(0, vocab, 4))  # a quarter of the vocabulary ends a turn
+    run_cli_here(
+        "generate", f"model={model}", f"input={tmp_path / 'p.jsonl'}", f"output={tmp_path / 'out.jsonl'}",
+        "rollout.sampling.max_new_tokens=96", f"rollout.engine.eos_token_ids=[{stops}]",
+        "rollout.multi_turn.enable=true", "data.chat_template_kwargs={enable_thinking: false}",
+        f"rollout.multi_turn.interaction_config_path={tmp_path / 'interactions.yaml'}",
+    )  # fmt: skip
+    (row,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    user_turns = [turn["text"] for turn in row["turns"] if turn["role"] == "user"]
+    assert user_turns and all(text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for text in user_turns)

@@ -620,3 +620,15 @@ def test_a_plain_rows_data_source_that_is_no_string_is_named(tmp_path):
         load_prompt_dataset(f, TOK, max_length=8)
     ds, report = load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")
     assert [e.extras for e in ds] == [{"data_source": "gsm8k"}, {}, {}] and report.skipped == {"wrong_type": 1}
+
+
+def test_a_plain_rows_multi_turn_inputs_are_kept(tmp_path):
+    """A row without reward_model (a generate input) kept its data_source only: its extra_info's
+    interaction_kwargs and tools_kwargs were dropped, and a multi-turn run talked to the file's only
+    interaction without the row's keywords, or failed on a tool's missing ones."""
+    extra = {"interaction_kwargs": {"name": "retry", "question": "q"}, "tools_kwargs": {"calc": {"create_kwargs": {}}}}
+    f = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "a", "extra_info": extra}, {"prompt": "b", "extra_info": 3}])
+    ds, report = load_prompt_dataset(f, TOK, max_length=8, on_invalid="skip")
+    (example,) = ds
+    assert example.extras["interaction_kwargs"] == {"name": "retry", "question": "q"}
+    assert list(example.extras["tools_kwargs"]) == ["calc"] and report.skipped == {"wrong_type": 1}
