@@ -452,6 +452,20 @@ def plan_steps(cfg: LoopConfig, task: Task) -> tuple[int, int]:
     return per_epoch, total
 
 
+def epochs_line(name: str, examples: int, description: str, batch_size: int, per_epoch: int, total: int) -> str:
+    """The start-up line of a run's length: steps per epoch and in all, and the examples a step's
+    whole batches leave out of each epoch's shuffle (never trained when the run takes one epoch)."""
+    left_over = examples - per_epoch * batch_size
+    if not left_over:
+        left_out = ""
+    elif total <= per_epoch:  # the run draws from one epoch's shuffle only
+        left_out = f" ({left_over} examples of the shuffle are never trained: a step takes whole batches)"
+    else:
+        left_out = f" ({left_over} examples of each epoch's shuffle are left out of its steps, other ones each epoch)"
+    steps = f"{per_epoch} step{'s' * (per_epoch != 1)} per epoch"
+    return f"{name}: {examples} {description}: {steps}{left_out}; {total} steps ({total / per_epoch:.2f} epochs)"
+
+
 def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict[str, Any]:
     """Train for the configured steps (continuing a checkpoint when ``resume`` finds one), saving
     checkpoints; export, write ``result.json``; returns the summary. ``claim``: what
@@ -467,12 +481,7 @@ def run_loop(cfg: LoopConfig, task: Task, claim: RunClaim | None = None) -> dict
 def _train_and_export(cfg: LoopConfig, task: Task, claim: RunClaim | None) -> dict[str, Any]:
     out_dir = Path(cfg.output_dir)
     per_epoch, total = plan_steps(cfg, task)
-    left_over = task.num_examples - per_epoch * task.batch_size
-    log(
-        f"{task.name}: {task.num_examples} {task.batch_description}: {per_epoch} step{'s' * (per_epoch != 1)} per epoch"
-        + (f" ({left_over} examples of each epoch's shuffle left for later epochs)" if left_over else "")
-        + f"; {total} steps ({total / per_epoch:.2f} epochs)"
-    )
+    log(epochs_line(task.name, task.num_examples, task.batch_description, task.batch_size, per_epoch, total))
     log(environment_report())
     log(f"layouts: {task.layouts}")
     state = LoopState(headline=task.headline[0])

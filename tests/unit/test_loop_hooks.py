@@ -1,6 +1,6 @@
 """What the training loop does around its steps: it freezes the objects set-up left for the cyclic
-GC during the steps (and gives them back when the run ends), and it profiles the steps
-``profile_steps`` names, phase by phase."""
+GC during the steps (and gives them back when the run ends), it profiles the steps
+``profile_steps`` names, phase by phase, and it says what each epoch leaves untrained."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import re
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_rlhf.metrics.kernels import _merged_length
 from megatron_rlhf.metrics.log import phase_range, timed
-from megatron_rlhf.trainer.loop import LoopConfig, run_loop
+from megatron_rlhf.trainer.loop import LoopConfig, epochs_line, run_loop
 
 
 class _Node:
@@ -121,3 +122,19 @@ def test_profile_steps_count_from_one() -> None:
     errors = LoopConfig(output_dir="x", profile_steps=[0, 3]).errors()
     assert any("profile_steps=[0, 3]" in e for e in errors)
     assert not LoopConfig(output_dir="x", profile_steps=[1]).errors()
+
+
+@pytest.mark.parametrize(
+    "examples, per_epoch, total, said",
+    [
+        (12, 3, 6, "sft: 12 examples: 3 steps per epoch; 6 steps (2.00 epochs)"),
+        (10, 2, 2, "sft: 10 examples: 2 steps per epoch (2 examples of the shuffle are never trained: a step takes "
+         "whole batches); 2 steps (1.00 epochs)"),
+        (10, 2, 6, "sft: 10 examples: 2 steps per epoch (2 examples of each epoch's shuffle are left out of its steps, "
+         "other ones each epoch); 6 steps (3.00 epochs)"),
+    ],
+)  # fmt: skip
+def test_the_examples_a_run_of_one_epoch_never_trains_are_said_so(examples, per_epoch, total, said) -> None:
+    """10 examples in batches of 4 for one epoch: the log said the 2 left over were "left for later
+    epochs", and there were none."""
+    assert epochs_line("sft", examples, "examples", 4, per_epoch, total) == said
