@@ -107,6 +107,7 @@ WRONG_TYPE = "wrong_type"
 BAD_TOKEN = "token_out_of_range"
 TEMPLATE_FAILED = "chat_template_failed"
 IDENTICAL_PAIR = "identical_pair"
+MISMATCHED_PAIR = "mismatched_pair"
 MISSING_COLUMN = "missing_column"
 MAX_SAMPLES = 5  # skipped rows remembered per reason
 
@@ -626,7 +627,13 @@ def _conversation_sequence(
     conversation = _conversation(rec, key, ld.tokenizer, chat, messages)
     turns = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
     if not turns:
-        raise _RowProblem(EMPTY, key, "has no assistant message: nothing to train on")
+        roles = sorted({m["role"] for m in conversation.messages})
+        sharegpt = " (ShareGPT's human and gpt are user and assistant)" if "gpt" in roles else ""
+        raise _RowProblem(EMPTY, key, f"has no assistant message: nothing to train on; its roles are {roles}{sharegpt}")
+    if turns[0] == 0:  # templates render no empty conversation, and many add a system message before it
+        raise _RowProblem(
+            WRONG_TYPE, key, "opens with an assistant message: an answer needs a system or user message before it"
+        )
     # A base model's EOS need not be the template's turn end (Qwen2.5: <|endoftext|>, <|im_end|>).
     turn_end = ld.turn_end(chat.variables)
     stops = set(ld.tokenizer.stop_ids) | ({turn_end} if turn_end is not None else set())
@@ -1020,16 +1027,33 @@ def _preference_conversations(
             f"must be a conversation too when '{chosen_key}' is one, got {_describe(prompt)} (a text prompt is left "
             "out where both sides open with it as their first user message, as UltraFeedback's binarized rows do)",
         )
-    sequences: list[_Sequence] = []
+    sides: dict[str, list[Any]] = {}
     for key in (chosen_key, rejected_key):
         side = rec.data.get(key)
         if not isinstance(side, list):
             raise _RowProblem(WRONG_TYPE, key, f"must be a conversation as '{chosen_key}' is, got {_describe(side)}")
+        sides[key] = side
+    openings = [_before_first_answer(side) for side in sides.values()]
+    if openings[0] != openings[1]:
+        raise _RowProblem(
+            MISMATCHED_PAIR,
+            rejected_key,
+            f"opens otherwise than '{chosen_key}' (the messages before the first assistant message differ): a "
+            "pair is two answers to one prompt",
+        )
+    sequences: list[_Sequence] = []
+    for key, side in sides.items():
         ids, mask = _conversation_sequence(ld, rec, key, chat, [*(prompt or []), *side])
         assert mask is not None, "a conversation's sequence has its loss mask"
         end = max(i for i, trained in enumerate(mask) if trained) + 1
         sequences.append((ids[:end], mask[:end]))
     return sequences, None
+
+
+def _before_first_answer(side: list[Any]) -> list[Any]:
+    """The messages of a conversation before its first assistant message: its prompt."""
+    answers = [i for i, m in enumerate(side) if isinstance(m, dict) and m.get("role") == "assistant"]
+    return side[: answers[0]] if answers else side
 
 
 def _opens_with(side: Any, prompt: str) -> bool:

@@ -183,6 +183,22 @@ def test_a_base_models_eos_beside_the_templates_turn_end_trains_what_transformer
     )
 
 
+def test_sharegpt_roles_under_a_template_that_writes_any_role_are_named(model_dir, tmp_path) -> None:
+    """A template that writes every role by its name took ShareGPT's human and gpt messages and
+    reported only that there was no assistant message."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (plain / name).write_bytes((model_dir / name).read_bytes())
+    (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    row = {"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}
+    with pytest.raises(DataError) as err:
+        load_sft_dataset(write_jsonl(tmp_path / "s.jsonl", [row]), load_tokenizer(plain), max_length=64)
+    assert "has no assistant message: nothing to train on; its roles are ['gpt', 'human'] (ShareGPT's human and " in (
+        str(err.value)
+    )
+
+
 def test_conversation_and_prompt_response_rows_mix(model_dir, tmp_path) -> None:
     tokenizer = load_tokenizer(model_dir)
     rows = [
@@ -217,6 +233,11 @@ BAD_ROWS = [
     ({"messages": [{"content": "x"}]}, "wrong_type", "message 0 must be an object with a string 'role'"),
     ({"messages": [USER]}, "empty", "has no assistant message: nothing to train on"),
     ({"messages": None}, "empty", "is null"),
+    (
+        {"messages": [{"role": "assistant", "content": "Hello!"}, USER, {"role": "assistant", "content": "7"}]},
+        "wrong_type",
+        "opens with an assistant message: an answer needs a system or user message before it",
+    ),
 ]
 
 
@@ -317,6 +338,17 @@ def test_bad_preference_conversations_name_the_column(model_dir, tmp_path) -> No
             "must be a conversation too",
         ),
         ({"chosen": user, "rejected": user}, "chosen", "has no assistant message"),
+        (  # two prompts: accepted as a pair before
+            {
+                "chosen": [*user, {"role": "assistant", "content": "7"}],
+                "rejected": [
+                    {"role": "user", "content": "Name an even number."},
+                    {"role": "assistant", "content": "8"},
+                ],
+            },
+            "rejected",
+            "opens otherwise than 'chosen' (the messages before the first assistant message differ)",
+        ),
     ]
     for row, column, detail in cases:
         path = write_jsonl(tmp_path / "bad.jsonl", [row])
