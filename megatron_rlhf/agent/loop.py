@@ -85,6 +85,21 @@ class AgentParts:
             load_interactions(config.interaction_config_path) if config.interaction_config_path else {},
         )
 
+    def foreign_tools_warning(self, own_tools: Mapping[str, int]) -> str | None:
+        """Tools that prompts offer through their own tools column (``DataReport.own_tools``: name ->
+        prompts) and the agent does not run: the model is offered them, and each call of one is
+        answered as an unknown tool. (``data.tools_file`` unlike the agent's is refused up front:
+        ``MultiTurnConfig.offered_tools_errors``.)"""
+        foreign = {name: count for name, count in own_tools.items() if name not in self.tools}
+        if not foreign:
+            return None
+        offered = ", ".join(f"{name} ({count} prompts)" for name, count in sorted(foreign.items()))
+        return (
+            f"warning: prompts offer tools of their own (their tools column) that the agent does not run: {offered}; "
+            f"the agent runs {sorted(self.tools)} (rollout.multi_turn.tool_config_path). The model is offered "
+            "them, and each call of one is answered as an unknown tool (multi_turn/tool_errors/unknown_tool)"
+        )
+
     def unrendered_tools_warning(self, tokenizer: Tokenizer) -> str | None:
         """A warning where the chat template writes nothing of the tools into a prompt: only a model
         trained to call them without their schemas (as the built-in arithmetic tool task's is, by SFT)

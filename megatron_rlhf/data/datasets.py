@@ -345,6 +345,9 @@ class DataReport:
     """Rows whose prompt column held a conversation as JSON text, read as its messages."""
     chat_prompts: int = 0
     """Prompts given as messages (a list, or JSON text of one), rendered with the chat template."""
+    own_tools: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Tool name -> the prompts that offer it through their own tools column (``tools_key``), in
+    place of the loader's tools."""
     text_prompts: int = 0
     """Prompts of plain text, tokenized as written, where the tokenizer has a chat template that a
     list of messages would have been rendered with (an instruct model is then prompted unlike how
@@ -362,6 +365,8 @@ class DataReport:
         self.kept += other.kept
         self.json_conversations += other.json_conversations
         self.chat_prompts += other.chat_prompts
+        for name, n in other.own_tools.items():
+            self.own_tools[name] = self.own_tools.get(name, 0) + n
         self.text_prompts += other.text_prompts
         for reason, n in other.skipped.items():
             self.skipped[reason] = self.skipped.get(reason, 0) + n
@@ -682,13 +687,15 @@ def _prompt_ids(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> list[
     generation prompt (a list of messages, or JSON text of one, as a conversation written with
     json.dumps is), text, or ids."""
     value = rec.data.get(key)
-    if isinstance(value, list):
-        ld.report.chat_prompts += 1
-        return ld.with_bos(_message_ids(rec, key, ld.tokenizer, chat))
-    messages = _json_messages(value) if isinstance(value, str) else None
+    messages = value if isinstance(value, list) else _json_messages(value) if isinstance(value, str) else None
     if messages is not None:
-        ld.report.json_conversations += 1
+        if messages is not value:
+            ld.report.json_conversations += 1
         ld.report.chat_prompts += 1
+        if chat.tools_key and rec.data.get(chat.tools_key) is not None:
+            for tool in _row_tools(rec, chat) or []:
+                name = tool["function"]["name"]
+                ld.report.own_tools[name] = ld.report.own_tools.get(name, 0) + 1
         return ld.with_bos(_message_ids(rec, key, ld.tokenizer, chat, messages))
     if isinstance(value, str) and chat.apply and ld.tokenizer.chat_template is not None:
         ld.report.text_prompts += 1

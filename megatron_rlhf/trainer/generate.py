@@ -89,16 +89,21 @@ def generate_trajectories(
     multi_turn: MultiTurnConfig | None = None,
     on_finished: Callable[[int], None] | None = None,
     template_variables: Mapping[str, Any] | None = None,
+    own_tools: Mapping[str, int] | None = None,
 ) -> list[Completion]:
     """``generate_data_parallel`` of ``prompts``; with ``multi_turn`` enabled each completion is a
     trajectory with its tools (built here, their workers stopped on return), each prompt's
     ``tools_kwargs`` from its extras, the environment's turns rendered with the chat template's
-    ``template_variables`` (those the prompts were rendered with). Collective."""
+    ``template_variables`` (those the prompts were rendered with); ``own_tools``: the tools the prompts
+    offer through their own tools column (``DataReport.own_tools``), warned of where the agent does not
+    run them. Collective."""
     ids = [example.prompt_ids.tolist() for example in prompts]
     if multi_turn is None or not multi_turn.enable:
         return generate_data_parallel(engine, ids, params, on_finished)
     parts = AgentParts.load(multi_turn)
     if warning := parts.unrendered_tools_warning(tokenizer):
+        log(warning)
+    if own_tools is not None and (warning := parts.foreign_tools_warning(own_tools)):
         log(warning)
     extras = [example.extras for example in prompts]
     with ToolAgent(multi_turn, tokenizer, parts.tools, extras, template_variables, parts.interactions) as agent:
@@ -194,7 +199,9 @@ def run_generate(
     start = time.perf_counter()
     group_share = -(-len(dataset) // engine.role.groups.layout.dp) * params.n  # rank 0's data-parallel group
     progress = Progress("generate (data-parallel group 0)", group_share, "completions")
-    rows = generate_trajectories(engine, tokenizer, dataset, params, multi_turn, progress, data.chat_template_kwargs)
+    rows = generate_trajectories(
+        engine, tokenizer, dataset, params, multi_turn, progress, data.chat_template_kwargs, report.own_tools
+    )
     elapsed = time.perf_counter() - start
     if env.rank == 0:
         new_tokens = sum(len(c.token_ids) for c in rows)

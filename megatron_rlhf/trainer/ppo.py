@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ from megatron_rlhf.algorithms.kl import (
 )
 from megatron_rlhf.algorithms.utils import last_valid, masked_mean
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.data import PromptDataset, load_prompt_dataset
+from megatron_rlhf.data import DataReport, PromptDataset, load_prompt_dataset
 from megatron_rlhf.data.batch import flat_tensor, padded_ids
 from megatron_rlhf.data.builtin import resolve_data_paths
 from megatron_rlhf.data.tokenizer import Tokenizer, turn_end_warning
@@ -155,8 +156,10 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     archs, data, rollout = checked.archs, cfg.data, cfg.rollout
     tools_file = prompt_tools_file(data.tools_file, rollout.multi_turn)
 
+    reports: list[DataReport] = []  # the prompt files', for the warnings below
+
     def load_data(tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
-        def load(paths: list[str], what: str) -> tuple[PromptDataset, int]:
+        def load(paths: list[str], what: str) -> PromptDataset:
             dataset, report = load_prompt_dataset(
                 resolve_data_paths(paths),
                 tokenizer,
@@ -172,15 +175,10 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
                 require_reward_inputs=bool(cfg.scoring.custom_function.path),
             )
             log(f"{what}: {report.summary()}")
-            return dataset, report.chat_prompts
+            reports.append(report)
+            return dataset
 
-        train, rendered = load(data.train, "prompts")
-        validation, rendered_too = load(data.validation, "validation prompts") if data.validation else (None, 0)
-        stops = rollout.sampling.stop_set(rollout.engine.with_eos_of(tokenizer.stop_ids).eos_token_ids)
-        warning = turn_end_warning(tokenizer, stops, data.chat_template_kwargs, "rollout.sampling.stop_token_ids")
-        if warning and rendered + rendered_too:
-            log(warning)
-        return train, validation
+        return load(data.train, "prompts"), load(data.validation, "validation prompts") if data.validation else None
 
     start, (prompts, validation) = start_run(
         cfg,
@@ -194,13 +192,20 @@ def set_up_ppo(cfg: PPOConfig, env: DistEnv, checked: CheckedConfig | None = Non
     )
     tokenizer = start.tokenizer
     _check_validation_sources(cfg, validation)
+    stops = rollout.sampling.stop_set(rollout.engine.with_eos_of(tokenizer.stop_ids).eos_token_ids)
+    warning = turn_end_warning(tokenizer, stops, data.chat_template_kwargs, "rollout.sampling.stop_token_ids")
+    if warning and any(report.chat_prompts for report in reports):
+        log(warning)
     # A tokenizer without a chat template, a tool unlike its schema, or a prompt's tools_kwargs or
     # interaction_kwargs that the files do not match fails here, before any model is built.
     agent_parts = AgentParts.load(rollout.multi_turn) if rollout.multi_turn.enable else None
     with tool_agent(cfg, tokenizer, agent_parts, [*prompts.extras, *(validation.extras if validation else [])]):
         pass
-    if agent_parts is not None and (warning := agent_parts.unrendered_tools_warning(tokenizer)):
-        log(warning)
+    if agent_parts is not None:
+        own_tools = sum((Counter(report.own_tools) for report in reports), Counter[str]())
+        for warning in (agent_parts.unrendered_tools_warning(tokenizer), agent_parts.foreign_tools_warning(own_tools)):
+            if warning:
+                log(warning)
     actor = make_train_state(start.build("actor"), cfg.actor_optim)
     critic = make_train_state(start.build("critic"), cfg.critic_optim) if "critic" in archs else None
     reference = updater = None

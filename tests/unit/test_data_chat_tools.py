@@ -168,6 +168,25 @@ def test_custom_tools_column(model_dir, tmp_path) -> None:
     assert ids == reference_ids(model_dir, USER, ROW_TOOLS)
 
 
+def test_tools_a_row_offers_of_its_own_that_the_agent_does_not_run_are_warned_of(model_dir, tools_file, tmp_path):
+    """A row's own tools column replaces the tools file's for its prompt. Where it names a tool the
+    agent does not run, every call of it was answered as an unknown tool with no word at start-up
+    (the same mismatch through data.tools_file is refused up front)."""
+    from megatron_rlhf.agent.builtin_tools import Calculator
+    from megatron_rlhf.agent.loop import AgentParts
+
+    rows = [{"prompt": USER, "tools": ROW_TOOLS}, {"prompt": USER, "tools": json.dumps(ROW_TOOLS)}, {"prompt": USER}]
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    _, report = load_prompt_dataset(f, load_tokenizer(model_dir), max_length=4096, tools=load_tool_schemas(tools_file))
+    assert report.own_tools == {"get_weather": 2} and report.chat_prompts == 3
+    schema = load_tool_schemas(tools_file)[0]
+    parts = AgentParts({schema["function"]["name"]: Calculator({}, schema)}, {})
+    warning = parts.foreign_tools_warning(report.own_tools)
+    assert warning is not None and "that the agent does not run: get_weather (2 prompts)" in warning
+    assert parts.foreign_tools_warning({schema["function"]["name"]: 3}) is None
+
+
 @pytest.mark.parametrize(
     "value, detail",
     [
