@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.hf import save_hf_checkpoint, side_files_in
 from megatron_rlhf.checkpoint.peft_adapter import save_peft_adapter
-from megatron_rlhf.data.tokenizer import Tokenizer
+from megatron_rlhf.data.tokenizer import Tokenizer, template_turn_end
 from megatron_rlhf.metrics.log import log
 from megatron_rlhf.models.architecture import Architecture
 from megatron_rlhf.models.lora import adapted_weights
@@ -30,6 +31,24 @@ def with_token_ids(arch: Architecture, tokenizer: Tokenizer) -> tuple[Architectu
         ids["pad_token_id"] = tokenizer.pad_id
     added = {key: value for key, value in ids.items() if hf_config.get(key) is None and value is not None}
     return dataclasses.replace(arch, hf_config={**hf_config, **added}), added
+
+
+def stop_at_turn_end(hf_dir: Path, tokenizer: Tokenizer) -> int | None:
+    """Add the chat template's turn end (``template_turn_end``) to ``hf_dir``'s generation_config.json
+    eos_token_id where the tokenizer does not stop there (a base model's EOS beside ChatML's
+    <|im_end|>, Qwen2.5's base models), as such models' instruct releases do: transformers'
+    generate, vLLM and a later run of this stack then end a reply where the template ends a turn, not
+    past it. Returns the id added (None: nothing to add)."""
+    turn_end = template_turn_end(tokenizer)
+    if turn_end is None or turn_end in tokenizer.stop_ids:
+        return None
+    path = hf_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {"bos_token_id": tokenizer.bos_id}
+    eos = config.get("eos_token_id")
+    named = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    config["eos_token_id"] = [*dict.fromkeys([*named, *tokenizer.stop_ids]), turn_end]
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return turn_end
 
 
 def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, adapter_dir: Path | None = None) -> None:
@@ -55,6 +74,13 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, ada
         f"{merged}saved HF checkpoint ({arch.hf_class_name}) to {hf_dir} in {time.perf_counter() - start:.1f}s; "
         f"copied {', '.join(side_files_in(role.source))} from {role.source}"
     )
+    if tokenizer is not None and not arch.score_head and dist.get_rank() == 0:
+        turn_end = stop_at_turn_end(hf_dir, tokenizer)
+        if turn_end is not None:
+            log(
+                f"generation_config.json of {hf_dir}: eos_token_id now also names {tokenizer.decode([turn_end])!r} "
+                f"(id {turn_end}), where the chat template ends a turn: generate stops a reply there"
+            )
     if lora and adapter_dir is not None and not arch.score_head:
         base = role.hub_id or str(role.source)
         save_peft_adapter(role.model, role.groups, adapter_dir, base_model=base)

@@ -113,3 +113,20 @@ def test_a_base_models_eos_beside_the_templates_turn_end_is_warned_of_and_the_tu
         "generate", *common, f"output={tmp_path / 'b.jsonl'}", f"rollout.sampling.stop_token_ids=[{im_end}]"
     )
     assert "ends an assistant turn" not in fixed.stdout
+
+    # SFT on conversations teaches it to end turns with <|im_end|>: the export stops there, as
+    # Qwen's instruct releases do (generation_config.json's eos_token_id lists both), so the next
+    # stage's rollouts and transformers' generate end a reply where the turn ends.
+    from transformers import GenerationConfig
+
+    conversation = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Bonjour"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": conversation}) + "\n")
+    out = tmp_path / "sft"
+    trained = run_cli(
+        "sft", f"model.path={model}", f"data.train=[{tmp_path / 'chat.jsonl'}]", f"output_dir={out}",
+        "global_batch_size=1", "max_steps=1", "save_final=false",
+    )  # fmt: skip
+    assert f"eos_token_id now also names '<|im_end|>' (id {im_end})" in trained.stdout
+    assert set(GenerationConfig.from_pretrained(out / "hf").eos_token_id) == {tokenizer.eos_token_id, im_end}
+    after = run_cli("generate", f"model={out / 'hf'}", *common[1:], f"output={tmp_path / 'c.jsonl'}")
+    assert "ends an assistant turn" not in after.stdout
