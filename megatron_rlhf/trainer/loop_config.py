@@ -122,6 +122,10 @@ class LoopConfig(RunConfig):
             unread["num_epochs"] = f"max_steps={self.max_steps} sets the run's length"
             if self.save_every > self.max_steps:
                 unread["save_every"] = f"the run ends at max_steps={self.max_steps}, before the first save"
+        for name, optim in self.optimizers().items():
+            if optim.decay_style == "constant":
+                why = f"{name}.decay_style=constant: the learning rate stays at lr after the warm-up"
+                unread |= {f"{name}.min_lr": why, f"{name}.decay_steps": why}
         return unread
 
     def _rollback_errors(self) -> list[str]:

@@ -309,6 +309,7 @@ GIVEN_WITHOUT_EFFECT = {
     "scoring.overlong.penalty=0.5": "scoring.overlong.buffer=0 turns the over-long penalty off",
     "rollout.max_sample_batches=2": "rollout.filter_groups=false",
     "eval.n=4": "data.validation is empty: no evaluation",
+    "actor_optim.min_lr=1e-07": "actor_optim.decay_style=constant: the learning rate stays at lr after the warm-up",
 }
 
 
