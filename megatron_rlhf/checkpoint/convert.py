@@ -48,6 +48,8 @@ def convert(direction: str, source: str, output: str, *, tp: int, pp: int, devic
         raise ValueError(f"convert direction {direction!r} must be one of {list(DIRECTIONS)}")
     _check_output(Path(source), Path(output))
     trained = direction == "mcore-to-hf" and is_trained_model(source)
+    if trained:  # a LoRA model's adapters go beside it
+        _check_output(Path(source), Path(output).with_name(Path(output).name + "_adapter"))
     if direction == "hf-to-mcore":
         source = str(model_dir(source, setting="source"))  # a hub id: its snapshot in the local HF cache
         arch = load_architecture(source)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -67,7 +68,11 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, ada
     if added:
         log(f"config.json of {hf_dir} names the tokenizer's {added}, which {role.source}'s config left unset")
     start = time.perf_counter()
-    save_hf_checkpoint(role.model, arch, role.groups, hf_dir, side_files_from=role.source)
+    staging = _staging(hf_dir)
+    if dist.get_rank() == 0:  # what an export cut short left
+        for leftover in (staging, *([_staging(adapter_dir)] if adapter_dir is not None else [])):
+            shutil.rmtree(leftover, ignore_errors=True)
+    save_hf_checkpoint(role.model, arch, role.groups, staging, side_files_from=role.source)
     lora = any(True for _ in adapted_weights(role.model))
     merged = "merged LoRA adapters; " if lora else ""
     log(
@@ -75,13 +80,36 @@ def export_hf(role: RoleModel, tokenizer: Tokenizer | None, hf_dir: Path, *, ada
         f"copied {', '.join(side_files_in(role.source))} from {role.source}"
     )
     if tokenizer is not None and not arch.score_head and dist.get_rank() == 0:
-        turn_end = stop_at_turn_end(hf_dir, tokenizer)
+        turn_end = stop_at_turn_end(staging, tokenizer)
         if turn_end is not None:
             log(
                 f"generation_config.json of {hf_dir}: eos_token_id now also names {tokenizer.decode([turn_end])!r} "
                 f"(id {turn_end}), where the chat template ends a turn: generate stops a reply there"
             )
+    finished = [(staging, hf_dir)]
     if lora and adapter_dir is not None and not arch.score_head:
         base = role.hub_id or str(role.source)
-        save_peft_adapter(role.model, role.groups, adapter_dir, base_model=base)
+        save_peft_adapter(role.model, role.groups, _staging(adapter_dir), base_model=base)
+        finished.append((_staging(adapter_dir), adapter_dir))
         log(f"saved the LoRA adapters as a PEFT adapter of {base} to {adapter_dir}")
+    if dist.get_rank() == 0:
+        for written, final in finished:
+            _move_into_place(written, final)
+    dist.barrier()
+
+
+def _staging(final: Path) -> Path:
+    """Where an export into ``final`` is written before it takes ``final``'s place (``_move_into_place``)."""
+    return final.with_name(f".{final.name}.partial")
+
+
+def _move_into_place(written: Path, final: Path) -> None:
+    """``written`` becomes ``final``, whatever ``final`` held going whole: an earlier export's files
+    (another layout's shards, a side file this model lacks) never stay beside the new ones, and an
+    export cut short leaves the earlier one in place."""
+    old = final.with_name(f".{final.name}.replaced")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    written.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import gc
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -181,6 +182,9 @@ STEP_TIME = "timing_s/step"
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "result.json", "hf")
 """What a run leaves in its output_dir (besides checkpoints/)."""
+RUN_OUTPUTS = ("result.json", "hf", "hf_adapter", "samples.jsonl", "curves.png")
+"""What a run writes as it goes or at its end that a fresh run in the same output_dir may not write
+(no export, no adapters, no samples): removed when it starts, or it would pass for the new run's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -910,6 +914,11 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
         log("starting fresh" + (" (resume=never)" if cfg.resume == "never" else ""))
         why = "another run's (overwrite=true)" if cfg.overwrite else "an earlier attempt's, never completed"
         _remove_beyond(root, 0, why, mirror)
+        if is_rank0():
+            for name in RUN_OUTPUTS:
+                if (path := Path(cfg.output_dir) / name).exists():
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                    log(f"removed {path}: {why}")
         return None, None
     older = candidates[1:]
 

@@ -40,7 +40,7 @@ def main(session: WorkerSession) -> None:
     dist.barrier()
     arch = load_architecture(hf_dir)
     cfg = ModelConfig(path=str(hf_dir), lora=LoraConfig(rank=4, alpha=8.0))
-    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None)
+    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None, stop_ids=(), chat_template=None)
     for tp, pp in LAYOUTS:
         tag = f"tp{tp}pp{pp}"
         cfg.tp, cfg.pp = tp, pp

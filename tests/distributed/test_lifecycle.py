@@ -619,3 +619,26 @@ def test_sigint_saves_and_exits_130_and_a_signal_delivered_twice_stops_once(tmp_
     out, _ = twice.communicate(timeout=300)
     assert twice.returncode == 0 and "again: exiting now" not in out
     assert (tmp_path / "twice" / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.distributed
+def test_a_fresh_run_leaves_nothing_of_the_run_it_replaces_and_an_export_replaces_the_last_whole(
+    tmp_path: Path, sft_train: Path
+) -> None:
+    """overwrite=true over a LoRA run, without LoRA and without an export: the old hf/ and hf_adapter/
+    stayed, and passed for the new run's model. A re-export wrote into hf/ beside what it held."""
+    out = tmp_path / "run"
+    args = (*SFT, f"data.train=[{sft_train}]", f"output_dir={out}", "max_steps=1")
+    run_cli_here(*args, "model.lora.rank=4")
+    assert (out / "hf" / "config.json").is_file() and (out / "hf_adapter" / "adapter_config.json").is_file()
+    (out / "hf" / "model-stale.safetensors").write_bytes(b"")
+    run_cli_here(*args, "model.lora.rank=4", "max_steps=2")  # resumes step 1, exports again
+    assert not (out / "hf" / "model-stale.safetensors").exists() and (out / "hf_adapter").is_dir()
+    assert not list(tmp_path.glob("run/.*")), "no staging directory is left"
+    fresh = run_cli_here(*args, "overwrite=true", "resume=never", "save_hf=false")
+    for name in ("hf", "hf_adapter", "result.json"):
+        assert f"removed {out / name}: another run's (overwrite=true)" in fresh.stdout
+    assert not (out / "hf").exists() and not (out / "hf_adapter").exists()
+    assert json.loads((out / "result.json").read_text())["steps"] == 1 and "hf_dir" not in json.loads(
+        (out / "result.json").read_text()
+    )

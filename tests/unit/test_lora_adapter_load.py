@@ -84,7 +84,7 @@ def test_a_model_started_from_a_peft_adapter_gives_peft_logits_and_writes_it_bac
     assert (theirs - base_logits).abs().max() > 0.05  # the adapter matters
     assert (ours - theirs).abs().max() < TOLERANCE
 
-    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None)
+    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None, stop_ids=(), chat_template=None)
     export_hf(role, tokenizer, tmp_path / "hf", adapter_dir=tmp_path / "hf_adapter")
     written, read = _tensors(tmp_path / "hf_adapter" / ADAPTER_WEIGHTS), _tensors(adapter_dir / ADAPTER_WEIGHTS)
     assert written.keys() == read.keys()

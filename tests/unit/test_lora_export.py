@@ -64,7 +64,7 @@ def test_hf_is_merged_and_hf_adapter_loads_in_peft(world_of_one, tmp_path: Path,
         ours = role.model(input_ids, positions, None)[..., :VOCAB]
     before = {name: p.detach().clone() for name, p in role.model.named_parameters()}
 
-    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None)
+    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None, stop_ids=(), chat_template=None)
     export_hf(role, tokenizer, tmp_path / "hf", adapter_dir=tmp_path / "hf_adapter")
 
     for name, param in role.model.named_parameters():  # the model itself is untouched
@@ -120,7 +120,7 @@ def test_the_adapter_of_a_hub_model_names_its_hub_id(world_of_one, tmp_path: Pat
         device=torch.device("cpu"),
     )
     assert role.source == snapshot and role.hub_id == HUB_ID
-    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None)
+    tokenizer: Any = types.SimpleNamespace(pad_id=PAD_ID, bos_id=None, eos_id=None, stop_ids=(), chat_template=None)
     export_hf(role, tokenizer, tmp_path / "hf", adapter_dir=tmp_path / "hf_adapter")
     config = json.loads((tmp_path / "hf_adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == HUB_ID
