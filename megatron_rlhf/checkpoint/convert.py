@@ -29,7 +29,7 @@ from megatron_rlhf.checkpoint.mcore import (
 )
 from megatron_rlhf.checkpoint.mcore_meta import is_trained_model, read_architecture
 from megatron_rlhf.checkpoint.run_checkpoint import RUN_STATE_FILE
-from megatron_rlhf.checkpoint.sources import local_dir, model_dir
+from megatron_rlhf.checkpoint.sources import FOLLOW_ACTOR, local_dir, model_dir
 from megatron_rlhf.data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config, load_architecture
@@ -128,11 +128,16 @@ def _trained_lora(model_dir: Path) -> tuple[LoraConfig, str]:
         )
     run = yaml.safe_load(config_file.read_text())
     section = run.get(model_dir.name) if isinstance(run.get(model_dir.name), dict) else run.get("model")
-    if not (isinstance(section, dict) and section.get("path")):
+    if not isinstance(section, dict):
+        raise ValueError(f"{config_file}: neither a {model_dir.name} nor a model section (the model's settings)")
+    path = section.get("path")
+    if not path and model_dir.name in FOLLOW_ACTOR:  # an empty path started it from the actor's model
+        path = (run.get("actor") or {}).get("path")
+    if not path:
         raise ValueError(f"{config_file}: neither {model_dir.name}.path nor model.path is set (the model's section)")
     lora = section.get("lora") or {}  # none: a run from before LoRA, without adapters
     settings = {key: lora[key] for key in ("rank", "alpha", "dropout", "target_modules") if key in lora}
-    return LoraConfig(**settings), str(section["path"])
+    return LoraConfig(**settings), str(path)
 
 
 def _base_dir(path: str) -> Path:

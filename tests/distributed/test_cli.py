@@ -438,6 +438,27 @@ def test_smoke_run_per_model_layouts_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+def test_a_critic_started_from_the_actor_converts_to_hf(tmp_path: Path) -> None:
+    """critic.path empty starts the critic from the actor's model, and config.yaml keeps it empty:
+    converting its checkpoint failed ("neither critic.path nor model.path is set"), so a trained
+    critic could not be exported at all. The actor's path is its base now."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "run"
+    run_cli(
+        "ppo", "--config", "ppo-tiny", "algorithm.advantage_estimator=gae", "critic.path=''",
+        f"output_dir={out}", "max_steps=1", "save_hf=false",
+    )  # fmt: skip
+    critic = out / "checkpoints" / "step_1" / "models" / "critic"
+    run_cli("convert", "mcore-to-hf", str(critic), str(tmp_path / "critic_hf"))
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic_hf")
+    assert model.config.num_labels == 1 and (tmp_path / "critic_hf" / "tokenizer_config.json").is_file()
+    weights = {k: v for f in (tmp_path / "critic_hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(model.score.weight.detach(), weights["score.weight"])
+
+
+@pytest.mark.distributed
 def test_convert_round_trip_loads_in_transformers(tmp_path: Path) -> None:
     original = make_tiny_hf_model("qwen3", False, tmp_path / "hf")
     run_cli("convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "tp=2", "pp=2", nproc=4)
