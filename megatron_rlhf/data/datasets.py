@@ -64,6 +64,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import hashlib
 import json
 import multiprocessing
 import pickle
@@ -72,7 +73,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, get_args, overload
+from typing import Any, Literal, NamedTuple, Protocol, get_args, overload
 
 import numpy as np
 import torch
@@ -93,6 +94,7 @@ __all__ = [
     "SFTDataset",
     "SFTExample",
     "SkippedRow",
+    "content_digest",
     "load_preference_dataset",
     "load_prompt_dataset",
     "load_sft_dataset",
@@ -222,6 +224,32 @@ class _Sequences:
     def lengths(self) -> Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
+    def digest(self, into: Any) -> None:
+        """Feed the sequences' ids, boundaries and masks to the hash ``into``."""
+        for part in (self.ids, self.offsets, self.mask):
+            if part is not None:
+                into.update(part.numpy().tobytes())
+
+
+class Digestible(Protocol):
+    """A dataset whose content ``content_digest`` fingerprints."""
+
+    def __len__(self) -> int: ...
+
+    def digest(self, into: Any) -> None:
+        """Feed what the examples hold to the hash ``into``."""
+        ...
+
+
+def content_digest(dataset: Digestible) -> str:
+    """A fingerprint of the examples a step's data position selects (their token ids and loss masks),
+    not of the files they were read from: a resume compares it, so that data changed under the same
+    file name is found, and the same data under another name (a copy on a node's own disk) continues.
+    A prompt's reward inputs are not in it (``extra_keys`` may change on resume)."""
+    digest = hashlib.blake2b(digest_size=16)
+    dataset.digest(digest)
+    return digest.hexdigest()
+
 
 def _index(i: int, n: int) -> int:
     if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
@@ -268,6 +296,9 @@ class SFTDataset(_Examples[SFTExample]):
     def lengths(self) -> Tensor:
         return self._seq.lengths()
 
+    def digest(self, into: Any) -> None:
+        self._seq.digest(into)
+
 
 class PreferenceDataset(_Examples[PreferenceExample]):
     """Read-only preference pairs; ``lengths`` (N, 2) gives (chosen L, rejected L)."""
@@ -284,6 +315,10 @@ class PreferenceDataset(_Examples[PreferenceExample]):
     @property
     def lengths(self) -> Tensor:
         return torch.stack([self._chosen.lengths(), self._rejected.lengths()], dim=1)
+
+    def digest(self, into: Any) -> None:
+        self._chosen.digest(into)
+        self._rejected.digest(into)
 
 
 class PromptDataset(_Examples[PromptExample]):
@@ -312,6 +347,9 @@ class PromptDataset(_Examples[PromptExample]):
     @property
     def lengths(self) -> Tensor:
         return self._seq.lengths()
+
+    def digest(self, into: Any) -> None:
+        self._seq.digest(into)
 
 
 # --------------------------------------------------------------------------- report

@@ -205,6 +205,7 @@ class RunClaim:
             "models": {role: arch.hf_config for role, arch in self.facts.models.items()},
             "tokenizer": self.tokenizer,
             "dtype": self.facts.dtype,
+            "data": self.facts.data,
         }
 
 

@@ -5,8 +5,11 @@ declares it (so ``actor_optim.lr``, ``critic_optim.lr`` and ``optim.lr`` share `
 
 * ``MAY_CHANGE``: the new value applies from the first resumed step (learning rates and schedules,
   clipping, KL and loss coefficients, sampling, the run's length, evaluation, saving, loggers).
-* ``FIXED``: what the checkpoint's state means depends on it: the dtype, the seed and the data that
-  make the step the data position (files, columns, lengths, batch size), the optimizer's kind.
+* ``FIXED``: what the checkpoint's state means depends on it: the dtype, the seed and how the data
+  is read that make the step the data position (columns, lengths, batch size), the optimizer's kind.
+* ``DATA``: the training files may change name (a copy on a node's own disk): what may not is the
+  examples' content (``content_digest``, which each checkpoint records; an older checkpoint's
+  files may not change).
 * ``LAYOUT``: where things run (TP/PP, device): checkpoints reshard on load, so it may change.
 * ``MODEL``: a model's ``path`` may change (a moved directory); what may not is the architecture
   and tokenizer behind it, compared with the ones the checkpoint records, nor which models the run
@@ -34,7 +37,7 @@ from megatron_rlhf.data import Tokenizer
 from megatron_rlhf.data.tokenizer import PROBE_TEXT
 from megatron_rlhf.models.architecture import Architecture, architecture_from_hf_config
 
-MAY_CHANGE, FIXED, LAYOUT, MODEL = "may change", "may not change", "layout", "model"
+MAY_CHANGE, FIXED, LAYOUT, MODEL, DATA = "may change", "may not change", "layout", "model", "data"
 
 RULES: dict[str, dict[str, str]] = {
     "DeviceConfig": {"device": LAYOUT, "dtype": FIXED},
@@ -100,7 +103,7 @@ RULES: dict[str, dict[str, str]] = {
     },
     "WandbConfig": {"project": MAY_CHANGE, "name": MAY_CHANGE, "mode": MAY_CHANGE},
     # What the examples are and how many: the step is the data position.
-    "TrainFilesConfig": {"train": FIXED},
+    "TrainFilesConfig": {"train": DATA},
     "RowsConfig": {"prompt_key": FIXED, "on_invalid": FIXED, "add_bos": FIXED, "num_workers": MAY_CHANGE},
     "DataFilesConfig": {"on_overlong": FIXED},
     "PromptDataConfig": {
@@ -226,6 +229,7 @@ NOTES = {
     "KLControllerConfig.coef": "with type=adaptive this is only the starting value: the checkpoint's current "
     "coefficient continues (one a fixed controller saved does not); with type=fixed the new value applies",
     "ModelConfig.path": "compared by architecture and tokenizer, not by path",
+    "TrainFilesConfig.train": "compared by the examples' content, not by file name",
     **dict.fromkeys(
         ("PPOConfig.ppo_epochs", "PPOConfig.mini_batch_size"),
         "the learning-rate schedules count optimizer steps, and this changes how many a step makes: a decay "
@@ -292,6 +296,8 @@ class RunFacts:
     """Role -> architecture of every model the run uses."""
     dtype: str
     """The parameters' dtype as resolved (``dtype=auto`` is bf16 on a GPU, fp32 on CPU): fp32, bf16, fp16."""
+    data: str
+    """The training examples' ``content_digest``: the data itself, wherever its files are."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,7 +354,7 @@ def review_resume(
         rule, owner = rules.get(key, (MAY_CHANGE, ""))
         note = NOTES.get(owner, "" if rule == MAY_CHANGE else rule)
         changed.append(f"{key}: {before!r} -> {after!r}" + (f" ({note})" if note else ""))
-        if rule == FIXED and key in old and key in new:
+        if (rule == FIXED or (rule == DATA and "data" not in run_state)) and key in old and key in new:
             refused.append(f"{key}: {before!r} -> {after!r}")
         if rule == MODEL and "models" not in run_state:  # a checkpoint that records no architectures
             refused.append(f"{key}: {before!r} -> {after!r} (the checkpoint records no architectures to compare)")
@@ -356,6 +362,11 @@ def review_resume(
         refused.append(
             f"the training data now has {facts.examples} examples, the checkpoint's run had "
             f"{run_state['examples']} (same files, changed content?): a step is no longer the same data position"
+        )
+    elif run_state.get("data") not in (None, facts.data):
+        refused.append(
+            "the training examples' content differs from the checkpoint's run's (as many examples, other token "
+            "ids: files rewritten under the same names?): a step is no longer the same data position"
         )
     saved = run_state.get("models")
     if saved is not None:

@@ -7,7 +7,7 @@ data: a run that fails on its data leaves none behind); then it builds its model
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sized
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from megatron_rlhf.checkpoint.sources import ModelConfig, build_role, local_dir,
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.run import dtype_name, resolve_dtype
 from megatron_rlhf.data.builtin import data_overlap_warnings
+from megatron_rlhf.data.datasets import Digestible, content_digest
 from megatron_rlhf.data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer, resolve_tokenizer, same_encoding
 from megatron_rlhf.metrics.log import log, timed
 from megatron_rlhf.models.architecture import Architecture
@@ -63,7 +64,7 @@ class RunStart:
             )
 
 
-def start_run[Train: Sized, Validation](
+def start_run[Train: Digestible, Validation](
     cfg: LoopConfig,
     env: DistEnv,
     *,
@@ -103,7 +104,8 @@ def start_run[Train: Sized, Validation](
         for line in optim.resolve_length(setting, run_steps, cfg.optimizer_steps_per_step()):
             log(line)
     archs = {role: model.arch for role, model in models.items()}
-    claim = write_run_files(cfg, Path(cfg.output_dir), RunFacts(name, len(train), archs, dtype_name(dtype)), tokenizer)
+    facts = RunFacts(name, len(train), archs, dtype_name(dtype), content_digest(train))
+    claim = write_run_files(cfg, Path(cfg.output_dir), facts, tokenizer)
     return RunStart(env, dtype, tokenizer, claim, models, cfg.seed), (train, validation)
 
 

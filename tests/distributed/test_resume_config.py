@@ -215,13 +215,13 @@ def test_a_run_that_failed_at_step_1_is_corrected_in_the_same_output_dir(tmp_pat
 def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes_it(
     tmp_path: Path, sft_train: Path
 ) -> None:
-    """output_dir/hf is a file: the export fails after the final checkpoint (before: the export
-    came first and its failure lost the steps since the last save); the command it names writes an
-    HF directory that transformers loads."""
+    """The export cannot write (where it stages hf/ is a file): it fails after the final checkpoint
+    (before: the export came first and its failure lost the steps since the last save); the command
+    it names writes an HF directory that transformers loads."""
     out = tmp_path / "run"
     out.mkdir()
-    (out / "hf").write_text("not a directory\n")
-    proc = run_cli(*SFT, f"data.train=[{sft_train}]", "max_steps=2", "overwrite=true", f"output_dir={out}", exit_code=2)
+    (out / ".hf.partial").write_text("not a directory\n")
+    proc = run_cli(*SFT, f"data.train=[{sft_train}]", "max_steps=2", f"output_dir={out}", exit_code=2)
     ckpt = out / "checkpoints" / "step_2"
     assert is_complete(ckpt) and f"the checkpoint {ckpt} holds every step" in proc.stderr
     command = proc.stderr.split("redo the export with: megatron-rlhf ")[1].split(" (it writes")[0].split()
@@ -233,3 +233,20 @@ def test_a_failed_export_leaves_the_final_checkpoint_and_the_command_that_redoes
     assert (
         model.config.num_hidden_layers == json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"]
     )
+
+
+@pytest.mark.distributed
+def test_a_resume_follows_the_datas_content_not_its_file_name(tmp_path: Path) -> None:
+    """Before: a file rewritten in place with as many rows resumed at another data position without a
+    word, and the same data copied under another name (a node's own disk) was refused."""
+    data = _write_jsonl(tmp_path / "train.jsonl", _sft_rows(64, 0))
+    out = tmp_path / "run"
+    run_cli_here(*SFT, f"data.train=[{data}]", "max_steps=1", f"output_dir={out}")
+    copy = tmp_path / "local" / "train.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(data, copy)
+    moved = run_cli_here(*SFT, f"data.train=[{copy}]", "max_steps=2", f"output_dir={out}")
+    assert "compared by the examples' content, not by file name" in moved.stdout
+    _write_jsonl(data, _sft_rows(64, 1))
+    refused = run_cli_here(*SFT, f"data.train=[{data}]", "max_steps=3", f"output_dir={out}", exit_code=2)
+    assert "the training examples' content differs from the checkpoint's run's" in refused.stderr

@@ -43,7 +43,7 @@ def test_a_critic_and_reference_left_to_the_actor_compare_as_the_actors_path() -
     cfg = PPOConfig()
     models = "actor: {path: /m/a}\ncritic: {path: %s}\nreference: {path: %s}\n"
     written, left = models % ("/m/a", "/m/a"), models % ("''", "''")
-    facts = RunFacts("ppo", 40, {}, "fp32")
+    facts = RunFacts("ppo", 40, {}, "fp32", "data")
     assert review_resume(cfg, left, written, {}, facts, "").changed == []
     moved = review_resume(cfg, left.replace("/m/a", "/m/b"), written, {}, facts, "").changed
     assert [line.split(" (")[0] for line in moved] == [
@@ -57,7 +57,7 @@ def test_the_dtype_is_compared_as_resolved() -> None:
     """Before: dtype=auto against a checkpoint's dtype=fp32, both fp32 in CPU mode, was refused."""
     cfg = PPOConfig()
     auto, fp32, bf16 = "dtype: auto\n", "dtype: fp32\n", "dtype: bf16\n"
-    on_cpu, on_gpu = RunFacts("ppo", 40, {}, "fp32"), RunFacts("ppo", 40, {}, "bf16")
+    on_cpu, on_gpu = RunFacts("ppo", 40, {}, "fp32", "data"), RunFacts("ppo", 40, {}, "bf16", "data")
     for recorded in ({"dtype": "fp32"}, {}):  # recorded by the checkpoint, or (older ones) its setting
         review = review_resume(cfg, auto, fp32, recorded, on_cpu, "")
         assert (review.changed, review.refused) == ([], []), recorded
@@ -83,14 +83,16 @@ def test_a_reward_model_may_appear_go_or_change_on_resume_and_a_critic_may_not()
     actor = architecture_from_hf_config(policy)
     cfg, same = PPOConfig(), "seed: 1\n"
     saved = {"trainer": "ppo", "models": {"actor": policy}}
-    with_reward = RunFacts("ppo", 40, {"actor": actor, "reward": scorer}, "fp32")
+    with_reward = RunFacts("ppo", 40, {"actor": actor, "reward": scorer}, "fp32", "data")
     assert review_resume(cfg, same, same, saved, with_reward, "").refused == []
     saved_with_reward = {"trainer": "ppo", "models": {"actor": policy, "reward": policy}}
     assert (
-        review_resume(cfg, same, same, saved_with_reward, RunFacts("ppo", 40, {"actor": actor}, "fp32"), "").refused
+        review_resume(
+            cfg, same, same, saved_with_reward, RunFacts("ppo", 40, {"actor": actor}, "fp32", "data"), ""
+        ).refused
         == []
     )
-    with_critic = RunFacts("ppo", 40, {"actor": actor, "critic": scorer}, "fp32")
+    with_critic = RunFacts("ppo", 40, {"actor": actor, "critic": scorer}, "fp32", "data")
     assert review_resume(cfg, same, same, saved, with_critic, "").refused == [
         "the run uses a critic that the checkpoint's run did not"
     ]
@@ -101,14 +103,40 @@ def test_a_checkpoint_of_another_trainer_or_of_resized_data_is_refused() -> None
     was compared), and a training file cut from 40 to 20 rows changed the data order unseen."""
     cfg, same = PPOConfig(), "seed: 1\n"
     sft_state = {"trainer": "sft", "examples": 40}
-    (refusal,) = review_resume(cfg, same, same, sft_state, RunFacts("ppo", 40, {}, "fp32"), "").refused
+    (refusal,) = review_resume(cfg, same, same, sft_state, RunFacts("ppo", 40, {}, "fp32", "data"), "").refused
     assert refusal.startswith("the checkpoint was written by 'sft', this run is 'ppo'")
     (refusal,) = review_resume(
-        cfg, same, same, {"trainer": "ppo", "examples": 40}, RunFacts("ppo", 20, {}, "fp32"), ""
+        cfg, same, same, {"trainer": "ppo", "examples": 40}, RunFacts("ppo", 20, {}, "fp32", "data"), ""
     ).refused
     assert "the training data now has 20 examples, the checkpoint's run had 40" in refusal
     # A checkpoint from before these were recorded is not compared on them.
-    assert review_resume(cfg, same, same, {}, RunFacts("ppo", 20, {}, "fp32"), "").refused == []
+    assert review_resume(cfg, same, same, {}, RunFacts("ppo", 20, {}, "fp32", "data"), "").refused == []
+
+
+def test_the_training_data_is_compared_by_content_not_by_file_name(tmp_path: Path) -> None:
+    """Before: data.train was compared by name. A file rewritten in place with as many rows resumed
+    silently at another data position; the same data copied to a node's own disk was refused."""
+    from megatron_rlhf.data import load_sft_dataset
+    from megatron_rlhf.data.datasets import content_digest
+    from megatron_rlhf.data.tokenizer import ByteTokenizer
+
+    def digest(name: str, responses: tuple[str, ...]) -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"prompt": "p", "response": r}) + "\n" for r in responses))
+        return content_digest(load_sft_dataset(path, ByteTokenizer(300), max_length=32)[0])
+
+    original = digest("a.jsonl", ("x", "y"))
+    assert digest("copy.jsonl", ("x", "y")) == original and digest("a.jsonl", ("x", "z")) != original
+    cfg = PPOConfig()
+    old, moved = "data:\n  train: [a.jsonl]\n", "data:\n  train: [/local/copy.jsonl]\n"
+    saved = {"trainer": "ppo", "examples": 2, "data": original}
+    review = review_resume(cfg, moved, old, saved, RunFacts("ppo", 2, {}, "fp32", original), "")
+    assert review.refused == [] and any("compared by the examples' content" in line for line in review.changed)
+    (refusal,) = review_resume(cfg, old, old, saved, RunFacts("ppo", 2, {}, "fp32", "other"), "").refused
+    assert refusal.startswith("the training examples' content differs from the checkpoint's run's")
+    # A checkpoint that records no digest: the files' names are compared, as before.
+    (refusal,) = review_resume(cfg, moved, old, {"examples": 2}, RunFacts("ppo", 2, {}, "fp32", original), "").refused
+    assert refusal == "data.train: ['a.jsonl'] -> ['/local/copy.jsonl']"
 
 
 def test_a_lock_of_a_live_process_is_refused_and_a_dead_ones_taken_over(tmp_path: Path) -> None:
@@ -235,7 +263,7 @@ def test_resume_never_refuses_complete_checkpoints_whatever_else_the_output_dir_
 def test_add_bos_is_compared_as_resolved_and_an_older_checkpoints_false_is_explained() -> None:
     """data.add_bos=null is recorded as what the tokenizer made of it; a checkpoint written when false
     was the default resumes where the tokenizer adds no BOS, and is refused, with the fix, where it does."""
-    cfg, facts = PPOConfig(), RunFacts("ppo", 40, {}, "fp32")
+    cfg, facts = PPOConfig(), RunFacts("ppo", 40, {}, "fp32", "data")
     older = "data:\n  add_bos: false\n"
     assert review_resume(cfg, older, older, {}, facts, "") == ResumeReview([], [])
     review = review_resume(cfg, "data:\n  add_bos: true\n", older, {}, facts, "")
