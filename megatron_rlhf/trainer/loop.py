@@ -922,6 +922,7 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
                     log(f"removed {path}: {why}")
         return None, None
     older = candidates[1:]
+    unusable: list[Path] = []  # this output_dir's checkpoints found unusable, newest first
 
     def load(ckpt: Path) -> dict[str, Any]:
         return load_run_checkpoint(
@@ -951,9 +952,17 @@ def _resume(cfg: LoopConfig, task: Task, state: LoopState, mirror: RemoteMirror)
                     f"resume={cfg.resume!r}: {err}" + ("; no older one is usable" if older else "")
                 ) from err
             log(f"{err}; trying the previous checkpoint")
+            if ckpt.parent == root:
+                unusable.append(ckpt)
     task.load_state_dict(run_state["task"])
     state.restore(run_state)
     log(f"resumed from {ckpt} at step {run_state['step']}")
+    if is_rank0():  # kept for a look, not deleted: the damage may pass (a file system still syncing)
+        for damaged in unusable:
+            aside = damaged.with_name(f"{damaged.name}.unusable")
+            shutil.rmtree(aside, ignore_errors=True)
+            damaged.rename(aside)
+            log(f"moved {damaged} aside to {aside}: not resumed, nor pruned; delete it once looked at")
     _remove_beyond(root, int(run_state["step"]), "beyond the step this run continues from", mirror)
     history = ckpt / METRICS_FILE
     return int(run_state["step"]), history.read_text(encoding="utf-8") if history.is_file() else None

@@ -426,7 +426,8 @@ def damaged_resume(tmp_path_factory: pytest.TempPathFactory) -> DamagedResume:
 @pytest.mark.distributed
 def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint(damaged_resume: DamagedResume) -> None:
     """The run names the changed files, resumes from the newest good checkpoint (comparing the config
-    with that one's), deletes the leftovers, and redoes the steps with the same losses."""
+    with that one's), deletes the leftovers of interrupted saves, moves the unusable ones aside, and
+    redoes the steps with the same losses."""
     out, again, losses = damaged_resume.out, damaged_resume.resumed, damaged_resume.fresh_losses
     config = out / "checkpoints" / "step_6" / "config.yaml"
     assert f"step_6 is unusable: {config}: changed since the save" in again.stdout
@@ -435,11 +436,17 @@ def test_interrupted_save_and_changed_bytes_fall_back_to_the_previous_checkpoint
     assert f"removed {out / 'checkpoints' / 'step_8.tmp'}: an interrupted save" in again.stdout
     # Before: passed over without a word. It stays (it is not this run's to delete), named.
     assert f"{out / 'checkpoints' / 'step_5'} has no run_state.json: incomplete, so not resumed" in again.stdout
+    # The unusable ones are moved aside, not deleted (before: deleted; the damage may pass, a file
+    # system still syncing): kept for a look, neither resumed nor pruned.
+    aside = out / "checkpoints" / "step_6.unusable"
+    assert f"moved {out / 'checkpoints' / 'step_6'} aside to {aside}: not resumed, nor pruned" in again.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest",
         "step_4",
+        "step_4.unusable",
         "step_5",
         "step_6",
+        "step_6.unusable",
         "step_8",
     ]
     redone = {r["step"]: r["loss"] for r in _records(out)}
