@@ -206,6 +206,8 @@ def _merge(base: Any, update: Any, origin: str, schema: type, override: str | No
         if err.full_key and _is_list_field(err.full_key, schema) and not isinstance(err.value, (list, tuple)):
             raise _not_a_list_error(err.full_key, err.value, origin, override) from None
         reason = (err.msg or str(err)).splitlines()[0]
+        if err.value is None and override is not None and override.endswith("="):  # the shell ate the quotes
+            reason += f"; an empty value reads as null: for the empty string write {override}\"''\""
         raise ConfigError(f"{origin}: {err.full_key}={err.value!r} is not valid: {reason}") from None
     except (OmegaConfBaseException, TypeError) as err:  # TypeError: e.g. a YAML list at the top level
         raise ConfigError(f"{origin}: {str(err).splitlines()[0]}") from None

@@ -117,6 +117,17 @@ def test_wrong_type_names_key_and_value(override, key, value):
     assert key in msg and value in msg
 
 
+def test_an_empty_value_for_a_text_key_says_how_to_write_the_empty_string():
+    """critic.path="" in a shell arrives as critic.path=, which reads as null: the error named only
+    the null, not how to give the empty string the docs describe."""
+    from megatron_rlhf.trainer.ppo_config import PPOConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_any_config("ppo-tiny", ["critic.path="], schema=PPOConfig)
+    assert str(info.value).endswith("an empty value reads as null: for the empty string write critic.path=\"''\"")
+    assert load_any_config("ppo-tiny", ["critic.path=''"], schema=PPOConfig).critic.path == ""
+
+
 def test_scalar_for_a_section_is_a_config_error():
     with pytest.raises(ConfigError, match="actor"):
         load_config("smoke", ["actor=5"])
