@@ -133,8 +133,9 @@ def test_scalar_for_a_section_is_a_config_error():
         load_config("smoke", ["actor=5"])
 
 
-@pytest.mark.parametrize("text, origin", [("rollout=5", "override 'rollout=5'"), ("rollout: 5\n", "run.yaml")])
-def test_a_value_where_a_section_belongs_names_the_section(tmp_path, text, origin):
+def _refusal(tmp_path, text: str) -> str:
+    """The ConfigError of ppo-tiny with ``text``: a run.yaml's text where it ends with a newline,
+    else a command-line override."""
     from megatron_rlhf.trainer.ppo_config import PPOConfig
 
     if text.endswith("\n"):
@@ -144,7 +145,12 @@ def test_a_value_where_a_section_belongs_names_the_section(tmp_path, text, origi
         preset, overrides = "ppo-tiny", [text]
     with pytest.raises(ConfigError) as info:
         load_any_config(preset, overrides, schema=PPOConfig)
-    assert str(info.value).endswith(
+    return str(info.value)
+
+
+@pytest.mark.parametrize("text, origin", [("rollout=5", "override 'rollout=5'"), ("rollout: 5\n", "run.yaml")])
+def test_a_value_where_a_section_belongs_names_the_section(tmp_path, text, origin):
+    assert _refusal(tmp_path, text).endswith(
         f"{origin}: rollout=5 is not valid: rollout is a section (keys ['tp', 'sampling', "
         "'engine', 'filter_groups', 'max_sample_batches', 'multi_turn']), not a single value; set its keys, "
         "e.g. rollout.tp=..."
@@ -172,15 +178,8 @@ def test_a_number_other_than_0_or_1_for_a_true_or_false_key_is_refused(tmp_path,
     silent true."""
     from megatron_rlhf.trainer.ppo_config import PPOConfig
 
-    if text.endswith("\n"):
-        (tmp_path / "run.yaml").write_text(text)
-        preset, overrides = str(tmp_path / "run.yaml"), []
-    else:
-        preset, overrides = "ppo-tiny", [text]
-    with pytest.raises(ConfigError) as info:
-        load_any_config(preset, overrides, schema=PPOConfig)
     value = text.partition("=")[2] or "2"
-    assert str(info.value).endswith(f"{origin}: {key}={value} is not valid: {key} is true or false")
+    assert _refusal(tmp_path, text).endswith(f"{origin}: {key}={value} is not valid: {key} is true or false")
     config = load_any_config("ppo-tiny", ["save_hf=0", "rollout.sampling.ignore_eos=1"], schema=PPOConfig)
     assert config.save_hf is False and config.rollout.sampling.ignore_eos is True
 
