@@ -677,6 +677,9 @@ def _conversation_sequence(
         raise _RowProblem(
             WRONG_TYPE, key, "opens with an assistant message: an answer needs a system or user message before it"
         )
+    blank = next((i for i in turns if _blank_answer(conversation.messages[i])), None)
+    if blank is not None:  # it would teach the model to answer nothing
+        raise _RowProblem(EMPTY, key, f"message {blank} is an assistant message with no content and no tool call")
     # A base model's EOS need not be the template's turn end (Qwen2.5: <|endoftext|>, <|im_end|>).
     turn_end = ld.turn_end(chat.variables)
     stops = set(ld.tokenizer.stop_ids) | ({turn_end} if turn_end is not None else set())
@@ -718,6 +721,12 @@ def _conversation_sequence(
     sequence = ld.with_bos(ids)
     ld.check_length(len(sequence), key, f"a conversation of {len(conversation.messages)} messages")
     return sequence, [0] * (len(sequence) - len(ids)) + mask
+
+
+def _blank_answer(message: Mapping[str, Any]) -> bool:
+    """An assistant message that says nothing: no text (or only whitespace) and no tool call."""
+    content = message.get("content")
+    return not message.get("tool_calls") and (content is None or (isinstance(content, str) and not content.strip()))
 
 
 def _prompt_ids(ld: _Loader, rec: Record, key: str, chat: _ChatOptions) -> list[int]:

@@ -233,6 +233,11 @@ BAD_ROWS = [
     ({"messages": [{"content": "x"}]}, "wrong_type", "message 0 must be an object with a string 'role'"),
     ({"messages": [USER]}, "empty", "has no assistant message: nothing to train on"),
     ({"messages": None}, "empty", "is null"),
+    (  # before: trained, teaching an empty answer
+        {"messages": [USER, {"role": "assistant", "content": "  \n"}]},
+        "empty",
+        "message 1 is an assistant message with no content and no tool call",
+    ),
     (
         {"messages": [{"role": "assistant", "content": "Hello!"}, USER, {"role": "assistant", "content": "7"}]},
         "wrong_type",
