@@ -47,6 +47,15 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+def with_template(model_dir: Path, out: Path, template: str) -> Path:
+    """A copy of ``model_dir``'s tokenizer in ``out`` with the chat template ``template``."""
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((model_dir / name).read_bytes())
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return out
+
+
 def load(path: Path, model_dir: Path, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
     dataset, report = load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096, **kwargs)
     assert report.kept == len(dataset)
@@ -118,14 +127,11 @@ def test_the_tool_tasks_teacher_is_trained_on_its_own_turns_only(tmp_path) -> No
 
 
 def test_a_template_without_a_stop_token_ends_the_last_message_with_eos(model_dir, tmp_path) -> None:
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (plain / name).write_bytes((model_dir / name).read_bytes())
-    (plain / "chat_template.jinja").write_text(
+    plain = with_template(
+        model_dir,
+        tmp_path / "plain",
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}",
-        encoding="utf-8",
     )
     tokenizer = load_tokenizer(plain)
     messages = [
@@ -186,11 +192,9 @@ def test_a_base_models_eos_beside_the_templates_turn_end_trains_what_transformer
 def test_sharegpt_roles_under_a_template_that_writes_any_role_are_named(model_dir, tmp_path) -> None:
     """A template that writes every role by its name took ShareGPT's human and gpt messages and
     reported only that there was no assistant message."""
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (plain / name).write_bytes((model_dir / name).read_bytes())
-    (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    plain = with_template(
+        model_dir, tmp_path / "plain", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
     row = {"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}
     with pytest.raises(DataError) as err:
         load_sft_dataset(write_jsonl(tmp_path / "s.jsonl", [row]), load_tokenizer(plain), max_length=64)
@@ -264,11 +268,7 @@ def test_bad_settings_and_templates_are_named(model_dir, tmp_path) -> None:
         load_sft_dataset(path, load_tokenizer(model_dir), max_length=4096, apply_chat_template=False)
     with pytest.raises(DataError, match=r"gives \d+ tokens \(a conversation of 4 messages\) > data\.max_length=8"):
         load_sft_dataset(path, load_tokenizer(model_dir), max_length=8)
-    rewriter = tmp_path / "rewriter"
-    rewriter.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (rewriter / name).write_bytes((model_dir / name).read_bytes())
-    (rewriter / "chat_template.jinja").write_text(HISTORY_REWRITER, encoding="utf-8")
+    rewriter = with_template(model_dir, tmp_path / "rewriter", HISTORY_REWRITER)
     with pytest.raises(
         DataError, match=r"writes the conversation before message 3 \(an assistant message\) differently"
     ):
